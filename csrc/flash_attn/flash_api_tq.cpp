@@ -1,0 +1,208 @@
+// Torch bindings of flash_attn_tq's CUDA kernels, registered as torch.library ops under
+// flash_attn_tq:: (so they trace under torch.compile and can be captured in CUDA graphs).
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
+#include <torch/extension.h>
+#include <torch/library.h>
+
+#include <cmath>
+
+#include "src/tq_api.h"
+
+namespace flash_tq {
+namespace {
+
+#define TQ_CHECK(cond, ...) TORCH_CHECK(cond, "flash_attn_tq: ", __VA_ARGS__)
+
+void check_cuda(const at::Tensor &t, const char *name) {
+    TQ_CHECK(t.is_cuda(), name, " must be a CUDA tensor");
+}
+
+// Pick num_splits so the grid fills the GPU about twice, keeping >= 128 tokens (4 warp tiles) a split.
+int choose_num_splits(int ctas, int max_seqlen_k, int num_sms) {
+    if (ctas >= num_sms) return 1;
+    const int by_length = std::max(1, max_seqlen_k / 128);
+    const int wanted = (2 * num_sms + ctas - 1) / ctas;
+    return std::max(1, std::min({wanted, by_length, 128}));
+}
+
+template <int kHeadDim>
+void dispatch_decode(const at::ScalarType dtype, int k_bits, int v_bits, const DecodeParams &p, cudaStream_t stream) {
+    const bool fp16 = dtype == at::kHalf;
+    if (k_bits == 3 && v_bits == 3) {
+        fp16 ? run_decode<__half, kHeadDim, 3, 3>(p, stream) : run_decode<__nv_bfloat16, kHeadDim, 3, 3>(p, stream);
+    } else if (k_bits == 4 && v_bits == 3) {
+        fp16 ? run_decode<__half, kHeadDim, 4, 3>(p, stream) : run_decode<__nv_bfloat16, kHeadDim, 4, 3>(p, stream);
+    } else {
+        TQ_CHECK(false, "no fused decode kernel for k_bits=", k_bits, ", v_bits=", v_bits);
+    }
+}
+
+std::tuple<at::Tensor, at::Tensor> decode_kvcache(
+    const at::Tensor &q,            // [b, seqlen_q, h, d]
+    const at::Tensor &k_codes,      // [rows, cols, h_k, bytes] uint8
+    const at::Tensor &k_meta,       // [rows, cols, h_k, 2] half
+    const at::Tensor &v_codes, const at::Tensor &v_meta,
+    const at::Tensor &seqlens_k,    // [b] int32
+    const std::optional<at::Tensor> &cache_batch_idx, const std::optional<at::Tensor> &block_table,
+    int64_t k_bits, int64_t v_bits, double softmax_scale, bool is_causal, int64_t num_splits) {
+    check_cuda(q, "q");
+    check_cuda(k_codes, "k_codes");
+    check_cuda(v_codes, "v_codes");
+    check_cuda(k_meta, "k_meta");
+    check_cuda(v_meta, "v_meta");
+    check_cuda(seqlens_k, "seqlens_k");
+    TQ_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16, "q must be float16 or bfloat16");
+    TQ_CHECK(q.dim() == 4 && q.stride(-1) == 1, "q must be [batch, seqlen_q, heads, head_dim] with a contiguous last dim");
+    TQ_CHECK(k_codes.scalar_type() == at::kByte && v_codes.scalar_type() == at::kByte, "k_codes/v_codes must be uint8");
+    TQ_CHECK(k_meta.scalar_type() == at::kHalf && v_meta.scalar_type() == at::kHalf, "k_meta/v_meta must be float16");
+    TQ_CHECK(k_codes.dim() == 4 && v_codes.dim() == 4 && k_meta.dim() == 4 && v_meta.dim() == 4, "codes/meta must be 4-D");
+    TQ_CHECK(k_codes.stride(-1) == 1 && v_codes.stride(-1) == 1 && k_meta.stride(-1) == 1 && v_meta.stride(-1) == 1,
+             "codes/meta need a contiguous last dim");
+    TQ_CHECK(seqlens_k.scalar_type() == at::kInt && seqlens_k.dim() == 1, "seqlens_k must be int32 [batch]");
+    const int b = q.size(0), seqlen_q = q.size(1), h = q.size(2), d = q.size(3);
+    const int h_k = k_codes.size(2);
+    TQ_CHECK(d == 64 || d == 128, "head_dim must be 64 or 128 for the fused kernel, got ", d);
+    TQ_CHECK(h_k > 0 && h % h_k == 0, "q heads (", h, ") must be a multiple of kv heads (", h_k, ")");
+    TQ_CHECK(k_codes.size(3) == d * k_bits / 8 && v_codes.size(3) == d * v_bits / 8, "code bytes do not match head_dim and bits");
+    TQ_CHECK(k_meta.size(3) == 2 && v_meta.size(3) == 2, "meta must end in (scale, offset)");
+    TQ_CHECK(seqlens_k.size(0) == b, "seqlens_k must have batch entries");
+    // cp.async copies of whole code rows need their alignment
+    const int chunk = (d * k_bits / 8) % 16 == 0 ? 16 : 8;
+    TQ_CHECK(reinterpret_cast<uintptr_t>(k_codes.data_ptr()) % chunk == 0 && reinterpret_cast<uintptr_t>(v_codes.data_ptr()) % 8 == 0,
+             "codes tensors must be aligned");
+    c10::cuda::CUDAGuard guard(q.device());
+    auto opts = q.options();
+    at::Tensor out = at::empty_like(q);
+    at::Tensor lse = at::empty({b, h, seqlen_q}, opts.dtype(at::kFloat));
+
+    DecodeParams p{};
+    p.q = q.data_ptr();
+    p.out = out.data_ptr();
+    p.softmax_lse = lse.data_ptr<float>();
+    p.k_codes = k_codes.data_ptr<uint8_t>();
+    p.v_codes = v_codes.data_ptr<uint8_t>();
+    p.k_meta = reinterpret_cast<const uint16_t *>(k_meta.data_ptr());
+    p.v_meta = reinterpret_cast<const uint16_t *>(v_meta.data_ptr());
+    p.q_batch_stride = q.stride(0); p.q_row_stride = q.stride(1); p.q_head_stride = q.stride(2);
+    p.o_batch_stride = out.stride(0); p.o_row_stride = out.stride(1); p.o_head_stride = out.stride(2);
+    p.kc_batch_stride = k_codes.stride(0); p.kc_row_stride = k_codes.stride(1); p.kc_head_stride = k_codes.stride(2);
+    p.vc_batch_stride = v_codes.stride(0); p.vc_row_stride = v_codes.stride(1); p.vc_head_stride = v_codes.stride(2);
+    p.km_batch_stride = k_meta.stride(0); p.km_row_stride = k_meta.stride(1); p.km_head_stride = k_meta.stride(2);
+    p.vm_batch_stride = v_meta.stride(0); p.vm_row_stride = v_meta.stride(1); p.vm_head_stride = v_meta.stride(2);
+    p.seqlens_k = seqlens_k.data_ptr<int>();
+    if (cache_batch_idx.has_value()) {
+        check_cuda(*cache_batch_idx, "cache_batch_idx");
+        TQ_CHECK(cache_batch_idx->scalar_type() == at::kInt && cache_batch_idx->numel() == b && cache_batch_idx->is_contiguous(),
+                 "cache_batch_idx must be contiguous int32 [batch]");
+        p.cache_batch_idx = cache_batch_idx->data_ptr<int>();
+    }
+    int max_seqlen_k = k_codes.size(1);
+    if (block_table.has_value()) {
+        check_cuda(*block_table, "block_table");
+        TQ_CHECK(block_table->scalar_type() == at::kInt && block_table->dim() == 2 && block_table->size(0) == b &&
+                 block_table->stride(1) == 1, "block_table must be int32 [batch, max_blocks] with a contiguous last dim");
+        p.block_table = block_table->data_ptr<int>();
+        p.block_table_batch_stride = block_table->stride(0);
+        p.page_block_size = k_codes.size(1);
+        max_seqlen_k = block_table->size(1) * p.page_block_size;
+    }
+    p.b = b; p.seqlen_q = seqlen_q; p.h = h; p.h_k = h_k; p.h_h_k_ratio = h / h_k;
+    p.scale_softmax_log2 = static_cast<float>(softmax_scale * M_LOG2E);
+    p.is_causal = is_causal && seqlen_q > 1;
+
+    const int rows_per_cta = p.h_h_k_ratio * seqlen_q <= 8 ? 8 : 16;
+    const int ctas = b * h_k * ((p.h_h_k_ratio * seqlen_q + rows_per_cta - 1) / rows_per_cta);
+    int num_sms = 0;
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, q.get_device()));
+    p.num_splits = num_splits > 0 ? static_cast<int>(num_splits) : choose_num_splits(ctas, max_seqlen_k, num_sms);
+    at::Tensor out_accum, lse_accum;
+    if (p.num_splits > 1) {
+        out_accum = at::empty({p.num_splits, b, h, seqlen_q, d}, opts.dtype(at::kFloat));
+        lse_accum = at::empty({p.num_splits, b, h, seqlen_q}, opts.dtype(at::kFloat));
+        p.out_accum = out_accum.data_ptr<float>();
+        p.lse_accum = lse_accum.data_ptr<float>();
+    }
+    auto stream = c10::cuda::getCurrentCUDAStream().stream();
+    if (d == 64) {
+        dispatch_decode<64>(q.scalar_type(), k_bits, v_bits, p, stream);
+    } else {
+        dispatch_decode<128>(q.scalar_type(), k_bits, v_bits, p, stream);
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return {out, lse};
+}
+
+void pack_kv(const at::Tensor &x,             // [tokens, heads, d] fp16/bf16
+             const at::Tensor &slot_mapping,  // [tokens] int64
+             at::Tensor &codes,               // [rows, cols, heads, bytes] uint8, contiguous
+             at::Tensor &meta,                // [rows, cols, heads, 2] half, contiguous
+             int64_t bits, int64_t quant, const std::optional<at::Tensor> &signs,
+             const std::optional<at::Tensor> &levels, double step) {
+    check_cuda(x, "x");
+    check_cuda(slot_mapping, "slot_mapping");
+    check_cuda(codes, "codes");
+    check_cuda(meta, "meta");
+    TQ_CHECK(x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16, "x must be float16 or bfloat16");
+    TQ_CHECK(x.dim() == 3 && x.stride(-1) == 1, "x must be [tokens, heads, head_dim] with a contiguous last dim");
+    const int d = x.size(2);
+    TQ_CHECK(d == 64 || d == 128, "head_dim must be 64 or 128 for the pack kernel, got ", d);
+    TQ_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == x.size(0) && slot_mapping.is_contiguous(),
+             "slot_mapping must be contiguous int64 [tokens]");
+    TQ_CHECK(codes.is_contiguous() && meta.is_contiguous(), "codes and meta must be contiguous");
+    TQ_CHECK(codes.scalar_type() == at::kByte && codes.size(2) == x.size(1) && codes.size(3) == d * bits / 8,
+             "codes must be uint8 [rows, cols, heads, head_dim * bits / 8]");
+    TQ_CHECK(meta.scalar_type() == at::kHalf && meta.size(2) == x.size(1) && meta.size(3) == 2, "meta must be float16 [rows, cols, heads, 2]");
+    TQ_CHECK(quant >= 0 && quant <= 2, "quant must be 0 (turbo uniform), 1 (turbo Lloyd-Max) or 2 (asym)");
+    c10::cuda::CUDAGuard guard(x.device());
+    PackParams p{};
+    p.x = x.data_ptr();
+    p.x_token_stride = x.stride(0);
+    p.x_head_stride = x.stride(1);
+    p.slot_mapping = slot_mapping.data_ptr<int64_t>();
+    p.codes = codes.data_ptr<uint8_t>();
+    p.meta = reinterpret_cast<uint16_t *>(meta.data_ptr());
+    if (quant != 2) {
+        TQ_CHECK(signs.has_value() && signs->scalar_type() == at::kFloat && signs->numel() == d && signs->is_cuda(),
+                 "turbo needs signs: float32 CUDA [head_dim]");
+        p.signs = signs->data_ptr<float>();
+    }
+    if (quant == 1) {
+        TQ_CHECK(levels.has_value() && levels->scalar_type() == at::kFloat && levels->numel() == (1 << bits) && levels->is_cuda(),
+                 "Lloyd-Max needs levels: float32 CUDA [2**bits]");
+        p.levels = levels->data_ptr<float>();
+    }
+    p.step = static_cast<float>(step);
+    p.inv_step = static_cast<float>(1.0 / step);
+    p.tokens = x.size(0);
+    p.heads = x.size(1);
+    auto stream = c10::cuda::getCurrentCUDAStream().stream();
+    if (d == 64) {
+        x.scalar_type() == at::kHalf ? run_pack<__half, 64>(p, bits, quant, stream) : run_pack<__nv_bfloat16, 64>(p, bits, quant, stream);
+    } else {
+        x.scalar_type() == at::kHalf ? run_pack<__half, 128>(p, bits, quant, stream) : run_pack<__nv_bfloat16, 128>(p, bits, quant, stream);
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+}  // namespace flash_tq
+
+TORCH_LIBRARY(flash_attn_tq, m) {
+    m.def("decode_kvcache(Tensor q, Tensor k_codes, Tensor k_meta, Tensor v_codes, Tensor v_meta, Tensor seqlens_k, "
+          "Tensor? cache_batch_idx, Tensor? block_table, int k_bits, int v_bits, float softmax_scale, bool is_causal, "
+          "int num_splits) -> (Tensor, Tensor)");
+    m.def("pack_kv(Tensor x, Tensor slot_mapping, Tensor(a!) codes, Tensor(b!) meta, int bits, int quant, Tensor? signs, "
+          "Tensor? levels, float step) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(flash_attn_tq, CUDA, m) {
+    m.impl("decode_kvcache", &flash_tq::decode_kvcache);
+    m.impl("pack_kv", &flash_tq::pack_kv);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+    m.doc() = "flash_attn_tq CUDA kernels; the ops are registered as torch.ops.flash_attn_tq.*";
+}

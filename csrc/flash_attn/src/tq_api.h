@@ -1,0 +1,18 @@
+// Host-side declarations of the kernel entry points; each is instantiated in its own .cu file.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "tq_params.h"
+
+namespace flash_tq {
+
+template <typename Elem, int kHeadDim, int kKBits, int kVBits>
+void run_decode(const DecodeParams &p, cudaStream_t stream);
+
+template <typename Elem, int kHeadDim>
+void run_pack(const PackParams &p, int bits, int quant, cudaStream_t stream);
+
+}  // namespace flash_tq

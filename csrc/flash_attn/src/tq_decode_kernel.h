@@ -1,0 +1,320 @@
+// Split-KV decode attention over a K/V cache read through a loader policy (tq_kv_loader.h).
+//
+// One CTA = (split, batch * kv_head, chunk of query rows). The query rows of a CTA are the GQA
+// group's heads times the new query positions (row r = i * group + head_in_group), so each K/V
+// tile is read and expanded once per group. Transposed tensor-core formulation (the tensor cores
+// would otherwise be 75% padding): S^T[16 tokens x 8 rows] = K (A operand, expanded straight from
+// packed codes into fragments) * Q^T (B operand, in registers for the whole kernel), then
+// O^T[16 d x 8 rows] += V^T (A operand) * P^T (B operand, S^T transposed in registers with
+// movmatrix). Each of the 4 warps streams its own tiles through its own cp.async pipeline with an
+// online softmax; warps, then splits (combine kernel), are merged through their log-sum-exp.
+#pragma once
+
+#include <cmath>
+
+#include "tq_kv_loader.h"
+#include "tq_params.h"
+#include "tq_utils.h"
+
+namespace flash_tq {
+
+template <typename Elem_, int kHeadDim_, int kNT_, typename KV_>
+struct DecodeTraits {
+    using Elem = Elem_;
+    using KV = KV_;
+    static constexpr int kHeadDim = kHeadDim_;
+    static constexpr int kNT = kNT_;              // n8 tiles of query rows per CTA
+    static constexpr int kRows = 8 * kNT;
+    static constexpr int kNWarps = 4;
+    static constexpr int kNThreads = 32 * kNWarps;
+    static constexpr int kStages = 3;             // per-warp cp.async stages: two tiles in flight while one computes
+    static constexpr int kTileN = KV::kTileN;
+    static constexpr int kKBlocks = kHeadDim / 16;
+    static constexpr int kPipeBytes = kNWarps * kStages * KV::kStageBytes;
+    static constexpr int kMergeBytes = (kNWarps * kRows * (kHeadDim + 2) + 2 * kRows) * 4;
+    static constexpr int kSmemBytes = kPipeBytes > kMergeBytes ? kPipeBytes : kMergeBytes;
+};
+
+template <typename Traits>
+__global__ void __launch_bounds__(Traits::kNThreads) decode_split_kernel(const DecodeParams p) {
+    using Elem = typename Traits::Elem;
+    using KV = typename Traits::KV;
+    constexpr int D = Traits::kHeadDim, NT = Traits::kNT, kRows = Traits::kRows, KB = Traits::kKBlocks;
+    constexpr int kStages = Traits::kStages, kTileN = Traits::kTileN, kWarps = Traits::kNWarps;
+    constexpr float kNegInf = -INFINITY;
+    constexpr float kMagic = KV::kMagicValue;
+    extern __shared__ __align__(16) char smem[];
+
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+    const int split = blockIdx.x, b = blockIdx.y / p.h_k, hk = blockIdx.y % p.h_k, row0 = blockIdx.z * kRows;
+    const int group = p.h_h_k_ratio, total_rows = group * p.seqlen_q;
+    const int bc = p.cache_batch_idx != nullptr ? p.cache_batch_idx[b] : b;
+    const int seqlen_k = p.seqlens_k[b];
+
+    // Keys visible to each accumulator column (row) this thread holds, and to the CTA's last row.
+    auto key_limit = [&](int r) {
+        if (r >= total_rows) return 0;
+        if (!p.is_causal) return seqlen_k;
+        return max(0, min(seqlen_k, seqlen_k - p.seqlen_q + r / group + 1));
+    };
+    int lim[NT][2];
+    #pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        #pragma unroll
+        for (int j = 0; j < 2; ++j) { lim[nt][j] = key_limit(row0 + nt * 8 + 2 * c + j); }
+    }
+    const int cta_limit = key_limit(min(row0 + kRows, total_rows) - 1);
+    const int n_tiles = (cta_limit + kTileN - 1) / kTileN;
+    const int tiles_per_split = (n_tiles + p.num_splits - 1) / p.num_splits;
+    const int tile_begin = split * tiles_per_split;
+    const int tile_end = min(n_tiles, tile_begin + tiles_per_split);
+
+    // Q as B fragments (rows g of each n8 tile), gathered in the loader's slot order, and the sum of
+    // each row's (rounded) elements for folding K's offsets into the scores.
+    uint32_t qf[NT][KB][2];
+    float sumq[NT][2];
+    #pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        const int r = row0 + nt * 8 + g;
+        const bool valid = r < total_rows;
+        const Elem *qrow = reinterpret_cast<const Elem *>(p.q) + b * p.q_batch_stride +
+                           (valid ? (r / group) * p.q_row_stride + (hk * group + r % group) * p.q_head_stride : 0);
+        float s = 0.f;
+        #pragma unroll
+        for (int kb = 0; kb < KB; ++kb) {
+            #pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int lo = pair_lo_element<D>(KV::q_slot(c, kb, half));
+                const float x0 = valid ? to_float(qrow[lo]) : 0.f, x1 = valid ? to_float(qrow[lo + 8]) : 0.f;
+                qf[nt][kb][half] = pack2<Elem>(x0, x1);
+                s += x0 + x1;
+            }
+        }
+        s += __shfl_xor_sync(0xffffffffu, s, 1);
+        s += __shfl_xor_sync(0xffffffffu, s, 2);
+        #pragma unroll
+        for (int j = 0; j < 2; ++j) { sumq[nt][j] = __shfl_sync(0xffffffffu, s, (2 * c + j) * 4); }
+    }
+
+    float row_max[NT][2], row_sum[NT][2], row_corr[NT][2];
+    float acc[NT][KB][4];
+    #pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        #pragma unroll
+        for (int j = 0; j < 2; ++j) { row_max[nt][j] = kNegInf; row_sum[nt][j] = 0.f; row_corr[nt][j] = 0.f; }
+        #pragma unroll
+        for (int m = 0; m < KB; ++m) {
+            #pragma unroll
+            for (int j = 0; j < 4; ++j) { acc[nt][m][j] = 0.f; }
+        }
+    }
+
+    char *pipe = smem + warp * kStages * KV::kStageBytes;
+    const int my_first = tile_begin + warp;
+    const int my_count = my_first < tile_end ? (tile_end - my_first + kWarps - 1) / kWarps : 0;
+    #pragma unroll
+    for (int s = 0; s < kStages - 1; ++s) {
+        if (s < my_count) { KV::load_tile(p, pipe + s * KV::kStageBytes, b, bc, hk, (my_first + s * kWarps) * kTileN, seqlen_k, lane); }
+        cp_async_commit();
+    }
+
+    for (int it = 0; it < my_count; ++it) {
+        const int ahead = it + kStages - 1;
+        if (ahead < my_count) {
+            KV::load_tile(p, pipe + (ahead % kStages) * KV::kStageBytes, b, bc, hk, (my_first + ahead * kWarps) * kTileN, seqlen_k, lane);
+        }
+        cp_async_commit();
+        cp_async_wait<kStages - 1>();
+        __syncwarp();
+        const char *stage = pipe + (it % kStages) * KV::kStageBytes;
+        const int tile_start = (my_first + it * kWarps) * kTileN;
+
+        // ---- scores S^T for the two 16-token m-tiles
+        float sc[2][NT][4];
+        #pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+            const int t0 = mt * 16 + g, t1 = t0 + 8;
+            uint32_t k0[KV::kSlotsK], k1[KV::kSlotsK];
+            KV::k_slots(stage, t0, c, k0);
+            KV::k_slots(stage, t1, c, k1);
+            #pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                #pragma unroll
+                for (int j = 0; j < 4; ++j) { sc[mt][nt][j] = 0.f; }
+                #pragma unroll
+                for (int kb = 0; kb < KB; ++kb) {
+                    const uint32_t a[4] = {k0[2 * kb], k1[2 * kb], k0[2 * kb + 1], k1[2 * kb + 1]};
+                    mma_16816<Elem>(sc[mt][nt], a, qf[nt][kb][0], qf[nt][kb][1]);
+                }
+            }
+            const float2 f0 = KV::k_affine(stage, t0), f1 = KV::k_affine(stage, t1);
+            #pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                #pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const float2 f = j < 2 ? f0 : f1;
+                    const int key = tile_start + (j < 2 ? t0 : t1);
+                    const float v = (f.x * sc[mt][nt][j] + f.y * sumq[nt][j & 1]) * p.scale_softmax_log2;
+                    sc[mt][nt][j] = key < lim[nt][j & 1] ? v : kNegInf;
+                }
+            }
+        }
+
+        // ---- online softmax (base 2); probabilities scaled by V's per-token scale go to P^T
+        uint32_t pb[2][NT][2];
+        #pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            float use_max[2];
+            #pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                float mx = fmaxf(fmaxf(sc[0][nt][j], sc[0][nt][j + 2]), fmaxf(sc[1][nt][j], sc[1][nt][j + 2]));
+                mx = fmaxf(row_max[nt][j], warp_max_rows(mx));
+                use_max[j] = mx == kNegInf ? 0.f : mx;
+                const float rescale = exp2f(row_max[nt][j] - use_max[j]);
+                row_max[nt][j] = mx;
+                row_sum[nt][j] *= rescale;
+                row_corr[nt][j] *= rescale;
+                #pragma unroll
+                for (int m = 0; m < KB; ++m) { acc[nt][m][j] *= rescale; acc[nt][m][j + 2] *= rescale; }
+            }
+            #pragma unroll
+            for (int mt = 0; mt < 2; ++mt) {
+                const int t0 = mt * 16 + g;
+                const float2 v0 = KV::v_affine(stage, t0), v1 = KV::v_affine(stage, t0 + 8);
+                float pr[4];
+                #pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const float2 f = j < 2 ? v0 : v1;
+                    const float prob = exp2f(sc[mt][nt][j] - use_max[j & 1]);
+                    const float scaled = to_float(from_float<Elem>(prob * f.x));
+                    pr[j] = scaled;
+                    row_sum[nt][j & 1] += prob;
+                    row_corr[nt][j & 1] += prob * f.y - kMagic * scaled;
+                }
+                pb[mt][nt][0] = movmatrix_trans(pack2<Elem>(pr[0], pr[1]));
+                pb[mt][nt][1] = movmatrix_trans(pack2<Elem>(pr[2], pr[3]));
+            }
+        }
+
+        // ---- O^T += V^T P^T
+        #pragma unroll
+        for (int mt = 0; mt < 2; ++mt) {
+            const int u = mt * 16 + 2 * c;
+            uint32_t x0[KV::kSlotsV], x1[KV::kSlotsV], x2[KV::kSlotsV], x3[KV::kSlotsV];
+            KV::v_slots(stage, u, g, x0);
+            KV::v_slots(stage, u + 1, g, x1);
+            KV::v_slots(stage, u + 8, g, x2);
+            KV::v_slots(stage, u + 9, g, x3);
+            #pragma unroll
+            for (int m = 0; m < KB; ++m) {
+                const uint32_t a[4] = {__byte_perm(x0[m], x1[m], 0x5410), __byte_perm(x0[m], x1[m], 0x7632),
+                                       __byte_perm(x2[m], x3[m], 0x5410), __byte_perm(x2[m], x3[m], 0x7632)};
+                #pragma unroll
+                for (int nt = 0; nt < NT; ++nt) { mma_16816<Elem>(acc[nt][m], a, pb[mt][nt][0], pb[mt][nt][1]); }
+            }
+        }
+        __syncwarp();
+    }
+    cp_async_wait<0>();
+
+    // ---- merge the warps: per-row max and sum through shared memory, then the O^T slices
+    #pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        #pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            row_sum[nt][j] = warp_sum_rows(row_sum[nt][j]);
+            row_corr[nt][j] = warp_sum_rows(row_corr[nt][j]);
+        }
+    }
+    __syncthreads();
+    float *sm_max = reinterpret_cast<float *>(smem);   // [warps][rows]
+    float *sm_sum = sm_max + kWarps * kRows;            // [warps][rows]
+    float *sm_row = sm_sum + kWarps * kRows;            // [2][rows]: merged max, merged sum
+    float *sm_o = sm_row + 2 * kRows;                   // [warps][rows][D]
+    if (g == 0) {
+        #pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            #pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                sm_max[warp * kRows + nt * 8 + 2 * c + j] = row_max[nt][j];
+                sm_sum[warp * kRows + nt * 8 + 2 * c + j] = row_sum[nt][j];
+            }
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x < kRows) {
+        const int n = threadIdx.x;
+        float mx = kNegInf;
+        #pragma unroll
+        for (int w = 0; w < kWarps; ++w) { mx = fmaxf(mx, sm_max[w * kRows + n]); }
+        const float use = mx == kNegInf ? 0.f : mx;
+        float total = 0.f;
+        #pragma unroll
+        for (int w = 0; w < kWarps; ++w) { total += sm_sum[w * kRows + n] * exp2f(sm_max[w * kRows + n] - use); }
+        sm_row[n] = use;
+        sm_row[kRows + n] = total;
+    }
+    __syncthreads();
+    #pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        #pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            const int n = nt * 8 + 2 * c + j;
+            const float f = exp2f(row_max[nt][j] - sm_row[n]);
+            #pragma unroll
+            for (int m = 0; m < KB; ++m) {
+                sm_o[(warp * kRows + n) * D + 16 * m + g] = (acc[nt][m][j] + row_corr[nt][j]) * f;
+                sm_o[(warp * kRows + n) * D + 16 * m + g + 8] = (acc[nt][m][j + 2] + row_corr[nt][j]) * f;
+            }
+        }
+    }
+    __syncthreads();
+    constexpr float kLn2 = 0.6931471805599453f;
+    for (int idx = threadIdx.x; idx < kRows * D; idx += Traits::kNThreads) {
+        const int n = idx / D, d = idx % D, r = row0 + n;
+        if (r >= total_rows) continue;
+        const int i = r / group, hq = hk * group + r % group;
+        float o = 0.f;
+        #pragma unroll
+        for (int w = 0; w < kWarps; ++w) { o += sm_o[(w * kRows + n) * D + d]; }
+        const float total = sm_row[kRows + n];
+        o = total > 0.f ? o / total : 0.f;
+        const float lse = total > 0.f ? (sm_row[n] + log2f(total)) * kLn2 : kNegInf;
+        if (p.num_splits == 1) {
+            Elem *out = reinterpret_cast<Elem *>(p.out) + b * p.o_batch_stride + i * p.o_row_stride + hq * p.o_head_stride;
+            out[d] = from_float<Elem>(o);
+            if (d == 0) { p.softmax_lse[(static_cast<int64_t>(b) * p.h + hq) * p.seqlen_q + i] = lse; }
+        } else {
+            const int64_t row_id = ((static_cast<int64_t>(split) * p.b + b) * p.h + hq) * p.seqlen_q + i;
+            p.out_accum[row_id * D + d] = o;
+            if (d == 0) { p.lse_accum[row_id] = lse; }
+        }
+    }
+}
+
+// Merge the splits of each (batch, head, query) row: one warp a row.
+template <typename Elem, int kHeadDim>
+__global__ void __launch_bounds__(128) decode_combine_kernel(const DecodeParams p) {
+    const int64_t rows = static_cast<int64_t>(p.b) * p.h * p.seqlen_q;
+    const int64_t row = static_cast<int64_t>(blockIdx.x) * 4 + threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    if (row >= rows) return;
+    float mx = -INFINITY;
+    for (int s = 0; s < p.num_splits; ++s) { mx = fmaxf(mx, p.lse_accum[s * rows + row]); }
+    const float use = mx == -INFINITY ? 0.f : mx;
+    float o[kHeadDim / 32] = {};
+    float total = 0.f;
+    for (int s = 0; s < p.num_splits; ++s) {
+        const float w = __expf(p.lse_accum[s * rows + row] - use);
+        total += w;
+        #pragma unroll
+        for (int k = 0; k < kHeadDim / 32; ++k) { o[k] += w * p.out_accum[(s * rows + row) * kHeadDim + k * 32 + lane]; }
+    }
+    const int i = row % p.seqlen_q, hq = (row / p.seqlen_q) % p.h, b = row / (static_cast<int64_t>(p.seqlen_q) * p.h);
+    Elem *out = reinterpret_cast<Elem *>(p.out) + b * p.o_batch_stride + i * p.o_row_stride + hq * p.o_head_stride;
+    #pragma unroll
+    for (int k = 0; k < kHeadDim / 32; ++k) { out[k * 32 + lane] = from_float<Elem>(total > 0.f ? o[k] / total : 0.f); }
+    if (lane == 0) { p.softmax_lse[row] = total > 0.f ? use + logf(total) : -INFINITY; }
+}
+
+}  // namespace flash_tq

@@ -1,0 +1,36 @@
+// Host-side launch of the decode kernel (+ the split combine) for one (dtype, head_dim, bits) case.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "tq_decode_kernel.h"
+
+namespace flash_tq {
+
+template <typename Traits>
+void launch_decode_split(const DecodeParams &p, cudaStream_t stream) {
+    auto kernel = &decode_split_kernel<Traits>;
+    constexpr int smem = Traits::kSmemBytes;
+    if constexpr (smem > 48 * 1024) {
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    }
+    const int rows = p.h_h_k_ratio * p.seqlen_q;
+    dim3 grid(p.num_splits, p.b * p.h_k, (rows + Traits::kRows - 1) / Traits::kRows);
+    kernel<<<grid, Traits::kNThreads, smem, stream>>>(p);
+}
+
+template <typename Elem, int kHeadDim, int kKBits, int kVBits>
+void run_decode(const DecodeParams &p, cudaStream_t stream) {
+    using KV = PackedKV<kKBits, kVBits, kHeadDim, Elem>;
+    if (p.h_h_k_ratio * p.seqlen_q <= 8) {
+        launch_decode_split<DecodeTraits<Elem, kHeadDim, 1, KV>>(p, stream);
+    } else {  // 16 rows a CTA; more rows take more CTAs along grid.z
+        launch_decode_split<DecodeTraits<Elem, kHeadDim, 2, KV>>(p, stream);
+    }
+    if (p.num_splits > 1) {
+        const int64_t rows = static_cast<int64_t>(p.b) * p.h * p.seqlen_q;
+        decode_combine_kernel<Elem, kHeadDim><<<static_cast<unsigned>((rows + 3) / 4), 128, 0, stream>>>(p);
+    }
+}
+
+}  // namespace flash_tq

@@ -1,0 +1,94 @@
+// K/V loader policies of the decode kernel. A policy owns the shared-memory layout of one warp's
+// pipeline stage, the asynchronous copy of a tile of kTileN tokens into it, and the expansion of
+// the staged bytes into tensor-core A fragments plus per-token affine (scale, offset) factors.
+//
+// PackedKV: codes + float16 (scale, offset) per token (flash_attn_tq/format.py). The fragments it
+// produces are *raw*: each 16-bit value is kMagicValue + code; the kernel folds scale, offset and
+// the magic number into the scores (K) and the probabilities (V), so no per-element multiply.
+#pragma once
+
+#include "tq_format.h"
+#include "tq_params.h"
+#include "tq_utils.h"
+
+namespace flash_tq {
+
+template <int kKBits_, int kVBits_, int kHeadDim, typename Elem>
+struct PackedKV {
+    static constexpr int kKBits = kKBits_, kVBits = kVBits_;
+    static constexpr int kTileN = 32;  // tokens per warp tile: one token per lane for the copies
+    using KL = CodeLayout<kKBits, kHeadDim>;
+    using VL = CodeLayout<kVBits, kHeadDim>;
+    static constexpr int kKOff = 0;
+    static constexpr int kVOff = kKOff + kTileN * KL::kBytes;
+    static constexpr int kKMetaOff = kVOff + kTileN * VL::kBytes;
+    static constexpr int kVMetaOff = kKMetaOff + kTileN * 4;
+    static constexpr int kStageBytes = kVMetaOff + kTileN * 4;
+    static_assert(kKMetaOff % 16 == 0, "stage layout keeps 16-byte alignment");
+    static constexpr uint32_t kMagic = Magic<Elem>::kBits2;
+    static constexpr float kMagicValue = Magic<Elem>::kValue;
+    static constexpr int kSlotsK = kHeadDim / 8;   // K pair slots per (thread, token)
+    static constexpr int kSlotsV = kHeadDim / 16;  // V pair slots per (thread, token)
+
+    // Pair slot that virtual MMA columns (2c, 2c+1) + 8 * half of k-block kb map to, for thread c:
+    // Q is gathered with the same map, so q . k needs no permutation anywhere else.
+    __device__ static constexpr int q_slot(int c, int kb, int half) { return c * kSlotsK + 2 * kb + half; }
+
+    template <int kBytes>
+    __host__ __device__ static constexpr int chunk() { return kBytes % 16 == 0 ? 16 : (kBytes % 8 == 0 ? 8 : 4); }
+
+    template <int kBytes>
+    __device__ static void copy_row(char *dst, const uint8_t *src, bool valid) {
+        constexpr int kChunk = chunk<kBytes>();
+        #pragma unroll
+        for (int j = 0; j < kBytes / kChunk; ++j) { cp_async<kChunk>(dst + j * kChunk, src + j * kChunk, valid); }
+    }
+
+    // Lane l copies token tile_start + l (codes and meta of K and V); tokens >= seqlen_k are zero-filled.
+    __device__ static void load_tile(const DecodeParams &p, char *stage, int b, int bc, int hk, int tile_start,
+                                     int seqlen_k, int lane) {
+        const int t = tile_start + lane;
+        const bool valid = t < seqlen_k;
+        int64_t row = bc, col = t;
+        if (p.block_table != nullptr) {
+            row = valid ? p.block_table[b * p.block_table_batch_stride + t / p.page_block_size] : 0;
+            col = valid ? t % p.page_block_size : 0;
+        }
+        if (!valid) { row = 0; col = 0; }
+        copy_row<KL::kBytes>(stage + kKOff + lane * KL::kBytes,
+                             p.k_codes + row * p.kc_batch_stride + col * p.kc_row_stride + hk * p.kc_head_stride, valid);
+        copy_row<VL::kBytes>(stage + kVOff + lane * VL::kBytes,
+                             p.v_codes + row * p.vc_batch_stride + col * p.vc_row_stride + hk * p.vc_head_stride, valid);
+        cp_async<4>(stage + kKMetaOff + lane * 4, p.k_meta + row * p.km_batch_stride + col * p.km_row_stride + hk * p.km_head_stride, valid);
+        cp_async<4>(stage + kVMetaOff + lane * 4, p.v_meta + row * p.vm_batch_stride + col * p.vm_row_stride + hk * p.vm_head_stride, valid);
+    }
+
+    // Raw K values of token `tok` (in the tile) at thread c's kSlotsK pair slots.
+    __device__ static void k_slots(const char *stage, int tok, int c, uint32_t (&out)[kSlotsK]) {
+        const uint32_t *vec = reinterpret_cast<const uint32_t *>(stage + kKOff + tok * KL::kBytes);
+        extract_slots<kKBits, kSlotsK, kMagic>(vec, c * kSlotsK, out);
+    }
+
+    // Raw V values of token `tok` at thread-group g's kSlotsV slots: slot g * kSlotsV + m holds the
+    // elements 16m + g and 16m + g + 8, the two rows this thread owns in d-block m of V^T.
+    __device__ static void v_slots(const char *stage, int tok, int g, uint32_t (&out)[kSlotsV]) {
+        const uint32_t *vec = reinterpret_cast<const uint32_t *>(stage + kVOff + tok * VL::kBytes);
+        extract_slots<kVBits, kSlotsV, kMagic>(vec, g * kSlotsV, out);
+    }
+
+    // (scale, offset) of token `tok`: value = scale * code + offset.
+    __device__ static float2 affine(const char *stage, int meta_off, int tok) {
+        const uint32_t bits = *reinterpret_cast<const uint32_t *>(stage + meta_off + tok * 4);
+        return make_float2(half_bits_to_float(static_cast<uint16_t>(bits & 0xffffu)),
+                           half_bits_to_float(static_cast<uint16_t>(bits >> 16)));
+    }
+    // K folded for raw values: value = scale * raw + (offset - scale * magic).
+    __device__ static float2 k_affine(const char *stage, int tok) {
+        const float2 a = affine(stage, kKMetaOff, tok);
+        return make_float2(a.x, a.y - a.x * kMagicValue);
+    }
+    // V stays (scale, offset): the kernel subtracts magic * (rounded probability) itself.
+    __device__ static float2 v_affine(const char *stage, int tok) { return affine(stage, kVMetaOff, tok); }
+};
+
+}  // namespace flash_tq

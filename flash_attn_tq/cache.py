@@ -1,0 +1,331 @@
+"""QuantizedKVCache: a K/V cache stored as packed low-bit codes (see :mod:`flash_attn_tq.format`)."""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from . import format as fmt
+from . import ops
+from .quantizers import AsymQuantizer, TurboQuantizer
+
+QUANTIZERS = ("turbo", "asym")
+
+
+def _capturing() -> bool:
+    """True while a CUDA graph is being captured: value checks that read the GPU are skipped then."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+class QuantizedKVCache:
+    """A per-layer K/V cache holding ``k_bits``/``v_bits``-bit codes plus float16 (scale, offset).
+
+    Contiguous layout (default): ``k_codes [batch, max_seqlen, kv_heads, code_bytes]`` uint8 and
+    ``k_meta [batch, max_seqlen, kv_heads, 2]`` float16 (same for v). Paged layout (``page_size``
+    given): ``k_codes [num_blocks, page_size, kv_heads, code_bytes]`` with ``block_table [batch,
+    max_blocks_per_seq]`` int32 mapping each sequence's pages to blocks (default: sequence ``b``
+    owns blocks ``b * max_blocks_per_seq ...``).
+
+    ``seqlens [batch]`` int32 counts the tokens written per sequence. With ``fp16_window = R > 0``
+    the most recent ``R`` tokens of each sequence are also kept unquantized (``k_window [batch, R,
+    kv_heads, head_dim]`` in ``dtype``, token ``p`` in slot ``p % R``) and attention reads them in
+    full precision; every token is still quantized when written.
+
+    For ``quantizer="turbo"`` codes live in the Hadamard-rotated space; :meth:`rotate_query` and
+    :meth:`unrotate_output` move queries and attention outputs in and out of it.
+    """
+
+    def __init__(
+        self,
+        batch_size: int,
+        max_seqlen: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        k_bits: int = 3,
+        v_bits: int = 3,
+        quantizer: str = "turbo",
+        grid: str = "uniform",
+        fp16_window: int = 0,
+        page_size: int | None = None,
+        num_blocks: int | None = None,
+        block_table: torch.Tensor | None = None,
+        streaming: bool = False,
+        alpha: float = 0.95,
+        seed: int = 0,
+        dtype: torch.dtype = torch.float16,
+        device: torch.device | str = "cpu",
+    ):
+        if quantizer not in QUANTIZERS:
+            raise ValueError(f"quantizer must be one of {QUANTIZERS}, got {quantizer!r}")
+        for name, val in (("batch_size", batch_size), ("max_seqlen", max_seqlen), ("num_kv_heads", num_kv_heads)):
+            if int(val) <= 0:
+                raise ValueError(f"{name} must be positive, got {val}")
+        if head_dim % 32 or (quantizer == "turbo" and head_dim & (head_dim - 1)):
+            raise ValueError(f"head_dim must be a multiple of 32 (a power of two for turbo), got {head_dim}")
+        if dtype not in (torch.float16, torch.bfloat16):
+            raise TypeError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
+        if fp16_window < 0:
+            raise ValueError(f"fp16_window must be >= 0, got {fp16_window}")
+        self.batch_size, self.max_seqlen = int(batch_size), int(max_seqlen)
+        self.num_kv_heads, self.head_dim = int(num_kv_heads), int(head_dim)
+        self.k_bits, self.v_bits, self.quantizer, self.grid = k_bits, v_bits, quantizer, grid
+        self.fp16_window, self.seed, self.dtype = int(fp16_window), seed, dtype
+        self.streaming, self.alpha = streaming, alpha
+        if quantizer == "turbo":
+            if streaming:
+                raise ValueError("streaming applies to quantizer='asym' only")
+            self.k_quantizer = TurboQuantizer(head_dim, k_bits, grid, seed)
+            self.v_quantizer = TurboQuantizer(head_dim, v_bits, grid, seed)
+        else:
+            if grid != "uniform":
+                raise ValueError("quantizer='asym' uses the uniform grid only")
+            self.k_quantizer = AsymQuantizer(k_bits, streaming, alpha)
+            self.v_quantizer = AsymQuantizer(v_bits, streaming, alpha)
+        device = torch.device(device)
+        H = self.num_kv_heads
+        kb, vb = fmt.code_bytes(head_dim, k_bits), fmt.code_bytes(head_dim, v_bits)
+        self.page_size = page_size
+        if page_size is None:
+            if num_blocks is not None or block_table is not None:
+                raise ValueError("num_blocks/block_table need page_size (the paged layout)")
+            rows, cols = self.batch_size, self.max_seqlen
+            self.block_table = None
+        else:
+            if page_size <= 0:
+                raise ValueError(f"page_size must be positive, got {page_size}")
+            per_seq = math.ceil(self.max_seqlen / page_size)
+            if block_table is None:
+                nb = num_blocks if num_blocks is not None else self.batch_size * per_seq
+                if nb < self.batch_size * per_seq:
+                    raise ValueError(f"num_blocks={nb} is fewer than batch_size * ceil(max_seqlen / page_size) = "
+                                     f"{self.batch_size * per_seq}; pass a block_table to share blocks")
+                block_table = torch.arange(self.batch_size * per_seq, dtype=torch.int32).reshape(self.batch_size, per_seq)
+            else:
+                if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != self.batch_size:
+                    raise ValueError(f"block_table must be int32 [batch_size={self.batch_size}, max_blocks_per_seq], "
+                                     f"got {block_table.dtype} {tuple(block_table.shape)}")
+                if block_table.shape[1] * page_size < self.max_seqlen:
+                    raise ValueError(f"block_table has {block_table.shape[1]} pages of {page_size} per sequence, "
+                                     f"fewer than max_seqlen={self.max_seqlen}")
+                nb = num_blocks if num_blocks is not None else int(block_table.max()) + 1
+            if block_table.numel() and (int(block_table.min()) < 0 or int(block_table.max()) >= nb):
+                raise ValueError(f"block_table entries must lie in [0, num_blocks={nb})")
+            self.block_table = block_table.to(device)
+            rows, cols = nb, page_size
+        self.k_codes = torch.zeros(rows, cols, H, kb, dtype=torch.uint8, device=device)
+        self.v_codes = torch.zeros(rows, cols, H, vb, dtype=torch.uint8, device=device)
+        self.k_meta = torch.zeros(rows, cols, H, 2, dtype=torch.float16, device=device)
+        self.v_meta = torch.zeros(rows, cols, H, 2, dtype=torch.float16, device=device)
+        self.seqlens = torch.zeros(self.batch_size, dtype=torch.int32, device=device)
+        R = self.fp16_window
+        self.k_window = torch.zeros(self.batch_size, R, H, head_dim, dtype=dtype, device=device) if R else None
+        self.v_window = torch.zeros(self.batch_size, R, H, head_dim, dtype=dtype, device=device) if R else None
+        nan = torch.full((self.batch_size, H), float("nan"), device=device)
+        self.k_range = nan.clone() if streaming else None  # asym streaming: per-head EMA of max|x|
+        self.v_range = nan.clone() if streaming else None
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def device(self) -> torch.device:
+        return self.k_codes.device
+
+    @property
+    def paged(self) -> bool:
+        return self.page_size is not None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the cache storage (codes, metadata and the fp16 window)."""
+        tensors = [self.k_codes, self.v_codes, self.k_meta, self.v_meta, self.k_window, self.v_window]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    def bits_per_element(self) -> float:
+        """Average bits per stored K/V element (codes + metadata, window excluded)."""
+        return (fmt.bits_per_element(self.head_dim, self.k_bits) + fmt.bits_per_element(self.head_dim, self.v_bits)) / 2
+
+    def compression_ratio(self) -> float:
+        """fp16 bytes of a cache of the same capacity divided by :attr:`nbytes`."""
+        slots = self.k_codes.shape[0] * self.k_codes.shape[1]
+        return 2 * slots * self.num_kv_heads * self.head_dim * 2 / self.nbytes
+
+    # ------------------------------------------------------------------ domain changes
+    def rotate_query(self, q: torch.Tensor) -> torch.Tensor:
+        """Move queries into the codes' domain (Hadamard rotation for turbo; identity for asym)."""
+        if self.quantizer == "turbo":
+            return self.k_quantizer.rotate(q).to(q.dtype)
+        return q
+
+    def unrotate_output(self, o: torch.Tensor) -> torch.Tensor:
+        """Inverse of :meth:`rotate_query` for attention outputs (V's rotation)."""
+        if self.quantizer == "turbo":
+            return self.v_quantizer.unrotate(o).to(o.dtype)
+        return o
+
+    # ------------------------------------------------------------------ writing
+    def _slots(self, batch_idx: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows and columns of ``k_codes`` holding token ``pos`` of sequence ``batch_idx``."""
+        if not self.paged:
+            return batch_idx, pos
+        block = self.block_table[batch_idx, torch.div(pos, self.page_size, rounding_mode="floor")].long()
+        return block, pos % self.page_size
+
+    def quantize(self, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Reference quantization of ``k, v [batch, n, kv_heads, d]`` (no state change in non-streaming mode)."""
+        out = {}
+        for name, x, qz, rng in (("k", k, self.k_quantizer, "k_range"), ("v", v, self.v_quantizer, "v_range")):
+            if self.streaming:
+                codes, meta, new_range = qz.quantize(x, getattr(self, rng))
+                setattr(self, rng, new_range)
+            else:
+                codes, meta = qz.quantize(x)
+            bits = self.k_bits if name == "k" else self.v_bits
+            out[f"{name}_codes"] = fmt.pack_codes(codes, bits)
+            out[f"{name}_meta"] = meta
+        return out
+
+    def check_new_kv(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        for name, x in (("k", k), ("v", v)):
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"{name} must be a tensor")
+            if x.dim() != 4 or x.shape[2] != self.num_kv_heads or x.shape[3] != self.head_dim:
+                raise ValueError(f"{name} must be [batch, seqlen_new, kv_heads={self.num_kv_heads}, "
+                                 f"head_dim={self.head_dim}], got {tuple(x.shape)}")
+            if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+                raise TypeError(f"{name} must be float16, bfloat16 or float32, got {x.dtype}")
+            if x.device != self.device:
+                raise ValueError(f"{name} is on {x.device} but the cache is on {self.device}")
+            if not _capturing() and not torch.isfinite(x).all():
+                raise ValueError(f"{name} contains NaN or Inf: a quantized cache cannot store them")
+        if k.shape != v.shape:
+            raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+
+    def append(self, k: torch.Tensor, v: torch.Tensor, cache_seqlens: torch.Tensor | int | None = None,
+               batch_idx: torch.Tensor | None = None) -> None:
+        """Quantize ``k, v [batch, n, kv_heads, d]`` and write them at positions ``cache_seqlens ...``.
+
+        ``cache_seqlens`` (int or int32 ``[batch]``) defaults to :attr:`seqlens`; ``batch_idx``
+        (``[batch]``) selects which cache rows the batch entries go to (default ``0..batch-1``).
+        Afterwards ``seqlens[batch_idx] = cache_seqlens + n``.
+        """
+        self.check_new_kv(k, v)
+        B, n = k.shape[:2]
+        bidx = (torch.arange(B, device=self.device) if batch_idx is None else batch_idx.to(self.device).long())
+        if bidx.numel() != B or (B and not _capturing() and (int(bidx.min()) < 0 or int(bidx.max()) >= self.batch_size)):
+            raise ValueError(f"batch_idx must hold {B} indices in [0, {self.batch_size})")
+        start = self.seqlens[bidx] if cache_seqlens is None else cache_seqlens
+        if isinstance(start, int):
+            start = torch.full((B,), start, dtype=torch.int32, device=self.device)
+        start = start.to(self.device, torch.int32)
+        if start.shape != (B,):
+            raise ValueError(f"cache_seqlens must be an int or a [batch={B}] tensor, got {tuple(start.shape)}")
+        if B and not _capturing() and (int(start.min()) < 0 or int(start.max()) + n > self.max_seqlen):
+            raise ValueError(f"cache overflow: cache_seqlens + {n} new tokens exceeds max_seqlen={self.max_seqlen}")
+        if n == 0:
+            return
+        pos = start.long().unsqueeze(1) + torch.arange(n, device=self.device)  # [B, n]
+        rows, cols = self._slots(bidx.unsqueeze(1).expand(B, n), pos)
+        if ops.pack_supported(self, k):  # quantize-on-write kernel, when built and on a GPU
+            ops.pack_into(self, k, v, rows, cols)
+        else:
+            packed = self.quantize(k, v)
+            for name in ("k_codes", "v_codes", "k_meta", "v_meta"):
+                getattr(self, name)[rows, cols] = packed[name]
+        if self.fp16_window:
+            R = self.fp16_window
+            keep = pos >= (start.long() + n - R).unsqueeze(1)  # only the last R of this chunk matter
+            b2 = bidx.unsqueeze(1).expand(B, n)[keep]
+            self.k_window[b2, pos[keep] % R] = k[keep].to(self.dtype)
+            self.v_window[b2, pos[keep] % R] = v[keep].to(self.dtype)
+        self.seqlens[bidx] = start + n
+
+    # ------------------------------------------------------------------ reading
+    def gather(self, batch_idx: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """Codes and meta as contiguous ``[batch, max_seqlen, kv_heads, *]`` (copies for paged caches)."""
+        bidx = torch.arange(self.batch_size, device=self.device) if batch_idx is None else batch_idx.long()
+        if not self.paged:
+            return {n: getattr(self, n)[bidx] for n in ("k_codes", "v_codes", "k_meta", "v_meta")}
+        pos = torch.arange(self.max_seqlen, device=self.device)
+        rows, cols = self._slots(bidx.unsqueeze(1).expand(-1, self.max_seqlen), pos.expand(bidx.numel(), -1))
+        return {n: getattr(self, n)[rows, cols] for n in ("k_codes", "v_codes", "k_meta", "v_meta")}
+
+    def dequantize(self, batch_idx: torch.Tensor | None = None, rotated: bool = False,
+                   use_window: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 ``(k, v)`` ``[batch, max_seqlen, kv_heads, d]`` as attention sees them.
+
+        Positions at or beyond ``seqlens`` are zero. With an fp16 window the last ``fp16_window``
+        tokens come from the window (``use_window=False`` shows their quantized values instead).
+        ``rotated=True`` returns turbo values in the rotated domain.
+        """
+        bidx = torch.arange(self.batch_size, device=self.device) if batch_idx is None else batch_idx.to(self.device).long()
+        g = self.gather(bidx)
+        d = self.head_dim
+        out = []
+        for name, qz, bits, win in (("k", self.k_quantizer, self.k_bits, self.k_window),
+                                    ("v", self.v_quantizer, self.v_bits, self.v_window)):
+            codes = fmt.unpack_codes(g[f"{name}_codes"], bits, d)
+            x = qz.dequantize_rotated(codes, g[f"{name}_meta"])
+            lens = self.seqlens[bidx].long().unsqueeze(1)
+            pos = torch.arange(self.max_seqlen, device=self.device).unsqueeze(0)
+            if use_window and win is not None:
+                R = self.fp16_window
+                w = win[bidx].float()
+                if self.quantizer == "turbo":
+                    w = qz.rotate(w)
+                idx = (pos % R).expand(len(bidx), -1)[:, :, None, None].expand_as(x)
+                in_win = (pos >= lens - R) & (pos < lens)
+                x = torch.where(in_win[:, :, None, None], w.gather(1, idx), x)
+            if not rotated and self.quantizer == "turbo":
+                x = qz.unrotate(x)
+            out.append(x * (pos < lens)[:, :, None, None])
+        return out[0], out[1]
+
+    # ------------------------------------------------------------------ movement / serialization
+    _TENSORS = ("k_codes", "v_codes", "k_meta", "v_meta", "seqlens", "k_window", "v_window",
+                "block_table", "k_range", "v_range")
+
+    def to(self, device: torch.device | str) -> "QuantizedKVCache":
+        """Move every tensor of the cache to ``device`` (in place); returns self."""
+        for name in self._TENSORS:
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t.to(device))
+        return self
+
+    def config(self) -> dict[str, Any]:
+        return dict(batch_size=self.batch_size, max_seqlen=self.max_seqlen, num_kv_heads=self.num_kv_heads,
+                    head_dim=self.head_dim, k_bits=self.k_bits, v_bits=self.v_bits, quantizer=self.quantizer,
+                    grid=self.grid, fp16_window=self.fp16_window, page_size=self.page_size,
+                    num_blocks=self.k_codes.shape[0] if self.paged else None, streaming=self.streaming,
+                    alpha=self.alpha, seed=self.seed, dtype=str(self.dtype).replace("torch.", ""))
+
+    def state_dict(self) -> dict[str, Any]:
+        sd = {name: getattr(self, name) for name in self._TENSORS if getattr(self, name) is not None}
+        sd["config"] = self.config()
+        return sd
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        mine = self.config()
+        theirs = dict(state["config"])
+        if mine != theirs:
+            diff = {k: (mine.get(k), theirs.get(k)) for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k)}
+            raise ValueError(f"state_dict was saved from a cache with another configuration: {diff}")
+        for name in self._TENSORS:
+            if name in state:
+                getattr(self, name).copy_(state[name])
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Any], device: torch.device | str = "cpu") -> "QuantizedKVCache":
+        cfg = dict(state["config"])
+        cfg["dtype"] = getattr(torch, cfg["dtype"])
+        bt = state.get("block_table")
+        cache = cls(**cfg, block_table=bt.cpu() if bt is not None else None, device=device)
+        cache.load_state_dict(state)
+        return cache
+
+    def __repr__(self) -> str:
+        layout = f"paged(page_size={self.page_size}, num_blocks={self.k_codes.shape[0]})" if self.paged else "contiguous"
+        return (f"QuantizedKVCache({self.quantizer}/{self.grid}, K{self.k_bits}V{self.v_bits}, batch={self.batch_size}, "
+                f"max_seqlen={self.max_seqlen}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, {layout}, "
+                f"fp16_window={self.fp16_window}, {self.bits_per_element():.3f} bits/element, device={self.device})")

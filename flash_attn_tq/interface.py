@@ -1,0 +1,263 @@
+"""The flash_attn 2.8.3 API, dispatching to the fused quantized path or a baseline.
+
+* A :class:`~flash_attn_tq.cache.QuantizedKVCache` passed to :func:`flash_attn_with_kvcache`
+  (as ``k_cache``, or as ``kv_cache=``) takes the quantized path: new ``k``/``v`` are quantized
+  into the cache, then the fused CUDA kernel attends over the packed codes when it supports the
+  call, else the reference (dequantize, then float32 attention).
+* Anything else takes the baseline: upstream ``flash_attn`` when it is importable and the
+  tensors are CUDA float16/bfloat16, else :mod:`flash_attn_tq.baseline` (PyTorch, same semantics).
+
+:func:`last_path` tells which path the last call in this context took.
+"""
+from __future__ import annotations
+
+import contextvars
+import functools
+import importlib
+import math
+from typing import Optional, Union
+
+import torch
+
+from . import baseline, ops
+from .cache import QuantizedKVCache
+
+_LAST_PATH: contextvars.ContextVar[str] = contextvars.ContextVar("flash_attn_tq_last_path", default="none")
+
+
+def last_path() -> str:
+    """The path the last attention call in this context took, e.g. ``"quantized:fused-cuda"``,
+    ``"quantized:reference (head_dim 96 ...)"``, ``"baseline:upstream"``, ``"baseline:torch"``."""
+    return _LAST_PATH.get()
+
+
+@functools.lru_cache(maxsize=None)
+def _upstream():
+    """Upstream flash_attn's interface module, or None when it is not installed."""
+    try:
+        mod = importlib.import_module("flash_attn.flash_attn_interface")
+    except Exception:  # ImportError, or a broken/mismatched build
+        return None
+    return mod
+
+
+def _baseline_impl(name: str, *tensors: torch.Tensor):
+    up = _upstream()
+    if up is not None and all(t.is_cuda and t.dtype in (torch.float16, torch.bfloat16) for t in tensors):
+        _LAST_PATH.set("baseline:upstream")
+        return getattr(up, name)
+    _LAST_PATH.set("baseline:torch")
+    return getattr(baseline, name)
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """qkv: (batch, seqlen, 3, nheads, headdim). Returns out (batch, seqlen, nheads, headdim)
+    [, softmax_lse (batch, nheads, seqlen), S_dmask] as upstream."""
+    return _baseline_impl("flash_attn_qkvpacked_func", qkv)(
+        qkv, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """q: (batch, seqlen_q, nheads, headdim); kv: (batch, seqlen_k, 2, nheads_k, headdim)."""
+    return _baseline_impl("flash_attn_kvpacked_func", q, kv)(
+        q, kv, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim)."""
+    return _baseline_impl("flash_attn_func", q, k, v)(
+        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+        return_attn_probs)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
+                                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False):
+    """qkv: (total, 3, nheads, headdim); cu_seqlens: (batch + 1,) int32."""
+    return _baseline_impl("flash_attn_varlen_qkvpacked_func", qkv)(
+        qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+        deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                                    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """q: (total_q, nheads, headdim); kv: (total_k, 2, nheads_k, headdim)."""
+    return _baseline_impl("flash_attn_varlen_kvpacked_func", q, kv)(
+        q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+        window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, block_table=None):
+    """q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim) (or paged with block_table)."""
+    return _baseline_impl("flash_attn_varlen_func", q, k, v)(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+        window_size, softcap, alibi_slopes, deterministic, return_attn_probs, block_table)
+
+
+def flash_attn_with_kvcache(
+    q,
+    k_cache,
+    v_cache=None,
+    k=None,
+    v=None,
+    rotary_cos=None,
+    rotary_sin=None,
+    cache_seqlens: Optional[Union[int, torch.Tensor]] = None,
+    cache_batch_idx: Optional[torch.Tensor] = None,
+    cache_leftpad: Optional[torch.Tensor] = None,
+    block_table: Optional[torch.Tensor] = None,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    rotary_interleaved=True,
+    alibi_slopes=None,
+    num_splits=0,
+    return_softmax_lse=False,
+    *,
+    kv_cache: Optional[QuantizedKVCache] = None,
+):
+    """Upstream's ``flash_attn_with_kvcache``; a :class:`QuantizedKVCache` as ``k_cache`` (with
+    ``v_cache=None``) or as ``kv_cache=`` selects the quantized path.
+
+    q: (batch, seqlen_q, nheads, headdim). k, v: (batch, seqlen_new, nheads_k, headdim), quantized
+    into the cache at ``cache_seqlens`` (default: the cache's own ``seqlens``), after which the
+    cache's ``seqlens`` are advanced. Returns out (batch, seqlen_q, nheads, headdim)
+    [, softmax_lse (batch, nheads, seqlen_q) float32].
+    """
+    if kv_cache is None and isinstance(k_cache, QuantizedKVCache):
+        kv_cache = k_cache
+    if kv_cache is not None:
+        if v_cache is not None and v_cache is not kv_cache:
+            raise ValueError("v_cache: pass None (or the same QuantizedKVCache) when k_cache is a QuantizedKVCache")
+        return _quantized_kvcache(q, kv_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                                  cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
+                                  rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse)
+    if v_cache is None:
+        raise ValueError("v_cache is required unless k_cache is a QuantizedKVCache")
+    return _baseline_impl("flash_attn_with_kvcache", q, k_cache, v_cache)(
+        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+        block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
+        return_softmax_lse)
+
+
+# ------------------------------------------------------------------------------- quantized path
+
+def _check_query(q, cache: QuantizedKVCache) -> None:
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        raise ValueError(f"q must be a 4-D tensor (batch, seqlen_q, nheads, headdim), got "
+                         f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"q must be float16 or bfloat16 (float32 on the reference path), got {q.dtype}")
+    if q.device != cache.device:
+        raise ValueError(f"q is on {q.device} but the QuantizedKVCache is on {cache.device}")
+    if q.shape[3] != cache.head_dim:
+        raise ValueError(f"q head_dim {q.shape[3]} does not match the cache's head_dim {cache.head_dim}")
+    if q.shape[2] % cache.num_kv_heads:
+        raise ValueError(f"q heads ({q.shape[2]}) must be a multiple of the cache's kv heads ({cache.num_kv_heads})")
+    if q.shape[0] > cache.batch_size:
+        raise ValueError(f"q batch {q.shape[0]} exceeds the cache's batch_size {cache.batch_size}")
+
+
+def _merge_lse(out_a, lse_a, out_b, lse_b):
+    """Merge two partial attentions over disjoint keys (lse +inf/-inf marks an empty part)."""
+    la = torch.where(torch.isfinite(lse_a), lse_a, torch.full_like(lse_a, -math.inf))
+    lb = torch.where(torch.isfinite(lse_b), lse_b, torch.full_like(lse_b, -math.inf))
+    lse = torch.logaddexp(la, lb)
+    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    wa = torch.exp(la - safe).transpose(1, 2).unsqueeze(-1)  # [b, sq, h, 1]
+    wb = torch.exp(lb - safe).transpose(1, 2).unsqueeze(-1)
+    out = out_a.float() * wa + out_b.float() * wb
+    return out, torch.where(torch.isfinite(lse), lse, torch.full_like(lse, math.inf))
+
+
+def _window_part(q, cache, bidx, lens, softmax_scale):
+    """Attention of q over the fp16 recent window of each sequence (positions [lens - R, lens))."""
+    R = cache.fp16_window
+    order = (lens.long().unsqueeze(1) - R + torch.arange(R, device=q.device)) % R  # ring slots, oldest first
+    idx = order[:, :, None, None].expand(-1, -1, cache.num_kv_heads, cache.head_dim)
+    kw = cache.k_window[bidx].gather(1, idx)
+    vw = cache.v_window[bidx].gather(1, idx)
+    start = (R - lens.long()).clamp(min=0)
+    return baseline.attention_reference(q, kw, vw, softmax_scale=softmax_scale, key_lengths=R, key_start=start)
+
+
+def _quantized_kvcache(q, cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+                       block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
+                       num_splits, return_softmax_lse):
+    _check_query(q, cache)
+    if block_table is not None and block_table is not cache.block_table:
+        raise ValueError("block_table: a QuantizedKVCache carries its own block_table (set it on the cache)")
+    batch, seqlen_q = q.shape[:2]
+    device = q.device
+    if cache_batch_idx is not None:
+        if cache_batch_idx.dtype != torch.int32 or cache_batch_idx.shape != (batch,):
+            raise ValueError(f"cache_batch_idx must be int32 [batch={batch}], got {cache_batch_idx.dtype} "
+                             f"{tuple(cache_batch_idx.shape)}")
+        bidx = cache_batch_idx.to(device)
+    else:
+        bidx = torch.arange(batch, device=device, dtype=torch.int32)
+    if cache_seqlens is None:
+        start = cache.seqlens[bidx.long()].clone()
+    elif isinstance(cache_seqlens, int):
+        start = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=device)
+    else:
+        if cache_seqlens.dtype != torch.int32 or cache_seqlens.shape != (batch,):
+            raise ValueError(f"cache_seqlens must be an int or int32 [batch={batch}], got {cache_seqlens.dtype} "
+                             f"{tuple(cache_seqlens.shape)}")
+        start = cache_seqlens.to(device)
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together")
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError("rotary_cos and rotary_sin must be given together")
+    seqlen_new = 0 if k is None else k.shape[1]
+    local = window_size[0] >= 0 or window_size[1] >= 0
+    if rotary_cos is not None:
+        if k is None:
+            raise ValueError("rotary_cos/rotary_sin need the new k and v to be given")
+        kpos = start.long().unsqueeze(1) + torch.arange(seqlen_new, device=device)
+        k = baseline._rotary(k, rotary_cos, rotary_sin, kpos, rotary_interleaved).to(k.dtype)
+        qpos = start.long().unsqueeze(1) + (torch.arange(seqlen_q, device=device) if (causal or local)
+                                            else torch.zeros(seqlen_q, dtype=torch.long, device=device))
+        q = baseline._rotary(q, rotary_cos, rotary_sin, qpos, rotary_interleaved).to(q.dtype)
+    if k is not None:
+        cache.append(k, v, cache_seqlens=start, batch_idx=bidx)
+    lens = (start + seqlen_new).to(torch.int32)
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+
+    R = cache.fp16_window
+    reason = ops.fused_decode_supported(cache, q)
+    if reason is None:
+        for bad, what in ((softcap != 0.0, "softcap"), (alibi_slopes is not None, "alibi_slopes"), (local, "window_size"),
+                          (cache_leftpad is not None, "cache_leftpad"),
+                          (R and causal and seqlen_q > R, "causal seqlen_q beyond the fp16 window")):
+            if bad:
+                reason = f"{what} is not supported by the fused kernel"
+                break
+    if reason is None:
+        _LAST_PATH.set("quantized:fused-cuda")
+        n_quant = (lens - R).clamp(min=0).to(torch.int32) if R else lens
+        q_dom = cache.rotate_query(q)
+        out, lse = ops.decode(q_dom.contiguous(), cache, n_quant, bidx if cache_batch_idx is not None else None,
+                              softmax_scale, causal and not R, num_splits)
+        out = cache.unrotate_output(out)
+        lse = torch.where(torch.isneginf(lse), torch.full_like(lse, math.inf), lse)
+        if R:
+            out_w, lse_w = _window_part(q, cache, bidx.long(), lens, softmax_scale)
+            out, lse = _merge_lse(out, lse, out_w, lse_w)
+        out = out.to(q.dtype)
+    else:
+        _LAST_PATH.set(f"quantized:reference ({reason})")
+        k_deq, v_deq = cache.dequantize(bidx.long())
+        out, lse = baseline.attention_reference(
+            q, k_deq, v_deq, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+            alibi_slopes=alibi_slopes, key_lengths=lens, key_start=cache_leftpad)
+        out = out.to(q.dtype)
+    return (out, lse) if return_softmax_lse else out

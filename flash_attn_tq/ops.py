@@ -1,0 +1,99 @@
+"""The CUDA kernels (``torch.ops.flash_attn_tq.*``) and when they can be used.
+
+The extension ``flash_attn_tq_cuda`` registers two ops:
+
+* ``decode_kvcache(q, k_codes, k_meta, v_codes, v_meta, seqlens_k, cache_batch_idx, block_table,
+  k_bits, v_bits, softmax_scale, is_causal, num_splits) -> (out, softmax_lse)``: split-KV
+  attention of ``q [batch, seqlen_q, heads, d]`` over packed K/V.
+* ``pack_kv(x, slot_mapping, codes, meta, bits, quant, signs, levels, step)``: quantize-on-write.
+
+Fake (meta) implementations are registered here so both trace under ``torch.compile``.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .quantizers import uniform_step
+
+FUSED_HEAD_DIMS = (64, 128)
+FUSED_DECODE_BITS = ((3, 3), (4, 3))  # (k_bits, v_bits) with a fused decode kernel
+MAX_FUSED_ROWS = 256  # group size * seqlen_q handled by the decode kernel (speculative decoding)
+QUANT_IDS = {("turbo", "uniform"): 0, ("turbo", "lloyd_max"): 1, ("asym", "uniform"): 2}
+
+
+@functools.lru_cache(maxsize=None)
+def extension_available() -> bool:
+    """True when the compiled kernels are importable (they still need a CUDA device to run)."""
+    try:
+        import flash_attn_tq_cuda  # noqa: F401  (registers torch.ops.flash_attn_tq.*)
+    except (ImportError, OSError):
+        return False
+    _register_fakes()
+    return True
+
+
+def _register_fakes() -> None:
+    @torch.library.register_fake("flash_attn_tq::decode_kvcache")
+    def _decode_fake(q, k_codes, k_meta, v_codes, v_meta, seqlens_k, cache_batch_idx, block_table,
+                     k_bits, v_bits, softmax_scale, is_causal, num_splits):
+        b, sq, h, _ = q.shape
+        return torch.empty_like(q), q.new_empty((b, h, sq), dtype=torch.float32)
+
+    @torch.library.register_fake("flash_attn_tq::pack_kv")
+    def _pack_fake(x, slot_mapping, codes, meta, bits, quant, signs, levels, step):
+        return None
+
+
+def fused_decode_supported(cache, q: torch.Tensor) -> str | None:
+    """None if the fused decode kernel can serve ``q`` over ``cache``, else the reason it cannot."""
+    if not q.is_cuda:
+        return "q is not on a CUDA device"
+    if not extension_available():
+        return "the CUDA extension flash_attn_tq_cuda is not built"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"q dtype {q.dtype} (the kernel takes float16/bfloat16)"
+    if cache.head_dim not in FUSED_HEAD_DIMS:
+        return f"head_dim {cache.head_dim} (kernels: {FUSED_HEAD_DIMS})"
+    if (cache.k_bits, cache.v_bits) not in FUSED_DECODE_BITS:
+        return f"K{cache.k_bits}V{cache.v_bits} (kernels: {FUSED_DECODE_BITS})"
+    if cache.grid != "uniform":
+        return "the Lloyd-Max grid (the kernel folds the uniform grid's affine levels)"
+    if (q.shape[2] // cache.num_kv_heads) * q.shape[1] > MAX_FUSED_ROWS:
+        return f"more than {MAX_FUSED_ROWS} query rows per kv head"
+    return None
+
+
+def decode(q: torch.Tensor, cache, seqlens_k: torch.Tensor, batch_idx: torch.Tensor | None,
+           softmax_scale: float, causal: bool, num_splits: int, n_keys: torch.Tensor | None = None):
+    """Fused attention of ``q`` (already in the codes' domain) over ``cache``'s quantized tokens.
+
+    ``seqlens_k [batch]`` int32: keys ``[0, seqlens_k[b])`` are attended. Returns (out, lse).
+    """
+    return torch.ops.flash_attn_tq.decode_kvcache(
+        q, cache.k_codes, cache.k_meta, cache.v_codes, cache.v_meta, seqlens_k,
+        batch_idx, cache.block_table, cache.k_bits, cache.v_bits, float(softmax_scale), bool(causal),
+        int(num_splits))
+
+
+def pack_supported(cache, x: torch.Tensor) -> bool:
+    return (x.is_cuda and extension_available() and x.dtype in (torch.float16, torch.bfloat16)
+            and cache.head_dim in FUSED_HEAD_DIMS and not cache.streaming)
+
+
+def pack_into(cache, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> None:
+    """Quantize ``k, v [batch, n, kv_heads, d]`` on the GPU straight into the cache slots (rows, cols)."""
+    slots = (rows * cache.k_codes.shape[1] + cols).reshape(-1).to(torch.int64).contiguous()
+    quant = QUANT_IDS[(cache.quantizer, cache.grid)]
+    for x, codes, meta, qz, bits in ((k, cache.k_codes, cache.k_meta, cache.k_quantizer, cache.k_bits),
+                                     (v, cache.v_codes, cache.v_meta, cache.v_quantizer, cache.v_bits)):
+        signs = levels = None
+        if cache.quantizer == "turbo":
+            signs = qz.signs.to(x.device)
+            levels = qz.codebook(x.device)
+        x3 = x.reshape(-1, cache.num_kv_heads, cache.head_dim)
+        if x3.stride(-1) != 1:
+            x3 = x3.contiguous()
+        torch.ops.flash_attn_tq.pack_kv(x3, slots, codes, meta, bits, quant, signs, levels,
+                                        float(uniform_step(bits)))

@@ -1,0 +1,270 @@
+"""Reference quantizers (PyTorch, CPU or CUDA): what the kernels must reproduce.
+
+Both quantizers turn a float tensor ``x [..., head_dim]`` into integer codes ``[..., head_dim]`` and
+float16 metadata ``[..., 2] = (scale, offset)`` such that, in the quantizer's domain,
+``x_hat = scale * level(code) + offset`` (see :mod:`flash_attn_tq.format`). Rounding is always
+``floor(v + 0.5)`` and every scale is rounded to float16 *before* codes are computed from it, so a
+kernel doing the same float32 arithmetic gets the same codes except at exact ties.
+
+* :class:`TurboQuantizer`: randomized Hadamard rotation (seeded signs, fast Walsh-Hadamard), then a
+  per-coordinate grid on the unit-variance coordinates ``y = rot(x) * sqrt(d) / |x|``: the uniform
+  grid with the MSE-optimal step for N(0, 1) (default), or the Lloyd-Max codebook. Norm correction:
+  the scale makes ``|x_hat| = |x|``. Queries are rotated with :meth:`TurboQuantizer.rotate`;
+  attention outputs are rotated back with :meth:`TurboQuantizer.unrotate`.
+* :class:`AsymQuantizer`: asymmetric uniform per vector (token, kv head) with an integer zero point;
+  in streaming mode the scale comes from a per-head range smoothed as
+  ``alpha * max|x_new| + (1 - alpha) * ema`` (alpha 0.95) on every append.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from .format import SUPPORTED_BITS
+
+GRIDS = ("uniform", "lloyd_max")
+
+
+# ----------------------------------------------------------------------------- grids for N(0, 1)
+
+def _phi(t: float) -> float:
+    return math.exp(-0.5 * t * t) / math.sqrt(2 * math.pi) if math.isfinite(t) else 0.0
+
+
+def _cdf(t: float) -> float:
+    return 0.5 * (1.0 + math.erf(t / math.sqrt(2)))
+
+
+def _gaussian_mse(levels: list[float]) -> float:
+    """E[(Y - Q(Y))^2] for Y ~ N(0, 1) and nearest-level quantization onto sorted ``levels``."""
+    edges = [-math.inf] + [(a + b) / 2 for a, b in zip(levels, levels[1:])] + [math.inf]
+    total = 0.0
+    for c, lo, hi in zip(levels, edges, edges[1:]):
+        # integral over (lo, hi) of (y - c)^2 phi(y) dy, in closed form
+        p = _cdf(hi) - _cdf(lo)
+        m1 = _phi(lo) - _phi(hi)  # integral of y phi
+        lo_t = lo * _phi(lo) if math.isfinite(lo) else 0.0
+        hi_t = hi * _phi(hi) if math.isfinite(hi) else 0.0
+        m2 = p + lo_t - hi_t  # integral of y^2 phi
+        total += m2 - 2 * c * m1 + c * c * p
+    return total
+
+
+def _check_bits(bits: int) -> None:
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits}")
+
+
+@functools.lru_cache(maxsize=None)
+def lloyd_max_codebook(bits: int) -> tuple[float, ...]:
+    """Lloyd-Max (MSE-optimal) levels for N(0, 1) with ``2**bits`` levels, ascending."""
+    _check_bits(bits)
+    n = 1 << bits
+    levels = [(i - (n - 1) / 2) * 4.0 / n for i in range(n)]
+    for _ in range(10000):
+        edges = [-math.inf] + [(a + b) / 2 for a, b in zip(levels, levels[1:])] + [math.inf]
+        new = [(_phi(lo) - _phi(hi)) / (_cdf(hi) - _cdf(lo)) for lo, hi in zip(edges, edges[1:])]
+        if max(abs(a - b) for a, b in zip(new, levels)) < 1e-13:
+            levels = new
+            break
+        levels = new
+    return tuple(levels)
+
+
+def uniform_levels(bits: int, step: float) -> list[float]:
+    n = 1 << bits
+    return [(i - (n - 1) / 2) * step for i in range(n)]
+
+
+@functools.lru_cache(maxsize=None)
+def uniform_step(bits: int) -> float:
+    """MSE-optimal step of the symmetric uniform ``2**bits``-level grid for N(0, 1)."""
+    _check_bits(bits)
+    lo, hi = 0.01, 3.0
+    g = (math.sqrt(5) - 1) / 2
+    for _ in range(200):  # golden-section search; the MSE is unimodal in the step
+        a, b = hi - g * (hi - lo), lo + g * (hi - lo)
+        if _gaussian_mse(uniform_levels(bits, a)) < _gaussian_mse(uniform_levels(bits, b)):
+            hi = b
+        else:
+            lo = a
+    return (lo + hi) / 2
+
+
+def grid_mse(bits: int, grid: str = "uniform") -> float:
+    """Per-coordinate MSE of the grid on N(0, 1) (3 bits: 0.0375 uniform, 0.0345 Lloyd-Max)."""
+    levels = uniform_levels(bits, uniform_step(bits)) if grid == "uniform" else list(lloyd_max_codebook(bits))
+    return _gaussian_mse(levels)
+
+
+# ----------------------------------------------------------------------------- rotation
+
+def hadamard_signs(head_dim: int, seed: int) -> torch.Tensor:
+    """The seeded random +-1 vector (float32 ``[head_dim]``) of the randomized Hadamard transform."""
+    gen = torch.Generator().manual_seed(int(seed))
+    return torch.randint(0, 2, (head_dim,), generator=gen).float() * 2 - 1
+
+
+def fwht(x: torch.Tensor) -> torch.Tensor:
+    """Orthonormal fast Walsh-Hadamard transform over the last dim (a power of two), O(d log d)."""
+    d = x.shape[-1]
+    if d & (d - 1):
+        raise ValueError(f"head_dim must be a power of two for the Hadamard transform, got {d}")
+    lead = x.shape[:-1]
+    y = x.reshape(-1, d)
+    h = 1
+    while h < d:
+        y = y.reshape(-1, d // (2 * h), 2, h)
+        a, b = y[:, :, 0, :], y[:, :, 1, :]
+        y = torch.stack((a + b, a - b), dim=2)
+        h *= 2
+    return (y.reshape(*lead, d) * (1.0 / math.sqrt(d)))
+
+
+def round_half_up(v: torch.Tensor) -> torch.Tensor:
+    return torch.floor(v + 0.5)
+
+
+def _as_fp16_float(v: torch.Tensor) -> torch.Tensor:
+    return v.to(torch.float16).to(torch.float32)
+
+
+# ----------------------------------------------------------------------------- quantizers
+
+class TurboQuantizer:
+    """Randomized-Hadamard rotation + per-coordinate grid scaled by the vector norm.
+
+    Args:
+        head_dim: vector length (a power of two, multiple of 32).
+        bits: 2, 3 or 4.
+        grid: ``"uniform"`` (default; scale and offset fold into the kernel's scores) or ``"lloyd_max"``.
+        seed: seed of the random sign vector.
+    """
+
+    name = "turbo"
+
+    def __init__(self, head_dim: int, bits: int = 3, grid: str = "uniform", seed: int = 0):
+        _check_bits(bits)
+        if grid not in GRIDS:
+            raise ValueError(f"grid must be one of {GRIDS}, got {grid!r}")
+        self.head_dim, self.bits, self.grid, self.seed = head_dim, bits, grid, seed
+        self.signs = hadamard_signs(head_dim, seed)
+        self.levels_unit = (uniform_levels(bits, uniform_step(bits)) if grid == "uniform"
+                            else list(lloyd_max_codebook(bits)))
+
+    def codebook(self, device=None) -> torch.Tensor | None:
+        """float32 ``[2**bits]`` levels for the Lloyd-Max grid; None for the uniform (affine) grid."""
+        if self.grid == "uniform":
+            return None
+        return torch.tensor(self.levels_unit, dtype=torch.float32, device=device)
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [..., d]`` -> float32 rotated ``H (signs * x) / sqrt(d)``."""
+        return fwht(x.float() * self.signs.to(x.device))
+
+    def unrotate(self, y: torch.Tensor) -> torch.Tensor:
+        """Inverse of :meth:`rotate` (float32)."""
+        return fwht(y.float()) * self.signs.to(y.device)
+
+    def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [..., d]`` -> (codes int64 ``[..., d]``, meta float16 ``[..., 2]``)."""
+        d = self.head_dim
+        if x.shape[-1] != d:
+            raise ValueError(f"last dim must be head_dim={d}, got {x.shape[-1]}")
+        xr = self.rotate(x)
+        norm = xr.norm(dim=-1, keepdim=True)
+        inv = torch.where(norm > 0, math.sqrt(d) / norm, torch.zeros_like(norm))
+        y = xr * inv
+        n = 1 << self.bits
+        if self.grid == "uniform":
+            step = uniform_step(self.bits)
+            codes = round_half_up(y * (1.0 / step) + (n - 1) / 2).clamp_(0, n - 1)
+            level = (codes - (n - 1) / 2) * step
+        else:
+            levels = torch.tensor(self.levels_unit, dtype=torch.float32, device=x.device)
+            edges = (levels[1:] + levels[:-1]) / 2
+            codes = torch.bucketize(y, edges).float()
+            level = levels[codes.long()]
+        lnorm = level.norm(dim=-1, keepdim=True)
+        scale = torch.where(lnorm > 0, norm / lnorm, torch.zeros_like(norm))  # norm correction
+        if self.grid == "uniform":
+            unit_scale = _as_fp16_float(scale * step)
+            offset = -unit_scale * ((n - 1) / 2)
+            meta = torch.cat([unit_scale, offset], -1)
+        else:
+            meta = torch.cat([scale, torch.zeros_like(scale)], -1)
+        return codes.long(), meta.to(torch.float16)
+
+    def dequantize_rotated(self, codes: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
+        """Codes + meta -> float32 values in the rotated domain (what the kernel attends over)."""
+        m = meta.float()
+        if self.grid == "uniform":
+            level = codes.float()
+        else:
+            level = torch.tensor(self.levels_unit, dtype=torch.float32, device=codes.device)[codes.long()]
+        return level * m[..., :1] + m[..., 1:]
+
+    def dequantize(self, codes: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
+        """Codes + meta -> float32 values in the original domain."""
+        return self.unrotate(self.dequantize_rotated(codes, meta))
+
+
+class AsymQuantizer:
+    """Asymmetric uniform quantization per vector with an integer zero point.
+
+    ``scale = (max - min) / (2**bits - 1)`` (rounded to float16), ``zero = floor(-min/scale + 0.5)``
+    clamped to the code range, ``code = clamp(floor(x/scale + zero + 0.5))``; stored as
+    ``(scale, -scale * zero)``. With ``streaming=True`` the scale is ``2 r / (2**bits - 1)`` where
+    ``r`` is a per-head range updated on each :meth:`quantize` call as
+    ``alpha * max|x_new| + (1 - alpha) * r`` (the first call sets ``r = max|x_new|``), and the zero
+    point centres each vector's own [min, max] in the code range. Pass the running range tensor as
+    ``ema`` and take the updated one from the return value; the quantizer keeps no state itself.
+    """
+
+    name = "asym"
+
+    def __init__(self, bits: int = 3, streaming: bool = False, alpha: float = 0.95):
+        _check_bits(bits)
+        if not 0.0 < alpha <= 1.0:
+            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        self.bits, self.streaming, self.alpha = bits, streaming, alpha
+
+    def update_range(self, x: torch.Tensor, ema: torch.Tensor | None) -> torch.Tensor:
+        """New per-head range from ``x [..., tokens, heads, d]`` and the previous ``ema [..., heads]``."""
+        m = x.float().abs().amax(dim=(-3, -1))
+        if ema is None:
+            return m
+        return torch.where(torch.isfinite(ema) & (ema > 0), self.alpha * m + (1 - self.alpha) * ema, m)
+
+    def quantize(self, x: torch.Tensor, ema: torch.Tensor | None = None):
+        """``x [..., d]`` -> (codes int64, meta float16 ``[..., 2]``).
+
+        Streaming mode expects ``x [..., tokens, heads, d]`` and returns ``(codes, meta, new_ema)``.
+        """
+        n = 1 << self.bits
+        xf = x.float()
+        mn = xf.amin(-1, keepdim=True)
+        mx = xf.amax(-1, keepdim=True)
+        if self.streaming:
+            new_ema = self.update_range(xf, ema)
+            r = new_ema.unsqueeze(-2).unsqueeze(-1)  # [..., 1, heads, 1]
+            scale = _as_fp16_float(2 * r / (n - 1)).expand_as(mn)
+            scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+            zero = round_half_up((n - 1) / 2 - (mx + mn) / (2 * scale)).clamp_(0, n - 1)
+        else:
+            scale = _as_fp16_float((mx - mn) / (n - 1))
+            scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+            zero = round_half_up(-mn / scale).clamp_(0, n - 1)
+        codes = round_half_up(xf / scale + zero).clamp_(0, n - 1)
+        meta = torch.cat([scale, -scale * zero], -1).to(torch.float16)
+        if self.streaming:
+            return codes.long(), meta, new_ema
+        return codes.long(), meta
+
+    def dequantize(self, codes: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
+        m = meta.float()
+        return codes.float() * m[..., :1] + m[..., 1:]
+
+    dequantize_rotated = dequantize  # no rotation: the kernel attends in the original domain
