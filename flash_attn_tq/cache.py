@@ -171,13 +171,22 @@ class QuantizedKVCache:
         block = self.block_table[batch_idx, torch.div(pos, self.page_size, rounding_mode="floor")].long()
         return block, pos % self.page_size
 
-    def quantize(self, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Reference quantization of ``k, v [batch, n, kv_heads, d]`` (no state change in non-streaming mode)."""
+    def quantize(self, k: torch.Tensor, v: torch.Tensor,
+                 batch_idx: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """Reference quantization of ``k, v [batch, n, kv_heads, d]`` (no state change in non-streaming mode).
+
+        In streaming mode the per-(sequence, head) ranges of cache rows ``batch_idx`` (default
+        ``0..batch-1``) are used and updated.
+        """
         out = {}
+        if self.streaming:
+            bidx = (torch.arange(k.shape[0], device=self.device) if batch_idx is None
+                    else batch_idx.to(self.device).long())
         for name, x, qz, rng in (("k", k, self.k_quantizer, "k_range"), ("v", v, self.v_quantizer, "v_range")):
             if self.streaming:
-                codes, meta, new_range = qz.quantize(x, getattr(self, rng))
-                setattr(self, rng, new_range)
+                ranges = getattr(self, rng)
+                codes, meta, new_range = qz.quantize(x, ranges[bidx])
+                ranges[bidx] = new_range.to(ranges.dtype)
             else:
                 codes, meta = qz.quantize(x)
             bits = self.k_bits if name == "k" else self.v_bits
@@ -229,7 +238,7 @@ class QuantizedKVCache:
         if ops.pack_supported(self, k):  # quantize-on-write kernel, when built and on a GPU
             ops.pack_into(self, k, v, rows, cols)
         else:
-            packed = self.quantize(k, v)
+            packed = self.quantize(k, v, bidx)
             for name in ("k_codes", "v_codes", "k_meta", "v_meta"):
                 getattr(self, name)[rows, cols] = packed[name]
         if self.fp16_window:

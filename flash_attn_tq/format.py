@@ -139,13 +139,13 @@ def unpack_codes(packed: torch.Tensor, bits: int, head_dim: int) -> torch.Tensor
         i = torch.arange(3, device=packed.device, dtype=torch.int64)
         spare_lo = (((w >> 15) & 1) << i).sum(-1, keepdim=True)  # [n, blocks, 1]
         spare_hi = (((w >> 31) & 1) << i).sum(-1, keepdim=True)
-        lo = torch.cat([reg_lo.reshape(n, blocks, 15), spare_lo], -1).reshape(n, -1)
-        hi = torch.cat([reg_hi.reshape(n, blocks, 15), spare_hi], -1).reshape(n, -1)
+        lo = torch.cat([reg_lo.reshape(n, blocks, 15), spare_lo], -1).reshape(n, head_dim // 2)
+        hi = torch.cat([reg_hi.reshape(n, blocks, 15), spare_hi], -1).reshape(n, head_dim // 2)
     else:
         ppw = _pairs_per_word(bits)
         shifts = bits * torch.arange(ppw, device=packed.device, dtype=torch.int64)
-        lo = ((words.unsqueeze(-1) >> shifts) & mask).reshape(n, -1)
-        hi = ((words.unsqueeze(-1) >> (shifts + 16)) & mask).reshape(n, -1)
+        lo = ((words.unsqueeze(-1) >> shifts) & mask).reshape(n, head_dim // 2)
+        hi = ((words.unsqueeze(-1) >> (shifts + 16)) & mask).reshape(n, head_dim // 2)
     perm = pair_elements(head_dim, packed.device)
     codes = torch.empty(n, head_dim, dtype=torch.int64, device=packed.device)
     codes[:, perm[:, 0]] = lo

@@ -102,7 +102,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
 def flash_attn_with_kvcache(
     q,
-    k_cache,
+    k_cache=None,
     v_cache=None,
     k=None,
     v=None,
@@ -139,6 +139,8 @@ def flash_attn_with_kvcache(
         return _quantized_kvcache(q, kv_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                                   cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
                                   rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse)
+    if k_cache is None:
+        raise ValueError("k_cache is required (a tensor, or a QuantizedKVCache; or pass kv_cache=)")
     if v_cache is None:
         raise ValueError("v_cache is required unless k_cache is a QuantizedKVCache")
     return _baseline_impl("flash_attn_with_kvcache", q, k_cache, v_cache)(

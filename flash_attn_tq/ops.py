@@ -90,7 +90,7 @@ def pack_into(cache, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, cols:
                                      (v, cache.v_codes, cache.v_meta, cache.v_quantizer, cache.v_bits)):
         signs = levels = None
         if cache.quantizer == "turbo":
-            signs = qz.signs.to(x.device)
+            signs = qz.signs_on(x.device)
             levels = qz.codebook(x.device)
         x3 = x.reshape(-1, cache.num_kv_heads, cache.head_dim)
         if x3.stride(-1) != 1:

@@ -151,22 +151,34 @@ class TurboQuantizer:
             raise ValueError(f"grid must be one of {GRIDS}, got {grid!r}")
         self.head_dim, self.bits, self.grid, self.seed = head_dim, bits, grid, seed
         self.signs = hadamard_signs(head_dim, seed)
+        self._on_device: dict[tuple[str, torch.device], torch.Tensor] = {}  # copies made once (CUDA-graph safe)
         self.levels_unit = (uniform_levels(bits, uniform_step(bits)) if grid == "uniform"
                             else list(lloyd_max_codebook(bits)))
+
+    def _device_copy(self, name: str, device: torch.device) -> torch.Tensor:
+        key = (name, torch.device(device))
+        if key not in self._on_device:
+            src = self.signs if name == "signs" else torch.tensor(self.levels_unit, dtype=torch.float32)
+            self._on_device[key] = src.to(device)
+        return self._on_device[key]
+
+    def signs_on(self, device) -> torch.Tensor:
+        """The sign vector on ``device`` (cached)."""
+        return self._device_copy("signs", device)
 
     def codebook(self, device=None) -> torch.Tensor | None:
         """float32 ``[2**bits]`` levels for the Lloyd-Max grid; None for the uniform (affine) grid."""
         if self.grid == "uniform":
             return None
-        return torch.tensor(self.levels_unit, dtype=torch.float32, device=device)
+        return self._device_copy("levels", device or "cpu")
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., d]`` -> float32 rotated ``H (signs * x) / sqrt(d)``."""
-        return fwht(x.float() * self.signs.to(x.device))
+        return fwht(x.float() * self.signs_on(x.device))
 
     def unrotate(self, y: torch.Tensor) -> torch.Tensor:
         """Inverse of :meth:`rotate` (float32)."""
-        return fwht(y.float()) * self.signs.to(y.device)
+        return fwht(y.float()) * self.signs_on(y.device)
 
     def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x [..., d]`` -> (codes int64 ``[..., d]``, meta float16 ``[..., 2]``)."""
@@ -183,7 +195,7 @@ class TurboQuantizer:
             codes = round_half_up(y * (1.0 / step) + (n - 1) / 2).clamp_(0, n - 1)
             level = (codes - (n - 1) / 2) * step
         else:
-            levels = torch.tensor(self.levels_unit, dtype=torch.float32, device=x.device)
+            levels = self.codebook(x.device)
             edges = (levels[1:] + levels[:-1]) / 2
             codes = torch.bucketize(y, edges).float()
             level = levels[codes.long()]
@@ -203,7 +215,7 @@ class TurboQuantizer:
         if self.grid == "uniform":
             level = codes.float()
         else:
-            level = torch.tensor(self.levels_unit, dtype=torch.float32, device=codes.device)[codes.long()]
+            level = self.codebook(codes.device)[codes.long()]
         return level * m[..., :1] + m[..., 1:]
 
     def dequantize(self, codes: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:

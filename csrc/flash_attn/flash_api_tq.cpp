@@ -14,11 +14,12 @@
 namespace flash_tq {
 namespace {
 
-#define TQ_CHECK(cond, ...) TORCH_CHECK(cond, "flash_attn_tq: ", __VA_ARGS__)
+// Messages are string literals only: on one device image a message formatted from numbers (an
+// ostream << int inside TORCH_CHECK) crashed in the C++ runtime; the Python wrappers in
+// flash_attn_tq/ops.py check arguments first and give the detailed errors.
+#define TQ_CHECK(cond, msg) TORCH_CHECK(cond, "flash_attn_tq: " msg)
 
-void check_cuda(const at::Tensor &t, const char *name) {
-    TQ_CHECK(t.is_cuda(), name, " must be a CUDA tensor");
-}
+#define CHECK_CUDA(t) TQ_CHECK((t).is_cuda(), #t " must be a CUDA tensor")
 
 // Pick num_splits so the grid fills the GPU about twice, keeping >= 128 tokens (4 warp tiles) a split.
 int choose_num_splits(int ctas, int max_seqlen_k, int num_sms) {
@@ -36,7 +37,7 @@ void dispatch_decode(const at::ScalarType dtype, int k_bits, int v_bits, const D
     } else if (k_bits == 4 && v_bits == 3) {
         fp16 ? run_decode<__half, kHeadDim, 4, 3>(p, stream) : run_decode<__nv_bfloat16, kHeadDim, 4, 3>(p, stream);
     } else {
-        TQ_CHECK(false, "no fused decode kernel for k_bits=", k_bits, ", v_bits=", v_bits);
+        TQ_CHECK(false, "no fused decode kernel for these k_bits/v_bits");
     }
 }
 
@@ -48,12 +49,12 @@ std::tuple<at::Tensor, at::Tensor> decode_kvcache(
     const at::Tensor &seqlens_k,    // [b] int32
     const std::optional<at::Tensor> &cache_batch_idx, const std::optional<at::Tensor> &block_table,
     int64_t k_bits, int64_t v_bits, double softmax_scale, bool is_causal, int64_t num_splits) {
-    check_cuda(q, "q");
-    check_cuda(k_codes, "k_codes");
-    check_cuda(v_codes, "v_codes");
-    check_cuda(k_meta, "k_meta");
-    check_cuda(v_meta, "v_meta");
-    check_cuda(seqlens_k, "seqlens_k");
+    CHECK_CUDA(q);
+    CHECK_CUDA(k_codes);
+    CHECK_CUDA(v_codes);
+    CHECK_CUDA(k_meta);
+    CHECK_CUDA(v_meta);
+    CHECK_CUDA(seqlens_k);
     TQ_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16, "q must be float16 or bfloat16");
     TQ_CHECK(q.dim() == 4 && q.stride(-1) == 1, "q must be [batch, seqlen_q, heads, head_dim] with a contiguous last dim");
     TQ_CHECK(k_codes.scalar_type() == at::kByte && v_codes.scalar_type() == at::kByte, "k_codes/v_codes must be uint8");
@@ -64,8 +65,8 @@ std::tuple<at::Tensor, at::Tensor> decode_kvcache(
     TQ_CHECK(seqlens_k.scalar_type() == at::kInt && seqlens_k.dim() == 1, "seqlens_k must be int32 [batch]");
     const int b = q.size(0), seqlen_q = q.size(1), h = q.size(2), d = q.size(3);
     const int h_k = k_codes.size(2);
-    TQ_CHECK(d == 64 || d == 128, "head_dim must be 64 or 128 for the fused kernel, got ", d);
-    TQ_CHECK(h_k > 0 && h % h_k == 0, "q heads (", h, ") must be a multiple of kv heads (", h_k, ")");
+    TQ_CHECK(d == 64 || d == 128, "head_dim must be 64 or 128 for the fused kernel");
+    TQ_CHECK(h_k > 0 && h % h_k == 0, "q heads must be a multiple of kv heads");
     TQ_CHECK(k_codes.size(3) == d * k_bits / 8 && v_codes.size(3) == d * v_bits / 8, "code bytes do not match head_dim and bits");
     TQ_CHECK(k_meta.size(3) == 2 && v_meta.size(3) == 2, "meta must end in (scale, offset)");
     TQ_CHECK(seqlens_k.size(0) == b, "seqlens_k must have batch entries");
@@ -94,14 +95,14 @@ std::tuple<at::Tensor, at::Tensor> decode_kvcache(
     p.vm_batch_stride = v_meta.stride(0); p.vm_row_stride = v_meta.stride(1); p.vm_head_stride = v_meta.stride(2);
     p.seqlens_k = seqlens_k.data_ptr<int>();
     if (cache_batch_idx.has_value()) {
-        check_cuda(*cache_batch_idx, "cache_batch_idx");
+        CHECK_CUDA(*cache_batch_idx);
         TQ_CHECK(cache_batch_idx->scalar_type() == at::kInt && cache_batch_idx->numel() == b && cache_batch_idx->is_contiguous(),
                  "cache_batch_idx must be contiguous int32 [batch]");
         p.cache_batch_idx = cache_batch_idx->data_ptr<int>();
     }
     int max_seqlen_k = k_codes.size(1);
     if (block_table.has_value()) {
-        check_cuda(*block_table, "block_table");
+        CHECK_CUDA(*block_table);
         TQ_CHECK(block_table->scalar_type() == at::kInt && block_table->dim() == 2 && block_table->size(0) == b &&
                  block_table->stride(1) == 1, "block_table must be int32 [batch, max_blocks] with a contiguous last dim");
         p.block_table = block_table->data_ptr<int>();
@@ -141,14 +142,14 @@ void pack_kv(const at::Tensor &x,             // [tokens, heads, d] fp16/bf16
              at::Tensor &meta,                // [rows, cols, heads, 2] half, contiguous
              int64_t bits, int64_t quant, const std::optional<at::Tensor> &signs,
              const std::optional<at::Tensor> &levels, double step) {
-    check_cuda(x, "x");
-    check_cuda(slot_mapping, "slot_mapping");
-    check_cuda(codes, "codes");
-    check_cuda(meta, "meta");
+    CHECK_CUDA(x);
+    CHECK_CUDA(slot_mapping);
+    CHECK_CUDA(codes);
+    CHECK_CUDA(meta);
     TQ_CHECK(x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16, "x must be float16 or bfloat16");
     TQ_CHECK(x.dim() == 3 && x.stride(-1) == 1, "x must be [tokens, heads, head_dim] with a contiguous last dim");
     const int d = x.size(2);
-    TQ_CHECK(d == 64 || d == 128, "head_dim must be 64 or 128 for the pack kernel, got ", d);
+    TQ_CHECK(d == 64 || d == 128, "head_dim must be 64 or 128 for the pack kernel");
     TQ_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == x.size(0) && slot_mapping.is_contiguous(),
              "slot_mapping must be contiguous int64 [tokens]");
     TQ_CHECK(codes.is_contiguous() && meta.is_contiguous(), "codes and meta must be contiguous");

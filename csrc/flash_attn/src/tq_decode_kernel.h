@@ -6,7 +6,8 @@
 // would otherwise be 75% padding): S^T[16 tokens x 8 rows] = K (A operand, expanded straight from
 // packed codes into fragments) * Q^T (B operand, in registers for the whole kernel), then
 // O^T[16 d x 8 rows] += V^T (A operand) * P^T (B operand, S^T transposed in registers with
-// movmatrix). Each of the 4 warps streams its own tiles through its own cp.async pipeline with an
+// movmatrix). Codes are never scaled element by element: K's per-token (scale, offset) and V's
+// fold into the scores and the probabilities (see tq_kv_loader.h). Each of the 4 warps streams its own tiles through its own cp.async pipeline with an
 // online softmax; warps, then splits (combine kernel), are merged through their log-sum-exp.
 #pragma once
 
@@ -42,7 +43,6 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_split_kernel(const D
     constexpr int D = Traits::kHeadDim, NT = Traits::kNT, kRows = Traits::kRows, KB = Traits::kKBlocks;
     constexpr int kStages = Traits::kStages, kTileN = Traits::kTileN, kWarps = Traits::kNWarps;
     constexpr float kNegInf = -INFINITY;
-    constexpr float kMagic = KV::kMagicValue;
     extern __shared__ __align__(16) char smem[];
 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
@@ -189,7 +189,11 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_split_kernel(const D
                     const float scaled = to_float(from_float<Elem>(prob * f.x));
                     pr[j] = scaled;
                     row_sum[nt][j & 1] += prob;
-                    row_corr[nt][j & 1] += prob * f.y - kMagic * scaled;
+                    // the MMA adds scaled * (code - center); this adds prob * (offset + mid * scale)
+                    // and 0.5 * scaled, so the rounding error of `scaled` multiplies code - mid, which
+                    // is zero-mean on turbo's symmetric grid (a common-mode error would survive the
+                    // inverse Hadamard transform concentrated in one output element)
+                    row_corr[nt][j & 1] += prob * (f.y + KV::kVMid * f.x) + 0.5f * scaled;
                 }
                 pb[mt][nt][0] = movmatrix_trans(pack2<Elem>(pr[0], pr[1]));
                 pb[mt][nt][1] = movmatrix_trans(pack2<Elem>(pr[2], pr[3]));
@@ -207,8 +211,10 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_split_kernel(const D
             KV::v_slots(stage, u + 9, g, x3);
             #pragma unroll
             for (int m = 0; m < KB; ++m) {
-                const uint32_t a[4] = {__byte_perm(x0[m], x1[m], 0x5410), __byte_perm(x0[m], x1[m], 0x7632),
-                                       __byte_perm(x2[m], x3[m], 0x5410), __byte_perm(x2[m], x3[m], 0x7632)};
+                const uint32_t a[4] = {add2<Elem>(__byte_perm(x0[m], x1[m], 0x5410), KV::kNegVBias),
+                                       add2<Elem>(__byte_perm(x0[m], x1[m], 0x7632), KV::kNegVBias),
+                                       add2<Elem>(__byte_perm(x2[m], x3[m], 0x5410), KV::kNegVBias),
+                                       add2<Elem>(__byte_perm(x2[m], x3[m], 0x7632), KV::kNegVBias)};
                 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt) { mma_16816<Elem>(acc[nt][m], a, pb[mt][nt][0], pb[mt][nt][1]); }
             }

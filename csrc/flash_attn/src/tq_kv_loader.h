@@ -2,9 +2,10 @@
 // pipeline stage, the asynchronous copy of a tile of kTileN tokens into it, and the expansion of
 // the staged bytes into tensor-core A fragments plus per-token affine (scale, offset) factors.
 //
-// PackedKV: codes + float16 (scale, offset) per token (flash_attn_tq/format.py). The fragments it
-// produces are *raw*: each 16-bit value is kMagicValue + code; the kernel folds scale, offset and
-// the magic number into the scores (K) and the probabilities (V), so no per-element multiply.
+// PackedKV: codes + float16 (scale, offset) per token (flash_attn_tq/format.py). K fragments are
+// *raw* (each 16-bit value is kMagicValue + code): scale, offset and the magic number fold into the
+// scores. V fragments are code - kVCenter; scale and offset fold into the probabilities. So there
+// is no per-element multiply anywhere.
 #pragma once
 
 #include "tq_format.h"
@@ -27,6 +28,11 @@ struct PackedKV {
     static_assert(kKMetaOff % 16 == 0, "stage layout keeps 16-byte alignment");
     static constexpr uint32_t kMagic = Magic<Elem>::kBits2;
     static constexpr float kMagicValue = Magic<Elem>::kValue;
+    // V values enter the tensor cores as code - kVCenter (exact small integers): centring keeps the
+    // fp32 accumulators near the size of the result over long sequences.
+    static constexpr int kVCenter = 1 << (kVBits - 1);
+    static constexpr float kVMid = kVCenter - 0.5f;  // middle of the code range
+    static constexpr uint32_t kNegVBias = (kMagic | (kVCenter * 0x10001u)) | 0x80008000u;  // -(magic + center) x2
     static constexpr int kSlotsK = kHeadDim / 8;   // K pair slots per (thread, token)
     static constexpr int kSlotsV = kHeadDim / 16;  // V pair slots per (thread, token)
 
@@ -87,7 +93,7 @@ struct PackedKV {
         const float2 a = affine(stage, kKMetaOff, tok);
         return make_float2(a.x, a.y - a.x * kMagicValue);
     }
-    // V stays (scale, offset): the kernel subtracts magic * (rounded probability) itself.
+    // V stays (scale, offset): the kernel folds them into the probabilities.
     __device__ static float2 v_affine(const char *stage, int tok) { return affine(stage, kVMetaOff, tok); }
 };
 

@@ -24,6 +24,18 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4],
     }
 }
 
+// a * 1 + b on two packed 16-bit floats (exact when the result is a small integer).
+template <typename Elem>
+__device__ __forceinline__ uint32_t add2(uint32_t a, uint32_t b) {
+    uint32_t d;
+    if constexpr (std::is_same_v<Elem, __half>) {
+        asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(0x3c003c00u), "r"(b));
+    } else {
+        asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(0x3f803f80u), "r"(b));
+    }
+    return d;
+}
+
 // Transpose an 8x8 matrix of 16-bit values held in the MMA accumulator layout.
 __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
     uint32_t y;

@@ -1,0 +1,203 @@
+"""Decode attention benchmark: fused 3-bit kernel vs FP16 paths, side by side in one run.
+
+    python benchmarks/bench_decode.py [--quick] [--out benchmarks/results]
+
+For each shape (batch B, cache length S, q heads, kv heads, head_dim d; q_len 1) it times, with
+``triton.testing.do_bench`` medians (CUDA events, warm-up, random data):
+
+* ``tq3_kernel``: the fused decode op alone (q already rotated);
+* ``tq3_api``: ``flash_attn_tq.flash_attn_with_kvcache(q, cache)`` end to end (rotation included);
+* ``sdpa_flash`` / ``sdpa_cudnn``: PyTorch SDPA on the fp16 cache;
+* ``fa2``: upstream ``flash_attn.flash_attn_with_kvcache`` when importable.
+
+Speedups are the fastest FP16 path's time over ours. GB/s counts the bytes the kernel must read
+(packed codes + metadata for ours, fp16 K/V for the others). Writes JSON + Markdown (+ PNG) with
+the GPU, torch, CUDA and git commit.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import flash_attn_tq as fa  # noqa: E402
+from flash_attn_tq import ops  # noqa: E402
+from flash_attn_tq.cache import QuantizedKVCache  # noqa: E402
+
+ISSUE_SHAPES = [  # (B, S, Hq, Hk, d)
+    (1, 131072, 32, 8, 128),
+    (8, 32768, 32, 8, 128),
+    (32, 8192, 32, 8, 128),
+    (16, 4096, 32, 32, 128),
+    (64, 2048, 32, 8, 128),
+]
+
+
+def sweep_shapes(quick: bool):
+    lengths = [1024, 4096, 16384, 65536] if quick else [1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072]
+    out = []
+    for d in (128, 64):
+        for B in (1, 8):
+            for S in lengths:
+                if B * S <= 8 * 32768 * (2 if d == 64 else 1):
+                    out.append((B, S, 32, 8, d))
+    return out
+
+
+def bench(fn, reps_ms=200):
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=25, rep=reps_ms, return_mode="median") * 1e3  # µs
+
+
+def upstream_fa2():
+    try:
+        from flash_attn import flash_attn_with_kvcache as f
+        return f
+    except Exception:
+        return None
+
+
+def fill_cache(B, S, Hk, d, dtype, chunk=8192):
+    cache = QuantizedKVCache(B, S, Hk, d, device="cuda", dtype=dtype)
+    k = torch.empty(B, S, Hk, d, device="cuda", dtype=dtype)
+    v = torch.empty_like(k)
+    for s0 in range(0, S, chunk):
+        kc = torch.randn(B, min(chunk, S - s0), Hk, d, device="cuda", dtype=dtype)
+        vc = torch.randn_like(kc)
+        k[:, s0:s0 + kc.shape[1]] = kc
+        v[:, s0:s0 + kc.shape[1]] = vc
+        cache.append(kc, vc)
+    return cache, k, v
+
+
+def run_shape(B, S, Hq, Hk, d, dtype=torch.float16):
+    cache, k, v = fill_cache(B, S, Hk, d, dtype)
+    q = torch.randn(B, 1, Hq, d, device="cuda", dtype=dtype)
+    scale = d ** -0.5
+    q_rot = cache.rotate_query(q).contiguous()
+    lens = cache.seqlens
+    row = {"B": B, "S": S, "Hq": Hq, "Hk": Hk, "d": d}
+    row["tq3_kernel"] = bench(lambda: ops.decode(q_rot, cache, lens, None, scale, False, 0))
+    row["tq3_api"] = bench(lambda: fa.flash_attn_with_kvcache(q, cache))
+    assert fa.last_path() == "quantized:fused-cuda", fa.last_path()
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    for name, backend in (("sdpa_flash", SDPBackend.FLASH_ATTENTION), ("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION)):
+        try:
+            with sdpa_kernel(backend):
+                F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+                row[name] = bench(lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True))
+        except Exception as e:  # backend not available for this shape
+            row[name] = None
+            row[name + "_error"] = str(e).splitlines()[0][:120]
+    f2 = upstream_fa2()
+    if f2 is not None:
+        seq = torch.full((B,), S, dtype=torch.int32, device="cuda")
+        row["fa2"] = bench(lambda: f2(q, k, v, cache_seqlens=seq))
+    else:
+        row["fa2"] = None
+    fp16_paths = [row[n] for n in ("sdpa_flash", "sdpa_cudnn", "fa2") if row.get(n)]
+    best = min(fp16_paths)
+    row["fp16_best_us"] = best
+    row["speedup_kernel"] = best / row["tq3_kernel"]
+    row["speedup_api"] = best / row["tq3_api"]
+    packed = B * S * Hk * (cache.k_codes.shape[-1] + cache.v_codes.shape[-1] + 8)
+    row["tq3_GBps"] = packed / row["tq3_kernel"] / 1e3
+    row["fp16_GBps"] = B * S * Hk * d * 2 * 2 / best / 1e3
+    # pack (quantize-on-write) bandwidth on the fp16 input bytes
+    kn = torch.randn(B, min(S, 4096), Hk, d, device="cuda", dtype=dtype)
+    scratch = QuantizedKVCache(B, kn.shape[1], Hk, d, device="cuda", dtype=dtype)
+    zero = torch.zeros(B, dtype=torch.int32, device="cuda")
+    t_pack = bench(lambda: scratch.append(kn, kn, cache_seqlens=zero))
+    row["pack_GBps"] = 2 * kn.numel() * 2 / t_pack / 1e3
+    del cache, k, v
+    torch.cuda.empty_cache()
+    return row
+
+
+def stamp():
+    try:
+        commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
+    except Exception:
+        commit = os.environ.get("GIT_COMMIT", "unknown")
+    return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
+            "commit": commit, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def fmt(x, spec=".1f"):
+    return "–" if x is None else format(x, spec)
+
+
+def write_results(rows, meta, out_dir, name):
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    lines = [f"# Decode attention, fused 3-bit vs FP16 ({meta['gpu']}, torch {meta['torch']}, CUDA {meta['cuda']}, "
+             f"commit {meta['commit']})", "",
+             "µs are do_bench medians; speedup = fastest FP16 path / ours; GB/s = bytes that must be read / time.", "",
+             "| B | S | Hq/Hk | d | tq3 kernel µs | tq3 API µs | SDPA flash µs | SDPA cuDNN µs | FA2 µs | speedup (kernel) | "
+             "speedup (API) | tq3 GB/s | fp16 GB/s | pack GB/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['B']} | {r['S']} | {r['Hq']}/{r['Hk']} | {r['d']} | {fmt(r['tq3_kernel'])} | "
+                     f"{fmt(r['tq3_api'])} | {fmt(r['sdpa_flash'])} | {fmt(r['sdpa_cudnn'])} | {fmt(r['fa2'])} | "
+                     f"{fmt(r['speedup_kernel'], '.2f')}x | {fmt(r['speedup_api'], '.2f')}x | {fmt(r['tq3_GBps'], '.0f')} | "
+                     f"{fmt(r['fp16_GBps'], '.0f')} | {fmt(r['pack_GBps'], '.0f')} |")
+    with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for d in sorted({r["d"] for r in rows}):
+            for B in sorted({r["B"] for r in rows}):
+                pts = [(r["S"], r["speedup_kernel"]) for r in rows if r["d"] == d and r["B"] == B and r.get("sweep")]
+                if pts:
+                    ax.plot(*zip(*sorted(pts)), marker="o", label=f"B={B}, d={d}")
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("cache length S")
+        ax.set_ylabel("speedup vs fastest FP16")
+        ax.set_title(f"fused 3-bit decode, {meta['gpu']}")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, f"{name}.png"), dpi=120)
+    except Exception as e:  # matplotlib missing: the table is the result
+        print("no plot:", e)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer sweep points")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--name", default="decode")
+    args = ap.parse_args()
+    if not torch.cuda.is_available() or not ops.extension_available():
+        sys.exit("bench_decode needs a CUDA GPU and the built extension")
+    torch.manual_seed(0)
+    rows = []
+    for shp in ISSUE_SHAPES:
+        rows.append(run_shape(*shp))
+        print(rows[-1], flush=True)
+    for shp in sweep_shapes(args.quick):
+        r = run_shape(*shp)
+        r["sweep"] = True
+        rows.append(r)
+        print(r, flush=True)
+    write_results(rows, stamp(), args.out, args.name)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,29 @@
+"""One decode shape for Nsight Compute:
+    ncu --clock-control none --kernel-name regex:decode_split --launch-skip 5 --launch-count 1 \
+        --section SpeedOfLight --section Occupancy --section WarpStateStats python benchmarks/profile_decode.py
+"""
+import argparse
+
+import torch
+
+from flash_attn_tq import ops
+from flash_attn_tq.cache import QuantizedKVCache
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--batch", type=int, default=8)
+ap.add_argument("--seqlen", type=int, default=32768)
+ap.add_argument("--kv-heads", type=int, default=8)
+ap.add_argument("--q-heads", type=int, default=32)
+ap.add_argument("--head-dim", type=int, default=128)
+args = ap.parse_args()
+B, S, Hk, d = args.batch, args.seqlen, args.kv_heads, args.head_dim
+cache = QuantizedKVCache(B, S, Hk, d, device="cuda")
+for s0 in range(0, S, 8192):
+    n = min(8192, S - s0)
+    cache.append(torch.randn(B, n, Hk, d, device="cuda", dtype=torch.float16),
+                 torch.randn(B, n, Hk, d, device="cuda", dtype=torch.float16))
+q = torch.randn(B, 1, args.q_heads, d, device="cuda", dtype=torch.float16)
+for _ in range(10):
+    ops.decode(q, cache, cache.seqlens, None, d ** -0.5, False, 0)
+torch.cuda.synchronize()
+print("done")

@@ -1,0 +1,238 @@
+"""GPU tests of the fused kernels (skipped without a GPU and the built extension).
+
+Run on the device: ``python -m pytest tests/test_cuda_kernels.py -q``.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import flash_attn_tq as fa
+from flash_attn_tq import baseline, format as fmt, ops
+from flash_attn_tq.cache import QuantizedKVCache
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or not ops.extension_available(),
+                       reason="needs a CUDA GPU and the flash_attn_tq_cuda extension"),
+]
+
+DEV = "cuda"
+
+
+def _poison_allocator(nbytes: int = 1 << 28) -> None:
+    """Fill freed allocator blocks with NaN so an output element the kernel never writes shows up."""
+    junk = torch.full((nbytes // 4,), float("nan"), device=DEV)
+    del junk
+
+
+def _make_cache(batch, seqlens, kv_heads, d, *, quantizer="turbo", k_bits=3, v_bits=3, dtype=torch.float16,
+                page_size=None, window=0, seed=0, max_seqlen=None, shuffle_blocks=False):
+    """A GPU cache filled through the pack kernel with random K/V; returns (cache, k_full, v_full)."""
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    max_len = max_seqlen or max(seqlens) + 3
+    block_table = None
+    if page_size is not None and shuffle_blocks:
+        per_seq = math.ceil(max_len / page_size)
+        perm = torch.randperm(batch * per_seq, generator=torch.Generator().manual_seed(seed))
+        block_table = perm.reshape(batch, per_seq).to(torch.int32)
+    cache = QuantizedKVCache(batch, max_len, kv_heads, d, k_bits=k_bits, v_bits=v_bits, quantizer=quantizer,
+                             page_size=page_size, block_table=block_table, fp16_window=window, dtype=dtype,
+                             device=DEV, seed=seed)
+    L = max(seqlens)
+    k = (torch.randn(batch, L, kv_heads, d, device=DEV, generator=gen) * 1.5 + 0.3).to(dtype)
+    v = torch.randn(batch, L, kv_heads, d, device=DEV, generator=gen).to(dtype)
+    for b, n in enumerate(seqlens):
+        idx = torch.tensor([b], dtype=torch.int32, device=DEV)
+        if n:
+            cache.append(k[b:b + 1, :n], v[b:b + 1, :n], cache_seqlens=0, batch_idx=idx)
+    return cache, k, v
+
+
+def _reference(q, cache, seqlens_total, causal, softmax_scale=None):
+    """float32 attention over the dequantized cache (the quantized reference path, on a CPU copy)."""
+    cpu = QuantizedKVCache.from_state_dict({k: (v.cpu() if torch.is_tensor(v) else v)
+                                            for k, v in cache.state_dict().items()}, device="cpu")
+    kd, vd = cpu.dequantize()
+    out, lse = baseline.attention_reference(q.float().cpu(), kd, vd, softmax_scale=softmax_scale, causal=causal,
+                                            key_lengths=seqlens_total.cpu())
+    # what a 16-bit kernel computes: the codes' domain (rotated for turbo), inputs and output rounded
+    # to q's dtype. The fused kernel may err at most about twice as much as this does.
+    dt = q.dtype
+    kr, vr = cpu.dequantize(rotated=True)
+    out_lp, lse_lp = baseline.attention_reference(cpu.rotate_query(q.cpu()), kr.to(dt), vr.to(dt),
+                                                  softmax_scale=softmax_scale, causal=causal,
+                                                  key_lengths=seqlens_total.cpu())
+    return out, lse, cpu.unrotate_output(out_lp.to(dt)).to(dt).float(), lse_lp
+
+
+CASES = [
+    # batch, seqlens, q heads, kv heads, seqlen_q
+    (1, [1], 8, 2, 1),
+    (3, [63, 257, 4097], 32, 8, 1),
+    (2, [1000, 17], 8, 8, 1),
+    (2, [129, 300], 9, 3, 1),
+    (2, [70, 33], 16, 1, 1),
+    (2, [200, 513], 8, 2, 4),
+    (1, [77], 4, 4, 16),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("bits", [(3, 3), (4, 3)])
+@pytest.mark.parametrize("quantizer", ["turbo", "asym"])
+@pytest.mark.parametrize("case", CASES)
+def test_decode_matches_reference(dtype, d, bits, quantizer, case):
+    batch, seqlens, hq, hk, sq = case
+    seed = hash((str(dtype), d, bits, quantizer, tuple(seqlens), sq)) % 10000
+    cache, _, _ = _make_cache(batch, seqlens, hk, d, quantizer=quantizer, k_bits=bits[0], v_bits=bits[1],
+                              dtype=dtype, seed=seed)
+    q = torch.randn(batch, sq, hq, d, device=DEV, generator=torch.Generator(device=DEV).manual_seed(seed + 1)).to(dtype)
+    causal = sq > 1
+    _poison_allocator()
+    out, lse = fa.flash_attn_with_kvcache(q, cache, causal=causal, return_softmax_lse=True)
+    assert fa.last_path() == "quantized:fused-cuda"
+    ref, ref_lse, ref_lp, ref_lse_lp = _reference(q, cache, cache.seqlens, causal)
+    out = out.float().cpu()
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    err = (out - ref).abs().max().item()
+    err_lp = (ref_lp - ref).abs().max().item()
+    assert err <= 2 * err_lp + 2e-3, (err, err_lp)
+    lse_err = (lse.cpu() - ref_lse).abs().max().item()
+    assert lse_err <= 2 * (lse_lp_err := (ref_lse_lp - ref_lse).abs().max().item()) + 1e-3, (lse_err, lse_lp_err)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 0])
+@pytest.mark.parametrize("page_size", [None, 16, 32, 256])
+def test_decode_paged_and_splits(num_splits, page_size):
+    seqlens = [1, 600, 4097]
+    cache, _, _ = _make_cache(3, seqlens, 4, 128, page_size=page_size, shuffle_blocks=True, seed=num_splits + 7)
+    q = torch.randn(3, 1, 16, 128, device=DEV, dtype=torch.float16)
+    _poison_allocator()
+    out = fa.flash_attn_with_kvcache(q, cache, num_splits=num_splits)
+    assert fa.last_path() == "quantized:fused-cuda"
+    ref, _, ref_lp, _ = _reference(q, cache, cache.seqlens, False)
+    err, err_lp = (out.float().cpu() - ref).abs().max().item(), (ref_lp - ref).abs().max().item()
+    assert err <= 2 * err_lp + 2e-3, (err, err_lp)
+
+
+def test_decode_cache_batch_idx_and_append():
+    cache, _, _ = _make_cache(4, [50, 90, 10, 300], 2, 64, seed=3, max_seqlen=400)
+    q = torch.randn(2, 1, 6, 64, device=DEV, dtype=torch.float16)
+    k_new = torch.randn(2, 1, 2, 64, device=DEV, dtype=torch.float16)
+    v_new = torch.randn(2, 1, 2, 64, device=DEV, dtype=torch.float16)
+    bidx = torch.tensor([3, 1], dtype=torch.int32, device=DEV)
+    out = fa.flash_attn_with_kvcache(q, cache, k=k_new, v=v_new, cache_batch_idx=bidx)
+    assert fa.last_path() == "quantized:fused-cuda"
+    assert cache.seqlens.tolist() == [50, 91, 10, 301]
+    cpu = QuantizedKVCache.from_state_dict({k: (v.cpu() if torch.is_tensor(v) else v)
+                                            for k, v in cache.state_dict().items()}, device="cpu")
+    kd, vd = cpu.dequantize(bidx.long().cpu())
+    ref, _ = baseline.attention_reference(q.float().cpu(), kd, vd, key_lengths=cache.seqlens[bidx.long()].cpu())
+    torch.testing.assert_close(out.float().cpu(), ref, atol=3e-3, rtol=0)
+
+
+def test_decode_with_fp16_window_matches_reference():
+    cache, _, _ = _make_cache(2, [300, 40], 2, 128, window=64, seed=11)
+    q = torch.randn(2, 1, 8, 128, device=DEV, dtype=torch.float16)
+    out = fa.flash_attn_with_kvcache(q, cache)
+    assert fa.last_path() == "quantized:fused-cuda"
+    ref, _, _, _ = _reference(q, cache, cache.seqlens, False)
+    torch.testing.assert_close(out.float().cpu(), ref, atol=3e-3, rtol=0)
+
+
+@pytest.mark.parametrize("quantizer,grid", [("turbo", "uniform"), ("turbo", "lloyd_max"), ("asym", "uniform")])
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_pack_kernel_matches_reference_codes(quantizer, grid, bits, d, dtype):
+    n, h = 999, 3
+    gen = torch.Generator(device=DEV).manual_seed(bits * 1000 + d)
+    x = (torch.randn(1, n, h, d, device=DEV, generator=gen) * 2 - 0.5).to(dtype)
+    cache = QuantizedKVCache(1, n, h, d, k_bits=bits, v_bits=bits, quantizer=quantizer, grid=grid, device=DEV)
+    cache.k_codes.fill_(0xAB)  # poison: every written byte must be overwritten
+    cache.k_meta.fill_(float("nan"))
+    cache.append(x, x)  # the pack kernel
+    ref = cache.quantize(x, x)  # the PyTorch reference, same data, same device
+    got_codes = fmt.unpack_codes(cache.k_codes[0, :n], bits, d)
+    ref_codes = fmt.unpack_codes(ref["k_codes"][0], bits, d)
+    diff = (got_codes != ref_codes)
+    # only values within float rounding of a bin edge may differ (reduction order of the norm), by one code
+    assert ((got_codes - ref_codes).abs() <= 1).all()
+    frac = diff.float().mean().item()
+    assert frac <= (0 if quantizer == "asym" else 2e-3), frac
+    print(f"\n{quantizer}/{grid} {bits}b d={d} {dtype}: {int(diff.sum())} of {diff.numel()} codes differ (ties)")
+    torch.testing.assert_close(cache.k_meta[0, :n].float(), ref["k_meta"][0].float(), rtol=2e-3, atol=1e-4)
+
+
+def test_cuda_graph_capture_and_replay():
+    cache, _, _ = _make_cache(2, [500, 700], 2, 128, seed=5, max_seqlen=1024)
+    q = torch.randn(2, 1, 8, 128, device=DEV, dtype=torch.float16)
+    k_new = torch.randn(2, 1, 2, 128, device=DEV, dtype=torch.float16)
+    v_new = torch.randn(2, 1, 2, 128, device=DEV, dtype=torch.float16)
+    seqlens = cache.seqlens.clone()
+    out_static = torch.empty_like(q)
+
+    def step():
+        out_static.copy_(fa.flash_attn_with_kvcache(q, cache, k=k_new, v=v_new, cache_seqlens=seqlens, num_splits=4))
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()  # warm-up (also loads kernels)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(3):
+        q.normal_()
+        k_new.normal_()
+        v_new.normal_()
+        seqlens += 1
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = fa.flash_attn_with_kvcache(q, cache, k=k_new, v=v_new, cache_seqlens=seqlens, num_splits=4)
+        torch.testing.assert_close(out_static, eager, atol=0, rtol=0)
+
+
+def test_torch_compile_traces_the_op():
+    cache, _, _ = _make_cache(2, [300, 301], 2, 64, seed=9)
+    q = torch.randn(2, 1, 4, 64, device=DEV, dtype=torch.bfloat16)
+
+    def f(qq):
+        return ops.decode(qq, cache, cache.seqlens, None, 0.125, False, 2)[0]
+
+    compiled = torch.compile(f, fullgraph=True)
+    torch.testing.assert_close(compiled(q), f(q))
+
+
+def test_unsupported_calls_fall_back_to_the_reference():
+    cache, _, _ = _make_cache(1, [40], 2, 128, seed=2)
+    q = torch.randn(1, 1, 4, 128, device=DEV, dtype=torch.float16)
+    fa.flash_attn_with_kvcache(q, cache, softcap=30.0)
+    assert fa.last_path().startswith("quantized:reference (softcap")
+    lloyd = QuantizedKVCache(1, 64, 2, 128, grid="lloyd_max", device=DEV)
+    lloyd.append(torch.randn(1, 8, 2, 128, device=DEV, dtype=torch.float16),
+                 torch.randn(1, 8, 2, 128, device=DEV, dtype=torch.float16))
+    fa.flash_attn_with_kvcache(q, lloyd)
+    assert "Lloyd-Max" in fa.last_path()
+
+
+def test_kernel_errors_name_the_argument():
+    cache, _, _ = _make_cache(1, [40], 2, 128, seed=2)
+    q = torch.randn(1, 1, 4, 128, device=DEV, dtype=torch.float16)
+    with pytest.raises(RuntimeError, match="seqlens_k"):
+        torch.ops.flash_attn_tq.decode_kvcache(q, cache.k_codes, cache.k_meta, cache.v_codes, cache.v_meta,
+                                               cache.seqlens.long(), None, None, 3, 3, 0.1, False, 0)
+    with pytest.raises(RuntimeError, match="head_dim"):
+        torch.ops.flash_attn_tq.decode_kvcache(q[..., :96].contiguous(), cache.k_codes, cache.k_meta, cache.v_codes,
+                                               cache.v_meta, cache.seqlens, None, None, 3, 3, 0.1, False, 0)
+    with pytest.raises(ValueError, match="NaN"):
+        bad = torch.full((1, 1, 2, 128), float("nan"), device=DEV, dtype=torch.float16)
+        fa.flash_attn_with_kvcache(q, cache, k=bad, v=bad)
+    with pytest.raises(ValueError, match="overflow"):
+        big = torch.randn(1, 100, 2, 128, device=DEV, dtype=torch.float16)
+        fa.flash_attn_with_kvcache(q, cache, k=big, v=big)

@@ -1,0 +1,429 @@
+"""flash_attn_tq.flash_attn_with_kvcache over a QuantizedKVCache (CPU reference path).
+
+Expected outputs come from an independent float64 attention written below (explicit loops over
+batch and heads, GQA mapping h -> h // (Hq / Hkv), bottom-right causal mask) over the values the
+cache holds (``cache.dequantize()``), and, for the quality checks, over the un-quantized inputs.
+"""
+import math
+
+import pytest
+import torch
+
+import flash_attn_tq
+from flash_attn_tq import QuantizedKVCache, flash_attn_with_kvcache, last_path
+
+INF = float("inf")
+
+
+# ----------------------------------------------------------------------------- independent reference
+
+def ref_attention(q, k, v, lens, causal=False, scale=None):
+    """float64 attention. q [B, Sq, Hq, d]; k, v [B, S, Hkv, d]; lens: keys [0, lens[b]) per row.
+    Returns out [B, Sq, Hq, d] and lse [B, Hq, Sq] (+inf, out 0 for rows without keys)."""
+    q, k, v = q.double(), k.double(), v.double()
+    B, Sq, Hq, d = q.shape
+    Hkv = k.shape[2]
+    group = Hq // Hkv
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    out = torch.zeros(B, Sq, Hq, v.shape[-1], dtype=torch.float64)
+    lse = torch.full((B, Hq, Sq), INF, dtype=torch.float64)
+    for b in range(B):
+        L = int(lens[b])
+        for h in range(Hq):
+            kh, vh = k[b, :L, h // group], v[b, :L, h // group]
+            for i in range(Sq):
+                last = L - 1 if not causal else i + L - Sq  # bottom-right aligned diagonal
+                n = min(L, last + 1)
+                if n <= 0:
+                    continue
+                s = (kh[:n] @ q[b, i, h]) * scale
+                m = s.max()
+                p = torch.exp(s - m)
+                out[b, i, h] = (p / p.sum()) @ vh[:n]
+                lse[b, h, i] = m + torch.log(p.sum())
+    return out, lse
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def rotary_ref(x, cos, sin, pos, interleaved):
+    """Rotate the first 2 * cos.shape[1] channels of x [B, S, H, d] at positions pos [B, S] (float64)."""
+    x = x.double().clone()
+    half = cos.shape[1]
+    c = cos.double()[pos]  # [B, S, half]
+    s = sin.double()[pos]
+    out = x.clone()
+    for i in range(half):
+        a, b = (2 * i, 2 * i + 1) if interleaved else (i, i + half)
+        ci, si = c[..., i].unsqueeze(-1), s[..., i].unsqueeze(-1)
+        out[..., a] = x[..., a] * ci - x[..., b] * si
+        out[..., b] = x[..., a] * si + x[..., b] * ci
+    return out
+
+
+def fill_rows(cache, lengths, gen, dtype=torch.float16):
+    """Write lengths[b] random tokens into row b (one append per row)."""
+    H, d = cache.num_kv_heads, cache.head_dim
+    for b, n in enumerate(lengths):
+        if n:
+            k = torch.randn(1, n, H, d, generator=gen).to(dtype)
+            v = torch.randn(1, n, H, d, generator=gen).to(dtype)
+            cache.append(k, v, batch_idx=torch.tensor([b]))
+
+
+# ----------------------------------------------------------------------------- main comparison
+
+HEADS = {"mha": (3, 3), "gqa": (6, 2), "mqa": (4, 1)}
+CASES = [
+    # quantizer, (kb, vb), d, heads, L
+    ("turbo", (3, 3), 128, "gqa", 129), ("turbo", (3, 3), 64, "mha", 7), ("turbo", (3, 3), 64, "mqa", 63),
+    ("turbo", (3, 3), 128, "mha", 1), ("turbo", (4, 3), 128, "mqa", 7), ("turbo", (4, 3), 64, "gqa", 63),
+    ("turbo", (4, 3), 64, "mha", 129), ("turbo", (4, 3), 128, "gqa", 1),
+    ("asym", (3, 3), 64, "gqa", 7), ("asym", (3, 3), 128, "mqa", 129), ("asym", (3, 3), 64, "mha", 63),
+    ("asym", (3, 3), 128, "gqa", 1), ("asym", (4, 3), 128, "mha", 63), ("asym", (4, 3), 64, "mqa", 129),
+    ("asym", (4, 3), 64, "gqa", 7), ("asym", (4, 3), 128, "mqa", 1),
+]
+
+
+@pytest.mark.parametrize("seqlen_q,causal", [(1, False), (3, True), (3, False)])
+@pytest.mark.parametrize("quantizer,bits,d,heads,L", CASES)
+def test_matches_float64_reference(quantizer, bits, d, heads, L, seqlen_q, causal):
+    Hq, Hkv = HEADS[heads]
+    B = 3
+    seqlen_q = min(seqlen_q, L)
+    gen = torch.Generator().manual_seed(L * 1000 + d + Hq * 10 + seqlen_q + 7 * causal)
+    cache = QuantizedKVCache(B, L + 5, Hkv, d, k_bits=bits[0], v_bits=bits[1], quantizer=quantizer)
+    ctx = [L - seqlen_q, (L - seqlen_q) // 2, max(0, L - seqlen_q - 3)]  # per-sequence lengths
+    fill_rows(cache, ctx, gen)
+    q = torch.randn(B, seqlen_q, Hq, d, generator=gen) * 1.5
+    k = torch.randn(B, seqlen_q, Hkv, d, generator=gen).half()
+    v = torch.randn(B, seqlen_q, Hkv, d, generator=gen).half()
+    out, lse = flash_attn_with_kvcache(q, cache, k=k, v=v, cache_seqlens=torch.tensor(ctx, dtype=torch.int32),
+                                       causal=causal, return_softmax_lse=True)
+    assert last_path().startswith("quantized:reference")
+    lens = [c + seqlen_q for c in ctx]
+    assert cache.seqlens.tolist() == lens
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == (B, Hq, seqlen_q) and lse.dtype == torch.float32
+    kd, vd = cache.dequantize()
+    exp_out, exp_lse = ref_attention(q, kd, vd, lens, causal)
+    torch.testing.assert_close(out.double(), exp_out, rtol=1e-4, atol=2e-5)
+    torch.testing.assert_close(lse.double(), exp_lse, rtol=1e-5, atol=1e-5)
+    # the new tokens really were quantized into the cache at cache_seqlens
+    for b in range(B):
+        rel = (kd[b, ctx[b]:lens[b]] - k[b].float()).norm() / k[b].float().norm()
+        assert 0.001 < rel < 0.25
+
+
+@pytest.mark.parametrize("quantizer", ["turbo", "asym"])
+def test_fp16_query_and_custom_scale(quantizer):
+    gen = torch.Generator().manual_seed(3)
+    cache = QuantizedKVCache(2, 40, 2, 64, quantizer=quantizer, k_bits=4)
+    fill_rows(cache, [31, 17], gen)
+    q = torch.randn(2, 1, 4, 64, generator=gen).half()
+    out = flash_attn_with_kvcache(q, cache, softmax_scale=0.3)
+    assert out.dtype == torch.float16
+    kd, vd = cache.dequantize()
+    exp, _ = ref_attention(q, kd, vd, [31, 17], scale=0.3)
+    torch.testing.assert_close(out.double(), exp, rtol=2e-3, atol=2e-3)
+    default = flash_attn_with_kvcache(q, cache)
+    assert (default.float() - out.float()).abs().max() > 1e-2  # the scale really was used
+    # bfloat16 query
+    out_bf = flash_attn_with_kvcache(q.bfloat16(), kv_cache=cache, softmax_scale=0.3)
+    assert out_bf.dtype == torch.bfloat16
+    torch.testing.assert_close(out_bf.double(), exp, rtol=1e-2, atol=1e-2)
+
+
+def test_rows_without_keys_give_zero_and_inf_lse():
+    gen = torch.Generator().manual_seed(4)
+    cache = QuantizedKVCache(2, 16, 1, 64, quantizer="asym")
+    fill_rows(cache, [3, 6], gen)
+    q = torch.randn(2, 5, 2, 64, generator=gen)
+    out, lse = flash_attn_with_kvcache(q, cache, causal=True, return_softmax_lse=True)
+    kd, vd = cache.dequantize()
+    exp_out, exp_lse = ref_attention(q, kd, vd, [3, 6], causal=True)
+    # row 0 has 3 keys for 5 query rows: rows 0 and 1 see nothing
+    assert torch.equal(out[0, :2], torch.zeros_like(out[0, :2]))
+    assert torch.isinf(lse[0, :, :2]).all() and (lse[0, :, :2] > 0).all()
+    assert torch.isfinite(lse[0, :, 2:]).all() and torch.isfinite(lse[1]).all()
+    torch.testing.assert_close(out.double(), exp_out, rtol=1e-4, atol=2e-5)
+    torch.testing.assert_close(lse.double(), exp_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_empty_cache_row_no_new_tokens():
+    cache = QuantizedKVCache(2, 16, 1, 64)
+    fill_rows(cache, [0, 4], torch.Generator().manual_seed(0))
+    q = torch.randn(2, 1, 1, 64)
+    out, lse = flash_attn_with_kvcache(q, cache, return_softmax_lse=True)
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and torch.isinf(lse[0]).all()
+    assert torch.isfinite(lse[1]).all() and out[1].abs().sum() > 0
+
+
+# ----------------------------------------------------------------------------- batch idx / paged
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged16-shuffled", "paged32"])
+@pytest.mark.parametrize("quantizer", ["turbo", "asym"])
+def test_cache_batch_idx_and_paged(layout, quantizer):
+    gen = torch.Generator().manual_seed(len(layout) + 13 * (quantizer == "asym"))
+    CB, S, Hkv, d = 5, 70, 2, 64
+    kw = dict(quantizer=quantizer, k_bits=4, v_bits=3)
+    if layout == "contiguous":
+        cache = QuantizedKVCache(CB, S, Hkv, d, **kw)
+    elif layout == "paged32":
+        cache = QuantizedKVCache(CB, S, Hkv, d, page_size=32, **kw)
+    else:
+        per = math.ceil(S / 16)
+        bt = torch.randperm(CB * per + 4, generator=gen)[: CB * per].reshape(CB, per).int()
+        cache = QuantizedKVCache(CB, S, Hkv, d, page_size=16, block_table=bt, **kw)
+    ctx = [11, 0, 47, 5, 29]
+    fill_rows(cache, ctx, gen)
+    bidx = torch.tensor([4, 0, 2], dtype=torch.int32)
+    q = torch.randn(3, 2, 6, d, generator=gen)
+    k = torch.randn(3, 2, Hkv, d, generator=gen)
+    v = torch.randn(3, 2, Hkv, d, generator=gen)
+    out, lse = flash_attn_with_kvcache(q, cache, k=k, v=v, cache_batch_idx=bidx, causal=True,
+                                       return_softmax_lse=True)
+    assert cache.seqlens.tolist() == [13, 0, 49, 5, 31]  # default cache_seqlens = the cache's own
+    kd, vd = cache.dequantize(bidx)
+    exp_out, exp_lse = ref_attention(q, kd, vd, [31, 13, 49], causal=True)
+    torch.testing.assert_close(out.double(), exp_out, rtol=1e-4, atol=2e-5)
+    torch.testing.assert_close(lse.double(), exp_lse, rtol=1e-5, atol=1e-5)
+    # the rows that were not selected are untouched
+    kd_all, _ = cache.dequantize()
+    assert torch.equal(kd_all[1, :1], torch.zeros_like(kd_all[1, :1]))
+    # a paged cache gives the same answer as a contiguous one with the same data
+    if layout != "contiguous":
+        ref_cache = QuantizedKVCache(CB, S, Hkv, d, **kw)
+        g2 = torch.Generator().manual_seed(len(layout) + 13 * (quantizer == "asym"))
+        if layout == "paged16-shuffled":
+            torch.randperm(CB * math.ceil(S / 16) + 4, generator=g2)
+        fill_rows(ref_cache, ctx, g2)
+        out2 = flash_attn_with_kvcache(q, ref_cache, k=k, v=v, cache_batch_idx=bidx, causal=True)
+        assert torch.equal(out, out2)
+
+
+def test_block_table_same_object_is_accepted():
+    cache = QuantizedKVCache(2, 32, 1, 64, page_size=16)
+    fill_rows(cache, [5, 9], torch.Generator().manual_seed(1))
+    q = torch.randn(2, 1, 2, 64)
+    a = flash_attn_with_kvcache(q, cache, block_table=cache.block_table)
+    b = flash_attn_with_kvcache(q, cache)
+    assert torch.equal(a, b)
+
+
+# ----------------------------------------------------------------------------- fp16 window
+
+@pytest.mark.parametrize("quantizer", ["turbo", "asym"])
+@pytest.mark.parametrize("seqlen_q,causal", [(1, False), (4, True)])
+def test_fp16_window(quantizer, seqlen_q, causal):
+    R = 8
+    gen = torch.Generator().manual_seed(seqlen_q * 3 + causal)
+    cache = QuantizedKVCache(3, 60, 2, 128, quantizer=quantizer, fp16_window=R)
+    ctx = [40, 2, 11]
+    fill_rows(cache, ctx, gen)
+    q = torch.randn(3, seqlen_q, 4, 128, generator=gen)
+    k = torch.randn(3, seqlen_q, 2, 128, generator=gen).half()
+    v = torch.randn(3, seqlen_q, 2, 128, generator=gen).half()
+    out, lse = flash_attn_with_kvcache(q, cache, k=k, v=v, causal=causal, return_softmax_lse=True)
+    lens = [c + seqlen_q for c in ctx]
+    kd, vd = cache.dequantize()
+    exp_out, exp_lse = ref_attention(q, kd, vd, lens, causal)
+    torch.testing.assert_close(out.double(), exp_out, rtol=1e-4, atol=2e-5)
+    torch.testing.assert_close(lse.double(), exp_lse, rtol=1e-5, atol=1e-5)
+    # the window tokens are attended in full precision: the new tokens' exact values
+    torch.testing.assert_close(kd[:, ctx[0]:lens[0]][0], k[0].float(), rtol=0, atol=3e-5)
+    # without the window the answer differs
+    kq, vq = cache.dequantize(use_window=False)
+    no_win, _ = ref_attention(q, kq, vq, lens, causal)
+    assert (no_win - exp_out).abs().max() > 1e-3
+
+
+def test_fp16_window_covering_everything_is_full_precision():
+    R = 16
+    gen = torch.Generator().manual_seed(5)
+    cache = QuantizedKVCache(2, 40, 1, 64, fp16_window=R)
+    k = torch.randn(2, 13, 1, 64, generator=gen).half()
+    v = torch.randn(2, 13, 1, 64, generator=gen).half()
+    q = torch.randn(2, 13, 3, 64, generator=gen)
+    out = flash_attn_with_kvcache(q, cache, k=k, v=v, causal=True)
+    exp, _ = ref_attention(q, k, v, [13, 13], causal=True)
+    torch.testing.assert_close(out.double(), exp, rtol=1e-4, atol=3e-5)
+
+
+# ----------------------------------------------------------------------------- rotary
+
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("quantizer,rot_dim", [("turbo", 64), ("asym", 32)])
+def test_rotary_equals_prerotated(interleaved, causal, quantizer, rot_dim):
+    gen = torch.Generator().manual_seed(2 * interleaved + causal + rot_dim)
+    B, Sq, Hq, Hkv, d = 2, 3, 4, 2, 64
+    ctx = [9, 4]
+    caches = [QuantizedKVCache(B, 32, Hkv, d, quantizer=quantizer, k_bits=4) for _ in range(2)]
+    st = gen.get_state()
+    fill_rows(caches[0], ctx, gen)
+    gen.set_state(st)
+    fill_rows(caches[1], ctx, gen)
+    seqlen_ro = 40
+    angles = torch.rand(seqlen_ro, rot_dim // 2, generator=gen, dtype=torch.float64) * 6.3
+    cos, sin = angles.cos().float(), angles.sin().float()
+    q = torch.randn(B, Sq, Hq, d, generator=gen)
+    k = torch.randn(B, Sq, Hkv, d, generator=gen)
+    v = torch.randn(B, Sq, Hkv, d, generator=gen)
+    start = torch.tensor(ctx, dtype=torch.int32)
+    out_a, lse_a = flash_attn_with_kvcache(q, caches[0], k=k, v=v, rotary_cos=cos, rotary_sin=sin,
+                                           cache_seqlens=start, causal=causal, rotary_interleaved=interleaved,
+                                           return_softmax_lse=True)
+    kpos = start.long()[:, None] + torch.arange(Sq)
+    qpos = kpos if causal else start.long()[:, None].expand(B, Sq)
+    q_r = rotary_ref(q, cos, sin, qpos, interleaved).float()
+    k_r = rotary_ref(k, cos, sin, kpos, interleaved).float()
+    assert torch.equal(q_r[..., rot_dim:], q[..., rot_dim:])  # channels beyond rotary_dim untouched
+    out_b, lse_b = flash_attn_with_kvcache(q_r, caches[1], k=k_r, v=v, cache_seqlens=start, causal=causal,
+                                           return_softmax_lse=True)
+    torch.testing.assert_close(out_a, out_b, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(lse_a, lse_b, rtol=1e-4, atol=1e-4)
+    ka, _ = caches[0].dequantize()
+    kb, _ = caches[1].dequantize()
+    close = torch.isclose(ka, kb, rtol=1e-4, atol=1e-5)
+    assert close.float().mean() > 0.999  # codes may differ only at exact-tie roundoff
+    # and rotary really did something
+    out_plain = flash_attn_with_kvcache(q, QuantizedKVCache(B, 32, Hkv, d, quantizer=quantizer, k_bits=4),
+                                        k=k, v=v, causal=causal)
+    assert not torch.allclose(out_plain[0, :, :], out_a[0, :, :], atol=1e-3)
+
+
+def test_rotary_needs_k():
+    cache = QuantizedKVCache(1, 8, 1, 64)
+    cos = torch.ones(8, 16)
+    with pytest.raises(ValueError, match="rotary"):
+        flash_attn_with_kvcache(torch.randn(1, 1, 1, 64), cache, rotary_cos=cos, rotary_sin=cos)
+    with pytest.raises(ValueError, match="rotary_cos and rotary_sin"):
+        flash_attn_with_kvcache(torch.randn(1, 1, 1, 64), cache, rotary_cos=cos)
+
+
+# ----------------------------------------------------------------------------- paths
+
+def test_last_path():
+    cache = QuantizedKVCache(1, 8, 1, 64)
+    q = torch.randn(1, 1, 2, 64)
+    flash_attn_with_kvcache(q, cache, k=torch.randn(1, 1, 1, 64), v=torch.randn(1, 1, 1, 64))
+    assert last_path().startswith("quantized:reference")
+    kc, vc = torch.zeros(1, 8, 1, 64), torch.zeros(1, 8, 1, 64)
+    flash_attn_with_kvcache(q, kc, vc, k=torch.randn(1, 1, 1, 64), v=torch.randn(1, 1, 1, 64), cache_seqlens=0)
+    assert last_path() == "baseline:torch"
+    flash_attn_with_kvcache(q, kv_cache=cache)
+    assert last_path().startswith("quantized:reference")
+    assert flash_attn_tq.last_path is last_path
+
+
+def test_plain_cache_baseline_matches_reference():
+    """The same API with a plain float tensor cache still attends over the raw values."""
+    gen = torch.Generator().manual_seed(9)
+    kc = torch.zeros(2, 20, 2, 64)
+    vc = torch.zeros(2, 20, 2, 64)
+    k = torch.randn(2, 7, 2, 64, generator=gen)
+    v = torch.randn(2, 7, 2, 64, generator=gen)
+    q = torch.randn(2, 7, 4, 64, generator=gen)
+    out = flash_attn_with_kvcache(q, kc, vc, k=k, v=v, cache_seqlens=torch.tensor([3, 0], dtype=torch.int32),
+                                  causal=True)
+    assert torch.equal(kc[0, 3:10], k[0]) and torch.equal(kc[1, :7], k[1])
+    exp, _ = ref_attention(q, kc, vc, [10, 7], causal=True)
+    torch.testing.assert_close(out.double(), exp, rtol=1e-4, atol=2e-5)
+
+
+# ----------------------------------------------------------------------------- errors
+
+def test_errors():
+    cache = QuantizedKVCache(2, 8, 2, 64)
+    q = torch.randn(2, 1, 4, 64)
+    kv = torch.randn(2, 1, 2, 64)
+    with pytest.raises(ValueError, match="head_dim"):
+        flash_attn_with_kvcache(torch.randn(2, 1, 4, 128), cache)
+    with pytest.raises(ValueError, match="multiple"):
+        flash_attn_with_kvcache(torch.randn(2, 1, 3, 64), cache)
+    with pytest.raises(ValueError, match="v_cache"):
+        flash_attn_with_kvcache(q, cache, torch.zeros(2, 8, 2, 64))
+    with pytest.raises(ValueError, match="block_table"):
+        flash_attn_with_kvcache(q, cache, block_table=torch.zeros(2, 1, dtype=torch.int32))
+    paged = QuantizedKVCache(2, 32, 2, 64, page_size=16)
+    with pytest.raises(ValueError, match="block_table"):
+        flash_attn_with_kvcache(q, paged, block_table=paged.block_table.clone())
+    with pytest.raises(ValueError, match="together"):
+        flash_attn_with_kvcache(q, cache, k=kv)
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        flash_attn_with_kvcache(q, cache, k=kv, v=kv, cache_seqlens=torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(ValueError, match="cache_batch_idx"):
+        flash_attn_with_kvcache(q, cache, cache_batch_idx=torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(ValueError, match="batch"):
+        flash_attn_with_kvcache(torch.randn(3, 1, 4, 64), cache)
+    with pytest.raises(ValueError, match="4-D"):
+        flash_attn_with_kvcache(torch.randn(2, 4, 64), cache)
+    with pytest.raises(TypeError, match="q must be"):
+        flash_attn_with_kvcache(q.double(), cache)
+    with pytest.raises(ValueError, match="v_cache is required"):
+        flash_attn_with_kvcache(q, torch.zeros(2, 8, 2, 64))
+    with pytest.raises(ValueError, match="k_cache is required"):
+        flash_attn_with_kvcache(q)
+    assert cache.seqlens.tolist() == [0, 0]
+    # overflow through the append of the API call
+    flash_attn_with_kvcache(q, cache, k=torch.randn(2, 7, 2, 64), v=torch.randn(2, 7, 2, 64))
+    with pytest.raises(ValueError, match="overflow"):
+        flash_attn_with_kvcache(q, cache, k=torch.randn(2, 2, 2, 64), v=torch.randn(2, 2, 2, 64))
+    assert cache.seqlens.tolist() == [7, 7]
+    with pytest.raises(ValueError, match="overflow"):
+        flash_attn_with_kvcache(q, cache, k=kv, v=kv, cache_seqlens=8)
+    with pytest.raises(ValueError, match="NaN"):
+        flash_attn_with_kvcache(q, cache, k=kv * float("nan"), v=kv)
+
+
+# ----------------------------------------------------------------------------- quality
+
+def quality_case(seed, B=2, L=301, Hq=8, Hkv=2, d=128, Sq=1):
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.randn(B, L, Hkv, d, generator=gen).half()
+    v = torch.randn(B, L, Hkv, d, generator=gen).half()
+    q = torch.randn(B, Sq, Hq, d, generator=gen)
+    exact, _ = ref_attention(q, k, v, [L] * B)
+    errs = {}
+    for quantizer in ("turbo", "asym"):
+        for bits in ((3, 3), (4, 3), (2, 2)):
+            cache = QuantizedKVCache(B, L, Hkv, d, quantizer=quantizer, k_bits=bits[0], v_bits=bits[1])
+            cache.append(k, v)
+            out = flash_attn_with_kvcache(q, cache)
+            errs[(quantizer, bits)] = rel_err(out, exact)
+    return errs
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_quality_vs_full_precision(seed):
+    errs = quality_case(seed)
+    for quantizer in ("turbo", "asym"):
+        assert errs[(quantizer, (3, 3))] < 0.35, errs
+        assert errs[(quantizer, (4, 3))] < errs[(quantizer, (3, 3))], errs
+        assert errs[(quantizer, (2, 2))] > errs[(quantizer, (3, 3))], errs
+    assert errs[("turbo", (3, 3))] < errs[("asym", (3, 3))]  # the rotation helps on Gaussian data
+    assert errs[("turbo", (3, 3))] > 0.01  # quantization does change the answer
+
+
+def test_quality_peaked_attention():
+    """Keys that some queries match strongly: the quantized cache must still pick the right keys."""
+    gen = torch.Generator().manual_seed(11)
+    B, L, H, d = 1, 200, 1, 128
+    k = torch.randn(B, L, H, d, generator=gen).half()
+    v = torch.randn(B, L, H, d, generator=gen).half()
+    idx = torch.tensor([17, 150, 3])
+    q = torch.zeros(1, 3, 1, d)  # 3 query rows, one per target key
+    for i, j in enumerate(idx.tolist()):
+        q[0, i, 0] = k[0, j, 0].float() * 0.5
+    exact, _ = ref_attention(q, k, v, [L])
+    cache = QuantizedKVCache(B, L, H, d)
+    cache.append(k, v)
+    out = flash_attn_with_kvcache(q, cache)
+    assert rel_err(out, exact) < 0.25
+    # the output is close to the targeted value vectors
+    for i, j in enumerate(idx.tolist()):
+        cos = torch.nn.functional.cosine_similarity(out[0, i, 0].double(), v[0, j, 0].double(), dim=0)
+        assert cos > 0.8
