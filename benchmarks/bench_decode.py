@@ -40,10 +40,10 @@ ISSUE_SHAPES = [  # (B, S, Hq, Hk, d)
 ]
 
 
-def sweep_shapes(quick: bool):
+def sweep_shapes(quick: bool, head_dims=(128, 64)):
     lengths = [1024, 4096, 16384, 65536] if quick else [1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072]
     out = []
-    for d in (128, 64):
+    for d in head_dims:
         for B in (1, 8):
             for S in lengths:
                 if B * S <= 8 * 32768 * (2 if d == 64 else 1):
@@ -183,6 +183,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="fewer sweep points")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--name", default="decode")
+    ap.add_argument("--head-dims", default="128,64", help="head dims of the length sweep")
     args = ap.parse_args()
     if not torch.cuda.is_available() or not ops.extension_available():
         sys.exit("bench_decode needs a CUDA GPU and the built extension")
@@ -191,7 +192,7 @@ def main():
     for shp in ISSUE_SHAPES:
         rows.append(run_shape(*shp))
         print(rows[-1], flush=True)
-    for shp in sweep_shapes(args.quick):
+    for shp in sweep_shapes(args.quick, tuple(int(x) for x in args.head_dims.split(","))):
         r = run_shape(*shp)
         r["sweep"] = True
         rows.append(r)

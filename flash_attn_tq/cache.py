@@ -152,15 +152,17 @@ class QuantizedKVCache:
 
     # ------------------------------------------------------------------ domain changes
     def rotate_query(self, q: torch.Tensor) -> torch.Tensor:
-        """Move queries into the codes' domain (Hadamard rotation for turbo; identity for asym)."""
+        """Move queries into the codes' domain (Hadamard rotation for turbo; identity for asym).
+
+        One float32 GEMM with the cached rotation matrix (few launches on the decode path)."""
         if self.quantizer == "turbo":
-            return self.k_quantizer.rotate(q).to(q.dtype)
+            return (q.float() @ self.k_quantizer.rotation_matrix(q.device)).to(q.dtype)
         return q
 
     def unrotate_output(self, o: torch.Tensor) -> torch.Tensor:
         """Inverse of :meth:`rotate_query` for attention outputs (V's rotation)."""
         if self.quantizer == "turbo":
-            return self.v_quantizer.unrotate(o).to(o.dtype)
+            return (o.float() @ self.v_quantizer.rotation_matrix(o.device).T).to(o.dtype)
         return o
 
     # ------------------------------------------------------------------ writing

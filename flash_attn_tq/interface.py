@@ -206,7 +206,7 @@ def _quantized_kvcache(q, cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
     else:
         bidx = torch.arange(batch, device=device, dtype=torch.int32)
     if cache_seqlens is None:
-        start = cache.seqlens[bidx.long()].clone()
+        start = cache.seqlens[:batch].clone() if cache_batch_idx is None else cache.seqlens[bidx.long()]
     elif isinstance(cache_seqlens, int):
         start = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=device)
     else:
@@ -230,7 +230,7 @@ def _quantized_kvcache(q, cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
         q = baseline._rotary(q, rotary_cos, rotary_sin, qpos, rotary_interleaved).to(q.dtype)
     if k is not None:
         cache.append(k, v, cache_seqlens=start, batch_idx=bidx)
-    lens = (start + seqlen_new).to(torch.int32)
+    lens = (start + seqlen_new).to(torch.int32) if seqlen_new else start
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
 
@@ -250,7 +250,6 @@ def _quantized_kvcache(q, cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
         out, lse = ops.decode(q_dom.contiguous(), cache, n_quant, bidx if cache_batch_idx is not None else None,
                               softmax_scale, causal and not R, num_splits)
         out = cache.unrotate_output(out)
-        lse = torch.where(torch.isneginf(lse), torch.full_like(lse, math.inf), lse)
         if R:
             out_w, lse_w = _window_part(q, cache, bidx.long(), lens, softmax_scale)
             out, lse = _merge_lse(out, lse, out_w, lse_w)

@@ -162,6 +162,13 @@ class TurboQuantizer:
             self._on_device[key] = src.to(device)
         return self._on_device[key]
 
+    def rotation_matrix(self, device) -> torch.Tensor:
+        """float32 ``[d, d]`` M with ``rotate(x) == x @ M`` (cached per device; one GEMM per call)."""
+        key = ("matrix", torch.device(device))
+        if key not in self._on_device:
+            self._on_device[key] = fwht(torch.diag(self.signs)).to(device)
+        return self._on_device[key]
+
     def signs_on(self, device) -> torch.Tensor:
         """The sign vector on ``device`` (cached)."""
         return self._device_copy("signs", device)

@@ -8,6 +8,7 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <limits>
 
 #include "src/tq_api.h"
 
@@ -21,12 +22,14 @@ namespace {
 
 #define CHECK_CUDA(t) TQ_CHECK((t).is_cuda(), #t " must be a CUDA tensor")
 
-// Pick num_splits so the grid fills the GPU about twice, keeping >= 128 tokens (4 warp tiles) a split.
+// Pick num_splits so the grid fills the GPU with resident CTAs (4 per SM at our register use)
+// in one wave, keeping >= 512 tokens a split (4 tiles a warp: fixed costs and the combine pass
+// outweigh the parallelism below that).
 int choose_num_splits(int ctas, int max_seqlen_k, int num_sms) {
-    if (ctas >= num_sms) return 1;
-    const int by_length = std::max(1, max_seqlen_k / 128);
-    const int wanted = (2 * num_sms + ctas - 1) / ctas;
-    return std::max(1, std::min({wanted, by_length, 128}));
+    const int resident = 4 * num_sms;
+    if (ctas >= resident) return 1;
+    const int by_length = std::max(1, max_seqlen_k / 512);
+    return std::max(1, std::min({resident / ctas, by_length, 128}));
 }
 
 template <int kHeadDim>
@@ -93,6 +96,12 @@ std::tuple<at::Tensor, at::Tensor> decode_kvcache(
     p.vc_batch_stride = v_codes.stride(0); p.vc_row_stride = v_codes.stride(1); p.vc_head_stride = v_codes.stride(2);
     p.km_batch_stride = k_meta.stride(0); p.km_row_stride = k_meta.stride(1); p.km_head_stride = k_meta.stride(2);
     p.vm_batch_stride = v_meta.stride(0); p.vm_row_stride = v_meta.stride(1); p.vm_head_stride = v_meta.stride(2);
+    // the kernel multiplies token and block indices by 32-bit row / block strides
+    const int64_t int_max = std::numeric_limits<int>::max();
+    for (const at::Tensor *t : {&k_codes, &v_codes, &k_meta, &v_meta}) {
+        TQ_CHECK(t->stride(1) <= int_max && (!block_table.has_value() || t->stride(0) <= int_max),
+                 "codes/meta strides must fit in 32 bits");
+    }
     p.seqlens_k = seqlens_k.data_ptr<int>();
     if (cache_batch_idx.has_value()) {
         CHECK_CUDA(*cache_batch_idx);
@@ -108,6 +117,8 @@ std::tuple<at::Tensor, at::Tensor> decode_kvcache(
         p.block_table = block_table->data_ptr<int>();
         p.block_table_batch_stride = block_table->stride(0);
         p.page_block_size = k_codes.size(1);
+        TQ_CHECK((p.page_block_size & (p.page_block_size - 1)) == 0, "page size must be a power of two");
+        while ((1 << p.page_block_shift) < p.page_block_size) { ++p.page_block_shift; }
         max_seqlen_k = block_table->size(1) * p.page_block_size;
     }
     p.b = b; p.seqlen_q = seqlen_q; p.h = h; p.h_k = h_k; p.h_h_k_ratio = h / h_k;

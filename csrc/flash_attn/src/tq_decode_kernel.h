@@ -69,33 +69,56 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_split_kernel(const D
     const int tile_begin = split * tiles_per_split;
     const int tile_end = min(n_tiles, tile_begin + tiles_per_split);
 
-    // Q as B fragments (rows g of each n8 tile), gathered in the loader's slot order, and the sum of
-    // each row's (rounded) elements for folding K's offsets into the scores.
+    // Q as B fragments (rows g of each n8 tile), gathered in the loader's slot order and scaled by
+    // 8^-q_scale_exp (powers of two: exact), plus per row the sum of its elements (for K's offsets)
+    // and magic * the sum of the scaled elements (for the magic number in the raw K values).
     uint32_t qf[NT][KB][2];
-    float sumq[NT][2];
+    float sumq[NT][2], magicq[NT][2];
     #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
         const int r = row0 + nt * 8 + g;
         const bool valid = r < total_rows;
         const Elem *qrow = reinterpret_cast<const Elem *>(p.q) + b * p.q_batch_stride +
                            (valid ? (r / group) * p.q_row_stride + (hk * group + r % group) * p.q_head_stride : 0);
-        float s = 0.f;
+        float s = 0.f, ms = 0.f;
         #pragma unroll
         for (int kb = 0; kb < KB; ++kb) {
             #pragma unroll
             for (int half = 0; half < 2; ++half) {
-                const int lo = pair_lo_element<D>(KV::q_slot(c, kb, half));
-                const float x0 = valid ? to_float(qrow[lo]) : 0.f, x1 = valid ? to_float(qrow[lo + 8]) : 0.f;
-                qf[nt][kb][half] = pack2<Elem>(x0, x1);
+                const int slot = KV::q_slot(c, kb, half);
+                const int lo = KV::q_element(slot, 0), hi = KV::q_element(slot, 1);
+                const float x0 = valid ? to_float(qrow[lo]) : 0.f, x1 = valid ? to_float(qrow[hi]) : 0.f;
+                const float down = exp2f(-3.f * KV::q_scale_exp(slot));
+                qf[nt][kb][half] = pack2<Elem>(x0 * down, x1 * down);
+                const float2 used = unpack2<Elem>(qf[nt][kb][half]);
                 s += x0 + x1;
+                ms += used.x + used.y;
             }
         }
-        s += __shfl_xor_sync(0xffffffffu, s, 1);
-        s += __shfl_xor_sync(0xffffffffu, s, 2);
         #pragma unroll
-        for (int j = 0; j < 2; ++j) { sumq[nt][j] = __shfl_sync(0xffffffffu, s, (2 * c + j) * 4); }
+        for (int o = 1; o <= 2; o *= 2) {
+            s += __shfl_xor_sync(0xffffffffu, s, o);
+            ms += __shfl_xor_sync(0xffffffffu, ms, o);
+        }
+        #pragma unroll
+        for (int j = 0; j < 2; ++j) {
+            sumq[nt][j] = __shfl_sync(0xffffffffu, s, (2 * c + j) * 4);
+            magicq[nt][j] = KV::kMagicValue * __shfl_sync(0xffffffffu, ms, (2 * c + j) * 4);
+        }
     }
 
+    // V centring: code k of the group arrives as magic + code * 8^e; times 8^-e minus
+    // (magic * 8^-e + center) gives code - center exactly.
+    uint32_t v_mul[KV::kGroupCodes], v_add[KV::kGroupCodes];
+    #pragma unroll
+    for (int k = 0; k < KV::kGroupCodes; ++k) {
+        const float down = exp2f(-3.f * KV::v_scale_exp(k));
+        v_mul[k] = pack2<Elem>(down, down);
+        const float bias = -(KV::kMagicValue * down + KV::kVCenter);
+        v_add[k] = pack2<Elem>(bias, bias);
+    }
+
+    const typename KV::Bases bases = KV::bases(p, bc, hk);
     float row_max[NT][2], row_sum[NT][2], row_corr[NT][2];
     float acc[NT][KB][4];
     #pragma unroll
@@ -114,19 +137,22 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_split_kernel(const D
     const int my_count = my_first < tile_end ? (tile_end - my_first + kWarps - 1) / kWarps : 0;
     #pragma unroll
     for (int s = 0; s < kStages - 1; ++s) {
-        if (s < my_count) { KV::load_tile(p, pipe + s * KV::kStageBytes, b, bc, hk, (my_first + s * kWarps) * kTileN, seqlen_k, lane); }
+        if (s < my_count) { KV::load_tile(p, bases, pipe + s * KV::kStageBytes, b, (my_first + s * kWarps) * kTileN, seqlen_k, lane); }
         cp_async_commit();
     }
 
+    int load_stage = kStages - 1, compute_stage = 0;
     for (int it = 0; it < my_count; ++it) {
         const int ahead = it + kStages - 1;
         if (ahead < my_count) {
-            KV::load_tile(p, pipe + (ahead % kStages) * KV::kStageBytes, b, bc, hk, (my_first + ahead * kWarps) * kTileN, seqlen_k, lane);
+            KV::load_tile(p, bases, pipe + load_stage * KV::kStageBytes, b, (my_first + ahead * kWarps) * kTileN, seqlen_k, lane);
         }
+        load_stage = load_stage == kStages - 1 ? 0 : load_stage + 1;
         cp_async_commit();
         cp_async_wait<kStages - 1>();
         __syncwarp();
-        const char *stage = pipe + (it % kStages) * KV::kStageBytes;
+        const char *stage = pipe + compute_stage * KV::kStageBytes;
+        compute_stage = compute_stage == kStages - 1 ? 0 : compute_stage + 1;
         const int tile_start = (my_first + it * kWarps) * kTileN;
 
         // ---- scores S^T for the two 16-token m-tiles
@@ -139,13 +165,14 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_split_kernel(const D
             KV::k_slots(stage, t1, c, k1);
             #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
-                #pragma unroll
-                for (int j = 0; j < 4; ++j) { sc[mt][nt][j] = 0.f; }
+                float part[2][4] = {};  // even / odd k-blocks: two independent MMA chains (latency)
                 #pragma unroll
                 for (int kb = 0; kb < KB; ++kb) {
                     const uint32_t a[4] = {k0[2 * kb], k1[2 * kb], k0[2 * kb + 1], k1[2 * kb + 1]};
-                    mma_16816<Elem>(sc[mt][nt], a, qf[nt][kb][0], qf[nt][kb][1]);
+                    mma_16816<Elem>(part[kb % 2], a, qf[nt][kb][0], qf[nt][kb][1]);
                 }
+                #pragma unroll
+                for (int j = 0; j < 4; ++j) { sc[mt][nt][j] = part[0][j] + part[1][j]; }
             }
             const float2 f0 = KV::k_affine(stage, t0), f1 = KV::k_affine(stage, t1);
             #pragma unroll
@@ -154,7 +181,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_split_kernel(const D
                 for (int j = 0; j < 4; ++j) {
                     const float2 f = j < 2 ? f0 : f1;
                     const int key = tile_start + (j < 2 ? t0 : t1);
-                    const float v = (f.x * sc[mt][nt][j] + f.y * sumq[nt][j & 1]) * p.scale_softmax_log2;
+                    const float v = (f.x * (sc[mt][nt][j] - magicq[nt][j & 1]) + f.y * sumq[nt][j & 1]) * p.scale_softmax_log2;
                     sc[mt][nt][j] = key < lim[nt][j & 1] ? v : kNegInf;
                 }
             }
@@ -204,17 +231,15 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_split_kernel(const D
         #pragma unroll
         for (int mt = 0; mt < 2; ++mt) {
             const int u = mt * 16 + 2 * c;
-            uint32_t x0[KV::kSlotsV], x1[KV::kSlotsV], x2[KV::kSlotsV], x3[KV::kSlotsV];
-            KV::v_slots(stage, u, g, x0);
-            KV::v_slots(stage, u + 1, g, x1);
-            KV::v_slots(stage, u + 8, g, x2);
-            KV::v_slots(stage, u + 9, g, x3);
+            uint32_t x01[KV::kGroupCodes], x89[KV::kGroupCodes];  // tokens (u, u + 1) and (u + 8, u + 9)
+            KV::v_pair_slots(stage, u, g, x01);
+            KV::v_pair_slots(stage, u + 8, g, x89);
             #pragma unroll
             for (int m = 0; m < KB; ++m) {
-                const uint32_t a[4] = {add2<Elem>(__byte_perm(x0[m], x1[m], 0x5410), KV::kNegVBias),
-                                       add2<Elem>(__byte_perm(x0[m], x1[m], 0x7632), KV::kNegVBias),
-                                       add2<Elem>(__byte_perm(x2[m], x3[m], 0x5410), KV::kNegVBias),
-                                       add2<Elem>(__byte_perm(x2[m], x3[m], 0x7632), KV::kNegVBias)};
+                const uint32_t a[4] = {fma2<Elem>(x01[2 * m], v_mul[2 * m], v_add[2 * m]),
+                                       fma2<Elem>(x01[2 * m + 1], v_mul[2 * m + 1], v_add[2 * m + 1]),
+                                       fma2<Elem>(x89[2 * m], v_mul[2 * m], v_add[2 * m]),
+                                       fma2<Elem>(x89[2 * m + 1], v_mul[2 * m + 1], v_add[2 * m + 1])};
                 #pragma unroll
                 for (int nt = 0; nt < NT; ++nt) { mma_16816<Elem>(acc[nt][m], a, pb[mt][nt][0], pb[mt][nt][1]); }
             }
@@ -289,7 +314,8 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_split_kernel(const D
         if (p.num_splits == 1) {
             Elem *out = reinterpret_cast<Elem *>(p.out) + b * p.o_batch_stride + i * p.o_row_stride + hq * p.o_head_stride;
             out[d] = from_float<Elem>(o);
-            if (d == 0) { p.softmax_lse[(static_cast<int64_t>(b) * p.h + hq) * p.seqlen_q + i] = lse; }
+            // a row with no visible key: output 0 and lse +inf, as upstream's kernels write
+            if (d == 0) { p.softmax_lse[(static_cast<int64_t>(b) * p.h + hq) * p.seqlen_q + i] = total > 0.f ? lse : INFINITY; }
         } else {
             const int64_t row_id = ((static_cast<int64_t>(split) * p.b + b) * p.h + hq) * p.seqlen_q + i;
             p.out_accum[row_id * D + d] = o;
@@ -320,7 +346,7 @@ __global__ void __launch_bounds__(128) decode_combine_kernel(const DecodeParams 
     Elem *out = reinterpret_cast<Elem *>(p.out) + b * p.o_batch_stride + i * p.o_row_stride + hq * p.o_head_stride;
     #pragma unroll
     for (int k = 0; k < kHeadDim / 32; ++k) { out[k * 32 + lane] = from_float<Elem>(total > 0.f ? o[k] / total : 0.f); }
-    if (lane == 0) { p.softmax_lse[row] = total > 0.f ? use + logf(total) : -INFINITY; }
+    if (lane == 0) { p.softmax_lse[row] = total > 0.f ? use + logf(total) : INFINITY; }
 }
 
 }  // namespace flash_tq

@@ -1,12 +1,14 @@
 // The packed K/V code format on the device side: the mirror of flash_attn_tq/format.py.
 //
-// Codes live in little-endian 32-bit words. A *pair slot* holds two codes at the same bit offset
-// of the word's low and high 16-bit lanes, so one shift + one lop3 (mask, OR the exponent of a
-// "magic" float) gives a 32-bit register of two 16-bit floats equal to kMagicValue + code.
-// Pair slot s of a head_dim-D vector holds elements lo = 16 * (s % (D/16)) + s / (D/16), hi = lo + 8.
-// 3 bits: 16 slots per 3-word block; slot r < 15 in word r / 5 at bit 3 * (r % 5); slot 15 is made
-// of the spare top bit of every lane of the block (bit i of the code = bit 15/31 of word i).
-// 2 / 4 bits: 8 / 4 slots per word at bit kBits * (s % slots_per_word).
+// Code sequence: 8 groups; group g holds elements 16m + g and 16m + g + 8 (m = 0, 1, ...), the two
+// rows a thread owns in each 16-row block of an m16n8k16 fragment. The sequence is packed into
+// 16-bit lanes: 4 / 8 codes a lane at 4 / 2 bits; at 3 bits, blocks of 16 codes in 3 lanes (5
+// codes a lane at bit 3j, the 16th from the spare bit 15 of the block's lanes).
+//
+// Unpacking: a 32-bit word whose two 16-bit lanes hold codes at the same bit offsets turns into
+// two 16-bit floats kMagicValue + code with one shift and one lop3 (mask, OR the magic exponent).
+// K reads words of lanes (2w, 2w + 1) of one token: a "pair slot" s gives two elements of that
+// token. V merges lane l of two consecutive tokens into one word: the same element of both.
 #pragma once
 
 #include <cstdint>
@@ -15,9 +17,32 @@
 
 namespace flash_tq {
 
+// Element held at code-sequence position n.
 template <int kHeadDim>
-__host__ __device__ constexpr int pair_lo_element(int slot) {
-    return 16 * (slot % (kHeadDim / 16)) + slot / (kHeadDim / 16);
+__host__ __device__ constexpr int seq_element(int n) {
+    const int k = n % (kHeadDim / 8);
+    return 16 * (k / 2) + n / (kHeadDim / 8) + 8 * (k % 2);
+}
+
+// Code-sequence position of code j (j < codes per lane) of lane l.
+template <int kBits>
+__host__ __device__ constexpr int lane_code_seq(int lane, int j) {
+    return kBits == 3 ? 16 * (lane / 3) + 5 * (lane % 3) + j : lane * (16 / kBits) + j;
+}
+
+// The (lo, hi) elements of K pair slot s: slot s uses words like the 3-bit block of a lane-merged
+// V word (slot r < 15 of a 3-word superblock: word r / 5, code r % 5; slot 15: the spare codes of
+// the superblock's two 3-lane blocks); at 2 / 4 bits slot s is code s % (16 / kBits) of word
+// s / (16 / kBits).
+template <int kBits, int kHeadDim>
+__host__ __device__ constexpr int k_pair_element(int s, int hi) {
+    if (kBits == 3) {
+        const int sb = s / 16, r = s % 16;
+        if (r == 15) return seq_element<kHeadDim>(32 * sb + 15 + 16 * hi);
+        return seq_element<kHeadDim>(lane_code_seq<3>(6 * sb + 2 * (r / 5) + hi, r % 5));
+    }
+    constexpr int kPerLane = 16 / kBits;
+    return seq_element<kHeadDim>(lane_code_seq<kBits>(2 * (s / kPerLane) + hi, s % kPerLane));
 }
 
 template <int kBits, int kHeadDim>
@@ -25,6 +50,15 @@ struct CodeLayout {
     static_assert(kBits == 2 || kBits == 3 || kBits == 4, "2, 3 or 4 bits");
     static constexpr int kBytes = kHeadDim * kBits / 8;
     static constexpr int kWords = kBytes / 4;
+    static constexpr int kGroupCodes = kHeadDim / 8;  // codes of one thread group (V)
+    // lanes a thread group reads per token for V: its whole 3-lane block at 3 bits
+    static constexpr int kGroupLanes = kBits == 3 ? 3 : kGroupCodes * kBits / 16;
+    static_assert(kBits != 3 || kHeadDim % 64 == 0, "3-bit groups are whole or half 3-lane blocks");
+    __host__ __device__ static constexpr int group_first_lane(int g) {
+        return kBits == 3 ? 3 * ((g * kGroupCodes) / 16) : g * kGroupLanes;
+    }
+    // position of the group's first code inside the words read (nonzero: second half of a 3-bit block)
+    __host__ __device__ static constexpr int group_first_code(int g) { return kBits == 3 ? (g * kGroupCodes) % 16 : 0; }
 };
 
 // The 16-bit float type the tensor cores take, and its magic number: 1024 in fp16 (10 mantissa
@@ -32,6 +66,45 @@ struct CodeLayout {
 template <typename Elem> struct Magic;
 template <> struct Magic<__half> { static constexpr uint32_t kBits2 = 0x64006400u; static constexpr float kValue = 1024.f; };
 template <> struct Magic<__nv_bfloat16> { static constexpr uint32_t kBits2 = 0x43004300u; static constexpr float kValue = 128.f; };
+
+// Field of a word, in place: (word & (mask in both lanes)) | magic, i.e. magic + code * 2^shift when
+// the field sits inside the mantissa. Saves the shift: the 2^shift scale is folded elsewhere.
+template <uint32_t kFieldMask, uint32_t kMagic>
+__device__ __forceinline__ uint32_t lane_field(uint32_t word) {
+    uint32_t r;
+    asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(r) : "r"(word), "n"(kFieldMask * 0x10001u), "n"(kMagic));
+    return r;
+}
+
+// 3-bit fast path (whole 16-slot blocks): slot j of a word (j < 5) is read at 8^e(j) times its
+// value, e(j) = 0,1,2,1,2 (fp16, 10 mantissa bits) or 0,1,0,1,0 (bf16, 7 mantissa bits); the
+// spare slot at scale 1. K folds the scale into Q, V into its centring multiply-add.
+template <uint32_t kMagic>
+__host__ __device__ constexpr int fast_scale_exp(int slot_in_block) {
+    constexpr bool kFp16 = kMagic == 0x64006400u;
+    if (slot_in_block == 15) return 0;
+    const int j = slot_in_block % 5;
+    return kFp16 ? (j == 0 ? 0 : (j == 2 || j == 4 ? 2 : 1)) : (j % 2);
+}
+
+template <uint32_t kMagic>
+__device__ __forceinline__ void word5_fast(uint32_t w, uint32_t *out) {
+    if constexpr (kMagic == 0x64006400u) {
+        const uint32_t s6 = w >> 6;
+        out[0] = lane_field<0x7u, kMagic>(w);
+        out[1] = lane_field<0x38u, kMagic>(w);
+        out[2] = lane_field<0x1c0u, kMagic>(w);
+        out[3] = lane_field<0x38u, kMagic>(s6);
+        out[4] = lane_field<0x1c0u, kMagic>(s6);
+    } else {
+        const uint32_t s6 = w >> 6, s12 = w >> 12;
+        out[0] = lane_field<0x7u, kMagic>(w);
+        out[1] = lane_field<0x38u, kMagic>(w);
+        out[2] = lane_field<0x7u, kMagic>(s6);
+        out[3] = lane_field<0x38u, kMagic>(s6);
+        out[4] = lane_field<0x7u, kMagic>(s12);
+    }
+}
 
 template <int kBits, uint32_t kMagic>
 __device__ __forceinline__ uint32_t lane_pair(uint32_t word, int shift) {
@@ -41,9 +114,10 @@ __device__ __forceinline__ uint32_t lane_pair(uint32_t word, int shift) {
     return r;
 }
 
-// Slot 15 of a 3-bit block: gather the spare top bit of each lane of the three words.
+// Spare codes of a 3-bit block in lane-merged words (V): bit i of the low / high lane's code is
+// bit 15 / 31 of word i.
 template <uint32_t kMagic>
-__device__ __forceinline__ uint32_t spare_pair(uint32_t w0, uint32_t w1, uint32_t w2) {
+__device__ __forceinline__ uint32_t spare_pair_merged(uint32_t w0, uint32_t w1, uint32_t w2) {
     uint32_t r;
     asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(r) : "r"(w0 >> 15), "n"(0x10001u), "n"(kMagic));
     asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(r) : "r"(w1 >> 14), "n"(0x20002u), "r"(r));
@@ -51,50 +125,66 @@ __device__ __forceinline__ uint32_t spare_pair(uint32_t w0, uint32_t w1, uint32_
     return r;
 }
 
-// Slot r (compile time) of a 3-bit block whose words are w[0..2].
-template <int R, uint32_t kMagic>
+// Spare codes of the two 3-lane blocks in a K superblock of words (lanes 0..5): the low code's
+// bits are bit 15 of lanes 0, 1, 2 (word 0 bits 15, 31, word 1 bit 15), the high code's bit 15
+// of lanes 3, 4, 5 (word 1 bit 31, word 2 bits 15, 31).
+template <uint32_t kMagic>
+__device__ __forceinline__ uint32_t spare_pair_k(uint32_t w0, uint32_t w1, uint32_t w2) {
+    uint32_t r;
+    asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(r) : "r"(w0 >> 15), "n"(0x1u), "n"(kMagic));
+    asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(r) : "r"(w0 >> 30), "n"(0x2u), "r"(r));
+    asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(r) : "r"(w1 >> 13), "n"(0x4u), "r"(r));
+    asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(r) : "r"(w1 >> 15), "n"(0x10000u), "r"(r));
+    asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(r) : "r"(w2 << 2), "n"(0x20000u), "r"(r));
+    asm("lop3.b32 %0, %1, %2, %3, 0xea;" : "=r"(r) : "r"(w2 >> 13), "n"(0x40000u), "r"(r));
+    return r;
+}
+
+// Slot r (compile time) of a 3-bit 3-word block.
+template <int R, uint32_t kMagic, bool kMerged>
 __device__ __forceinline__ uint32_t block3_pair(const uint32_t (&w)[3]) {
     if constexpr (R == 15) {
-        return spare_pair<kMagic>(w[0], w[1], w[2]);
+        return kMerged ? spare_pair_merged<kMagic>(w[0], w[1], w[2]) : spare_pair_k<kMagic>(w[0], w[1], w[2]);
     } else {
         return lane_pair<3, kMagic>(w[R / 5], 3 * (R % 5));
     }
 }
 
-template <int I, int N, uint32_t kMagic>
+template <int I, uint32_t kMagic, bool kMerged>
 __device__ __forceinline__ void block3_half(const uint32_t (&w)[3], bool upper, uint32_t (&out)[8]) {
-    if constexpr (I < N) {
-        // lower half: slots 0..7, upper half: slots 8..15 of the block; pick by lane (no divergence)
+    if constexpr (I < 8) {
+        // lower half: slots 0..7, upper half: slots 8..15 of the block; picked per lane (no divergence)
         if constexpr (I + 8 == 15) {
-            const uint32_t a = block3_pair<I, kMagic>(w), b = block3_pair<I + 8, kMagic>(w);
+            const uint32_t a = block3_pair<I, kMagic, kMerged>(w), b = block3_pair<I + 8, kMagic, kMerged>(w);
             out[I] = upper ? b : a;
         } else {
             const uint32_t word = upper ? w[(I + 8) / 5] : w[I / 5];
             const int shift = upper ? 3 * ((I + 8) % 5) : 3 * (I % 5);
             out[I] = lane_pair<3, kMagic>(word, shift);
         }
-        block3_half<I + 1, N, kMagic>(w, upper, out);
+        block3_half<I + 1, kMagic, kMerged>(w, upper, out);
     }
 }
 
-// kCount consecutive pair slots starting at `first` (a multiple of kCount) of one vector whose
-// words start at `vec` (shared memory). Writes raw fp16x2/bf16x2 registers (magic + code).
-template <int kBits, int kCount, uint32_t kMagic>
-__device__ __forceinline__ void extract_slots(const uint32_t *vec, int first, uint32_t (&out)[kCount]) {
+// kCount consecutive slots starting at `first` (a multiple of kCount) of the words at `vec`:
+// raw fp16x2 / bf16x2 registers, magic + code * 8^slot_scale_exp (see fast_scale_exp). kMerged: the words are lane-merged V words (3-bit
+// spare layout differs). Slots of one 3-bit block come from its 3 words.
+template <int kBits, int kCount, uint32_t kMagic, bool kMerged, typename Words>
+__device__ __forceinline__ void extract_slots(const Words &vec, int first, uint32_t (&out)[kCount]) {
     if constexpr (kBits == 3) {
-        if constexpr (kCount == 16) {
-            const uint32_t *b = vec + 3 * (first >> 4);
-            const uint32_t w[3] = {b[0], b[1], b[2]};
+        if constexpr (kCount == 16) {  // whole blocks: slot i at scale 8^fast_scale_exp(i)
+            const int b = 3 * (first >> 4);
+            const uint32_t w[3] = {vec[b], vec[b + 1], vec[b + 2]};
             #pragma unroll
-            for (int i = 0; i < 15; ++i) { out[i] = lane_pair<3, kMagic>(w[i / 5], 3 * (i % 5)); }
-            out[15] = spare_pair<kMagic>(w[0], w[1], w[2]);
+            for (int i = 0; i < 3; ++i) { word5_fast<kMagic>(w[i], out + 5 * i); }
+            out[15] = block3_pair<15, kMagic, kMerged>(w);
         } else {
             static_assert(kCount == 8 || kCount == 4, "slot count");
             const int first8 = first & ~7;
-            const uint32_t *b = vec + 3 * (first8 >> 4);
-            const uint32_t w[3] = {b[0], b[1], b[2]};
+            const int b = 3 * (first8 >> 4);
+            const uint32_t w[3] = {vec[b], vec[b + 1], vec[b + 2]};
             uint32_t half[8];
-            block3_half<0, 8, kMagic>(w, (first8 & 8) != 0, half);
+            block3_half<0, kMagic, kMerged>(w, (first8 & 8) != 0, half);
             if constexpr (kCount == 8) {
                 #pragma unroll
                 for (int i = 0; i < 8; ++i) { out[i] = half[i]; }
@@ -108,12 +198,16 @@ __device__ __forceinline__ void extract_slots(const uint32_t *vec, int first, ui
         constexpr int kPerWord = 16 / kBits;
         #pragma unroll
         for (int i = 0; i < kCount; ++i) {
-            // `first` is a multiple of kCount, so i % kPerWord is the in-word position when
-            // kCount >= kPerWord, and (first % kPerWord) + i otherwise
             const int s = first + i;
             out[i] = lane_pair<kBits, kMagic>(vec[s / kPerWord], kBits * (s % kPerWord));
         }
     }
+}
+
+// Scale exponent of slot i of an extract_slots<kBits, kCount> call (nonzero on the 3-bit fast path).
+template <int kBits, int kCount, uint32_t kMagic>
+__host__ __device__ constexpr int slot_scale_exp(int i) {
+    return (kBits == 3 && kCount == 16) ? fast_scale_exp<kMagic>(i % 16) : 0;
 }
 
 }  // namespace flash_tq

@@ -14,21 +14,21 @@
 
 namespace flash_tq {
 
+// Lane and bit of element e's code (tq_format.h); spare: bit i of the code is bit 15 of lane + i.
 template <int kBits, int kHeadDim>
-__device__ __forceinline__ void code_position(int e, int &word, int &bit, bool &spare) {
-    constexpr int M = kHeadDim / 16;
-    const int m = e / 16, g = e % 8, hi = (e % 16) / 8;
-    const int s = g * M + m;
+__device__ __forceinline__ void code_position(int e, int &lane, int &bit, bool &spare) {
+    const int k = 2 * (e / 16) + (e % 16) / 8;
+    const int n = (e % 8) * (kHeadDim / 8) + k;
     spare = false;
     if constexpr (kBits == 3) {
-        const int blk = s / 16, r = s % 16;
-        if (r == 15) { spare = true; word = 3 * blk; bit = 15 + 16 * hi; return; }
-        word = 3 * blk + r / 5;
-        bit = 3 * (r % 5) + 16 * hi;
+        const int blk = n / 16, r = n % 16;
+        spare = r == 15;
+        lane = 3 * blk + (spare ? 0 : r / 5);
+        bit = spare ? 15 : 3 * (r % 5);
     } else {
-        constexpr int kPerWord = 16 / kBits;
-        word = s / kPerWord;
-        bit = kBits * (s % kPerWord) + 16 * hi;
+        constexpr int kPerLane = 16 / kBits;
+        lane = n / kPerLane;
+        bit = kBits * (n % kPerLane);
     }
 }
 
@@ -149,15 +149,18 @@ __global__ void __launch_bounds__(128) pack_kv_kernel(const PackParams p) {
     __syncwarp();
     #pragma unroll
     for (int k = 0; k < kPerLane; ++k) {
-        int word, bit;
+        int lane_idx, bit;
         bool spare;
-        code_position<kBits, kHeadDim>(lane * kPerLane + k, word, bit, spare);
+        code_position<kBits, kHeadDim>(lane * kPerLane + k, lane_idx, bit, spare);
         const uint32_t cv = static_cast<uint32_t>(code[k]);
         if (spare) {
             #pragma unroll
-            for (int i = 0; i < 3; ++i) { atomicOr(&words[word + i], ((cv >> i) & 1u) << bit); }
+            for (int i = 0; i < 3; ++i) {
+                const int l = lane_idx + i;
+                atomicOr(&words[l / 2], ((cv >> i) & 1u) << (bit + 16 * (l % 2)));
+            }
         } else {
-            atomicOr(&words[word], cv << bit);
+            atomicOr(&words[lane_idx / 2], cv << (bit + 16 * (lane_idx % 2)));
         }
     }
     __syncwarp();

@@ -30,7 +30,7 @@ struct DecodeParams {
     const int *cache_batch_idx;  // [batch] or nullptr: cache row of each batch entry
     const int *block_table;      // [batch, max_blocks] or nullptr
     int64_t block_table_batch_stride;
-    int page_block_size;
+    int page_block_size, page_block_shift;  // a power of two and its log2
 
     int b, seqlen_q, h, h_k, h_h_k_ratio;
     float scale_softmax_log2;  // softmax_scale * log2(e)

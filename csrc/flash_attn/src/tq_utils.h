@@ -24,14 +24,14 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4],
     }
 }
 
-// a * 1 + b on two packed 16-bit floats (exact when the result is a small integer).
+// a * b + c on two packed 16-bit floats (exact when the result is a small integer).
 template <typename Elem>
-__device__ __forceinline__ uint32_t add2(uint32_t a, uint32_t b) {
+__device__ __forceinline__ uint32_t fma2(uint32_t a, uint32_t b, uint32_t c) {
     uint32_t d;
     if constexpr (std::is_same_v<Elem, __half>) {
-        asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(0x3c003c00u), "r"(b));
+        asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
     } else {
-        asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(0x3f803f80u), "r"(b));
+        asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
     }
     return d;
 }
