@@ -23,12 +23,12 @@ namespace {
 #define CHECK_CUDA(t) TQ_CHECK((t).is_cuda(), #t " must be a CUDA tensor")
 
 // Pick num_splits so the grid fills the GPU with resident CTAs (4 per SM at our register use)
-// in one wave, keeping >= 512 tokens a split (4 tiles a warp: fixed costs and the combine pass
-// outweigh the parallelism below that).
+// in one wave, keeping >= 128 tokens (a tile a warp) a split: measured on the H200, more splits
+// beat fewer even at 1K tokens (B=1: 15.8 us at 8 splits, 18.1 us at 2).
 int choose_num_splits(int ctas, int max_seqlen_k, int num_sms) {
     const int resident = 4 * num_sms;
     if (ctas >= resident) return 1;
-    const int by_length = std::max(1, max_seqlen_k / 512);
+    const int by_length = std::max(1, max_seqlen_k / 128);
     return std::max(1, std::min({resident / ctas, by_length, 128}));
 }
 

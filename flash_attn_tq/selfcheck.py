@@ -1,0 +1,89 @@
+"""Self-check and quick benchmark: ``python -m flash_attn_tq.selfcheck``.
+
+Checks the codec (round trip, bits per element, quantizer error against the published Gaussian
+figures), the quantized attention path against float32 attention over the dequantized cache, and
+times decode. Uses the fused CUDA kernels when a GPU and the built extension are present, the
+PyTorch reference path otherwise. Exits non-zero if a check fails.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+import flash_attn_tq as fa
+from flash_attn_tq import baseline, ops
+from flash_attn_tq.quantizers import grid_mse
+
+
+def _check(name: str, ok: bool, detail: str) -> bool:
+    print(f"  [{'ok' if ok else 'FAIL'}] {name}: {detail}")
+    return ok
+
+
+def _time_us(fn, reps: int) -> float:
+    if torch.cuda.is_available():
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=10, rep=100, return_mode="median") * 1e3
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t0) / reps * 1e6
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args(argv)
+    dev = torch.device(args.device)
+    fused = dev.type == "cuda" and ops.extension_available()
+    print(f"flash_attn_tq {fa.__version__} | torch {torch.__version__} | device {dev}"
+          f"{' (' + torch.cuda.get_device_name(dev) + ')' if dev.type == 'cuda' else ''} | "
+          f"fused kernels: {'yes' if fused else 'no (reference path)'}")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    ok = True
+
+    print("codec")
+    codes = torch.randint(0, 8, (64, 128), generator=gen, device=dev)
+    ok &= _check("3-bit pack/unpack round trip", torch.equal(fa.unpack_codes(fa.pack_codes(codes, 3), 3, 128), codes),
+                 f"{fa.code_bytes(128, 3)} B/vector, {fa.bits_per_element(128, 3)} bits/element at head_dim 128")
+    x = torch.randn(4096, 128, generator=gen, device=dev)
+    for grid, published in (("uniform", 0.0375), ("lloyd_max", 0.0345)):
+        qz = fa.TurboQuantizer(128, 3, grid)
+        rel = (((qz.dequantize(*qz.quantize(x)) - x) ** 2).sum() / (x ** 2).sum()).item()
+        ok &= _check(f"turbo 3-bit {grid} relative MSE", abs(rel - published) < 0.004,
+                     f"{rel:.4f} (N(0,1) grid MSE {grid_mse(3, grid):.4f}, published {published})")
+
+    print("attention over a 3-bit cache")
+    B, S, hq, hk, d = (4, 4099, 32, 8, 128) if fused else (2, 515, 8, 2, 128)
+    cache = fa.QuantizedKVCache(B, S + 1, hk, d, device=dev)
+    k = torch.randn(B, S, hk, d, generator=gen, device=dev, dtype=torch.float16)
+    v = torch.randn(B, S, hk, d, generator=gen, device=dev, dtype=torch.float16)
+    cache.append(k, v)
+    q = torch.randn(B, 1, hq, d, generator=gen, device=dev, dtype=torch.float16)
+    out = fa.flash_attn_with_kvcache(q, cache)
+    path = fa.last_path()
+    kd, vd = cache.dequantize()
+    ref, _ = baseline.attention_reference(q.float(), kd, vd, key_lengths=cache.seqlens)
+    err = ((out.float() - ref).norm() / ref.norm()).item()
+    ok &= _check(f"{path} vs float32 over the dequantized cache", err < 2e-3, f"relative error {err:.2e}")
+    full, _ = baseline.attention_reference(q.float(), k.float(), v.float())
+    qerr = ((out.float() - full).norm() / full.norm()).item()
+    print(f"  [info] vs full-precision K/V (quantization error): relative {qerr:.3f}; "
+          f"cache {cache.nbytes / 2**20:.1f} MiB, {cache.compression_ratio():.2f}x smaller than fp16")
+
+    print("decode timing (median)")
+    t_ours = _time_us(lambda: fa.flash_attn_with_kvcache(q, cache), reps=3)
+    t_fp16 = _time_us(lambda: fa.flash_attn_func(q, k, v), reps=3)
+    print(f"  3-bit cache ({path}): {t_ours:.1f} us | fp16 baseline ({fa.last_path()}): {t_fp16:.1f} us | "
+          f"ratio {t_fp16 / t_ours:.2f}x   (B={B}, S={S}, heads {hq}/{hk}, d={d})")
+    print("all checks passed" if ok else "SOME CHECKS FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
