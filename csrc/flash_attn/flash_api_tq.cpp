@@ -215,6 +215,9 @@ TORCH_LIBRARY_IMPL(flash_attn_tq, CUDA, m) {
     m.impl("pack_kv", &flash_tq::pack_kv);
 }
 
+// Built into another extension (upstream's flash_attn_2_cuda, see patches/), that one owns the module.
+#ifndef FLASH_TQ_NO_PYBIND_MODULE
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     m.doc() = "flash_attn_tq CUDA kernels; the ops are registered as torch.ops.flash_attn_tq.*";
 }
+#endif
