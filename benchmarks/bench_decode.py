@@ -5,8 +5,8 @@
 For each shape (batch B, cache length S, q heads, kv heads, head_dim d; q_len 1) it times, with
 ``triton.testing.do_bench`` medians (CUDA events, warm-up, random data):
 
-* ``tq3_kernel``: the fused decode op alone (q already rotated);
-* ``tq3_api``: ``flash_attn_tq.flash_attn_with_kvcache(q, cache)`` end to end (rotation included);
+* ``tq3_kernel``: the fused decode op alone (it rotates q and the output itself);
+* ``tq3_api``: ``flash_attn_tq.flash_attn_with_kvcache(q, cache)`` end to end, eager and as a CUDA graph;
 * ``sdpa_flash`` / ``sdpa_cudnn``: PyTorch SDPA on the fp16 cache;
 * ``fa2``: upstream ``flash_attn.flash_attn_with_kvcache`` when importable.
 
@@ -104,10 +104,9 @@ def run_shape(B, S, Hq, Hk, d, dtype=torch.float16):
     cache, k, v = fill_cache(B, S, Hk, d, dtype)
     q = torch.randn(B, 1, Hq, d, device="cuda", dtype=dtype)
     scale = d ** -0.5
-    q_rot = cache.rotate_query(q).contiguous()
     lens = cache.seqlens
     row = {"B": B, "S": S, "Hq": Hq, "Hk": Hk, "d": d}
-    row["tq3_kernel"] = bench(lambda: ops.decode(q_rot, cache, lens, None, scale, False, 0))
+    row["tq3_kernel"] = bench(lambda: ops.decode(q, cache, lens, None, scale, False, 0))
     row["tq3_api"] = bench(lambda: fa.flash_attn_with_kvcache(q, cache))
     assert fa.last_path() == "quantized:fused-cuda", fa.last_path()
     row["tq3_api_graph"] = bench_graph(lambda: fa.flash_attn_with_kvcache(q, cache, num_splits=row_splits(cache, Hq)))
@@ -169,7 +168,7 @@ def write_results(rows, meta, out_dir, name):
              f"commit {meta['commit']})", "",
              "µs are do_bench medians (random data, warm-up); speedup = fastest FP16 path (SDPA flash, SDPA cuDNN, "
              "upstream FA2) / ours. 'kernel' is the fused op alone; 'API' is flash_attn_with_kvcache end to end "
-             "(query rotation, kernel, output rotation), eager and replayed as a CUDA graph as serving engines "
+             "(argument handling + the kernel), eager and replayed as a CUDA graph as serving engines "
              "run decode. GB/s = bytes that must be read (packed codes + metadata, or fp16 K/V) / time; pack GB/s "
              "counts the fp16 K+V input of quantize-on-write.", "",
              "| B | S | Hq/Hk | d | tq3 kernel µs | tq3 API µs (eager) | tq3 API µs (graph) | SDPA flash µs | SDPA cuDNN µs | "

@@ -246,10 +246,8 @@ def _quantized_kvcache(q, cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
     if reason is None:
         _LAST_PATH.set("quantized:fused-cuda")
         n_quant = (lens - R).clamp(min=0).to(torch.int32) if R else lens
-        q_dom = cache.rotate_query(q)
-        out, lse = ops.decode(q_dom.contiguous(), cache, n_quant, bidx if cache_batch_idx is not None else None,
-                              softmax_scale, causal and not R, num_splits)
-        out = cache.unrotate_output(out)
+        out, lse = ops.decode(q if q.stride(-1) == 1 else q.contiguous(), cache, n_quant,
+                              bidx if cache_batch_idx is not None else None, softmax_scale, causal and not R, num_splits)
         if R:
             out_w, lse_w = _window_part(q, cache, bidx.long(), lens, softmax_scale)
             out, lse = _merge_lse(out, lse, out_w, lse_w)

@@ -36,7 +36,7 @@ def extension_available() -> bool:
 
 def _register_fakes() -> None:
     @torch.library.register_fake("flash_attn_tq::decode_kvcache")
-    def _decode_fake(q, k_codes, k_meta, v_codes, v_meta, seqlens_k, cache_batch_idx, block_table,
+    def _decode_fake(q, k_codes, k_meta, v_codes, v_meta, seqlens_k, cache_batch_idx, block_table, rot_signs,
                      k_bits, v_bits, softmax_scale, is_causal, num_splits):
         b, sq, h, _ = q.shape
         return torch.empty_like(q), q.new_empty((b, h, sq), dtype=torch.float32)
@@ -66,14 +66,16 @@ def fused_decode_supported(cache, q: torch.Tensor) -> str | None:
 
 
 def decode(q: torch.Tensor, cache, seqlens_k: torch.Tensor, batch_idx: torch.Tensor | None,
-           softmax_scale: float, causal: bool, num_splits: int, n_keys: torch.Tensor | None = None):
-    """Fused attention of ``q`` (already in the codes' domain) over ``cache``'s quantized tokens.
+           softmax_scale: float, causal: bool, num_splits: int):
+    """Fused attention of ``q [batch, seqlen_q, heads, d]`` over ``cache``'s quantized tokens.
 
-    ``seqlens_k [batch]`` int32: keys ``[0, seqlens_k[b])`` are attended. Returns (out, lse).
+    ``seqlens_k [batch]`` int32: keys ``[0, seqlens_k[b])`` are attended. For turbo caches the kernel
+    rotates q into the codes' domain and the output back. Returns (out, lse ``[batch, heads, seqlen_q]``).
     """
+    signs = cache.k_quantizer.signs_on(q.device) if cache.quantizer == "turbo" else None
     return torch.ops.flash_attn_tq.decode_kvcache(
         q, cache.k_codes, cache.k_meta, cache.v_codes, cache.v_meta, seqlens_k,
-        batch_idx, cache.block_table, cache.k_bits, cache.v_bits, float(softmax_scale), bool(causal),
+        batch_idx, cache.block_table, signs, cache.k_bits, cache.v_bits, float(softmax_scale), bool(causal),
         int(num_splits))
 
 

@@ -226,10 +226,10 @@ def test_kernel_errors_name_the_argument():
     q = torch.randn(1, 1, 4, 128, device=DEV, dtype=torch.float16)
     with pytest.raises(RuntimeError, match="seqlens_k"):
         torch.ops.flash_attn_tq.decode_kvcache(q, cache.k_codes, cache.k_meta, cache.v_codes, cache.v_meta,
-                                               cache.seqlens.long(), None, None, 3, 3, 0.1, False, 0)
+                                               cache.seqlens.long(), None, None, None, 3, 3, 0.1, False, 0)
     with pytest.raises(RuntimeError, match="head_dim"):
         torch.ops.flash_attn_tq.decode_kvcache(q[..., :96].contiguous(), cache.k_codes, cache.k_meta, cache.v_codes,
-                                               cache.v_meta, cache.seqlens, None, None, 3, 3, 0.1, False, 0)
+                                               cache.v_meta, cache.seqlens, None, None, None, 3, 3, 0.1, False, 0)
     with pytest.raises(ValueError, match="NaN"):
         bad = torch.full((1, 1, 2, 128), float("nan"), device=DEV, dtype=torch.float16)
         fa.flash_attn_with_kvcache(q, cache, k=bad, v=bad)

@@ -51,6 +51,7 @@ std::tuple<at::Tensor, at::Tensor> decode_kvcache(
     const at::Tensor &v_codes, const at::Tensor &v_meta,
     const at::Tensor &seqlens_k,    // [b] int32
     const std::optional<at::Tensor> &cache_batch_idx, const std::optional<at::Tensor> &block_table,
+    const std::optional<at::Tensor> &rot_signs,  // turbo: [d] float32 Hadamard signs (rotate q in, output out)
     int64_t k_bits, int64_t v_bits, double softmax_scale, bool is_causal, int64_t num_splits) {
     CHECK_CUDA(q);
     CHECK_CUDA(k_codes);
@@ -120,6 +121,12 @@ std::tuple<at::Tensor, at::Tensor> decode_kvcache(
         TQ_CHECK((p.page_block_size & (p.page_block_size - 1)) == 0, "page size must be a power of two");
         while ((1 << p.page_block_shift) < p.page_block_size) { ++p.page_block_shift; }
         max_seqlen_k = block_table->size(1) * p.page_block_size;
+    }
+    if (rot_signs.has_value()) {
+        CHECK_CUDA(*rot_signs);
+        TQ_CHECK(rot_signs->scalar_type() == at::kFloat && rot_signs->numel() == d && rot_signs->is_contiguous(),
+                 "rot_signs must be contiguous float32 [head_dim]");
+        p.rot_signs = rot_signs->data_ptr<float>();
     }
     p.b = b; p.seqlen_q = seqlen_q; p.h = h; p.h_k = h_k; p.h_h_k_ratio = h / h_k;
     p.scale_softmax_log2 = static_cast<float>(softmax_scale * M_LOG2E);
@@ -204,7 +211,8 @@ void pack_kv(const at::Tensor &x,             // [tokens, heads, d] fp16/bf16
 
 TORCH_LIBRARY(flash_attn_tq, m) {
     m.def("decode_kvcache(Tensor q, Tensor k_codes, Tensor k_meta, Tensor v_codes, Tensor v_meta, Tensor seqlens_k, "
-          "Tensor? cache_batch_idx, Tensor? block_table, int k_bits, int v_bits, float softmax_scale, bool is_causal, "
+          "Tensor? cache_batch_idx, Tensor? block_table, Tensor? rot_signs, int k_bits, int v_bits, float softmax_scale, "
+          "bool is_causal, "
           "int num_splits) -> (Tensor, Tensor)");
     m.def("pack_kv(Tensor x, Tensor slot_mapping, Tensor(a!) codes, Tensor(b!) meta, int bits, int quant, Tensor? signs, "
           "Tensor? levels, float step) -> ()");

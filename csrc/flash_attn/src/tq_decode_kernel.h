@@ -32,7 +32,8 @@ struct DecodeTraits {
     static constexpr int kTileN = KV::kTileN;
     static constexpr int kKBlocks = kHeadDim / 16;
     static constexpr int kPipeBytes = kNWarps * kStages * KV::kStageBytes;
-    static constexpr int kMergeBytes = (kNWarps * kRows * (kHeadDim + 2) + 2 * kRows) * 4;
+    // merge: per-warp max/sum and O slices, merged row stats, the merged rows (rotated back in place)
+    static constexpr int kMergeBytes = (kNWarps * kRows * (kHeadDim + 2) + 2 * kRows + kRows * kHeadDim) * 4;
     static constexpr int kSmemBytes = kPipeBytes > kMergeBytes ? kPipeBytes : kMergeBytes;
 };
 
@@ -69,9 +70,30 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_split_kernel(const D
     const int tile_begin = split * tiles_per_split;
     const int tile_end = min(n_tiles, tile_begin + tiles_per_split);
 
+    // turbo: q is rotated here (signs, then a Walsh-Hadamard transform of the CTA's rows in shared
+    // memory, before the pipeline uses it), and the output is rotated back at the end.
+    const bool rotate = p.rot_signs != nullptr;
+    constexpr float kInvSqrtD = D == 128 ? 0.08838834764831845f : 0.125f;  // 1/sqrt(D)
+    static_assert(D == 64 || D == 128, "head dims");
+    float *sm_q = reinterpret_cast<float *>(smem);  // [kRows][D]
+    if (rotate) {
+        for (int idx = threadIdx.x; idx < kRows * D; idx += Traits::kNThreads) {
+            const int n = idx / D, e = idx % D, r = row0 + n;
+            float x = 0.f;
+            if (r < total_rows) {
+                const Elem *qrow = reinterpret_cast<const Elem *>(p.q) + b * p.q_batch_stride + (r / group) * p.q_row_stride +
+                                   (hk * group + r % group) * p.q_head_stride;
+                x = to_float(qrow[e]) * p.rot_signs[e];
+            }
+            sm_q[idx] = x;
+        }
+        __syncthreads();
+        fwht_rows<kRows, D, Traits::kNThreads>(sm_q);
+    }
+
     // Q as B fragments (rows g of each n8 tile), gathered in the loader's slot order and scaled by
-    // 8^-q_scale_exp (powers of two: exact), plus per row the sum of its elements (for K's offsets)
-    // and magic * the sum of the scaled elements (for the magic number in the raw K values).
+    // 8^-q_scale_exp (powers of two: exact), plus per row the sum of its (rounded) elements (for K's
+    // offsets) and magic * the sum of the scaled elements (for the magic number in the raw K values).
     uint32_t qf[NT][KB][2];
     float sumq[NT][2], magicq[NT][2];
     #pragma unroll
@@ -80,18 +102,21 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_split_kernel(const D
         const bool valid = r < total_rows;
         const Elem *qrow = reinterpret_cast<const Elem *>(p.q) + b * p.q_batch_stride +
                            (valid ? (r / group) * p.q_row_stride + (hk * group + r % group) * p.q_head_stride : 0);
+        auto q_at = [&](int e) {
+            if (rotate) return sm_q[(nt * 8 + g) * D + e] * kInvSqrtD;
+            return valid ? to_float(qrow[e]) : 0.f;
+        };
         float s = 0.f, ms = 0.f;
         #pragma unroll
         for (int kb = 0; kb < KB; ++kb) {
             #pragma unroll
             for (int half = 0; half < 2; ++half) {
                 const int slot = KV::q_slot(c, kb, half);
-                const int lo = KV::q_element(slot, 0), hi = KV::q_element(slot, 1);
-                const float x0 = valid ? to_float(qrow[lo]) : 0.f, x1 = valid ? to_float(qrow[hi]) : 0.f;
-                const float down = exp2f(-3.f * KV::q_scale_exp(slot));
-                qf[nt][kb][half] = pack2<Elem>(x0 * down, x1 * down);
+                const int e = KV::q_scale_exp(slot);
+                const float down = exp2f(-3.f * e);
+                qf[nt][kb][half] = pack2<Elem>(q_at(KV::q_element(slot, 0)) * down, q_at(KV::q_element(slot, 1)) * down);
                 const float2 used = unpack2<Elem>(qf[nt][kb][half]);
-                s += x0 + x1;
+                s += (used.x + used.y) * exp2f(3.f * e);
                 ms += used.x + used.y;
             }
         }
@@ -106,6 +131,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_split_kernel(const D
             magicq[nt][j] = KV::kMagicValue * __shfl_sync(0xffffffffu, ms, (2 * c + j) * 4);
         }
     }
+    if (rotate) { __syncthreads(); }  // sm_q is the pipeline's memory from here on
 
     // V centring: code k of the group arrives as magic + code * 8^e; times 8^-e minus
     // (magic * 8^-e + center) gives code - center exactly.
@@ -300,16 +326,25 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_split_kernel(const D
         }
     }
     __syncthreads();
+    float *sm_fin = sm_o + kWarps * kRows * D;  // [rows][D] merged, normalized
+    for (int idx = threadIdx.x; idx < kRows * D; idx += Traits::kNThreads) {
+        const int n = idx / D, d = idx % D;
+        float o = 0.f;
+        #pragma unroll
+        for (int w = 0; w < kWarps; ++w) { o += sm_o[(w * kRows + n) * D + d]; }
+        const float total = sm_row[kRows + n];
+        sm_fin[idx] = total > 0.f ? o / total : 0.f;
+    }
+    __syncthreads();
+    const bool unrotate = rotate && p.num_splits == 1;  // with splits the combine pass rotates back
+    if (unrotate) { fwht_rows<kRows, D, Traits::kNThreads>(sm_fin); }
     constexpr float kLn2 = 0.6931471805599453f;
     for (int idx = threadIdx.x; idx < kRows * D; idx += Traits::kNThreads) {
         const int n = idx / D, d = idx % D, r = row0 + n;
         if (r >= total_rows) continue;
         const int i = r / group, hq = hk * group + r % group;
-        float o = 0.f;
-        #pragma unroll
-        for (int w = 0; w < kWarps; ++w) { o += sm_o[(w * kRows + n) * D + d]; }
+        const float o = unrotate ? sm_fin[idx] * p.rot_signs[d] * kInvSqrtD : sm_fin[idx];
         const float total = sm_row[kRows + n];
-        o = total > 0.f ? o / total : 0.f;
         const float lse = total > 0.f ? (sm_row[n] + log2f(total)) * kLn2 : kNegInf;
         if (p.num_splits == 1) {
             Elem *out = reinterpret_cast<Elem *>(p.out) + b * p.o_batch_stride + i * p.o_row_stride + hq * p.o_head_stride;
@@ -342,10 +377,36 @@ __global__ void __launch_bounds__(128) decode_combine_kernel(const DecodeParams 
         #pragma unroll
         for (int k = 0; k < kHeadDim / 32; ++k) { o[k] += w * p.out_accum[(s * rows + row) * kHeadDim + k * 32 + lane]; }
     }
+    #pragma unroll
+    for (int k = 0; k < kHeadDim / 32; ++k) { o[k] = total > 0.f ? o[k] / total : 0.f; }
+    if (p.rot_signs != nullptr) {  // rotate back: Walsh-Hadamard over element k * 32 + lane, then signs
+        #pragma unroll
+        for (int h = 1; h < 32; h *= 2) {
+            #pragma unroll
+            for (int k = 0; k < kHeadDim / 32; ++k) {
+                const float other = __shfl_xor_sync(0xffffffffu, o[k], h);
+                o[k] = (lane & h) ? other - o[k] : o[k] + other;
+            }
+        }
+        #pragma unroll
+        for (int h = 1; h < kHeadDim / 32; h *= 2) {
+            #pragma unroll
+            for (int k = 0; k < kHeadDim / 32; ++k) {
+                if ((k & h) == 0) {
+                    const float a = o[k], c = o[k + h];
+                    o[k] = a + c;
+                    o[k + h] = a - c;
+                }
+            }
+        }
+        const float inv_sqrt_d = kHeadDim == 128 ? 0.08838834764831845f : 0.125f;
+        #pragma unroll
+        for (int k = 0; k < kHeadDim / 32; ++k) { o[k] *= p.rot_signs[k * 32 + lane] * inv_sqrt_d; }
+    }
     const int i = row % p.seqlen_q, hq = (row / p.seqlen_q) % p.h, b = row / (static_cast<int64_t>(p.seqlen_q) * p.h);
     Elem *out = reinterpret_cast<Elem *>(p.out) + b * p.o_batch_stride + i * p.o_row_stride + hq * p.o_head_stride;
     #pragma unroll
-    for (int k = 0; k < kHeadDim / 32; ++k) { out[k * 32 + lane] = from_float<Elem>(total > 0.f ? o[k] / total : 0.f); }
+    for (int k = 0; k < kHeadDim / 32; ++k) { out[k * 32 + lane] = from_float<Elem>(o[k]); }
     if (lane == 0) { p.softmax_lse[row] = total > 0.f ? use + logf(total) : INFINITY; }
 }
 

@@ -32,6 +32,10 @@ struct DecodeParams {
     int64_t block_table_batch_stride;
     int page_block_size, page_block_shift;  // a power of two and its log2
 
+    // turbo: the sign vector of the randomized Hadamard rotation [d] (float); the kernel rotates q on
+    // load and rotates the output back. nullptr: q and the codes share a domain (asym).
+    const float *rot_signs;
+
     int b, seqlen_q, h, h_k, h_h_k_ratio;
     float scale_softmax_log2;  // softmax_scale * log2(e)
     int num_splits;

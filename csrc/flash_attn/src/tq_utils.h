@@ -92,6 +92,24 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int kPending>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending)); }
 
+// In-place unnormalized Walsh-Hadamard transform of kRows rows of kD floats in shared memory, by the
+// whole block (every thread must call it; ends with a barrier).
+template <int kRows, int kD, int kThreads>
+__device__ __forceinline__ void fwht_rows(float *x) {
+    #pragma unroll 1
+    for (int h = 1; h < kD; h *= 2) {
+        for (int idx = threadIdx.x; idx < kRows * kD / 2; idx += kThreads) {
+            float *row = x + (idx / (kD / 2)) * kD;
+            const int q = idx % (kD / 2);
+            const int a = (q / h) * 2 * h + q % h;
+            const float u = row[a], v = row[a + h];
+            row[a] = u + v;
+            row[a + h] = u - v;
+        }
+        __syncthreads();
+    }
+}
+
 __device__ __forceinline__ float warp_max_rows(float x) {  // over the 8 lanes sharing lane % 4
     x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 4));
     x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 8));
