@@ -34,6 +34,15 @@ class QuantizedKVCache:
 
     For ``quantizer="turbo"`` codes live in the Hadamard-rotated space; :meth:`rotate_query` and
     :meth:`unrotate_output` move queries and attention outputs in and out of it.
+
+    **Key transform** (``key_center=True`` and/or ``key_scale=a > 0``): keys are stored as
+    ``k' = (k - mu) / s`` with a per-(sequence, kv head) channel mean ``mu`` and per-channel
+    ``s = rms(k - mu) ** a``, both measured on the first chunk a sequence appends (its prompt) and
+    then fixed (:meth:`calibrate`; a first chunk shorter than ``calib_min_tokens`` leaves the
+    identity). Queries become ``q * s``: ``q' . k' = q . k - q . mu``, a shift shared by every key
+    of a query, so the softmax (and the output) is unchanged while the quantizer sees keys without
+    their common offset (RoPE keys carry a large one). Returned ``softmax_lse`` adds ``q . mu``
+    back. Storage: two float32 ``[batch, kv_heads, head_dim]`` tensors, no per-token metadata.
     """
 
     def __init__(
@@ -54,6 +63,10 @@ class QuantizedKVCache:
         streaming: bool = False,
         alpha: float = 0.95,
         seed: int = 0,
+        fit: str = "norm",
+        key_center: bool = False,
+        key_scale: float = 0.0,
+        calib_min_tokens: int = 16,
         dtype: torch.dtype = torch.float16,
         device: torch.device | str = "cpu",
     ):
@@ -72,15 +85,20 @@ class QuantizedKVCache:
         self.num_kv_heads, self.head_dim = int(num_kv_heads), int(head_dim)
         self.k_bits, self.v_bits, self.quantizer, self.grid = k_bits, v_bits, quantizer, grid
         self.fp16_window, self.seed, self.dtype = int(fp16_window), seed, dtype
-        self.streaming, self.alpha = streaming, alpha
+        self.streaming, self.alpha, self.fit = streaming, alpha, fit
+        if key_scale < 0:
+            raise ValueError(f"key_scale must be >= 0, got {key_scale}")
+        self.key_center, self.key_scale, self.calib_min_tokens = bool(key_center), float(key_scale), int(calib_min_tokens)
         if quantizer == "turbo":
             if streaming:
                 raise ValueError("streaming applies to quantizer='asym' only")
-            self.k_quantizer = TurboQuantizer(head_dim, k_bits, grid, seed)
-            self.v_quantizer = TurboQuantizer(head_dim, v_bits, grid, seed)
+            self.k_quantizer = TurboQuantizer(head_dim, k_bits, grid, seed, fit)
+            self.v_quantizer = TurboQuantizer(head_dim, v_bits, grid, seed, fit)
         else:
             if grid != "uniform":
                 raise ValueError("quantizer='asym' uses the uniform grid only")
+            if fit != "norm":
+                raise ValueError("fit applies to quantizer='turbo' only")
             self.k_quantizer = AsymQuantizer(k_bits, streaming, alpha)
             self.v_quantizer = AsymQuantizer(v_bits, streaming, alpha)
         device = torch.device(device)
@@ -125,11 +143,22 @@ class QuantizedKVCache:
         nan = torch.full((self.batch_size, H), float("nan"), device=device)
         self.k_range = nan.clone() if streaming else None  # asym streaming: per-head EMA of max|x|
         self.v_range = nan.clone() if streaming else None
+        if self.key_transform:
+            self.k_shift = torch.zeros(self.batch_size, H, head_dim, device=device)
+            self.k_div = torch.ones(self.batch_size, H, head_dim, device=device)
+            self.calibrated = torch.zeros(self.batch_size, dtype=torch.bool, device=device)
+        else:
+            self.k_shift = self.k_div = self.calibrated = None
 
     # ------------------------------------------------------------------ properties
     @property
     def device(self) -> torch.device:
         return self.k_codes.device
+
+    @property
+    def key_transform(self) -> bool:
+        """True when keys are stored centred and/or scaled (see the class docstring)."""
+        return self.key_center or self.key_scale > 0
 
     @property
     def paged(self) -> bool:
@@ -154,7 +183,8 @@ class QuantizedKVCache:
     def rotate_query(self, q: torch.Tensor) -> torch.Tensor:
         """Move queries into the codes' domain (Hadamard rotation for turbo; identity for asym).
 
-        One float32 GEMM with the cached rotation matrix (few launches on the decode path)."""
+        One float32 GEMM with the cached rotation matrix. The fused kernel rotates by itself; this is
+        for code working on :meth:`dequantize` ``(rotated=True)`` values."""
         if self.quantizer == "turbo":
             return (q.float() @ self.k_quantizer.rotation_matrix(q.device)).to(q.dtype)
         return q
@@ -164,6 +194,55 @@ class QuantizedKVCache:
         if self.quantizer == "turbo":
             return (o.float() @ self.v_quantizer.rotation_matrix(o.device).T).to(o.dtype)
         return o
+
+    # ------------------------------------------------------------------ key transform
+    def calibrate(self, k: torch.Tensor, batch_idx: torch.Tensor | None = None, force: bool = False) -> None:
+        """Set the key transform of rows ``batch_idx`` from ``k [batch, n, kv_heads, d]`` (rows already
+        calibrated are left alone unless ``force``). Called by :meth:`append` on a row's first chunk."""
+        if not self.key_transform:
+            return
+        B, n = k.shape[:2]
+        bidx = torch.arange(B, device=self.device) if batch_idx is None else batch_idx.to(self.device).long()
+        todo = torch.ones(B, dtype=torch.bool, device=self.device) if force else ~self.calibrated[bidx]
+        if not bool(todo.any()):
+            return
+        shift = torch.zeros(B, self.num_kv_heads, self.head_dim, device=self.device)
+        div = torch.ones_like(shift)
+        if n >= self.calib_min_tokens:
+            kf = k.float()
+            if self.key_center:
+                shift = kf.mean(1)
+            if self.key_scale > 0:
+                rms = (kf - shift[:, None]).pow(2).mean(1).sqrt()
+                rms = rms.clamp(min=1e-3 * float(rms.max().clamp(min=1e-30)))
+                div = rms.pow(self.key_scale)
+                div = div / div.pow(2).mean(-1, keepdim=True).sqrt()  # unit mean square: only the shape matters
+        rows = bidx[todo]
+        self.k_shift[rows] = shift[todo]
+        self.k_div[rows] = div[todo]
+        self.calibrated[rows] = True
+
+    def transform_keys(self, k: torch.Tensor, batch_idx: torch.Tensor | None = None) -> torch.Tensor:
+        """``(k - mu) / s`` for keys ``[batch, n, kv_heads, d]`` of rows ``batch_idx`` (same dtype)."""
+        if not self.key_transform:
+            return k
+        bidx = torch.arange(k.shape[0], device=self.device) if batch_idx is None else batch_idx.to(self.device).long()
+        return ((k.float() - self.k_shift[bidx][:, None]) / self.k_div[bidx][:, None]).to(k.dtype)
+
+    def transform_query(self, q: torch.Tensor, batch_idx: torch.Tensor | None = None) -> torch.Tensor:
+        """``q * s`` for queries ``[batch, seqlen_q, heads, d]`` (GQA: kv head ``h // group``), float32."""
+        if not self.key_transform:
+            return q
+        bidx = torch.arange(q.shape[0], device=self.device) if batch_idx is None else batch_idx.to(self.device).long()
+        group = q.shape[2] // self.num_kv_heads
+        return q.float() * self.k_div[bidx].repeat_interleave(group, 1)[:, None]
+
+    def query_shift(self, q: torch.Tensor, batch_idx: torch.Tensor | None = None) -> torch.Tensor:
+        """``q . mu`` ``[batch, heads, seqlen_q]``: what the key centring removes from every score."""
+        bidx = torch.arange(q.shape[0], device=self.device) if batch_idx is None else batch_idx.to(self.device).long()
+        group = q.shape[2] // self.num_kv_heads
+        mu = self.k_shift[bidx].repeat_interleave(group, 1)  # [b, h, d]
+        return torch.einsum("bshd,bhd->bhs", q.float(), mu)
 
     # ------------------------------------------------------------------ writing
     def _slots(self, batch_idx: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -235,6 +314,10 @@ class QuantizedKVCache:
             raise ValueError(f"cache overflow: cache_seqlens + {n} new tokens exceeds max_seqlen={self.max_seqlen}")
         if n == 0:
             return
+        if self.key_transform:
+            if not _capturing():
+                self.calibrate(k, bidx)
+            k = self.transform_keys(k, bidx)
         pos = start.long().unsqueeze(1) + torch.arange(n, device=self.device)  # [B, n]
         rows, cols = self._slots(bidx.unsqueeze(1).expand(B, n), pos)
         if ops.pack_supported(self, k):  # quantize-on-write kernel, when built and on a GPU
@@ -267,7 +350,8 @@ class QuantizedKVCache:
 
         Positions at or beyond ``seqlens`` are zero. With an fp16 window the last ``fp16_window``
         tokens come from the window (``use_window=False`` shows their quantized values instead).
-        ``rotated=True`` returns turbo values in the rotated domain.
+        ``rotated=True`` returns turbo values in the rotated domain (for a key transform: of the
+        transformed keys ``(k - mu) / s``; otherwise keys are returned in their original domain).
         """
         bidx = torch.arange(self.batch_size, device=self.device) if batch_idx is None else batch_idx.to(self.device).long()
         g = self.gather(bidx)
@@ -289,12 +373,14 @@ class QuantizedKVCache:
                 x = torch.where(in_win[:, :, None, None], w.gather(1, idx), x)
             if not rotated and self.quantizer == "turbo":
                 x = qz.unrotate(x)
+            if name == "k" and self.key_transform and not rotated:
+                x = x * self.k_div[bidx][:, None] + self.k_shift[bidx][:, None]
             out.append(x * (pos < lens)[:, :, None, None])
         return out[0], out[1]
 
     # ------------------------------------------------------------------ movement / serialization
     _TENSORS = ("k_codes", "v_codes", "k_meta", "v_meta", "seqlens", "k_window", "v_window",
-                "block_table", "k_range", "v_range")
+                "block_table", "k_range", "v_range", "k_shift", "k_div", "calibrated")
 
     def to(self, device: torch.device | str) -> "QuantizedKVCache":
         """Move every tensor of the cache to ``device`` (in place); returns self."""
@@ -309,7 +395,8 @@ class QuantizedKVCache:
                     head_dim=self.head_dim, k_bits=self.k_bits, v_bits=self.v_bits, quantizer=self.quantizer,
                     grid=self.grid, fp16_window=self.fp16_window, page_size=self.page_size,
                     num_blocks=self.k_codes.shape[0] if self.paged else None, streaming=self.streaming,
-                    alpha=self.alpha, seed=self.seed, dtype=str(self.dtype).replace("torch.", ""))
+                    alpha=self.alpha, seed=self.seed, fit=self.fit, key_center=self.key_center,
+                    key_scale=self.key_scale, calib_min_tokens=self.calib_min_tokens, dtype=str(self.dtype).replace("torch.", ""))
 
     def state_dict(self) -> dict[str, Any]:
         sd = {name: getattr(self, name) for name in self._TENSORS if getattr(self, name) is not None}
@@ -319,6 +406,8 @@ class QuantizedKVCache:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         mine = self.config()
         theirs = dict(state["config"])
+        for key, default in (("fit", "norm"), ("key_center", False), ("key_scale", 0.0), ("calib_min_tokens", 16)):
+            theirs.setdefault(key, default)  # saved before the option existed
         if mine != theirs:
             diff = {k: (mine.get(k), theirs.get(k)) for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k)}
             raise ValueError(f"state_dict was saved from a cache with another configuration: {diff}")

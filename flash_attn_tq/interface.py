@@ -246,11 +246,14 @@ def _quantized_kvcache(q, cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
     if reason is None:
         _LAST_PATH.set("quantized:fused-cuda")
         n_quant = (lens - R).clamp(min=0).to(torch.int32) if R else lens
-        out, lse = ops.decode(q if q.stride(-1) == 1 else q.contiguous(), cache, n_quant,
+        qt = cache.transform_query(q, bidx).to(q.dtype) if cache.key_transform else q  # q * s (key transform)
+        out, lse = ops.decode(qt if qt.stride(-1) == 1 else qt.contiguous(), cache, n_quant,
                               bidx if cache_batch_idx is not None else None, softmax_scale, causal and not R, num_splits)
         if R:
-            out_w, lse_w = _window_part(q, cache, bidx.long(), lens, softmax_scale)
+            out_w, lse_w = _window_part(qt, cache, bidx.long(), lens, softmax_scale)
             out, lse = _merge_lse(out, lse, out_w, lse_w)
+        if cache.key_transform and cache.key_center and return_softmax_lse:
+            lse = lse + softmax_scale * cache.query_shift(q, bidx)  # the scores lost q . mu (+inf stays +inf)
         out = out.to(q.dtype)
     else:
         _LAST_PATH.set(f"quantized:reference ({reason})")

@@ -81,7 +81,8 @@ def decode(q: torch.Tensor, cache, seqlens_k: torch.Tensor, batch_idx: torch.Ten
 
 def pack_supported(cache, x: torch.Tensor) -> bool:
     return (x.is_cuda and extension_available() and x.dtype in (torch.float16, torch.bfloat16)
-            and cache.head_dim in FUSED_HEAD_DIMS and not cache.streaming)
+            and cache.head_dim in FUSED_HEAD_DIMS and not cache.streaming
+            and getattr(cache, "fit", "norm") == "norm")  # the pack kernel implements fit="norm" only
 
 
 def pack_into(cache, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> None:

@@ -25,6 +25,8 @@ import torch
 from .format import SUPPORTED_BITS
 
 GRIDS = ("uniform", "lloyd_max")
+FITS = ("norm", "ls", "unbiased", "search")
+SEARCH_STEPS = tuple(0.70 + 0.05 * i for i in range(13))  # step multipliers tried by fit="search"
 
 
 # ----------------------------------------------------------------------------- grids for N(0, 1)
@@ -141,15 +143,27 @@ class TurboQuantizer:
         bits: 2, 3 or 4.
         grid: ``"uniform"`` (default; scale and offset fold into the kernel's scores) or ``"lloyd_max"``.
         seed: seed of the random sign vector.
+        fit: how each vector's ``(scale, offset)`` is chosen on the uniform grid. ``"norm"``
+            (default): codes on the fixed MSE-optimal N(0, 1) step, scale set so ``|x_hat| = |x|``
+            (the GPU quantize-on-write kernel implements this one). ``"ls"``: same codes, then the
+            least-squares ``(scale, offset)`` (smallest MSE, but shrinks inner products).
+            ``"unbiased"``: same codes, scale with ``<x_hat, x> = |x|^2``. ``"search"``: the step is
+            searched per vector over :data:`SEARCH_STEPS` times the N(0, 1) step, keeping the codes
+            closest in angle to ``x``, then norm correction. All stay in the stored format (the fused
+            decode reads any per-vector affine); only quantize-on-write falls back to PyTorch.
     """
 
     name = "turbo"
 
-    def __init__(self, head_dim: int, bits: int = 3, grid: str = "uniform", seed: int = 0):
+    def __init__(self, head_dim: int, bits: int = 3, grid: str = "uniform", seed: int = 0, fit: str = "norm"):
         _check_bits(bits)
         if grid not in GRIDS:
             raise ValueError(f"grid must be one of {GRIDS}, got {grid!r}")
-        self.head_dim, self.bits, self.grid, self.seed = head_dim, bits, grid, seed
+        if fit not in FITS:
+            raise ValueError(f"fit must be one of {FITS}, got {fit!r}")
+        if fit != "norm" and grid != "uniform":
+            raise ValueError("fit='ls'/'search' apply to the uniform grid only")
+        self.head_dim, self.bits, self.grid, self.seed, self.fit = head_dim, bits, grid, seed, fit
         self.signs = hadamard_signs(head_dim, seed)
         self._on_device: dict[tuple[str, torch.device], torch.Tensor] = {}  # copies made once (CUDA-graph safe)
         self.levels_unit = (uniform_levels(bits, uniform_step(bits)) if grid == "uniform"
@@ -193,6 +207,8 @@ class TurboQuantizer:
         if x.shape[-1] != d:
             raise ValueError(f"last dim must be head_dim={d}, got {x.shape[-1]}")
         xr = self.rotate(x)
+        if self.fit != "norm":
+            return self._quantize_fitted(xr)
         norm = xr.norm(dim=-1, keepdim=True)
         inv = torch.where(norm > 0, math.sqrt(d) / norm, torch.zeros_like(norm))
         y = xr * inv
@@ -215,6 +231,43 @@ class TurboQuantizer:
         else:
             meta = torch.cat([scale, torch.zeros_like(scale)], -1)
         return codes.long(), meta.to(torch.float16)
+
+    def _quantize_fitted(self, xr: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """fit != "norm" on rotated vectors ``xr``: codes + (scale, offset), see the class docstring."""
+        d, n = self.head_dim, 1 << self.bits
+        norm = xr.norm(dim=-1, keepdim=True)
+        y = xr * torch.where(norm > 0, math.sqrt(d) / norm, torch.zeros_like(norm))
+        mults = SEARCH_STEPS if self.fit == "search" else (1.0,)
+        best = None
+        for m in mults:  # search: keep the step whose codes point closest to x (largest cosine)
+            step = uniform_step(self.bits) * m
+            codes = round_half_up(y * (1.0 / step) + (n - 1) / 2).clamp_(0, n - 1)
+            lev = codes - (n - 1) / 2
+            dot = (lev * xr).sum(-1, keepdim=True)
+            lnorm = lev.norm(dim=-1, keepdim=True)
+            cos = dot / (lnorm * norm).clamp(min=1e-30)
+            if best is None:
+                best = [cos, codes]
+            else:
+                better = cos > best[0]
+                best = [torch.where(better, cos, best[0]), torch.where(better, codes, best[1])]
+        codes = best[1]
+        lev = codes - (n - 1) / 2
+        if self.fit == "ls":
+            cm = codes.mean(-1, keepdim=True)
+            cc = codes - cm
+            var = (cc * cc).sum(-1, keepdim=True)
+            a = torch.where(var > 0, (cc * xr).sum(-1, keepdim=True) / var.clamp(min=1e-30), torch.zeros_like(var))
+            a = _as_fp16_float(a)
+            return codes.long(), torch.cat([a, _as_fp16_float(xr.mean(-1, keepdim=True) - a * cm)], -1).to(torch.float16)
+        lnorm = lev.norm(dim=-1, keepdim=True)
+        if self.fit == "unbiased":  # <x_hat, x> = |x|^2: q . x_hat is unbiased along x
+            dot = (lev * xr).sum(-1, keepdim=True)
+            a = torch.where(dot > 0, norm * norm / dot.clamp(min=1e-30), torch.zeros_like(dot))
+        else:  # search: norm correction, |x_hat| = |x|
+            a = torch.where(lnorm > 0, norm / lnorm.clamp(min=1e-30), torch.zeros_like(norm))
+        a = _as_fp16_float(a)
+        return codes.long(), torch.cat([a, -a * ((n - 1) / 2)], -1).to(torch.float16)
 
     def dequantize_rotated(self, codes: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
         """Codes + meta -> float32 values in the rotated domain (what the kernel attends over)."""

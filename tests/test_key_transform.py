@@ -1,0 +1,120 @@
+"""Key centring / per-channel key scaling (QuantizedKVCache(key_center=, key_scale=)) and the
+per-vector fits of TurboQuantizer(fit=...), on the CPU reference path."""
+import math
+
+import pytest
+import torch
+
+from flash_attn_tq import QuantizedKVCache, TurboQuantizer, flash_attn_with_kvcache
+from flash_attn_tq.baseline import attention_reference
+
+
+def keys_with_offset(B, S, H, d, seed=0):
+    """Keys with a large common per-channel offset and uneven channel scales (like RoPE'd keys)."""
+    g = torch.Generator().manual_seed(seed)
+    mu = torch.randn(B, 1, H, d, generator=g) * 4
+    spread = torch.rand(1, 1, H, d, generator=g) * 2 + 0.2
+    return mu + torch.randn(B, S, H, d, generator=g) * spread
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("quantizer", ["turbo", "asym"])
+@pytest.mark.parametrize("center,scale", [(True, 0.0), (True, 0.5), (False, 0.5)])
+def test_transform_is_exact_on_scores(quantizer, center, scale):
+    B, S, H, Hq, d = 2, 40, 2, 4, 64
+    k = keys_with_offset(B, S, H, d)
+    v = torch.randn(B, S, H, d)
+    q = torch.randn(B, 3, Hq, d)
+    cache = QuantizedKVCache(B, 64, H, d, quantizer=quantizer, key_center=center, key_scale=scale)
+    cache.append(k, v)
+    assert bool(cache.calibrated.all())
+    if center:
+        torch.testing.assert_close(cache.k_shift, k.mean(1))
+    # q' . k' + q . mu == q . k for the transformed keys the quantizer sees
+    kt = cache.transform_keys(k)
+    qt = cache.transform_query(q)
+    group = Hq // H
+    s_t = torch.einsum("bqhd,bkhd->bhqk", qt, kt.float().repeat_interleave(group, 2))
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(group, 2))
+    shift = cache.query_shift(q) if center else torch.zeros(B, Hq, 3)
+    torch.testing.assert_close(s_t + shift.unsqueeze(-1), s, rtol=1e-4, atol=1e-3)
+    # attention over the transformed (quantized) keys with q' == attention over the dequantized keys with q
+    k_hat, v_hat = cache.dequantize()
+    k_hat_t = cache.transform_keys(k_hat[:, :S])
+    out_t, lse_t = attention_reference(qt, k_hat_t, v_hat[:, :S], softmax_scale=d ** -0.5)
+    out, lse = attention_reference(q, k_hat[:, :S], v_hat[:, :S], softmax_scale=d ** -0.5)
+    torch.testing.assert_close(out_t, out, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(lse_t + shift * d ** -0.5, lse, rtol=1e-4, atol=1e-4)
+
+
+def test_centering_reduces_key_error_and_api_matches_reference():
+    B, S, H, Hq, d = 1, 256, 2, 6, 128
+    k = keys_with_offset(B, S, H, d, seed=3)
+    v = torch.randn(B, S, H, d)
+    err = {}
+    for center in (False, True):
+        cache = QuantizedKVCache(B, S, H, d, key_center=center)
+        cache.append(k, v)
+        k_hat, _ = cache.dequantize()
+        err[center] = rel(k_hat, k)
+    assert err[True] < 0.5 * err[False]
+    # flash_attn_with_kvcache (new k/v given, causal) == float attention over the dequantized cache
+    cache = QuantizedKVCache(B, S + 8, H, d, key_center=True, key_scale=0.5, fp16_window=16)
+    q = torch.randn(B, 5, Hq, d)
+    out, lse = flash_attn_with_kvcache(q, cache, k=k, v=v, causal=True, return_softmax_lse=True)
+    k_hat, v_hat = cache.dequantize()
+    ref, ref_lse = attention_reference(q, k_hat, v_hat, causal=True, key_lengths=S)
+    torch.testing.assert_close(out.float(), ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-4, atol=1e-4)
+
+
+def test_window_holds_transformed_keys_and_state_dict():
+    B, S, H, d = 2, 50, 1, 64
+    k, v = keys_with_offset(B, S, H, d, seed=5), torch.randn(B, S, H, d)
+    cache = QuantizedKVCache(B, 64, H, d, key_center=True, key_scale=0.5, fp16_window=8)
+    cache.append(k[:, :30], v[:, :30])
+    cache.append(k[:, 30:], v[:, 30:])  # calibration stays the first chunk's
+    torch.testing.assert_close(cache.k_shift, k[:, :30].mean(1))
+    k_hat, _ = cache.dequantize()
+    torch.testing.assert_close(k_hat[:, S - 8:S], k[:, S - 8:].half().float(), rtol=2e-3, atol=2e-2)
+    clone = QuantizedKVCache.from_state_dict(cache.state_dict())
+    torch.testing.assert_close(clone.dequantize()[0], k_hat)
+    assert clone.config() == cache.config()
+
+
+def test_short_first_chunk_keeps_identity():
+    cache = QuantizedKVCache(1, 32, 1, 64, key_center=True, key_scale=0.5, calib_min_tokens=16)
+    cache.append(torch.randn(1, 4, 1, 64) + 3, torch.randn(1, 4, 1, 64))
+    assert bool(cache.calibrated.all())
+    assert float(cache.k_shift.abs().max()) == 0.0 and float((cache.k_div - 1).abs().max()) == 0.0
+    with pytest.raises(ValueError):
+        QuantizedKVCache(1, 8, 1, 64, key_scale=-1.0)
+
+
+def test_fits():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2048, 64, generator=g) * torch.linspace(0.2, 3, 64)
+    stats = {}
+    for fit in ("norm", "ls", "unbiased", "search"):
+        qz = TurboQuantizer(64, 3, fit=fit, seed=1)
+        codes, meta = qz.quantize(x)
+        assert codes.min() >= 0 and codes.max() <= 7 and meta.dtype == torch.float16
+        xh = qz.dequantize(codes, meta)
+        mse = ((xh - x).pow(2).sum(-1) / x.pow(2).sum(-1)).mean().item()
+        gain = ((xh * x).sum(-1) / x.pow(2).sum(-1)).mean().item()
+        stats[fit] = (mse, gain)
+    assert stats["ls"][0] < stats["norm"][0] and stats["search"][0] < stats["norm"][0]
+    assert abs(stats["unbiased"][1] - 1) < 2e-3 and stats["ls"][1] < stats["norm"][1] < 1
+    with pytest.raises(ValueError):
+        TurboQuantizer(64, 3, fit="mse")
+    with pytest.raises(ValueError):
+        TurboQuantizer(64, 3, grid="lloyd_max", fit="ls")
+    with pytest.raises(ValueError):
+        QuantizedKVCache(1, 8, 1, 64, quantizer="asym", fit="ls")
+    cache = QuantizedKVCache(1, 16, 1, 64, fit="search")
+    k = torch.randn(1, 16, 1, 64)
+    cache.append(k, k)
+    assert rel(cache.dequantize()[0], k) < 0.25
