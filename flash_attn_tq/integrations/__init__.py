@@ -1,0 +1,1 @@
+"""Integrations with model libraries (import the submodule you need, e.g. ``.transformers``)."""

@@ -1,0 +1,277 @@
+"""Hugging Face transformers (>= 5) integration: a quantized KV cache for ``generate``.
+
+Usage::
+
+    from flash_attn_tq.integrations.transformers import TQCache  # registers "tq_kvcache"
+    model = AutoModelForCausalLM.from_pretrained(..., attn_implementation="tq_kvcache")
+    # (or model.set_attn_implementation("tq_kvcache") on a loaded model)
+    out = model.generate(ids, past_key_values=TQCache(model.config), max_new_tokens=...)
+
+:class:`TQCache` keeps one :class:`~flash_attn_tq.QuantizedKVCache` per decoder layer. The
+attention function registered as ``"tq_kvcache"`` attends over it with
+:func:`flash_attn_tq.flash_attn_with_kvcache`: the fused CUDA kernel on a GPU, the PyTorch
+reference path on the CPU. Llama-family models (GQA, RoPE applied before the cache update).
+
+Per layer, the cache holds
+
+* the first ``sink_tokens`` tokens of each sequence in 16-bit (attention sinks: the tokens most
+  heads put a large share of their weight on), outside the quantized cache;
+* every later token as ``k_bits``/``v_bits`` codes + float16 (scale, offset), with the most recent
+  ``fp16_window`` of them also kept in 16-bit (handled by QuantizedKVCache);
+* keys centred/scaled per channel (``key_center``, ``key_scale``; exact for the softmax, see
+  QuantizedKVCache), calibrated on the prompt.
+
+The prompt (the first forward) attends in full precision over its own keys (``prefill="full"``,
+the usual practice; its K/V are quantized into the cache as they are written); later tokens attend
+over the quantized cache. ``prefill="quantized"`` makes the prompt attend over the quantized cache
+too (what a token-by-token decode of the prompt would see; used to check the eval's simulation).
+Layers in ``protected_layers`` keep a plain 16-bit cache. Batches must not be padded.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+
+try:
+    from transformers import AttentionInterface
+    from transformers.cache_utils import Cache, CacheLayerMixin
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+except ImportError as e:  # pragma: no cover - exercised only without transformers
+    raise ImportError("flash_attn_tq.integrations.transformers needs transformers >= 5") from e
+
+from ..cache import QuantizedKVCache
+from ..format import bits_per_element as _format_bits
+from ..interface import _merge_lse, flash_attn_with_kvcache
+
+ATTN_IMPLEMENTATION = "tq_kvcache"  # (a name containing "flash" would make transformers look for flash-attn)
+
+# The default configuration (chosen by benchmarks/eval_quality.py; see benchmarks/results/quality.md).
+DEFAULTS = dict(k_bits=3, v_bits=3, quantizer="turbo", grid="uniform", fit="norm", fp16_window=124,
+                sink_tokens=4, key_center=True, key_scale=0.0)
+
+
+def _check_no_padding(attention_mask) -> None:
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool:
+        if not bool(attention_mask[:, :, -1, :].all()):
+            raise NotImplementedError("TQCache does not support padded batches (use equal-length prompts)")
+
+
+def _sink_attention(q, k, v, q_pos, scale):
+    """q [B, Sq, Hq, D] at absolute positions q_pos [Sq]; k, v [B, S0, Hkv, D] at positions 0..S0-1.
+    Causal float32 attention; returns out [B, Sq, Hq, D], lse [B, Hq, Sq] (+inf where no key)."""
+    group = q.shape[2] // k.shape[2]
+    kk = k.float().repeat_interleave(group, 2)
+    vv = v.float().repeat_interleave(group, 2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q.float(), kk) * scale
+    visible = torch.arange(k.shape[1], device=q.device)[None, :] <= q_pos[:, None]  # [Sq, S0]
+    s = s.masked_fill(~visible, -math.inf)
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)).unsqueeze(-1))
+    out = torch.einsum("bhqk,bkhd->bqhd", p, vv)
+    return out, torch.where(torch.isfinite(lse), lse, torch.full_like(lse, math.inf))
+
+
+class TQLayer(CacheLayerMixin):
+    """One decoder layer's cache: 16-bit attention-sink tokens + a QuantizedKVCache for the rest."""
+
+    is_compileable = False
+    is_sliding = False
+    is_croppable = False
+
+    def __init__(self, *, sink_tokens: int = 0, max_cache_len: int | None = None, prefill: str = "full",
+                 **cache_kwargs):
+        super().__init__()
+        self.sink_tokens = int(sink_tokens)
+        self.max_cache_len = max_cache_len
+        self.prefill = prefill
+        self.cache_kwargs = cache_kwargs
+        self.qcache: QuantizedKVCache | None = None
+        self.sink_k = self.sink_v = None  # [B, n_sink, Hkv, D]
+        self.length = 0  # tokens seen
+        self.chunk_start = 0  # tokens seen before the last update
+
+    # -- storage
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        B, H, _, D = key_states.shape
+        self.dtype, self.device = key_states.dtype, key_states.device
+        # 16-bit storage dtype of the window and sinks (a float32 model stores float16)
+        self.store_dtype = self.dtype if self.dtype in (torch.float16, torch.bfloat16) else torch.float16
+        self.batch_size, self.num_kv_heads, self.head_dim = B, H, D
+        self.is_initialized = True
+
+    def _new_qcache(self, capacity: int) -> QuantizedKVCache:
+        return QuantizedKVCache(self.batch_size, capacity, self.num_kv_heads, self.head_dim, dtype=self.store_dtype,
+                                device=self.device, **self.cache_kwargs)
+
+    def _ensure_capacity(self, needed: int) -> None:
+        if self.qcache is None:
+            cap = self.max_cache_len or max(1024, 1 << math.ceil(math.log2(max(needed, 1))))
+            self.qcache = self._new_qcache(max(cap, needed))
+            return
+        old = self.qcache
+        if needed <= old.max_seqlen:
+            return
+        new = self._new_qcache(max(needed, 2 * old.max_seqlen))
+        n = old.max_seqlen
+        for name in ("k_codes", "v_codes", "k_meta", "v_meta"):
+            getattr(new, name)[:, :n] = getattr(old, name)
+        for name in ("seqlens", "k_window", "v_window", "k_shift", "k_div", "calibrated", "k_range", "v_range"):
+            if getattr(old, name) is not None:
+                getattr(new, name).copy_(getattr(old, name))
+        self.qcache = new
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Store new ``[B, Hkv, n, D]`` key/value states; returns them (marked for the attention function)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n = key_states.shape[2]
+        k = key_states.transpose(1, 2)
+        v = value_states.transpose(1, 2)
+        if k.dtype == torch.float64:  # (float64 models, e.g. for exact checks: the codec takes float32)
+            k, v = k.float(), v.float()
+        n_sink = max(0, min(n, self.sink_tokens - self.length))
+        if n_sink:
+            ks, vs = k[:, :n_sink].to(self.store_dtype), v[:, :n_sink].to(self.store_dtype)
+            self.sink_k = ks if self.sink_k is None else torch.cat([self.sink_k, ks], 1)
+            self.sink_v = vs if self.sink_v is None else torch.cat([self.sink_v, vs], 1)
+        if n > n_sink:
+            self._ensure_capacity(self.length + n - self.sink_tokens)
+            self.qcache.append(k[:, n_sink:], v[:, n_sink:])
+        self.chunk_start = self.length
+        self.length += n
+        key_states = key_states.view(key_states.shape)
+        key_states._tq_layer = self  # read by tq_attention_forward (plain attribute: eager mode only)
+        return key_states, value_states
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.qcache = None
+        self.sink_k = self.sink_v = None
+        self.length = self.chunk_start = 0
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("TQCache does not support beam search")
+
+    def offload(self):
+        pass
+
+    def prefetch(self):
+        pass
+
+    # -- attention
+    def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """query ``[B, Hq, Sq, D]`` (the last Sq tokens) -> output ``[B, Sq, Hq, D]``."""
+        q = query.transpose(1, 2)
+        Sq = q.shape[1]
+        parts = []
+        if self.qcache is not None and int(self.length) > self.sink_tokens:
+            qc = self.qcache
+            qq = q.to(qc.dtype) if q.is_cuda else (q.float() if q.dtype == torch.float64 else q)
+            out, lse = flash_attn_with_kvcache(qq, kv_cache=qc, causal=True, softmax_scale=scaling,
+                                               return_softmax_lse=True)
+            parts.append((out, lse))
+        if self.sink_k is not None:
+            q_pos = torch.arange(self.length - Sq, self.length, device=q.device)
+            parts.append(_sink_attention(q, self.sink_k, self.sink_v, q_pos, scaling))
+        out, lse = parts[0]
+        for o2, l2 in parts[1:]:
+            out, lse = _merge_lse(out, lse, o2, l2)
+        return out.to(query.dtype)
+
+
+class TQCache(Cache):
+    """A transformers ``Cache`` whose layers hold 3-bit quantized K/V (see the module docstring).
+
+    Args:
+        config: the model config (optional; gives the layer count for :meth:`bits_per_element`).
+        max_cache_len: initial capacity in tokens per layer (grows by doubling when exceeded).
+        protected_layers: layer indices kept in a plain 16-bit cache.
+        sink_tokens: leading tokens kept in 16-bit outside the quantized cache.
+        prefill: ``"full"`` (the first forward attends over its own full-precision K/V) or
+            ``"quantized"`` (it attends over the quantized cache, as token-by-token decoding would).
+        **cache_kwargs: QuantizedKVCache options (k_bits, v_bits, quantizer, grid, fit,
+            fp16_window, key_center, key_scale, seed, ...). Missing ones come from :data:`DEFAULTS`.
+    """
+
+    def __init__(self, config=None, *, max_cache_len: int | None = None, protected_layers: Iterable[int] = (),
+                 prefill: str = "full", **cache_kwargs):
+        super().__init__(layers=[])
+        if prefill not in ("full", "quantized"):
+            raise ValueError(f"prefill must be 'full' or 'quantized', got {prefill!r}")
+        opts = dict(DEFAULTS)
+        opts.update(cache_kwargs)
+        self.sink_tokens = int(opts.pop("sink_tokens"))
+        self.cache_kwargs = opts
+        self.initial_capacity = max_cache_len
+        self.protected_layers = frozenset(int(i) for i in protected_layers)
+        self.prefill = prefill
+        self.num_layers = getattr(config, "num_hidden_layers", None)
+        QuantizedKVCache(1, 1, 1, 64, **opts)  # validate the options early
+
+    def _make_layer(self, idx: int) -> CacheLayerMixin:
+        if idx in self.protected_layers:
+            from transformers.cache_utils import DynamicLayer
+            return DynamicLayer()
+        return TQLayer(sink_tokens=self.sink_tokens, max_cache_len=self.initial_capacity, prefill=self.prefill,
+                       **self.cache_kwargs)
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        while len(self.layers) <= layer_idx:
+            self.layers.append(self._make_layer(len(self.layers)))
+        return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
+
+    def bits_per_element(self, head_dim: int, num_layers: int | None = None) -> float:
+        """Average stored bits per K/V element over the layers (16 for protected ones; codes +
+        metadata for the others; the fp16 window and sink tokens are not counted)."""
+        L = num_layers or self.num_layers
+        if L is None:
+            raise ValueError("pass num_layers (or build the TQCache with the model config)")
+        q = (_format_bits(head_dim, self.cache_kwargs["k_bits"]) + _format_bits(head_dim, self.cache_kwargs["v_bits"])) / 2
+        prot = len([i for i in self.protected_layers if i < L])
+        return (q * (L - prot) + 16.0 * prot) / L
+
+    def quantized_caches(self) -> list[QuantizedKVCache | None]:
+        """The QuantizedKVCache of each layer (None for protected or not-yet-used layers)."""
+        return [getattr(layer, "qcache", None) for layer in self.layers]
+
+
+def tq_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         attention_mask, dropout: float = 0.0, scaling: float | None = None, **kwargs):
+    """The ``"tq_kvcache"`` attention function (transformers' AttentionInterface signature).
+
+    Over a :class:`TQCache` layer it attends with :func:`flash_attn_with_kvcache` over the quantized
+    cache (+ sink tokens); anything else (no cache, protected layers, the full-precision prefill)
+    goes to transformers' SDPA attention. Returns ``(out [B, Sq, Hq, D], None)``.
+    """
+    layer = getattr(key, "_tq_layer", None)
+    if layer is None or (layer.prefill == "full" and layer.chunk_start == 0):
+        if layer is not None:
+            _check_no_padding(attention_mask)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    _check_no_padding(attention_mask)
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    return layer.attend(query, scaling), None
+
+
+def register() -> None:
+    """Register ``"tq_kvcache"`` with transformers' attention and mask interfaces (idempotent)."""
+    AttentionInterface.register(ATTN_IMPLEMENTATION, tq_attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+
+
+register()
+
+__all__ = ["TQCache", "TQLayer", "tq_attention_forward", "register", "ATTN_IMPLEMENTATION", "DEFAULTS"]

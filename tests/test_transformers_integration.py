@@ -1,0 +1,153 @@
+"""flash_attn_tq.integrations.transformers on the CPU: a tiny randomly initialised Llama (GQA, RoPE).
+
+The oracle recomputes every layer's attention in float64 from what the cache holds
+(``QuantizedKVCache.dequantize()`` plus the 16-bit sink tokens), so ``generate`` with TQCache must
+give the same tokens and (to float32 rounding) the same scores.
+"""
+import math
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+if int(transformers.__version__.split(".")[0]) < 5:
+    pytest.skip("needs transformers >= 5", allow_module_level=True)
+
+from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from flash_attn_tq import QuantizedKVCache  # noqa: E402
+from flash_attn_tq.integrations.transformers import (  # noqa: E402
+    ATTN_IMPLEMENTATION, DEFAULTS, TQCache, TQLayer, tq_attention_forward)
+
+ORACLE = "tq_oracle_test"
+
+
+def oracle_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """float64 attention of query [B, Hq, Sq, D] over the layer's dequantized cache (+ sinks)."""
+    layer = getattr(key, "_tq_layer", None)
+    if layer is None or (layer.prefill == "full" and layer.chunk_start == 0):  # plain / protected / prefill
+        ks, vs = key.double(), value.double()
+        kvalid = None
+    else:
+        parts_k, parts_v = [], []
+        if layer.sink_k is not None:
+            parts_k.append(layer.sink_k.double())
+            parts_v.append(layer.sink_v.double())
+        if layer.qcache is not None:
+            kd, vd = layer.qcache.dequantize()
+            n = int(layer.qcache.seqlens[0])
+            parts_k.append(kd[:, :n].double())
+            parts_v.append(vd[:, :n].double())
+        ks = torch.cat(parts_k, 1).transpose(1, 2)
+        vs = torch.cat(parts_v, 1).transpose(1, 2)
+    B, Hq, Sq, D = query.shape
+    G = Hq // ks.shape[1]
+    ks, vs = ks.repeat_interleave(G, 1), vs.repeat_interleave(G, 1)
+    S = ks.shape[2]
+    s = query.double() @ ks.transpose(-1, -2) * (scaling or D ** -0.5)
+    qpos = torch.arange(S - Sq, S)[:, None]
+    s = s.masked_fill(torch.arange(S)[None, :] > qpos, -math.inf)
+    out = torch.softmax(s, -1) @ vs
+    return out.transpose(1, 2).to(query.dtype).contiguous(), None
+
+
+AttentionInterface.register(ORACLE, oracle_attention)
+
+
+def tiny_model(seed=0, layers=3):
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024,
+                      pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # larger logits so greedy choices are not near-ties
+        model.lm_head.weight.mul_(8)
+    return model
+
+
+def generate(model, impl, ids, cache, n=24):
+    model.set_attn_implementation(impl)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=n,
+                         do_sample=False, output_scores=True, return_dict_in_generate=True, eos_token_id=None)
+    return out.sequences, torch.stack(out.scores, 1)
+
+
+CASES = [
+    dict(),  # the defaults (window larger than these sequences: every token 16-bit)
+    dict(fp16_window=0, sink_tokens=0, key_center=False),
+    dict(fp16_window=8, sink_tokens=4, key_center=True),
+    dict(fp16_window=8, sink_tokens=2, key_center=True, key_scale=0.5, prefill="quantized"),
+    dict(fp16_window=0, sink_tokens=0, quantizer="asym", prefill="quantized"),
+    dict(fp16_window=16, sink_tokens=0, k_bits=4, v_bits=3, protected_layers=(0,)),
+]
+
+
+@pytest.mark.parametrize("opts", CASES, ids=[str(i) for i in range(len(CASES))])
+def test_generate_matches_attention_over_dequantized_cache(opts):
+    model = tiny_model()
+    ids = torch.randint(3, 96, (2, 40), generator=torch.Generator().manual_seed(1))
+    n_new = 24
+    seq, scores = generate(model, ATTN_IMPLEMENTATION, ids, TQCache(model.config, max_cache_len=16, **opts), n_new)
+    seq_o, scores_o = generate(model, ORACLE, ids, TQCache(model.config, max_cache_len=16, **opts), n_new)
+    assert torch.equal(seq, seq_o)
+    torch.testing.assert_close(scores, scores_o, rtol=1e-4, atol=1e-3)
+    assert seq.shape == (2, 40 + n_new)
+    _, scores_fp = generate(model, "sdpa", ids, None, n_new)
+    gap = (scores[:, :4] - scores_fp[:, :4]).abs().max().item()
+    if opts:  # quantization is visible (the default window covers these short sequences: exact)
+        assert gap > 1e-3
+    else:
+        assert gap < 1e-3
+
+
+def test_cache_bookkeeping():
+    model = tiny_model(layers=2)
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    ids = torch.randint(3, 96, (1, 30))
+    cache = TQCache(model.config, max_cache_len=8, fp16_window=4, sink_tokens=3, protected_layers=(1,))
+    with torch.no_grad():
+        model(ids, past_key_values=cache)
+        for t in range(5):
+            model(torch.randint(3, 96, (1, 1)), past_key_values=cache)
+    assert cache.get_seq_length() == 35
+    layer = cache.layers[0]
+    assert isinstance(layer, TQLayer) and layer.length == 35
+    assert layer.sink_k.shape == (1, 3, 2, 64)  # [B, sinks, kv heads, D]
+    qc = layer.qcache
+    assert isinstance(qc, QuantizedKVCache) and int(qc.seqlens[0]) == 32 and qc.max_seqlen >= 32
+    assert qc.fp16_window == 4 and qc.k_bits == 3 and qc.key_center
+    assert cache.layers[1].get_seq_length() == 35 and not isinstance(cache.layers[1], TQLayer)
+    assert cache.quantized_caches()[1] is None
+    assert cache.bits_per_element(64) == pytest.approx((3.5 + 16) / 2)
+    assert TQCache(model.config).bits_per_element(128) == pytest.approx(3.25)
+
+
+def test_defaults_and_errors():
+    model = tiny_model(layers=1)
+    cache = TQCache(model.config)
+    assert cache.sink_tokens == DEFAULTS["sink_tokens"]
+    assert cache.cache_kwargs["fp16_window"] == DEFAULTS["fp16_window"]
+    assert DEFAULTS["fp16_window"] + DEFAULTS["sink_tokens"] <= 128
+    with pytest.raises(ValueError):
+        TQCache(model.config, prefill="lazy")
+    with pytest.raises(ValueError):
+        TQCache(model.config, k_bits=5)
+    # padded batches are refused rather than silently mis-attended
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    ids = torch.randint(3, 96, (2, 12))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    with pytest.raises(NotImplementedError):
+        model(ids, attention_mask=mask, past_key_values=TQCache(model.config))
+
+
+def test_without_cache_falls_back_to_sdpa():
+    model = tiny_model(layers=1)
+    ids = torch.randint(3, 96, (1, 20))
+    with torch.no_grad():
+        model.set_attn_implementation("sdpa")
+        ref = model(ids, use_cache=False).logits
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        got = model(ids, use_cache=False).logits
+    torch.testing.assert_close(got, ref)
+    assert tq_attention_forward is not None
