@@ -53,7 +53,7 @@ SIM_NAME = "tq_sim"
 # Every config tried. Options: quantizer, k_bits, v_bits, fit, fp16_window, sink_tokens,
 # key_center, key_scale, protect ("boundary" = first and last layer in 16-bit). None = full precision.
 BASE = dict(quantizer="turbo", k_bits=3, v_bits=3, fit="norm", fp16_window=0, sink_tokens=0,
-            key_center=False, key_scale=0.0, protect=None)
+            key_center=False, key_scale=0.0, key_pca=False, value_pca=False, protect=None)
 
 
 def _cfg(**kw):
@@ -76,18 +76,19 @@ CONFIGS = {
     "turbo3+kc+sink4+prot": _cfg(key_center=True, sink_tokens=4, protect="boundary"),
     "turbo3+sink4+w124": _cfg(sink_tokens=4, fp16_window=124),
     "turbo3+kc+sink4+w124": _cfg(key_center=True, sink_tokens=4, fp16_window=124),
-    "turbo3+kc+ks.5+sink4+w124": _cfg(key_center=True, key_scale=0.5, sink_tokens=4, fp16_window=124),
-    "turbo3+kc+sink4+search+w124": _cfg(key_center=True, sink_tokens=4, fit="search", fp16_window=124),
     "turbo3+kc+sink4+w124+prot": _cfg(key_center=True, sink_tokens=4, fp16_window=124, protect="boundary"),
+    "turbo3+kc+pca+sink4": _cfg(key_center=True, key_pca=True, fit="mean", sink_tokens=4),
+    "turbo3+kc+pca+vpca+sink4": _cfg(key_center=True, key_pca=True, value_pca=True, fit="mean", sink_tokens=4),
+    "turbo3+kc+pca+vpca+sink4+w124": _cfg(key_center=True, key_pca=True, value_pca=True, fit="mean", sink_tokens=4,
+                                          fp16_window=124),
     "K4V3": _cfg(k_bits=4),
     "K4V3+w128": _cfg(k_bits=4, fp16_window=128),
-    "K4V3+kc+sink4": _cfg(k_bits=4, key_center=True, sink_tokens=4),
     "K4V3+kc+sink4+w124": _cfg(k_bits=4, key_center=True, sink_tokens=4, fp16_window=124),
 }
 DEFAULT = "turbo3+kc+sink4+w124"
 NO_WINDOW_DEFAULT = "turbo3+kc+sink4"
 QUICK = ["full", "asym3", "turbo3", "turbo3+w128", "turbo3+kc+sink4", "turbo3+kc+sink4+w124", "K4V3"]
-LONG = ["full", "asym3", "turbo3", "turbo3+w128", "turbo3+kc+sink4", DEFAULT, "K4V3+kc+sink4+w124"]
+LONG = ["full", "turbo3", "turbo3+kc+pca+vpca+sink4", "turbo3+kc+sink4+w124", "turbo3+kc+pca+vpca+sink4+w124"]
 
 
 def config_bits(cfg, head_dim, num_layers):
@@ -160,14 +161,19 @@ class Sim:
         k16, v16 = key.half().float(), value.half().float()
         if S - s0 == 0:
             return kh, vh, k16, v16
-        opts = {n: cfg[n] for n in ("quantizer", "k_bits", "v_bits", "fit", "key_center", "key_scale")}
+        opts = {n: cfg[n] for n in ("quantizer", "k_bits", "v_bits", "fit", "key_center", "key_scale", "key_pca",
+                                    "value_pca")}
         if opts["quantizer"] == "asym":
             opts.pop("fit")
         cache = QuantizedKVCache(B, S - s0, H, D, dtype=torch.float16, **opts)
+        c = max(calib - s0, 1)
+        if cache.key_transform or cache.value_pca:
+            cache.calibrate(k[:, :c], v=v[:, :c])  # the prompt's statistics, then fixed
         if cache.key_transform:
-            cache.calibrate(k[:, :max(calib - s0, 1)])  # the prompt's statistics, then fixed
-            kt16 = cache.transform_keys(k).half().float()
-            k16[:, :, s0:] = (kt16 * cache.k_div[:, None] + cache.k_shift[:, None]).transpose(1, 2)
+            k16[:, :, s0:] = cache.untransform_keys(cache.transform_keys(k).half()).transpose(1, 2)
+        if cache.value_pca:
+            w = cache.v_house[:, None]
+            v16[:, :, s0:] = cache._reflect(cache._reflect(v, w).half().float(), w).transpose(1, 2)
         cache.append(k, v)
         kd, vd = cache.dequantize(use_window=False)
         kh[:, :, s0:] = kd.transpose(1, 2)
@@ -407,7 +413,7 @@ def verify(args) -> bool:
     sim = log_probs(model, ids)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     opts = {k: cfg[k] for k in ("quantizer", "k_bits", "v_bits", "fit", "fp16_window", "sink_tokens", "key_center",
-                                "key_scale")}
+                                "key_scale", "key_pca", "value_pca")}
     if opts["quantizer"] == "asym":
         opts.pop("fit")
     cache = TQCache(model.config, prefill="quantized",
@@ -435,7 +441,7 @@ def main(argv=None):
     p.add_argument("--configs", help="comma-separated config names (see CONFIGS)")
     p.add_argument("--windows", type=int, default=4, help="1024-token perplexity windows")
     p.add_argument("--long-windows", type=int, default=1, help="4096-token perplexity windows")
-    p.add_argument("--seeds", type=int, default=3, help="copy-retrieval seeds at 1K (x 3 depths)")
+    p.add_argument("--seeds", type=int, default=2, help="copy-retrieval seeds at 1K (x 3 depths)")
     p.add_argument("--long-seeds", type=int, default=1, help="copy-retrieval seeds at 4K (x 3 depths)")
     p.add_argument("--no-long", action="store_true", help="skip the 4K metrics")
     p.add_argument("--calib", type=int, default=256, help="prompt tokens the key transform is calibrated on")

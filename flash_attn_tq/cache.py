@@ -66,6 +66,8 @@ class QuantizedKVCache:
         fit: str = "norm",
         key_center: bool = False,
         key_scale: float = 0.0,
+        key_pca: bool = False,
+        value_pca: bool = False,
         calib_min_tokens: int = 16,
         dtype: torch.dtype = torch.float16,
         device: torch.device | str = "cpu",
@@ -89,6 +91,10 @@ class QuantizedKVCache:
         if key_scale < 0:
             raise ValueError(f"key_scale must be >= 0, got {key_scale}")
         self.key_center, self.key_scale, self.calib_min_tokens = bool(key_center), float(key_scale), int(calib_min_tokens)
+        self.key_pca, self.value_pca = bool(key_pca), bool(value_pca)
+        if (self.key_pca or self.value_pca) and (quantizer != "turbo" or fit != "mean"):
+            raise ValueError("key_pca/value_pca need quantizer='turbo' with fit='mean' (the offset stores the main "
+                             "direction)")
         if quantizer == "turbo":
             if streaming:
                 raise ValueError("streaming applies to quantizer='asym' only")
@@ -143,12 +149,17 @@ class QuantizedKVCache:
         nan = torch.full((self.batch_size, H), float("nan"), device=device)
         self.k_range = nan.clone() if streaming else None  # asym streaming: per-head EMA of max|x|
         self.v_range = nan.clone() if streaming else None
-        if self.key_transform:
+        if self.key_transform or self.value_pca:
             self.k_shift = torch.zeros(self.batch_size, H, head_dim, device=device)
             self.k_div = torch.ones(self.batch_size, H, head_dim, device=device)
             self.calibrated = torch.zeros(self.batch_size, dtype=torch.bool, device=device)
         else:
             self.k_shift = self.k_div = self.calibrated = None
+        # key_pca: Householder vector w (P = I - 2 w w^T, w = 0: identity) taking the calibration keys'
+        # main direction to e_0, whose component the turbo offset (fit="mean") then stores exactly
+        self.k_house = torch.zeros(self.batch_size, H, head_dim, device=device) if self.key_pca else None
+        # value_pca: the same for values (their uncentred main direction); outputs are mapped back
+        self.v_house = torch.zeros(self.batch_size, H, head_dim, device=device) if self.value_pca else None
 
     # ------------------------------------------------------------------ properties
     @property
@@ -158,7 +169,7 @@ class QuantizedKVCache:
     @property
     def key_transform(self) -> bool:
         """True when keys are stored centred and/or scaled (see the class docstring)."""
-        return self.key_center or self.key_scale > 0
+        return self.key_center or self.key_scale > 0 or self.key_pca
 
     @property
     def paged(self) -> bool:
@@ -196,10 +207,12 @@ class QuantizedKVCache:
         return o
 
     # ------------------------------------------------------------------ key transform
-    def calibrate(self, k: torch.Tensor, batch_idx: torch.Tensor | None = None, force: bool = False) -> None:
-        """Set the key transform of rows ``batch_idx`` from ``k [batch, n, kv_heads, d]`` (rows already
-        calibrated are left alone unless ``force``). Called by :meth:`append` on a row's first chunk."""
-        if not self.key_transform:
+    def calibrate(self, k: torch.Tensor, batch_idx: torch.Tensor | None = None, force: bool = False,
+                  v: torch.Tensor | None = None) -> None:
+        """Set the key transform (and the value_pca direction, from ``v``) of rows ``batch_idx`` from
+        ``k [batch, n, kv_heads, d]`` (rows already calibrated are left alone unless ``force``).
+        Called by :meth:`append` on a row's first chunk."""
+        if not (self.key_transform or self.value_pca):
             return
         B, n = k.shape[:2]
         bidx = torch.arange(B, device=self.device) if batch_idx is None else batch_idx.to(self.device).long()
@@ -208,6 +221,10 @@ class QuantizedKVCache:
             return
         shift = torch.zeros(B, self.num_kv_heads, self.head_dim, device=self.device)
         div = torch.ones_like(shift)
+        house = torch.zeros_like(shift)
+        vhouse = torch.zeros_like(shift)
+        if n >= self.calib_min_tokens and self.value_pca and v is not None:
+            vhouse = self._main_direction_householder(v.float())
         if n >= self.calib_min_tokens:
             kf = k.float()
             if self.key_center:
@@ -217,17 +234,63 @@ class QuantizedKVCache:
                 rms = rms.clamp(min=1e-3 * float(rms.max().clamp(min=1e-30)))
                 div = rms.pow(self.key_scale)
                 div = div / div.pow(2).mean(-1, keepdim=True).sqrt()  # unit mean square: only the shape matters
+            if self.key_pca:
+                house = self._main_direction_householder((kf - shift[:, None]) / div[:, None])
         rows = bidx[todo]
         self.k_shift[rows] = shift[todo]
         self.k_div[rows] = div[todo]
+        if self.key_pca:
+            self.k_house[rows] = house[todo]
+        if self.value_pca:
+            self.v_house[rows] = vhouse[todo]
         self.calibrated[rows] = True
+
+    @staticmethod
+    def _main_direction_householder(x: torch.Tensor) -> torch.Tensor:
+        """Householder vectors w [B, H, d] with (I - 2 w w^T) u = +-e_0 for the main direction u of x [B, n, H, d]."""
+        cov = torch.einsum("bnhi,bnhj->bhij", x, x) / x.shape[1]
+        vec = torch.linalg.eigh(cov.double())[1][..., -1].float()
+        vec = torch.where(vec[..., :1] > 0, -vec, vec)  # u[0] <= 0, so |u - e_0| >= 1
+        w = vec.clone()
+        w[..., 0] -= 1.0
+        return w / w.norm(dim=-1, keepdim=True)
+
+    @staticmethod
+    def _reflect(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x - 2 * (x * w).sum(-1, keepdim=True) * w
+
+    def untransform_output(self, out: torch.Tensor, batch_idx: torch.Tensor | None = None) -> torch.Tensor:
+        """value_pca: map attention outputs ``[batch, seqlen_q, heads, d]`` over transformed values back."""
+        if not self.value_pca:
+            return out
+        bidx = torch.arange(out.shape[0], device=self.device) if batch_idx is None else batch_idx.to(self.device).long()
+        group = out.shape[2] // self.num_kv_heads
+        return self._reflect(out.float(), self.v_house[bidx].repeat_interleave(group, 1)[:, None])
+
+    def _householder(self, x: torch.Tensor, bidx: torch.Tensor) -> torch.Tensor:
+        """P x for x [b, n, H, d] (P symmetric orthogonal: its own inverse)."""
+        w = self.k_house[bidx][:, None]
+        return x - 2 * (x * w).sum(-1, keepdim=True) * w
 
     def transform_keys(self, k: torch.Tensor, batch_idx: torch.Tensor | None = None) -> torch.Tensor:
         """``(k - mu) / s`` for keys ``[batch, n, kv_heads, d]`` of rows ``batch_idx`` (same dtype)."""
         if not self.key_transform:
             return k
         bidx = torch.arange(k.shape[0], device=self.device) if batch_idx is None else batch_idx.to(self.device).long()
-        return ((k.float() - self.k_shift[bidx][:, None]) / self.k_div[bidx][:, None]).to(k.dtype)
+        kt = (k.float() - self.k_shift[bidx][:, None]) / self.k_div[bidx][:, None]
+        if self.key_pca:
+            kt = self._householder(kt, bidx)
+        return kt.to(k.dtype)
+
+    def untransform_keys(self, kt: torch.Tensor, batch_idx: torch.Tensor | None = None) -> torch.Tensor:
+        """Inverse of :meth:`transform_keys` (float32)."""
+        if not self.key_transform:
+            return kt.float()
+        bidx = torch.arange(kt.shape[0], device=self.device) if batch_idx is None else batch_idx.to(self.device).long()
+        x = kt.float()
+        if self.key_pca:
+            x = self._householder(x, bidx)
+        return x * self.k_div[bidx][:, None] + self.k_shift[bidx][:, None]
 
     def transform_query(self, q: torch.Tensor, batch_idx: torch.Tensor | None = None) -> torch.Tensor:
         """``q * s`` for queries ``[batch, seqlen_q, heads, d]`` (GQA: kv head ``h // group``), float32."""
@@ -235,7 +298,11 @@ class QuantizedKVCache:
             return q
         bidx = torch.arange(q.shape[0], device=self.device) if batch_idx is None else batch_idx.to(self.device).long()
         group = q.shape[2] // self.num_kv_heads
-        return q.float() * self.k_div[bidx].repeat_interleave(group, 1)[:, None]
+        qt = q.float() * self.k_div[bidx].repeat_interleave(group, 1)[:, None]
+        if self.key_pca:
+            w = self.k_house[bidx].repeat_interleave(group, 1)[:, None]
+            qt = qt - 2 * (qt * w).sum(-1, keepdim=True) * w
+        return qt
 
     def query_shift(self, q: torch.Tensor, batch_idx: torch.Tensor | None = None) -> torch.Tensor:
         """``q . mu`` ``[batch, heads, seqlen_q]``: what the key centring removes from every score."""
@@ -314,10 +381,13 @@ class QuantizedKVCache:
             raise ValueError(f"cache overflow: cache_seqlens + {n} new tokens exceeds max_seqlen={self.max_seqlen}")
         if n == 0:
             return
-        if self.key_transform:
+        if self.key_transform or self.value_pca:
             if not _capturing():
-                self.calibrate(k, bidx)
-            k = self.transform_keys(k, bidx)
+                self.calibrate(k, bidx, v=v)
+            if self.key_transform:
+                k = self.transform_keys(k, bidx)
+            if self.value_pca:
+                v = self._reflect(v.float(), self.v_house[bidx][:, None]).to(v.dtype)
         pos = start.long().unsqueeze(1) + torch.arange(n, device=self.device)  # [B, n]
         rows, cols = self._slots(bidx.unsqueeze(1).expand(B, n), pos)
         if ops.pack_supported(self, k):  # quantize-on-write kernel, when built and on a GPU
@@ -374,13 +444,15 @@ class QuantizedKVCache:
             if not rotated and self.quantizer == "turbo":
                 x = qz.unrotate(x)
             if name == "k" and self.key_transform and not rotated:
-                x = x * self.k_div[bidx][:, None] + self.k_shift[bidx][:, None]
+                x = self.untransform_keys(x, bidx)
+            if name == "v" and self.value_pca and not rotated:
+                x = self._reflect(x, self.v_house[bidx][:, None])
             out.append(x * (pos < lens)[:, :, None, None])
         return out[0], out[1]
 
     # ------------------------------------------------------------------ movement / serialization
     _TENSORS = ("k_codes", "v_codes", "k_meta", "v_meta", "seqlens", "k_window", "v_window",
-                "block_table", "k_range", "v_range", "k_shift", "k_div", "calibrated")
+                "block_table", "k_range", "v_range", "k_shift", "k_div", "calibrated", "k_house", "v_house")
 
     def to(self, device: torch.device | str) -> "QuantizedKVCache":
         """Move every tensor of the cache to ``device`` (in place); returns self."""
@@ -396,7 +468,7 @@ class QuantizedKVCache:
                     grid=self.grid, fp16_window=self.fp16_window, page_size=self.page_size,
                     num_blocks=self.k_codes.shape[0] if self.paged else None, streaming=self.streaming,
                     alpha=self.alpha, seed=self.seed, fit=self.fit, key_center=self.key_center,
-                    key_scale=self.key_scale, calib_min_tokens=self.calib_min_tokens, dtype=str(self.dtype).replace("torch.", ""))
+                    key_scale=self.key_scale, key_pca=self.key_pca, value_pca=self.value_pca, calib_min_tokens=self.calib_min_tokens, dtype=str(self.dtype).replace("torch.", ""))
 
     def state_dict(self) -> dict[str, Any]:
         sd = {name: getattr(self, name) for name in self._TENSORS if getattr(self, name) is not None}
@@ -406,7 +478,8 @@ class QuantizedKVCache:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         mine = self.config()
         theirs = dict(state["config"])
-        for key, default in (("fit", "norm"), ("key_center", False), ("key_scale", 0.0), ("calib_min_tokens", 16)):
+        for key, default in (("fit", "norm"), ("key_center", False), ("key_scale", 0.0), ("key_pca", False), ("value_pca", False),
+                             ("calib_min_tokens", 16)):
             theirs.setdefault(key, default)  # saved before the option existed
         if mine != theirs:
             diff = {k: (mine.get(k), theirs.get(k)) for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k)}

@@ -254,6 +254,8 @@ def _quantized_kvcache(q, cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
             out, lse = _merge_lse(out, lse, out_w, lse_w)
         if cache.key_transform and cache.key_center and return_softmax_lse:
             lse = lse + softmax_scale * cache.query_shift(q, bidx)  # the scores lost q . mu (+inf stays +inf)
+        if cache.value_pca:
+            out = cache.untransform_output(out, bidx)  # values were stored reflected (value_pca)
         out = out.to(q.dtype)
     else:
         _LAST_PATH.set(f"quantized:reference ({reason})")

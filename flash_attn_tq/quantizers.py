@@ -25,7 +25,7 @@ import torch
 from .format import SUPPORTED_BITS
 
 GRIDS = ("uniform", "lloyd_max")
-FITS = ("norm", "ls", "unbiased", "search")
+FITS = ("norm", "ls", "unbiased", "search", "mean")
 SEARCH_STEPS = tuple(0.70 + 0.05 * i for i in range(13))  # step multipliers tried by fit="search"
 
 
@@ -149,8 +149,11 @@ class TurboQuantizer:
             least-squares ``(scale, offset)`` (smallest MSE, but shrinks inner products).
             ``"unbiased"``: same codes, scale with ``<x_hat, x> = |x|^2``. ``"search"``: the step is
             searched per vector over :data:`SEARCH_STEPS` times the N(0, 1) step, keeping the codes
-            closest in angle to ``x``, then norm correction. All stay in the stored format (the fused
-            decode reads any per-vector affine); only quantize-on-write falls back to PyTorch.
+            closest in angle to ``x``, then norm correction. ``"mean"``: the offset stores the mean
+            of the rotated vector exactly (the component along ``+-e_0`` of the input, which
+            ``QuantizedKVCache(key_pca=True)`` turns into the keys' main direction) and the codes
+            + norm-corrected scale the rest. All stay in the stored format (the fused decode reads
+            any per-vector affine); only quantize-on-write falls back to PyTorch.
     """
 
     name = "turbo"
@@ -237,6 +240,17 @@ class TurboQuantizer:
         d, n = self.head_dim, 1 << self.bits
         norm = xr.norm(dim=-1, keepdim=True)
         y = xr * torch.where(norm > 0, math.sqrt(d) / norm, torch.zeros_like(norm))
+        if self.fit == "mean":
+            m = xr.mean(-1, keepdim=True)
+            r = xr - m
+            rn = r.norm(dim=-1, keepdim=True)
+            yr = r * torch.where(rn > 0, math.sqrt(d) / rn, torch.zeros_like(rn))
+            codes = round_half_up(yr * (1.0 / uniform_step(self.bits)) + (n - 1) / 2).clamp_(0, n - 1)
+            cm = codes.mean(-1, keepdim=True)
+            cn = (codes - cm).norm(dim=-1, keepdim=True)
+            a = _as_fp16_float(torch.where(cn > 0, rn / cn.clamp(min=1e-30), torch.zeros_like(rn)))
+            b = _as_fp16_float(m - a * cm)
+            return codes.long(), torch.cat([a, b], -1).to(torch.float16)
         mults = SEARCH_STEPS if self.fit == "search" else (1.0,)
         best = None
         for m in mults:  # search: keep the step whose codes point closest to x (largest cosine)

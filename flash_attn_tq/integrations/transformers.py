@@ -118,7 +118,8 @@ class TQLayer(CacheLayerMixin):
         n = old.max_seqlen
         for name in ("k_codes", "v_codes", "k_meta", "v_meta"):
             getattr(new, name)[:, :n] = getattr(old, name)
-        for name in ("seqlens", "k_window", "v_window", "k_shift", "k_div", "calibrated", "k_range", "v_range"):
+        for name in ("seqlens", "k_window", "v_window", "k_shift", "k_div", "calibrated", "k_house", "v_house", "k_range",
+                     "v_range"):
             if getattr(old, name) is not None:
                 getattr(new, name).copy_(getattr(old, name))
         self.qcache = new
