@@ -53,7 +53,7 @@ SIM_NAME = "tq_sim"
 # Every config tried. Options: quantizer, k_bits, v_bits, fit, fp16_window, sink_tokens,
 # key_center, key_scale, protect ("boundary" = first and last layer in 16-bit). None = full precision.
 BASE = dict(quantizer="turbo", k_bits=3, v_bits=3, fit="norm", fp16_window=0, sink_tokens=0,
-            key_center=False, key_scale=0.0, key_pca=False, value_pca=False, protect=None)
+            key_center=False, key_scale=0.0, key_scale_q=False, key_pca=False, value_pca=False, protect=None)
 
 
 def _cfg(**kw):
@@ -81,6 +81,18 @@ CONFIGS = {
     "turbo3+kc+pca+vpca+sink4": _cfg(key_center=True, key_pca=True, value_pca=True, fit="mean", sink_tokens=4),
     "turbo3+kc+pca+vpca+sink4+w124": _cfg(key_center=True, key_pca=True, value_pca=True, fit="mean", sink_tokens=4,
                                           fp16_window=124),
+    "turbo3+kc+ks.5+pca+vpca+sink4": _cfg(key_center=True, key_scale=0.5, key_pca=True, value_pca=True, fit="mean",
+                                          sink_tokens=4),
+    "turbo3+kc+ks.5+pca+vpca+sink4+w124": _cfg(key_center=True, key_scale=0.5, key_pca=True, value_pca=True,
+                                               fit="mean", sink_tokens=4, fp16_window=124),
+    "turbo3+kc+ksq.5+sink4": _cfg(key_center=True, key_scale=0.5, key_scale_q=True, sink_tokens=4),
+    "turbo3+kc+ksq.5+pca+vpca+sink4": _cfg(key_center=True, key_scale=0.5, key_scale_q=True, key_pca=True,
+                                           value_pca=True, fit="mean", sink_tokens=4),
+    "turbo3+kc+ks.5+sink4+w124": _cfg(key_center=True, key_scale=0.5, sink_tokens=4, fp16_window=124),
+    "turbo3+kc+ksq.5+sink4+w124": _cfg(key_center=True, key_scale=0.5, key_scale_q=True, sink_tokens=4,
+                                       fp16_window=124),
+    "turbo3+kc+ksq.5+pca+vpca+sink4+w124": _cfg(key_center=True, key_scale=0.5, key_scale_q=True, key_pca=True,
+                                                value_pca=True, fit="mean", sink_tokens=4, fp16_window=124),
     "K4V3": _cfg(k_bits=4),
     "K4V3+w128": _cfg(k_bits=4, fp16_window=128),
     "K4V3+kc+sink4+w124": _cfg(k_bits=4, key_center=True, sink_tokens=4, fp16_window=124),
@@ -149,7 +161,7 @@ class Sim:
     num_layers = 0
 
     @staticmethod
-    def roundtrip(key, value, cfg, calib):
+    def roundtrip(key, value, cfg, calib, query=None):
         """key/value [B, Hkv, S, D] -> (k_hat, v_hat, k_16, v_16), float32 [B, Hkv, S, D]: the dequantized
         values (original domain) and the 16-bit values the window/sinks hold (window keys are stored
         transformed, so their float16 rounding is the transformed key's)."""
@@ -161,14 +173,15 @@ class Sim:
         k16, v16 = key.half().float(), value.half().float()
         if S - s0 == 0:
             return kh, vh, k16, v16
-        opts = {n: cfg[n] for n in ("quantizer", "k_bits", "v_bits", "fit", "key_center", "key_scale", "key_pca",
-                                    "value_pca")}
+        opts = {n: cfg[n] for n in ("quantizer", "k_bits", "v_bits", "fit", "key_center", "key_scale", "key_scale_q",
+                                    "key_pca", "value_pca")}
         if opts["quantizer"] == "asym":
             opts.pop("fit")
         cache = QuantizedKVCache(B, S - s0, H, D, dtype=torch.float16, **opts)
         c = max(calib - s0, 1)
         if cache.key_transform or cache.value_pca:
-            cache.calibrate(k[:, :c], v=v[:, :c])  # the prompt's statistics, then fixed
+            q = None if query is None else query.transpose(1, 2)[:, s0:s0 + c]
+            cache.calibrate(k[:, :c], v=v[:, :c], q=q)  # the prompt's statistics, then fixed
         if cache.key_transform:
             k16[:, :, s0:] = cache.untransform_keys(cache.transform_keys(k).half()).transpose(1, 2)
         if cache.value_pca:
@@ -190,7 +203,7 @@ class Sim:
             out = F.scaled_dot_product_attention(query, key.repeat_interleave(G, 1), value.repeat_interleave(G, 1),
                                                  is_causal=True, scale=scaling)
             return out.transpose(1, 2).contiguous(), None
-        kh, vh, kf, vf = Sim.roundtrip(key, value, cfg, Sim.calib)
+        kh, vh, kf, vf = Sim.roundtrip(key, value, cfg, Sim.calib, query)
         kf, vf, kh, vh = (t.repeat_interleave(G, 1) for t in (kf, vf, kh, vh))
         q = query.float()
         R, s0 = cfg["fp16_window"], cfg["sink_tokens"]
@@ -320,29 +333,43 @@ def run(args):
         bar.set_postfix_str(f"{name}: ppl {r['ppl']:.3f} copy {r['copy_acc']:.3f}")
     bar.close()
     Sim.cfg = None
-    full = next((r for r in results if r["name"] == "full"), None)
-    for r in results:
-        r["ppl_delta_pct"] = 100 * (r["ppl"] / full["ppl"] - 1) if full else None
-        if full and r.get("ppl_4k") and full.get("ppl_4k"):
-            r["ppl_4k_delta_pct"] = 100 * (r["ppl_4k"] / full["ppl_4k"] - 1)
-        if full:
-            r["copy_delta_pts"] = 100 * (r["copy_acc"] - full["copy_acc"])
-    budget = 3.25 if head_dim >= 128 else 3.5  # bits/element allowed for "3-bit" (codes + metadata)
-    ok = [r for r in results if r["name"] != "full" and r["bits_per_element"] <= budget + 1e-9
-          and r["fp16_window"] + r["sink_tokens"] <= 128]
-    best = min(ok, key=lambda r: (round(r["ppl_delta_pct"], 1), -r["copy_acc"])) if ok and full else None
-    best_nw = min([r for r in ok if r["fp16_window"] == 0], key=lambda r: r["ppl_delta_pct"], default=None) if full else None
-    targets = None
-    if best and full:
-        targets = dict(budget_bits=budget, best=best["name"], best_no_window=best_nw and best_nw["name"],
-                       ppl_within_1pct=best["ppl_delta_pct"] <= 1.0, top1_ge_97=best["top1_agreement"] >= 0.97,
-                       copy_within_2pts=best["copy_delta_pts"] >= -2.0,
-                       no_window_within_5pct=bool(best_nw and best_nw["ppl_delta_pct"] <= 5.0))
     meta = dict(windows_1k=len(w1k), windows_4k=len(w4k), copy_tasks_1k=len(c1k), copy_tasks_4k=len(c4k),
                 calib_tokens=args.calib, quick=quick, tokens_in_text=len(ids))
     out = dict(model=f"SmolLM2-135M-Instruct ({GGUF}, {MODEL_WHEEL})", text=text_path.name, default=DEFAULT,
-               no_window_default=NO_WINDOW_DEFAULT, head_dim=head_dim, setup=meta, targets=targets, configs=results)
+               no_window_default=NO_WINDOW_DEFAULT, head_dim=head_dim, setup=meta, configs=results)
     return out
+
+
+def finalize(res):
+    """Derived fields (deltas vs full), config order, and the target check; in place."""
+    order = {n: i for i, n in enumerate(CONFIGS)}
+    res["configs"].sort(key=lambda r: order.get(r["name"], len(order)))
+    results = res["configs"]
+    full = next((r for r in results if r["name"] == "full"), None)
+    for r in results:
+        r["copy_acc"] = r["copy_acc_1k"]  # the same 1K tasks for every config (4K ones: copy_acc_4k)
+        if not full:
+            continue
+        r["ppl_delta_pct"] = 100 * (r["ppl"] / full["ppl"] - 1)
+        r["copy_delta_pts"] = 100 * (r["copy_acc"] - full["copy_acc"])
+        if r.get("ppl_4k") and full.get("ppl_4k"):
+            r["ppl_4k_delta_pct"] = 100 * (r["ppl_4k"] / full["ppl_4k"] - 1)
+        if r.get("copy_acc_4k") is not None and full.get("copy_acc_4k") is not None:
+            r["copy_4k_delta_pts"] = 100 * (r["copy_acc_4k"] - full["copy_acc_4k"])
+    budget = 3.25 if res["head_dim"] >= 128 else 3.5  # bits/element allowed for "3-bit" (codes + metadata)
+    ok = [r for r in results if r["name"] != "full" and r["bits_per_element"] <= budget + 1e-9
+          and r["fp16_window"] + r["sink_tokens"] <= 128]
+    res["targets"] = None
+    if ok and full:
+        best = min(ok, key=lambda r: (round(r["ppl_delta_pct"], 1), -r["copy_acc"]))
+        d = next((r for r in results if r["name"] == res["default"]), best)
+        nw = min([r for r in ok if r["fp16_window"] == 0], key=lambda r: r["ppl_delta_pct"], default=None)
+        res["targets"] = dict(
+            budget_bits=budget, best_in_budget=best["name"], default=d["name"], best_no_window=nw and nw["name"],
+            default_ppl_within_1pct=d["ppl_delta_pct"] <= 1.0, default_top1_ge_97=d["top1_agreement"] >= 0.97,
+            default_copy_within_2pts=d["copy_delta_pts"] >= -2.0 and d.get("copy_4k_delta_pts", 0.0) >= -2.0,
+            no_window_within_5pct=bool(nw and nw["ppl_delta_pct"] <= 5.0))
+    return res
 
 
 def markdown(res) -> str:
@@ -352,15 +379,17 @@ def markdown(res) -> str:
              f"{s['copy_tasks_4k']} at 4K; key calibration on the first {s['calib_tokens']} tokens. "
              f"Default: **{res['default']}**. Targets (budget {res['targets'] and res['targets']['budget_bits']} "
              f"bits/element, <= 128 fp16 tokens): {res['targets']}.", "",
-             "| config | bits/elem | fp16 tokens | PPL 1K | ΔPPL | top-1 agr. | KL | copy acc | Δcopy (pts) | PPL 4K | ΔPPL 4K |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| config | bits/elem | fp16 tokens | PPL 1K | ΔPPL | top-1 agr. | KL | copy 1K | Δ (pts) | PPL 4K | ΔPPL 4K "
+             "| copy 4K | Δ (pts) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["configs"]:
         fp16 = r["fp16_window"] + r["sink_tokens"]
         f = lambda x, fmt: "" if x is None else format(x, fmt)  # noqa: E731
         name = f"**{r['name']}**" if r["name"] == res["default"] else r["name"]
         lines.append(f"| {name} | {r['bits_per_element']:.3f} | {fp16} | {r['ppl']:.3f} | {f(r.get('ppl_delta_pct'), '+.2f')}% "
                      f"| {r['top1_agreement']:.4f} | {r['kl']:.4f} | {r['copy_acc']:.3f} | {f(r.get('copy_delta_pts'), '+.1f')} "
-                     f"| {f(r.get('ppl_4k'), '.3f')} | {f(r.get('ppl_4k_delta_pct'), '+.2f')} |")
+                     f"| {f(r.get('ppl_4k'), '.3f')} | {f(r.get('ppl_4k_delta_pct'), '+.2f')} "
+                     f"| {f(r.get('copy_acc_4k'), '.3f')} | {f(r.get('copy_4k_delta_pts'), '+.1f')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -413,7 +442,7 @@ def verify(args) -> bool:
     sim = log_probs(model, ids)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     opts = {k: cfg[k] for k in ("quantizer", "k_bits", "v_bits", "fit", "fp16_window", "sink_tokens", "key_center",
-                                "key_scale", "key_pca", "value_pca")}
+                                "key_scale", "key_scale_q", "key_pca", "value_pca")}
     if opts["quantizer"] == "asym":
         opts.pop("fit")
     cache = TQCache(model.config, prefill="quantized",
@@ -449,11 +478,23 @@ def main(argv=None):
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--tag", default="quality", help="output file stem")
     p.add_argument("--verify", action="store_true", help="check the simulation against TQCache decoding and exit")
+    p.add_argument("--merge", help="merge this run's configs into an earlier quality JSON (same text and setup)")
+    p.add_argument("--render", help="only recompute derived fields and rewrite table/plot of this JSON")
     args = p.parse_args(argv)
     if args.verify:
         torch.set_num_threads(args.threads)
         return 0 if verify(args) else 1
-    res = run(args)
+    if args.render:
+        res = json.loads(Path(args.render).read_text())
+        res["default"] = DEFAULT
+    else:
+        res = run(args)
+        if args.merge:
+            old = json.loads(Path(args.merge).read_text())
+            names = {r["name"] for r in res["configs"]}
+            old["configs"] = [r for r in old["configs"] if r["name"] not in names] + res["configs"]
+            res = old
+    finalize(res)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{args.tag}.json").write_text(json.dumps(res, indent=1))

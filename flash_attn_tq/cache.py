@@ -37,7 +37,8 @@ class QuantizedKVCache:
 
     **Key transform** (``key_center=True`` and/or ``key_scale=a > 0``): keys are stored as
     ``k' = (k - mu) / s`` with a per-(sequence, kv head) channel mean ``mu`` and per-channel
-    ``s = rms(k - mu) ** a``, both measured on the first chunk a sequence appends (its prompt) and
+    ``s = rms(k - mu) ** a`` (``key_scale_q=True``: ``(rms(k - mu) / rms(q)) ** a`` with the queries
+    of the first :func:`flash_attn_with_kvcache` call, when it brings new k/v), both measured on the first chunk a sequence appends (its prompt) and
     then fixed (:meth:`calibrate`; a first chunk shorter than ``calib_min_tokens`` leaves the
     identity). Queries become ``q * s``: ``q' . k' = q . k - q . mu``, a shift shared by every key
     of a query, so the softmax (and the output) is unchanged while the quantizer sees keys without
@@ -66,6 +67,7 @@ class QuantizedKVCache:
         fit: str = "norm",
         key_center: bool = False,
         key_scale: float = 0.0,
+        key_scale_q: bool = False,
         key_pca: bool = False,
         value_pca: bool = False,
         calib_min_tokens: int = 16,
@@ -92,6 +94,7 @@ class QuantizedKVCache:
             raise ValueError(f"key_scale must be >= 0, got {key_scale}")
         self.key_center, self.key_scale, self.calib_min_tokens = bool(key_center), float(key_scale), int(calib_min_tokens)
         self.key_pca, self.value_pca = bool(key_pca), bool(value_pca)
+        self.key_scale_q = bool(key_scale_q)
         if (self.key_pca or self.value_pca) and (quantizer != "turbo" or fit != "mean"):
             raise ValueError("key_pca/value_pca need quantizer='turbo' with fit='mean' (the offset stores the main "
                              "direction)")
@@ -208,7 +211,7 @@ class QuantizedKVCache:
 
     # ------------------------------------------------------------------ key transform
     def calibrate(self, k: torch.Tensor, batch_idx: torch.Tensor | None = None, force: bool = False,
-                  v: torch.Tensor | None = None) -> None:
+                  v: torch.Tensor | None = None, q: torch.Tensor | None = None) -> None:
         """Set the key transform (and the value_pca direction, from ``v``) of rows ``batch_idx`` from
         ``k [batch, n, kv_heads, d]`` (rows already calibrated are left alone unless ``force``).
         Called by :meth:`append` on a row's first chunk."""
@@ -232,6 +235,11 @@ class QuantizedKVCache:
             if self.key_scale > 0:
                 rms = (kf - shift[:, None]).pow(2).mean(1).sqrt()
                 rms = rms.clamp(min=1e-3 * float(rms.max().clamp(min=1e-30)))
+                if self.key_scale_q and q is not None:  # balance against the queries: s = (rms_k / rms_q) ** a
+                    group = q.shape[2] // self.num_kv_heads
+                    qf = q.float().reshape(q.shape[0], q.shape[1], self.num_kv_heads, group, self.head_dim)
+                    rq = qf.pow(2).mean((1, 3)).sqrt()
+                    rms = rms / rq.clamp(min=1e-3 * float(rq.max().clamp(min=1e-30)))
                 div = rms.pow(self.key_scale)
                 div = div / div.pow(2).mean(-1, keepdim=True).sqrt()  # unit mean square: only the shape matters
             if self.key_pca:
@@ -359,7 +367,7 @@ class QuantizedKVCache:
             raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
 
     def append(self, k: torch.Tensor, v: torch.Tensor, cache_seqlens: torch.Tensor | int | None = None,
-               batch_idx: torch.Tensor | None = None) -> None:
+               batch_idx: torch.Tensor | None = None, q: torch.Tensor | None = None) -> None:
         """Quantize ``k, v [batch, n, kv_heads, d]`` and write them at positions ``cache_seqlens ...``.
 
         ``cache_seqlens`` (int or int32 ``[batch]``) defaults to :attr:`seqlens`; ``batch_idx``
@@ -383,7 +391,7 @@ class QuantizedKVCache:
             return
         if self.key_transform or self.value_pca:
             if not _capturing():
-                self.calibrate(k, bidx, v=v)
+                self.calibrate(k, bidx, v=v, q=q)
             if self.key_transform:
                 k = self.transform_keys(k, bidx)
             if self.value_pca:
@@ -468,7 +476,7 @@ class QuantizedKVCache:
                     grid=self.grid, fp16_window=self.fp16_window, page_size=self.page_size,
                     num_blocks=self.k_codes.shape[0] if self.paged else None, streaming=self.streaming,
                     alpha=self.alpha, seed=self.seed, fit=self.fit, key_center=self.key_center,
-                    key_scale=self.key_scale, key_pca=self.key_pca, value_pca=self.value_pca, calib_min_tokens=self.calib_min_tokens, dtype=str(self.dtype).replace("torch.", ""))
+                    key_scale=self.key_scale, key_scale_q=self.key_scale_q, key_pca=self.key_pca, value_pca=self.value_pca, calib_min_tokens=self.calib_min_tokens, dtype=str(self.dtype).replace("torch.", ""))
 
     def state_dict(self) -> dict[str, Any]:
         sd = {name: getattr(self, name) for name in self._TENSORS if getattr(self, name) is not None}
@@ -478,7 +486,7 @@ class QuantizedKVCache:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         mine = self.config()
         theirs = dict(state["config"])
-        for key, default in (("fit", "norm"), ("key_center", False), ("key_scale", 0.0), ("key_pca", False), ("value_pca", False),
+        for key, default in (("fit", "norm"), ("key_center", False), ("key_scale", 0.0), ("key_scale_q", False), ("key_pca", False), ("value_pca", False),
                              ("calib_min_tokens", 16)):
             theirs.setdefault(key, default)  # saved before the option existed
         if mine != theirs:

@@ -229,7 +229,7 @@ def _quantized_kvcache(q, cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
                                             else torch.zeros(seqlen_q, dtype=torch.long, device=device))
         q = baseline._rotary(q, rotary_cos, rotary_sin, qpos, rotary_interleaved).to(q.dtype)
     if k is not None:
-        cache.append(k, v, cache_seqlens=start, batch_idx=bidx)
+        cache.append(k, v, cache_seqlens=start, batch_idx=bidx, q=q)
     lens = (start + seqlen_new).to(torch.int32) if seqlen_new else start
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])

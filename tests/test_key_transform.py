@@ -166,3 +166,23 @@ def test_fits():
     k = torch.randn(1, 16, 1, 64)
     cache.append(k, k)
     assert rel(cache.dequantize()[0], k) < 0.25
+
+
+def test_key_scale_balanced_against_queries():
+    B, S, H, Hq, d = 1, 64, 2, 4, 64
+    k = keys_with_offset(B, S, H, d, seed=8)
+    v = torch.randn(B, S, H, d)
+    q = torch.randn(B, S, Hq, d) * torch.linspace(0.5, 2, d)
+    cache = QuantizedKVCache(B, S, H, d, key_center=True, key_scale=0.5, key_scale_q=True)
+    out = flash_attn_with_kvcache(q, cache, k=k, v=v, causal=True)  # the first call calibrates with q
+    rk = (k - k.mean(1, keepdim=True)).pow(2).mean(1).sqrt()
+    rq = q.reshape(B, S, H, Hq // H, d).pow(2).mean((1, 3)).sqrt()
+    s = (rk / rq).sqrt()
+    s = s / s.pow(2).mean(-1, keepdim=True).sqrt()
+    torch.testing.assert_close(cache.k_div, s, rtol=1e-4, atol=1e-5)
+    k_hat, v_hat = cache.dequantize()
+    ref, _ = attention_reference(q, k_hat, v_hat, causal=True)
+    torch.testing.assert_close(out.float(), ref, rtol=1e-4, atol=1e-4)
+    plain = QuantizedKVCache(B, S, H, d, key_center=True, key_scale=0.5, key_scale_q=True)
+    plain.append(k, v)  # no queries: falls back to rms(k) ** a
+    torch.testing.assert_close(plain.k_div, rk.sqrt() / rk.sqrt().pow(2).mean(-1, keepdim=True).sqrt(), rtol=1e-4, atol=1e-5)

@@ -25,6 +25,8 @@ ORACLE = "tq_oracle_test"
 def oracle_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """float64 attention of query [B, Hq, Sq, D] over the layer's dequantized cache (+ sinks)."""
     layer = getattr(key, "_tq_layer", None)
+    if layer is not None:
+        layer.commit(query)
     if layer is None or (layer.prefill == "full" and layer.chunk_start == 0):  # plain / protected / prefill
         ks, vs = key.double(), value.double()
         kvalid = None
@@ -78,6 +80,8 @@ CASES = [
     dict(fp16_window=8, sink_tokens=4, key_center=True),
     dict(fp16_window=8, sink_tokens=2, key_center=True, key_scale=0.5, prefill="quantized"),
     dict(fp16_window=0, sink_tokens=0, quantizer="asym", prefill="quantized"),
+    dict(fp16_window=4, sink_tokens=4, key_center=True, key_scale=0.5, key_scale_q=True, key_pca=True,
+         value_pca=True, fit="mean"),
     dict(fp16_window=16, sink_tokens=0, k_bits=4, v_bits=3, protected_layers=(0,)),
 ]
 
@@ -139,6 +143,16 @@ def test_defaults_and_errors():
     mask[0, :3] = 0
     with pytest.raises(NotImplementedError):
         model(ids, attention_mask=mask, past_key_values=TQCache(model.config))
+
+
+def test_other_attention_implementation_is_refused():
+    model = tiny_model(layers=1)
+    model.set_attn_implementation("sdpa")
+    cache = TQCache(model.config, fp16_window=0, sink_tokens=0)
+    with torch.no_grad():
+        model(torch.randint(3, 96, (1, 8)), past_key_values=cache)
+        with pytest.raises(RuntimeError):
+            model(torch.randint(3, 96, (1, 1)), past_key_values=cache)
 
 
 def test_without_cache_falls_back_to_sdpa():

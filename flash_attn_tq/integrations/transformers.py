@@ -92,6 +92,7 @@ class TQLayer(CacheLayerMixin):
         self.sink_k = self.sink_v = None  # [B, n_sink, Hkv, D]
         self.length = 0  # tokens seen
         self.chunk_start = 0  # tokens seen before the last update
+        self.pending = None  # (k, v) of the last update, written by commit() (it needs the queries)
 
     # -- storage
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -125,7 +126,11 @@ class TQLayer(CacheLayerMixin):
         self.qcache = new
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Store new ``[B, Hkv, n, D]`` key/value states; returns them (marked for the attention function)."""
+        """Take new ``[B, Hkv, n, D]`` key/value states; returns them (marked for the attention function,
+        which writes them into the quantized cache with :meth:`commit`)."""
+        if self.pending is not None:
+            raise RuntimeError(f"TQCache: the attention function did not consume the last update; load the model "
+                               f"with attn_implementation={ATTN_IMPLEMENTATION!r}")
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         n = key_states.shape[2]
@@ -140,7 +145,7 @@ class TQLayer(CacheLayerMixin):
             self.sink_v = vs if self.sink_v is None else torch.cat([self.sink_v, vs], 1)
         if n > n_sink:
             self._ensure_capacity(self.length + n - self.sink_tokens)
-            self.qcache.append(k[:, n_sink:], v[:, n_sink:])
+            self.pending = (k[:, n_sink:], v[:, n_sink:])
         self.chunk_start = self.length
         self.length += n
         key_states = key_states.view(key_states.shape)
@@ -158,6 +163,7 @@ class TQLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.qcache = None
+        self.pending = None
         self.sink_k = self.sink_v = None
         self.length = self.chunk_start = 0
 
@@ -169,6 +175,15 @@ class TQLayer(CacheLayerMixin):
 
     def prefetch(self):
         pass
+
+    def commit(self, query: torch.Tensor) -> None:
+        """Quantize the pending K/V into the cache (the queries ``[B, Hq, Sq, D]`` serve the key calibration
+        of ``key_scale_q`` on the first chunk)."""
+        if self.pending is not None:
+            k, v = self.pending
+            self.pending = None
+            q = query.transpose(1, 2)
+            self.qcache.append(k, v, q=q.float() if q.dtype == torch.float64 else q)
 
     # -- attention
     def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -256,6 +271,8 @@ def tq_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torc
     goes to transformers' SDPA attention. Returns ``(out [B, Sq, Hq, D], None)``.
     """
     layer = getattr(key, "_tq_layer", None)
+    if layer is not None:
+        layer.commit(query)
     if layer is None or (layer.prefill == "full" and layer.chunk_start == 0):
         if layer is not None:
             _check_no_padding(attention_mask)
