@@ -18,8 +18,9 @@ Per layer, the cache holds
   heads put a large share of their weight on), outside the quantized cache;
 * every later token as ``k_bits``/``v_bits`` codes + float16 (scale, offset), with the most recent
   ``fp16_window`` of them also kept in 16-bit (handled by QuantizedKVCache);
-* keys centred/scaled per channel (``key_center``, ``key_scale``; exact for the softmax, see
-  QuantizedKVCache), calibrated on the prompt.
+* keys centred and reflected so that their main direction is stored exactly (``key_center``,
+  ``key_pca``; optional per-channel scaling ``key_scale``/``key_scale_q``); values' main direction
+  likewise (``value_pca``); all exact for attention (see QuantizedKVCache), calibrated on the prompt.
 
 The prompt (the first forward) attends in full precision over its own keys (``prefill="full"``,
 the usual practice; its K/V are quantized into the cache as they are written); later tokens attend
@@ -49,8 +50,13 @@ from ..interface import _merge_lse, flash_attn_with_kvcache
 ATTN_IMPLEMENTATION = "tq_kvcache"  # (a name containing "flash" would make transformers look for flash-attn)
 
 # The default configuration (chosen by benchmarks/eval_quality.py; see benchmarks/results/quality.md).
-DEFAULTS = dict(k_bits=3, v_bits=3, quantizer="turbo", grid="uniform", fit="norm", fp16_window=124,
-                sink_tokens=4, key_center=True, key_scale=0.0)
+DEFAULTS = dict(k_bits=3, v_bits=3, quantizer="turbo", grid="uniform", fit="mean", fp16_window=124,
+                sink_tokens=4, key_center=True, key_scale=0.0, key_scale_q=False, key_pca=True, value_pca=True)
+# Per sequence and layer: 4 sink tokens + the last 124 tokens in 16-bit; every other token 3-bit codes +
+# float16 (scale, offset) = 3.5 bits/element at head_dim 64, 3.25 at 128. Keys centred and their main
+# direction stored exactly in the offset; values likewise for their main direction. (Per-channel key
+# scaling calibrated on the prompt helps at 1K tokens but hurts at 4K: off by default.) fit="mean" is not in the GPU quantize-on-write kernel yet (appends
+# quantize in PyTorch); fit="norm", key_pca=False, value_pca=False keep the kernel.
 
 
 def _check_no_padding(attention_mask) -> None:
@@ -226,6 +232,8 @@ class TQCache(Cache):
         if prefill not in ("full", "quantized"):
             raise ValueError(f"prefill must be 'full' or 'quantized', got {prefill!r}")
         opts = dict(DEFAULTS)
+        if cache_kwargs.get("quantizer", opts["quantizer"]) != "turbo":  # turbo-only defaults do not carry over
+            opts.update(fit="norm", key_pca=False, value_pca=False)
         opts.update(cache_kwargs)
         self.sink_tokens = int(opts.pop("sink_tokens"))
         self.cache_kwargs = opts
