@@ -158,6 +158,7 @@ class QuantizedKVCache:
             self.calibrated = torch.zeros(self.batch_size, dtype=torch.bool, device=device)
         else:
             self.k_shift = self.k_div = self.calibrated = None
+        self._calibration_done = False
         # key_pca: Householder vector w (P = I - 2 w w^T, w = 0: identity) taking the calibration keys'
         # main direction to e_0, whose component the turbo offset (fit="mean") then stores exactly
         self.k_house = torch.zeros(self.batch_size, H, head_dim, device=device) if self.key_pca else None
@@ -390,8 +391,9 @@ class QuantizedKVCache:
         if n == 0:
             return
         if self.key_transform or self.value_pca:
-            if not _capturing():
+            if not self._calibration_done and not _capturing():  # (a Python flag: no GPU sync once done)
                 self.calibrate(k, bidx, v=v, q=q)
+                self._calibration_done = bool(self.calibrated.all())
             if self.key_transform:
                 k = self.transform_keys(k, bidx)
             if self.value_pca:
@@ -495,6 +497,7 @@ class QuantizedKVCache:
         for name in self._TENSORS:
             if name in state:
                 getattr(self, name).copy_(state[name])
+        self._calibration_done = False  # re-read from `calibrated` on the next append
 
     @classmethod
     def from_state_dict(cls, state: dict[str, Any], device: torch.device | str = "cpu") -> "QuantizedKVCache":

@@ -129,6 +129,7 @@ class TQLayer(CacheLayerMixin):
                      "v_range"):
             if getattr(old, name) is not None:
                 getattr(new, name).copy_(getattr(old, name))
+        new._calibration_done = old._calibration_done
         self.qcache = new
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
