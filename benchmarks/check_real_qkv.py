@@ -29,7 +29,9 @@ from flash_attn_tq.baseline import attention_reference  # noqa: E402
 
 CONFIGS = {
     "turbo3": dict(),
-    "turbo3+kc+w124": dict(key_center=True, fp16_window=124),  # the TQCache default (its 4 sink tokens aside)
+    "turbo3+kc+w124": dict(key_center=True, fp16_window=124),
+    # the TQCache default (its 4 sink tokens aside)
+    "default": dict(key_center=True, key_pca=True, value_pca=True, fit="mean", fp16_window=124),
     "asym3": dict(quantizer="asym"),
     "K4V3+kc": dict(k_bits=4, key_center=True),
 }
@@ -99,8 +101,13 @@ def bench_generate(data, device, dtype, prompt, new, repeats):
         return best
 
     rows = []
-    for name, impl, make in (("DynamicCache (sdpa)", "sdpa", lambda: None),
-                             ("TQCache (default)", ATTN_IMPLEMENTATION, lambda: TQCache(config, max_cache_len=prompt + new))):
+    cap = prompt + new
+    for name, impl, make in (
+            ("DynamicCache (sdpa)", "sdpa", lambda: None),
+            ("TQCache (default)", ATTN_IMPLEMENTATION, lambda: TQCache(config, max_cache_len=cap)),
+            # fit="norm" without the pca options: appends use the quantize-on-write kernel
+            ("TQCache (pack kernel)", ATTN_IMPLEMENTATION,
+             lambda: TQCache(config, max_cache_len=cap, fit="norm", key_pca=False, value_pca=False))):
         t1 = timed(impl, make, 1)
         tn = timed(impl, make, new)
         rows.append((name, (new - 1) / max(tn - t1, 1e-9), t1))
@@ -108,7 +115,7 @@ def bench_generate(data, device, dtype, prompt, new, repeats):
           f"model {config.num_hidden_layers} layers x {config.num_attention_heads}/{config.num_key_value_heads} heads "
           f"x {config.head_dim}")
     for name, tps, t1 in rows:
-        print(f"  {name:>22}: {tps:8.1f} decode tokens/s (prefill + 1 token: {t1:.3f} s)")
+        print(f"  {name:>24}: {tps:8.1f} decode tokens/s (prefill + 1 token: {t1:.3f} s)")
 
 
 def main(argv=None):
