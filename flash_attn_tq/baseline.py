@@ -51,7 +51,6 @@ Conventions (matching the upstream kernels unless noted):
   size ``k_cache.shape[0]``, which only works when that equals the batch).
 """
 
-import math
 from typing import Optional, Union
 
 import torch
