@@ -7,12 +7,15 @@ For each shape (batch B, cache length S, q heads, kv heads, head_dim d; q_len 1)
 
 * ``tq3_kernel``: the fused decode op alone (it rotates q and the output itself);
 * ``tq3_api``: ``flash_attn_tq.flash_attn_with_kvcache(q, cache)`` end to end, eager and as a CUDA graph;
+* ``kv16``: the same kernel body over the fp16 cache (its Fp16KV loader policy): our FP16 baseline;
 * ``sdpa_flash`` / ``sdpa_cudnn``: PyTorch SDPA on the fp16 cache;
 * ``fa2``: upstream ``flash_attn.flash_attn_with_kvcache`` when importable.
 
-Speedups are the fastest FP16 path's time over ours. GB/s counts the bytes the kernel must read
+Speedups are the fastest FP16 path's time over ours (FP16 paths: SDPA flash, SDPA cuDNN, upstream
+FA2, our kv16). GB/s counts the bytes the kernel must read
 (packed codes + metadata for ours, fp16 K/V for the others). Writes JSON + Markdown (+ PNG) with
-the GPU, torch, CUDA and git commit.
+the GPU, torch, CUDA and git commit. A second table times quantize-on-write (the pack kernel, K and
+V) against a device copy of the same fp16 bytes.
 """
 from __future__ import annotations
 
@@ -121,13 +124,14 @@ def run_shape(B, S, Hq, Hk, d, dtype=torch.float16):
         except Exception as e:  # backend not available for this shape
             row[name] = None
             row[name + "_error"] = str(e).splitlines()[0][:120]
+    seq = torch.full((B,), S, dtype=torch.int32, device="cuda")
+    row["kv16"] = bench(lambda: ops.decode_kv16(q, k, v, seq, None, None, scale, False, 0))
     f2 = upstream_fa2()
     if f2 is not None:
-        seq = torch.full((B,), S, dtype=torch.int32, device="cuda")
         row["fa2"] = bench(lambda: f2(q, k, v, cache_seqlens=seq))
     else:
         row["fa2"] = None
-    fp16_paths = [row[n] for n in ("sdpa_flash", "sdpa_cudnn", "fa2") if row.get(n)]
+    fp16_paths = [row[n] for n in ("sdpa_flash", "sdpa_cudnn", "fa2", "kv16") if row.get(n)]
     best = min(fp16_paths)
     row["fp16_best_us"] = best
     row["speedup_kernel"] = best / row["tq3_kernel"]
@@ -136,14 +140,36 @@ def run_shape(B, S, Hq, Hk, d, dtype=torch.float16):
     packed = B * S * Hk * (cache.k_codes.shape[-1] + cache.v_codes.shape[-1] + 8)
     row["tq3_GBps"] = packed / row["tq3_kernel"] / 1e3
     row["fp16_GBps"] = B * S * Hk * d * 2 * 2 / best / 1e3
-    # pack (quantize-on-write) bandwidth on the fp16 input bytes
-    kn = torch.randn(B, min(S, 4096), Hk, d, device="cuda", dtype=dtype)
-    scratch = QuantizedKVCache(B, kn.shape[1], Hk, d, device="cuda", dtype=dtype)
-    zero = torch.zeros(B, dtype=torch.int32, device="cuda")
-    t_pack = bench(lambda: scratch.append(kn, kn, cache_seqlens=zero))
-    row["pack_GBps"] = 2 * kn.numel() * 2 / t_pack / 1e3
     del cache, k, v
     torch.cuda.empty_cache()
+    return row
+
+
+PACK_SHAPES = [  # (B, new tokens, kv heads, d): decode appends, a prefill chunk, a long prompt
+    (1, 1, 8, 128), (64, 1, 8, 128), (1, 2048, 8, 128), (8, 4096, 8, 128), (1, 32768, 8, 128), (8, 4096, 8, 64),
+]
+
+
+def run_pack(B, n, Hk, d, dtype=torch.float16):
+    """Quantize-on-write of new K and V: the pack kernel alone (two launches) and cache.append (the
+    API: slots, checks, both launches), against a device copy of the same fp16 bytes."""
+    k = torch.randn(B, n, Hk, d, device="cuda", dtype=dtype)
+    v = torch.randn_like(k)
+    cache = QuantizedKVCache(B, n, Hk, d, device="cuda", dtype=dtype)
+    rows_idx = torch.arange(B, device="cuda").repeat_interleave(n).view(B, n)
+    cols_idx = torch.arange(n, device="cuda").repeat(B).view(B, n)
+    zero = torch.zeros(B, dtype=torch.int32, device="cuda")
+    nbytes = 2 * k.numel() * k.element_size()
+    dst = torch.empty_like(k)
+    row = {"B": B, "n": n, "Hk": Hk, "d": d, "input_MB": nbytes / 1e6}
+    row["pack_us"] = bench(lambda: ops.pack_into(cache, k, v, rows_idx, cols_idx))
+    row["append_us"] = bench(lambda: cache.append(k, v, cache_seqlens=zero))
+    row["copy_us"] = bench(lambda: (dst.copy_(k), dst.copy_(v)))  # reads + writes nbytes each
+    row["pack_GBps"] = nbytes / row["pack_us"] / 1e3
+    row["append_GBps"] = nbytes / row["append_us"] / 1e3
+    row["copy_read_GBps"] = nbytes / row["copy_us"] / 1e3
+    row["pack_vs_copy_read"] = row["copy_us"] / row["pack_us"]
+    row["pack_vs_hbm_copy"] = row["pack_GBps"] / 4200.0  # the H200's measured ~4.2 TB/s device copy
     return row
 
 
@@ -160,26 +186,35 @@ def fmt(x, spec=".1f"):
     return "–" if x is None else format(x, spec)
 
 
-def write_results(rows, meta, out_dir, name):
+def write_results(rows, pack_rows, meta, out_dir, name):
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        json.dump({"meta": meta, "rows": rows, "pack": pack_rows}, f, indent=1)
     lines = [f"# Decode attention, fused 3-bit vs FP16 ({meta['gpu']}, torch {meta['torch']}, CUDA {meta['cuda']}, "
              f"commit {meta['commit']})", "",
              "µs are do_bench medians (random data, warm-up); speedup = fastest FP16 path (SDPA flash, SDPA cuDNN, "
-             "upstream FA2) / ours. 'kernel' is the fused op alone; 'API' is flash_attn_with_kvcache end to end "
+             "upstream FA2, our kv16 = this kernel body over the fp16 cache) / ours. 'kernel' is the fused op alone; 'API' is flash_attn_with_kvcache end to end "
              "(argument handling + the kernel), eager and replayed as a CUDA graph as serving engines "
-             "run decode. GB/s = bytes that must be read (packed codes + metadata, or fp16 K/V) / time; pack GB/s "
-             "counts the fp16 K+V input of quantize-on-write.", "",
+             "run decode. GB/s = bytes that must be read (packed codes + metadata, or fp16 K/V) / time.", "",
              "| B | S | Hq/Hk | d | tq3 kernel µs | tq3 API µs (eager) | tq3 API µs (graph) | SDPA flash µs | SDPA cuDNN µs | "
-             "FA2 µs | speedup (kernel) | speedup (API, graph) | tq3 GB/s | fp16 GB/s | pack GB/s |",
+             "FA2 µs | kv16 µs | speedup (kernel) | speedup (API, graph) | tq3 GB/s | fp16 GB/s |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['B']} | {r['S']} | {r['Hq']}/{r['Hk']} | {r['d']} | {fmt(r['tq3_kernel'])} | "
                      f"{fmt(r['tq3_api'])} | {fmt(r['tq3_api_graph'])} | {fmt(r['sdpa_flash'])} | {fmt(r['sdpa_cudnn'])} | "
-                     f"{fmt(r['fa2'])} | {fmt(r['speedup_kernel'], '.2f')}x | {fmt(r['speedup_api_graph'], '.2f')}x | "
-                     f"{fmt(r['tq3_GBps'], '.0f')} | "
-                     f"{fmt(r['fp16_GBps'], '.0f')} | {fmt(r['pack_GBps'], '.0f')} |")
+                     f"{fmt(r['fa2'])} | {fmt(r.get('kv16'))} | {fmt(r['speedup_kernel'], '.2f')}x | "
+                     f"{fmt(r['speedup_api_graph'], '.2f')}x | {fmt(r['tq3_GBps'], '.0f')} | {fmt(r['fp16_GBps'], '.0f')} |")
+    if pack_rows:
+        lines += ["", "## Quantize-on-write (turbo 3-bit, K and V)", "",
+                  "GB/s count the fp16 K+V input; 'copy' is a device copy of the same bytes (read + write) in the "
+                  "same run; 'of 4.2 TB/s' is the pack kernel's input rate over the H200's measured copy rate.", "",
+                  "| B | new tokens | Hk | d | input MB | pack kernel µs | append API µs | copy µs | pack GB/s | "
+                  "append GB/s | pack / copy time | of 4.2 TB/s |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in pack_rows:
+            lines.append(f"| {r['B']} | {r['n']} | {r['Hk']} | {r['d']} | {r['input_MB']:.2f} | {fmt(r['pack_us'])} | "
+                         f"{fmt(r['append_us'])} | {fmt(r['copy_us'])} | {fmt(r['pack_GBps'], '.0f')} | "
+                         f"{fmt(r['append_GBps'], '.0f')} | {r['pack_vs_copy_read']:.2f} | {100 * r['pack_vs_hbm_copy']:.0f}% |")
     with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -212,20 +247,25 @@ def main():
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--name", default="decode")
     ap.add_argument("--head-dims", default="128,64", help="head dims of the length sweep")
+    ap.add_argument("--pack-only", action="store_true", help="only the quantize-on-write table")
     args = ap.parse_args()
     if not torch.cuda.is_available() or not ops.extension_available():
         sys.exit("bench_decode needs a CUDA GPU and the built extension")
     torch.manual_seed(0)
     rows = []
-    for shp in ISSUE_SHAPES:
+    for shp in ([] if args.pack_only else ISSUE_SHAPES):
         rows.append(run_shape(*shp))
         print(rows[-1], flush=True)
-    for shp in sweep_shapes(args.quick, tuple(int(x) for x in args.head_dims.split(","))):
+    for shp in ([] if args.pack_only else sweep_shapes(args.quick, tuple(int(x) for x in args.head_dims.split(",")))):
         r = run_shape(*shp)
         r["sweep"] = True
         rows.append(r)
         print(r, flush=True)
-    write_results(rows, stamp(), args.out, args.name)
+    pack_rows = []
+    for shp in PACK_SHAPES:
+        pack_rows.append(run_pack(*shp))
+        print(pack_rows[-1], flush=True)
+    write_results(rows, pack_rows, stamp(), args.out, args.name)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@
 import torch
 
 import flash_attn_tq as fa
+from flash_attn_tq import ops
 
 for page_size, d, dtype in ((None, 128, torch.float16), (16, 64, torch.bfloat16)):
     cache = fa.QuantizedKVCache(2, 300, 2, d, page_size=page_size, dtype=dtype, device="cuda")
@@ -15,6 +16,14 @@ for page_size, d, dtype in ((None, 128, torch.float16), (16, 64, torch.bfloat16)
                                          v=torch.randn(2, 1, 2, d, device="cuda", dtype=dtype), num_splits=splits)
     q4 = torch.randn(2, 4, 8, d, device="cuda", dtype=dtype)
     fa.flash_attn_with_kvcache(q4, cache, causal=True)
+    # the same kernel body over the fp16 cache (Fp16KV loader), contiguous and paged
+    k16 = torch.randn(2, 304, 2, d, device="cuda", dtype=dtype)
+    v16 = torch.randn_like(k16)
+    lens = torch.tensor([257, 300], dtype=torch.int32, device="cuda")
+    for splits in (1, 3):
+        out16, _ = ops.decode_kv16(q4, k16, v16, lens, None, None, d ** -0.5, True, splits)
+        pages = torch.arange(2 * 19, dtype=torch.int32, device="cuda").view(2, 19)
+        ops.decode_kv16(q, k16.view(38, 16, 2, d), v16.view(38, 16, 2, d), lens, None, pages, d ** -0.5, False, splits)
     torch.cuda.synchronize()
-    assert torch.isfinite(out).all()
+    assert torch.isfinite(out).all() and torch.isfinite(out16).all()
 print("sanitize case done:", fa.last_path())

@@ -5,7 +5,9 @@
   into the cache, then the fused CUDA kernel attends over the packed codes when it supports the
   call, else the reference (dequantize, then float32 attention).
 * Anything else takes the baseline: upstream ``flash_attn`` when it is importable and the
-  tensors are CUDA float16/bfloat16, else :mod:`flash_attn_tq.baseline` (PyTorch, same semantics).
+  tensors are CUDA float16/bfloat16; else, for decode-shaped ``flash_attn_with_kvcache`` calls
+  on CUDA (no new k/v, rotary, window, softcap, alibi or leftpad), our decode kernel over the
+  16-bit cache; else :mod:`flash_attn_tq.baseline` (PyTorch, same semantics).
 
 :func:`last_path` tells which path the last call in this context took.
 """
@@ -27,7 +29,7 @@ _LAST_PATH: contextvars.ContextVar[str] = contextvars.ContextVar("flash_attn_tq_
 
 def last_path() -> str:
     """The path the last attention call in this context took, e.g. ``"quantized:fused-cuda"``,
-    ``"quantized:reference (head_dim 96 ...)"``, ``"baseline:upstream"``, ``"baseline:torch"``."""
+    ``"quantized:reference (head_dim 96 ...)"``, ``"baseline:upstream"``, ``"baseline:fused-kv16-cuda"``, ``"baseline:torch"``."""
     return _LAST_PATH.get()
 
 
@@ -143,10 +145,51 @@ def flash_attn_with_kvcache(
         raise ValueError("k_cache is required (a tensor, or a QuantizedKVCache; or pass kv_cache=)")
     if v_cache is None:
         raise ValueError("v_cache is required unless k_cache is a QuantizedKVCache")
+    if _upstream() is None and isinstance(q, torch.Tensor) and q.is_cuda:
+        reason = ops.kv16_decode_unsupported(q, k_cache, v_cache, block_table)
+        extras = (k is not None or v is not None or rotary_cos is not None or cache_leftpad is not None
+                  or window_size[0] >= 0 or window_size[1] >= 0 or softcap != 0.0 or alibi_slopes is not None)
+        if reason is None and not extras:
+            return _kv16_kvcache(q, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table, softmax_scale,
+                                 causal, num_splits, return_softmax_lse)
     return _baseline_impl("flash_attn_with_kvcache", q, k_cache, v_cache)(
         q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
         block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
         return_softmax_lse)
+
+
+def _kv16_kvcache(q, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table, softmax_scale, causal,
+                  num_splits, return_softmax_lse):
+    """Upstream flash_attn_with_kvcache (no new k/v) on our decode kernel over a 16-bit cache."""
+    batch = q.shape[0]
+    if cache_seqlens is None:  # upstream: the whole cache
+        full = k_cache.shape[1] if block_table is None else block_table.shape[1] * k_cache.shape[1]
+        cache_seqlens = full
+    if isinstance(cache_seqlens, int):
+        lens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
+    else:
+        if cache_seqlens.dtype != torch.int32 or cache_seqlens.shape != (batch,):
+            raise ValueError(f"cache_seqlens must be an int or int32 [batch={batch}], got {cache_seqlens.dtype} "
+                             f"{tuple(cache_seqlens.shape)}")
+        lens = cache_seqlens
+    if cache_batch_idx is not None and (cache_batch_idx.dtype != torch.int32 or cache_batch_idx.shape != (batch,)):
+        raise ValueError(f"cache_batch_idx must be int32 [batch={batch}], got {cache_batch_idx.dtype} "
+                         f"{tuple(cache_batch_idx.shape)}")
+    if block_table is not None and (block_table.dtype != torch.int32 or block_table.dim() != 2
+                                    or block_table.shape[0] != batch):
+        raise ValueError(f"block_table must be int32 [batch={batch}, max_blocks], got {block_table.dtype} "
+                         f"{tuple(block_table.shape)}")
+    if cache_batch_idx is None and block_table is None and batch > k_cache.shape[0]:
+        raise ValueError(f"q batch {batch} exceeds k_cache's batch {k_cache.shape[0]}")
+    if isinstance(cache_seqlens, int) and cache_seqlens > (k_cache.shape[1] if block_table is None
+                                                           else block_table.shape[1] * k_cache.shape[1]):
+        raise ValueError(f"cache_seqlens {cache_seqlens} exceeds the cache's capacity")
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+    _LAST_PATH.set("baseline:fused-kv16-cuda")
+    out, lse = ops.decode_kv16(q if q.stride(-1) == 1 else q.contiguous(), k_cache, v_cache, lens, cache_batch_idx,
+                               block_table, softmax_scale, causal, num_splits)
+    return (out, lse) if return_softmax_lse else out
 
 
 # ------------------------------------------------------------------------------- quantized path

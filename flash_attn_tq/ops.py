@@ -1,10 +1,13 @@
 """The CUDA kernels (``torch.ops.flash_attn_tq.*``) and when they can be used.
 
-The extension ``flash_attn_tq_cuda`` registers two ops:
+The extension ``flash_attn_tq_cuda`` registers three ops:
 
 * ``decode_kvcache(q, k_codes, k_meta, v_codes, v_meta, seqlens_k, cache_batch_idx, block_table,
-  k_bits, v_bits, softmax_scale, is_causal, num_splits) -> (out, softmax_lse)``: split-KV
-  attention of ``q [batch, seqlen_q, heads, d]`` over packed K/V.
+  rot_signs, k_bits, v_bits, softmax_scale, is_causal, num_splits) -> (out, softmax_lse)``:
+  split-KV attention of ``q [batch, seqlen_q, heads, d]`` over packed K/V.
+* ``decode_kv16(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, softmax_scale,
+  is_causal, num_splits) -> (out, softmax_lse)``: the same kernel body over a float16/bfloat16
+  cache (its Fp16KV loader policy): our FP16 decode baseline.
 * ``pack_kv(x, slot_mapping, codes, meta, bits, quant, signs, levels, step)``: quantize-on-write.
 
 Fake (meta) implementations are registered here so both trace under ``torch.compile``.
@@ -38,6 +41,12 @@ def _register_fakes() -> None:
     @torch.library.register_fake("flash_attn_tq::decode_kvcache")
     def _decode_fake(q, k_codes, k_meta, v_codes, v_meta, seqlens_k, cache_batch_idx, block_table, rot_signs,
                      k_bits, v_bits, softmax_scale, is_causal, num_splits):
+        b, sq, h, _ = q.shape
+        return torch.empty_like(q), q.new_empty((b, h, sq), dtype=torch.float32)
+
+    @torch.library.register_fake("flash_attn_tq::decode_kv16")
+    def _decode_kv16_fake(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, softmax_scale, is_causal,
+                          num_splits):
         b, sq, h, _ = q.shape
         return torch.empty_like(q), q.new_empty((b, h, sq), dtype=torch.float32)
 
@@ -79,6 +88,39 @@ def decode(q: torch.Tensor, cache, seqlens_k: torch.Tensor, batch_idx: torch.Ten
         int(num_splits))
 
 
+def kv16_decode_unsupported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_table: torch.Tensor | None) -> str | None:
+    """None if ``decode_kv16`` can serve q over the float16/bfloat16 cache tensors, else why not."""
+    if not (q.is_cuda and k_cache.is_cuda and v_cache.is_cuda):
+        return "tensors are not on a CUDA device"
+    if not extension_available():
+        return "the CUDA extension flash_attn_tq_cuda is not built"
+    if q.dtype not in (torch.float16, torch.bfloat16) or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        return "q, k_cache and v_cache must share a float16/bfloat16 dtype"
+    if q.dim() != 4 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape or q.shape[-1] != k_cache.shape[-1]:
+        return "shapes"
+    if q.shape[-1] not in FUSED_HEAD_DIMS:
+        return f"head_dim {q.shape[-1]} (kernels: {FUSED_HEAD_DIMS})"
+    hk = k_cache.shape[2]
+    if hk == 0 or q.shape[2] % hk or (q.shape[2] // hk) * q.shape[1] > MAX_FUSED_ROWS:
+        return f"more than {MAX_FUSED_ROWS} query rows per kv head"
+    for t in (k_cache, v_cache):
+        if t.stride(-1) != 1 or any(st % 8 for st in t.stride()[:3]) or t.data_ptr() % 16:
+            return "cache rows must be contiguous and 16-byte aligned"
+    if block_table is not None and k_cache.shape[1] & (k_cache.shape[1] - 1):
+        return "page size must be a power of two"
+    return None
+
+
+def decode_kv16(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqlens_k: torch.Tensor,
+                cache_batch_idx: torch.Tensor | None, block_table: torch.Tensor | None, softmax_scale: float,
+                causal: bool, num_splits: int):
+    """The decode kernel over a float16/bfloat16 cache ``[rows, cols, kv_heads, d]`` (rows = batch,
+    or pages with ``block_table``). Returns (out like q, lse ``[batch, heads, seqlen_q]``)."""
+    return torch.ops.flash_attn_tq.decode_kv16(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table,
+                                               float(softmax_scale), bool(causal), int(num_splits))
+
+
 def pack_supported(cache, x: torch.Tensor) -> bool:
     return (x.is_cuda and extension_available() and x.dtype in (torch.float16, torch.bfloat16)
             and cache.head_dim in FUSED_HEAD_DIMS and not cache.streaming
@@ -96,7 +138,7 @@ def pack_into(cache, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, cols:
             signs = qz.signs_on(x.device)
             levels = qz.codebook(x.device)
         x3 = x.reshape(-1, cache.num_kv_heads, cache.head_dim)
-        if x3.stride(-1) != 1:
-            x3 = x3.contiguous()
+        if x3.stride(-1) != 1 or x3.stride(0) % 8 or x3.stride(1) % 8 or x3.data_ptr() % 16:
+            x3 = x3.clone(memory_format=torch.contiguous_format)  # the kernel loads 16-byte aligned rows
         torch.ops.flash_attn_tq.pack_kv(x3, slots, codes, meta, bits, quant, signs, levels,
                                         float(uniform_step(bits)))

@@ -22,11 +22,11 @@ namespace {
 
 #define CHECK_CUDA(t) TQ_CHECK((t).is_cuda(), #t " must be a CUDA tensor")
 
-// Pick num_splits so the grid fills the GPU with resident CTAs (4 per SM at our register use)
-// in one wave, keeping >= 128 tokens (a tile a warp) a split: measured on the H200, more splits
-// beat fewer even at 1K tokens (B=1: 15.8 us at 8 splits, 18.1 us at 2).
-int choose_num_splits(int ctas, int max_seqlen_k, int num_sms) {
-    const int resident = 4 * num_sms;
+// Pick num_splits so the grid fills the GPU with resident CTAs (ctas_per_sm of them, set by the
+// kernel's registers / shared memory) in one wave, keeping >= 128 tokens a split: measured on the
+// H200, more splits beat fewer even at 1K tokens (B=1: 15.8 us at 8 splits, 18.1 us at 2).
+int choose_num_splits(int ctas, int max_seqlen_k, int num_sms, int ctas_per_sm) {
+    const int resident = ctas_per_sm * num_sms;
     if (ctas >= resident) return 1;
     const int by_length = std::max(1, max_seqlen_k / 128);
     return std::max(1, std::min({resident / ctas, by_length, 128}));
@@ -35,7 +35,9 @@ int choose_num_splits(int ctas, int max_seqlen_k, int num_sms) {
 template <int kHeadDim>
 void dispatch_decode(const at::ScalarType dtype, int k_bits, int v_bits, const DecodeParams &p, cudaStream_t stream) {
     const bool fp16 = dtype == at::kHalf;
-    if (k_bits == 3 && v_bits == 3) {
+    if (k_bits == 16) {  // float16 / bfloat16 cache: the Fp16KV loader
+        fp16 ? run_decode_fp16<__half, kHeadDim>(p, stream) : run_decode_fp16<__nv_bfloat16, kHeadDim>(p, stream);
+    } else if (k_bits == 3 && v_bits == 3) {
         fp16 ? run_decode<__half, kHeadDim, 3, 3>(p, stream) : run_decode<__nv_bfloat16, kHeadDim, 3, 3>(p, stream);
     } else if (k_bits == 4 && v_bits == 3) {
         fp16 ? run_decode<__half, kHeadDim, 4, 3>(p, stream) : run_decode<__nv_bfloat16, kHeadDim, 4, 3>(p, stream);
@@ -44,65 +46,28 @@ void dispatch_decode(const at::ScalarType dtype, int k_bits, int v_bits, const D
     }
 }
 
-std::tuple<at::Tensor, at::Tensor> decode_kvcache(
-    const at::Tensor &q,            // [b, seqlen_q, h, d]
-    const at::Tensor &k_codes,      // [rows, cols, h_k, bytes] uint8
-    const at::Tensor &k_meta,       // [rows, cols, h_k, 2] half
-    const at::Tensor &v_codes, const at::Tensor &v_meta,
-    const at::Tensor &seqlens_k,    // [b] int32
+// Everything but the K/V pointers and strides: q/out/lse, lengths, batch map, block table, signs,
+// num_splits; then the launch. k_bits == 16 selects the float16/bfloat16 cache loader.
+std::tuple<at::Tensor, at::Tensor> run_decode_op(
+    DecodeParams &p, const at::Tensor &q, const at::Tensor &k_store, const at::Tensor &seqlens_k,
     const std::optional<at::Tensor> &cache_batch_idx, const std::optional<at::Tensor> &block_table,
-    const std::optional<at::Tensor> &rot_signs,  // turbo: [d] float32 Hadamard signs (rotate q in, output out)
-    int64_t k_bits, int64_t v_bits, double softmax_scale, bool is_causal, int64_t num_splits) {
-    CHECK_CUDA(q);
-    CHECK_CUDA(k_codes);
-    CHECK_CUDA(v_codes);
-    CHECK_CUDA(k_meta);
-    CHECK_CUDA(v_meta);
+    const std::optional<at::Tensor> &rot_signs, int k_bits, int v_bits, double softmax_scale, bool is_causal,
+    int64_t num_splits) {
     CHECK_CUDA(seqlens_k);
-    TQ_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16, "q must be float16 or bfloat16");
-    TQ_CHECK(q.dim() == 4 && q.stride(-1) == 1, "q must be [batch, seqlen_q, heads, head_dim] with a contiguous last dim");
-    TQ_CHECK(k_codes.scalar_type() == at::kByte && v_codes.scalar_type() == at::kByte, "k_codes/v_codes must be uint8");
-    TQ_CHECK(k_meta.scalar_type() == at::kHalf && v_meta.scalar_type() == at::kHalf, "k_meta/v_meta must be float16");
-    TQ_CHECK(k_codes.dim() == 4 && v_codes.dim() == 4 && k_meta.dim() == 4 && v_meta.dim() == 4, "codes/meta must be 4-D");
-    TQ_CHECK(k_codes.stride(-1) == 1 && v_codes.stride(-1) == 1 && k_meta.stride(-1) == 1 && v_meta.stride(-1) == 1,
-             "codes/meta need a contiguous last dim");
-    TQ_CHECK(seqlens_k.scalar_type() == at::kInt && seqlens_k.dim() == 1, "seqlens_k must be int32 [batch]");
+    TQ_CHECK(seqlens_k.scalar_type() == at::kInt && seqlens_k.dim() == 1 && seqlens_k.is_contiguous(),
+             "seqlens_k must be contiguous int32 [batch]");
     const int b = q.size(0), seqlen_q = q.size(1), h = q.size(2), d = q.size(3);
-    const int h_k = k_codes.size(2);
-    TQ_CHECK(d == 64 || d == 128, "head_dim must be 64 or 128 for the fused kernel");
+    const int h_k = k_store.size(2);
     TQ_CHECK(h_k > 0 && h % h_k == 0, "q heads must be a multiple of kv heads");
-    TQ_CHECK(k_codes.size(3) == d * k_bits / 8 && v_codes.size(3) == d * v_bits / 8, "code bytes do not match head_dim and bits");
-    TQ_CHECK(k_meta.size(3) == 2 && v_meta.size(3) == 2, "meta must end in (scale, offset)");
     TQ_CHECK(seqlens_k.size(0) == b, "seqlens_k must have batch entries");
-    // cp.async copies of whole code rows need their alignment
-    const int chunk = (d * k_bits / 8) % 16 == 0 ? 16 : 8;
-    TQ_CHECK(reinterpret_cast<uintptr_t>(k_codes.data_ptr()) % chunk == 0 && reinterpret_cast<uintptr_t>(v_codes.data_ptr()) % 8 == 0,
-             "codes tensors must be aligned");
-    c10::cuda::CUDAGuard guard(q.device());
     auto opts = q.options();
     at::Tensor out = at::empty_like(q);
     at::Tensor lse = at::empty({b, h, seqlen_q}, opts.dtype(at::kFloat));
-
-    DecodeParams p{};
     p.q = q.data_ptr();
     p.out = out.data_ptr();
     p.softmax_lse = lse.data_ptr<float>();
-    p.k_codes = k_codes.data_ptr<uint8_t>();
-    p.v_codes = v_codes.data_ptr<uint8_t>();
-    p.k_meta = reinterpret_cast<const uint16_t *>(k_meta.data_ptr());
-    p.v_meta = reinterpret_cast<const uint16_t *>(v_meta.data_ptr());
     p.q_batch_stride = q.stride(0); p.q_row_stride = q.stride(1); p.q_head_stride = q.stride(2);
     p.o_batch_stride = out.stride(0); p.o_row_stride = out.stride(1); p.o_head_stride = out.stride(2);
-    p.kc_batch_stride = k_codes.stride(0); p.kc_row_stride = k_codes.stride(1); p.kc_head_stride = k_codes.stride(2);
-    p.vc_batch_stride = v_codes.stride(0); p.vc_row_stride = v_codes.stride(1); p.vc_head_stride = v_codes.stride(2);
-    p.km_batch_stride = k_meta.stride(0); p.km_row_stride = k_meta.stride(1); p.km_head_stride = k_meta.stride(2);
-    p.vm_batch_stride = v_meta.stride(0); p.vm_row_stride = v_meta.stride(1); p.vm_head_stride = v_meta.stride(2);
-    // the kernel multiplies token and block indices by 32-bit row / block strides
-    const int64_t int_max = std::numeric_limits<int>::max();
-    for (const at::Tensor *t : {&k_codes, &v_codes, &k_meta, &v_meta}) {
-        TQ_CHECK(t->stride(1) <= int_max && (!block_table.has_value() || t->stride(0) <= int_max),
-                 "codes/meta strides must fit in 32 bits");
-    }
     p.seqlens_k = seqlens_k.data_ptr<int>();
     if (cache_batch_idx.has_value()) {
         CHECK_CUDA(*cache_batch_idx);
@@ -110,14 +75,14 @@ std::tuple<at::Tensor, at::Tensor> decode_kvcache(
                  "cache_batch_idx must be contiguous int32 [batch]");
         p.cache_batch_idx = cache_batch_idx->data_ptr<int>();
     }
-    int max_seqlen_k = k_codes.size(1);
+    int max_seqlen_k = k_store.size(1);
     if (block_table.has_value()) {
         CHECK_CUDA(*block_table);
         TQ_CHECK(block_table->scalar_type() == at::kInt && block_table->dim() == 2 && block_table->size(0) == b &&
                  block_table->stride(1) == 1, "block_table must be int32 [batch, max_blocks] with a contiguous last dim");
         p.block_table = block_table->data_ptr<int>();
         p.block_table_batch_stride = block_table->stride(0);
-        p.page_block_size = k_codes.size(1);
+        p.page_block_size = k_store.size(1);
         TQ_CHECK((p.page_block_size & (p.page_block_size - 1)) == 0, "page size must be a power of two");
         while ((1 << p.page_block_shift) < p.page_block_size) { ++p.page_block_shift; }
         max_seqlen_k = block_table->size(1) * p.page_block_size;
@@ -128,6 +93,7 @@ std::tuple<at::Tensor, at::Tensor> decode_kvcache(
                  "rot_signs must be contiguous float32 [head_dim]");
         p.rot_signs = rot_signs->data_ptr<float>();
     }
+    p.max_seqlen_k = max_seqlen_k;
     p.b = b; p.seqlen_q = seqlen_q; p.h = h; p.h_k = h_k; p.h_h_k_ratio = h / h_k;
     p.scale_softmax_log2 = static_cast<float>(softmax_scale * M_LOG2E);
     p.is_causal = is_causal && seqlen_q > 1;
@@ -136,7 +102,8 @@ std::tuple<at::Tensor, at::Tensor> decode_kvcache(
     const int ctas = b * h_k * ((p.h_h_k_ratio * seqlen_q + rows_per_cta - 1) / rows_per_cta);
     int num_sms = 0;
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, q.get_device()));
-    p.num_splits = num_splits > 0 ? static_cast<int>(num_splits) : choose_num_splits(ctas, max_seqlen_k, num_sms);
+    const int ctas_per_sm = k_bits == 16 ? kFp16CtasPerSm : kPackedCtasPerSm;
+    p.num_splits = num_splits > 0 ? static_cast<int>(num_splits) : choose_num_splits(ctas, max_seqlen_k, num_sms, ctas_per_sm);
     at::Tensor out_accum, lse_accum;
     if (p.num_splits > 1) {
         out_accum = at::empty({p.num_splits, b, h, seqlen_q, d}, opts.dtype(at::kFloat));
@@ -154,6 +121,94 @@ std::tuple<at::Tensor, at::Tensor> decode_kvcache(
     return {out, lse};
 }
 
+void check_query(const at::Tensor &q) {
+    CHECK_CUDA(q);
+    TQ_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16, "q must be float16 or bfloat16");
+    TQ_CHECK(q.dim() == 4 && q.stride(-1) == 1, "q must be [batch, seqlen_q, heads, head_dim] with a contiguous last dim");
+    TQ_CHECK(q.size(3) == 64 || q.size(3) == 128, "head_dim must be 64 or 128 for the fused kernel");
+}
+
+// the kernel multiplies token and block indices by 32-bit row / block strides
+void check_strides_32bit(const at::Tensor &t, bool paged) {
+    const int64_t int_max = std::numeric_limits<int>::max();
+    TQ_CHECK(t.stride(1) * t.element_size() <= int_max && (!paged || t.stride(0) * t.element_size() <= int_max),
+             "cache strides must fit in 32 bits");
+}
+
+std::tuple<at::Tensor, at::Tensor> decode_kvcache(
+    const at::Tensor &q,            // [b, seqlen_q, h, d]
+    const at::Tensor &k_codes,      // [rows, cols, h_k, bytes] uint8
+    const at::Tensor &k_meta,       // [rows, cols, h_k, 2] half
+    const at::Tensor &v_codes, const at::Tensor &v_meta,
+    const at::Tensor &seqlens_k,    // [b] int32
+    const std::optional<at::Tensor> &cache_batch_idx, const std::optional<at::Tensor> &block_table,
+    const std::optional<at::Tensor> &rot_signs,  // turbo: [d] float32 Hadamard signs (rotate q in, output out)
+    int64_t k_bits, int64_t v_bits, double softmax_scale, bool is_causal, int64_t num_splits) {
+    check_query(q);
+    CHECK_CUDA(k_codes);
+    CHECK_CUDA(v_codes);
+    CHECK_CUDA(k_meta);
+    CHECK_CUDA(v_meta);
+    TQ_CHECK(k_codes.scalar_type() == at::kByte && v_codes.scalar_type() == at::kByte, "k_codes/v_codes must be uint8");
+    TQ_CHECK(k_meta.scalar_type() == at::kHalf && v_meta.scalar_type() == at::kHalf, "k_meta/v_meta must be float16");
+    TQ_CHECK(k_codes.dim() == 4 && v_codes.dim() == 4 && k_meta.dim() == 4 && v_meta.dim() == 4, "codes/meta must be 4-D");
+    TQ_CHECK(k_codes.stride(-1) == 1 && v_codes.stride(-1) == 1 && k_meta.stride(-1) == 1 && v_meta.stride(-1) == 1,
+             "codes/meta need a contiguous last dim");
+    TQ_CHECK(k_bits != 16, "k_bits 16 is the float16 cache (decode_kv16)");
+    const int d = q.size(3);
+    TQ_CHECK(k_codes.size(3) == d * k_bits / 8 && v_codes.size(3) == d * v_bits / 8, "code bytes do not match head_dim and bits");
+    TQ_CHECK(k_meta.size(3) == 2 && v_meta.size(3) == 2, "meta must end in (scale, offset)");
+    // cp.async copies of whole code rows need their alignment
+    const int chunk = (d * k_bits / 8) % 16 == 0 ? 16 : 8;
+    TQ_CHECK(reinterpret_cast<uintptr_t>(k_codes.data_ptr()) % chunk == 0 && reinterpret_cast<uintptr_t>(v_codes.data_ptr()) % 8 == 0,
+             "codes tensors must be aligned");
+    for (const at::Tensor *t : {&k_codes, &v_codes, &k_meta, &v_meta}) { check_strides_32bit(*t, block_table.has_value()); }
+    c10::cuda::CUDAGuard guard(q.device());
+    DecodeParams p{};
+    p.k_codes = k_codes.data_ptr<uint8_t>();
+    p.v_codes = v_codes.data_ptr<uint8_t>();
+    p.k_meta = reinterpret_cast<const uint16_t *>(k_meta.data_ptr());
+    p.v_meta = reinterpret_cast<const uint16_t *>(v_meta.data_ptr());
+    p.kc_batch_stride = k_codes.stride(0); p.kc_row_stride = k_codes.stride(1); p.kc_head_stride = k_codes.stride(2);
+    p.vc_batch_stride = v_codes.stride(0); p.vc_row_stride = v_codes.stride(1); p.vc_head_stride = v_codes.stride(2);
+    p.km_batch_stride = k_meta.stride(0); p.km_row_stride = k_meta.stride(1); p.km_head_stride = k_meta.stride(2);
+    p.vm_batch_stride = v_meta.stride(0); p.vm_row_stride = v_meta.stride(1); p.vm_head_stride = v_meta.stride(2);
+    return run_decode_op(p, q, k_codes, seqlens_k, cache_batch_idx, block_table, rot_signs, k_bits, v_bits,
+                         softmax_scale, is_causal, num_splits);
+}
+
+// The same kernel body over a float16/bfloat16 cache (the Fp16KV loader): our FP16 baseline.
+std::tuple<at::Tensor, at::Tensor> decode_kv16(
+    const at::Tensor &q,            // [b, seqlen_q, h, d]
+    const at::Tensor &k_cache,      // [rows, cols, h_k, d], q's dtype
+    const at::Tensor &v_cache,
+    const at::Tensor &seqlens_k,    // [b] int32
+    const std::optional<at::Tensor> &cache_batch_idx, const std::optional<at::Tensor> &block_table,
+    double softmax_scale, bool is_causal, int64_t num_splits) {
+    check_query(q);
+    CHECK_CUDA(k_cache);
+    CHECK_CUDA(v_cache);
+    TQ_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+             "k_cache/v_cache must have q's dtype");
+    TQ_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.size(3) == q.size(3),
+             "k_cache/v_cache must be [rows, cols, kv_heads, head_dim] like q's head_dim");
+    // 16-byte cp.async of every row: contiguous rows at 16-byte aligned addresses
+    for (const at::Tensor *t : {&k_cache, &v_cache}) {
+        TQ_CHECK(t->stride(3) == 1 && t->stride(2) % 8 == 0 && t->stride(1) % 8 == 0 && t->stride(0) % 8 == 0 &&
+                 reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0,
+                 "k_cache/v_cache rows must be contiguous and 16-byte aligned");
+        check_strides_32bit(*t, block_table.has_value());
+    }
+    c10::cuda::CUDAGuard guard(q.device());
+    DecodeParams p{};
+    p.k_codes = reinterpret_cast<const uint8_t *>(k_cache.data_ptr());
+    p.v_codes = reinterpret_cast<const uint8_t *>(v_cache.data_ptr());
+    p.kc_batch_stride = 2 * k_cache.stride(0); p.kc_row_stride = 2 * k_cache.stride(1); p.kc_head_stride = 2 * k_cache.stride(2);
+    p.vc_batch_stride = 2 * v_cache.stride(0); p.vc_row_stride = 2 * v_cache.stride(1); p.vc_head_stride = 2 * v_cache.stride(2);
+    return run_decode_op(p, q, k_cache, seqlens_k, cache_batch_idx, block_table, std::nullopt, 16, 16,
+                         softmax_scale, is_causal, num_splits);
+}
+
 void pack_kv(const at::Tensor &x,             // [tokens, heads, d] fp16/bf16
              const at::Tensor &slot_mapping,  // [tokens] int64
              at::Tensor &codes,               // [rows, cols, heads, bytes] uint8, contiguous
@@ -166,6 +221,8 @@ void pack_kv(const at::Tensor &x,             // [tokens, heads, d] fp16/bf16
     CHECK_CUDA(meta);
     TQ_CHECK(x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16, "x must be float16 or bfloat16");
     TQ_CHECK(x.dim() == 3 && x.stride(-1) == 1, "x must be [tokens, heads, head_dim] with a contiguous last dim");
+    TQ_CHECK(x.stride(0) % 8 == 0 && x.stride(1) % 8 == 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0,
+             "x rows must be 16-byte aligned (16-byte loads)");
     const int d = x.size(2);
     TQ_CHECK(d == 64 || d == 128, "head_dim must be 64 or 128 for the pack kernel");
     TQ_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == x.size(0) && slot_mapping.is_contiguous(),
@@ -214,12 +271,15 @@ TORCH_LIBRARY(flash_attn_tq, m) {
           "Tensor? cache_batch_idx, Tensor? block_table, Tensor? rot_signs, int k_bits, int v_bits, float softmax_scale, "
           "bool is_causal, "
           "int num_splits) -> (Tensor, Tensor)");
+    m.def("decode_kv16(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seqlens_k, Tensor? cache_batch_idx, "
+          "Tensor? block_table, float softmax_scale, bool is_causal, int num_splits) -> (Tensor, Tensor)");
     m.def("pack_kv(Tensor x, Tensor slot_mapping, Tensor(a!) codes, Tensor(b!) meta, int bits, int quant, Tensor? signs, "
           "Tensor? levels, float step) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(flash_attn_tq, CUDA, m) {
     m.impl("decode_kvcache", &flash_tq::decode_kvcache);
+    m.impl("decode_kv16", &flash_tq::decode_kv16);
     m.impl("pack_kv", &flash_tq::pack_kv);
 }
 

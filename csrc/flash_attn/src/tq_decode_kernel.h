@@ -1,14 +1,15 @@
-// Split-KV decode attention over a K/V cache read through a loader policy (tq_kv_loader.h).
+// Split-KV decode attention over a K/V cache read through a loader policy (tq_kv_loader.h):
+// PackedKV (3/4-bit codes) or Fp16KV (float16/bfloat16 cache, our FP16 baseline) share this body.
 //
 // One CTA = (split, batch * kv_head, chunk of query rows). The query rows of a CTA are the GQA
 // group's heads times the new query positions (row r = i * group + head_in_group), so each K/V
 // tile is read and expanded once per group. Transposed tensor-core formulation (the tensor cores
-// would otherwise be 75% padding): S^T[16 tokens x 8 rows] = K (A operand, expanded straight from
-// packed codes into fragments) * Q^T (B operand, in registers for the whole kernel), then
+// would otherwise be 75% padding): S^T[16 tokens x 8 rows] = K (A operand, expanded by the loader
+// straight into fragments) * Q^T (B operand, in registers for the whole kernel), then
 // O^T[16 d x 8 rows] += V^T (A operand) * P^T (B operand, S^T transposed in registers with
 // movmatrix). Codes are never scaled element by element: K's per-token (scale, offset) and V's
-// fold into the scores and the probabilities (see tq_kv_loader.h). Each of the 4 warps streams its own tiles through its own cp.async pipeline with an
-// online softmax; warps, then splits (combine kernel), are merged through their log-sum-exp.
+// fold into the scores and the probabilities (see tq_kv_loader.h). Each of the 4 warps streams its
+// own tiles through its own cp.async pipeline with an online softmax; warps, then splits (combine kernel), are merged through their log-sum-exp.
 #pragma once
 
 #include <cmath>
@@ -28,8 +29,9 @@ struct DecodeTraits {
     static constexpr int kRows = 8 * kNT;
     static constexpr int kNWarps = 4;
     static constexpr int kNThreads = 32 * kNWarps;
-    static constexpr int kStages = 3;             // per-warp cp.async stages: two tiles in flight while one computes
+    static constexpr int kStages = KV::kStages;
     static constexpr int kTileN = KV::kTileN;
+    static constexpr int kMTiles = kTileN / 16;   // 16-token MMA blocks a tile
     static constexpr int kKBlocks = kHeadDim / 16;
     static constexpr int kPipeBytes = kNWarps * kStages * KV::kStageBytes;
     // merge: per-warp max/sum and O slices, merged row stats, the merged rows (rotated back in place)
@@ -42,7 +44,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_split_kernel(const D
     using Elem = typename Traits::Elem;
     using KV = typename Traits::KV;
     constexpr int D = Traits::kHeadDim, NT = Traits::kNT, kRows = Traits::kRows, KB = Traits::kKBlocks;
-    constexpr int kStages = Traits::kStages, kTileN = Traits::kTileN, kWarps = Traits::kNWarps;
+    constexpr int kStages = Traits::kStages, kTileN = Traits::kTileN, kWarps = Traits::kNWarps, MT = Traits::kMTiles;
     constexpr float kNegInf = -INFINITY;
     extern __shared__ __align__(16) char smem[];
 
@@ -50,7 +52,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_split_kernel(const D
     const int split = blockIdx.x, b = blockIdx.y / p.h_k, hk = blockIdx.y % p.h_k, row0 = blockIdx.z * kRows;
     const int group = p.h_h_k_ratio, total_rows = group * p.seqlen_q;
     const int bc = p.cache_batch_idx != nullptr ? p.cache_batch_idx[b] : b;
-    const int seqlen_k = p.seqlens_k[b];
+    const int seqlen_k = max(0, min(p.seqlens_k[b], p.max_seqlen_k));  // never read past the cache
 
     // Keys visible to each accumulator column (row) this thread holds, and to the CTA's last row.
     auto key_limit = [&](int r) {
@@ -133,17 +135,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_split_kernel(const D
     }
     if (rotate) { __syncthreads(); }  // sm_q is the pipeline's memory from here on
 
-    // V centring: code k of the group arrives as magic + code * 8^e; times 8^-e minus
-    // (magic * 8^-e + center) gives code - center exactly.
-    uint32_t v_mul[KV::kGroupCodes], v_add[KV::kGroupCodes];
-    #pragma unroll
-    for (int k = 0; k < KV::kGroupCodes; ++k) {
-        const float down = exp2f(-3.f * KV::v_scale_exp(k));
-        v_mul[k] = pack2<Elem>(down, down);
-        const float bias = -(KV::kMagicValue * down + KV::kVCenter);
-        v_add[k] = pack2<Elem>(bias, bias);
-    }
-
+    const typename KV::Consts kv_consts = KV::consts();
     const typename KV::Bases bases = KV::bases(p, bc, hk);
     float row_max[NT][2], row_sum[NT][2], row_corr[NT][2];
     float acc[NT][KB][4];
@@ -181,46 +173,48 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_split_kernel(const D
         compute_stage = compute_stage == kStages - 1 ? 0 : compute_stage + 1;
         const int tile_start = (my_first + it * kWarps) * kTileN;
 
-        // ---- scores S^T for the two 16-token m-tiles
-        float sc[2][NT][4];
+        // ---- scores S^T for the tile's 16-token m-tiles
+        float sc[MT][NT][4];
         #pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
+        for (int mt = 0; mt < MT; ++mt) {
             const int t0 = mt * 16 + g, t1 = t0 + 8;
-            uint32_t k0[KV::kSlotsK], k1[KV::kSlotsK];
-            KV::k_slots(stage, t0, c, k0);
-            KV::k_slots(stage, t1, c, k1);
+            uint32_t ka[KB][4];
+            KV::k_frags(stage, mt, lane, ka);
             #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
                 float part[2][4] = {};  // even / odd k-blocks: two independent MMA chains (latency)
                 #pragma unroll
-                for (int kb = 0; kb < KB; ++kb) {
-                    const uint32_t a[4] = {k0[2 * kb], k1[2 * kb], k0[2 * kb + 1], k1[2 * kb + 1]};
-                    mma_16816<Elem>(part[kb % 2], a, qf[nt][kb][0], qf[nt][kb][1]);
-                }
+                for (int kb = 0; kb < KB; ++kb) { mma_16816<Elem>(part[kb % 2], ka[kb], qf[nt][kb][0], qf[nt][kb][1]); }
                 #pragma unroll
                 for (int j = 0; j < 4; ++j) { sc[mt][nt][j] = part[0][j] + part[1][j]; }
             }
-            const float2 f0 = KV::k_affine(stage, t0), f1 = KV::k_affine(stage, t1);
+            float2 f0 = make_float2(1.f, 0.f), f1 = f0;
+            if constexpr (KV::kAffine) { f0 = KV::k_affine(stage, t0); f1 = KV::k_affine(stage, t1); }
             #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
                 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
                     const float2 f = j < 2 ? f0 : f1;
                     const int key = tile_start + (j < 2 ? t0 : t1);
-                    const float v = (f.x * (sc[mt][nt][j] - magicq[nt][j & 1]) + f.y * sumq[nt][j & 1]) * p.scale_softmax_log2;
+                    float v = sc[mt][nt][j] * p.scale_softmax_log2;
+                    if constexpr (KV::kAffine) {
+                        v = (f.x * (sc[mt][nt][j] - magicq[nt][j & 1]) + f.y * sumq[nt][j & 1]) * p.scale_softmax_log2;
+                    }
                     sc[mt][nt][j] = key < lim[nt][j & 1] ? v : kNegInf;
                 }
             }
         }
 
         // ---- online softmax (base 2); probabilities scaled by V's per-token scale go to P^T
-        uint32_t pb[2][NT][2];
+        uint32_t pb[MT][NT][2];
         #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
             float use_max[2];
             #pragma unroll
             for (int j = 0; j < 2; ++j) {
-                float mx = fmaxf(fmaxf(sc[0][nt][j], sc[0][nt][j + 2]), fmaxf(sc[1][nt][j], sc[1][nt][j + 2]));
+                float mx = kNegInf;
+                #pragma unroll
+                for (int mt = 0; mt < MT; ++mt) { mx = fmaxf(mx, fmaxf(sc[mt][nt][j], sc[mt][nt][j + 2])); }
                 mx = fmaxf(row_max[nt][j], warp_max_rows(mx));
                 use_max[j] = mx == kNegInf ? 0.f : mx;
                 const float rescale = exp2f(row_max[nt][j] - use_max[j]);
@@ -231,22 +225,26 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_split_kernel(const D
                 for (int m = 0; m < KB; ++m) { acc[nt][m][j] *= rescale; acc[nt][m][j + 2] *= rescale; }
             }
             #pragma unroll
-            for (int mt = 0; mt < 2; ++mt) {
+            for (int mt = 0; mt < MT; ++mt) {
                 const int t0 = mt * 16 + g;
-                const float2 v0 = KV::v_affine(stage, t0), v1 = KV::v_affine(stage, t0 + 8);
+                float2 v0 = make_float2(1.f, 0.f), v1 = v0;
+                if constexpr (KV::kAffine) { v0 = KV::v_affine(stage, t0); v1 = KV::v_affine(stage, t0 + 8); }
                 float pr[4];
                 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
-                    const float2 f = j < 2 ? v0 : v1;
                     const float prob = exp2f(sc[mt][nt][j] - use_max[j & 1]);
-                    const float scaled = to_float(from_float<Elem>(prob * f.x));
-                    pr[j] = scaled;
                     row_sum[nt][j & 1] += prob;
-                    // the MMA adds scaled * (code - center); this adds prob * (offset + mid * scale)
-                    // and 0.5 * scaled, so the rounding error of `scaled` multiplies code - mid, which
-                    // is zero-mean on turbo's symmetric grid (a common-mode error would survive the
-                    // inverse Hadamard transform concentrated in one output element)
-                    row_corr[nt][j & 1] += prob * (f.y + KV::kVMid * f.x) + 0.5f * scaled;
+                    pr[j] = prob;
+                    if constexpr (KV::kAffine) {
+                        const float2 f = j < 2 ? v0 : v1;
+                        const float scaled = to_float(from_float<Elem>(prob * f.x));
+                        pr[j] = scaled;
+                        // the MMA adds scaled * (code - center); this adds prob * (offset + mid * scale)
+                        // and 0.5 * scaled, so the rounding error of `scaled` multiplies code - mid, which
+                        // is zero-mean on turbo's symmetric grid (a common-mode error would survive the
+                        // inverse Hadamard transform concentrated in one output element)
+                        row_corr[nt][j & 1] += prob * (f.y + KV::kVMid * f.x) + 0.5f * scaled;
+                    }
                 }
                 pb[mt][nt][0] = movmatrix_trans(pack2<Elem>(pr[0], pr[1]));
                 pb[mt][nt][1] = movmatrix_trans(pack2<Elem>(pr[2], pr[3]));
@@ -255,19 +253,13 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_split_kernel(const D
 
         // ---- O^T += V^T P^T
         #pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
-            const int u = mt * 16 + 2 * c;
-            uint32_t x01[KV::kGroupCodes], x89[KV::kGroupCodes];  // tokens (u, u + 1) and (u + 8, u + 9)
-            KV::v_pair_slots(stage, u, g, x01);
-            KV::v_pair_slots(stage, u + 8, g, x89);
+        for (int mt = 0; mt < MT; ++mt) {
+            uint32_t va[KB][4];
+            KV::v_frags(stage, kv_consts, mt, lane, va);
             #pragma unroll
             for (int m = 0; m < KB; ++m) {
-                const uint32_t a[4] = {fma2<Elem>(x01[2 * m], v_mul[2 * m], v_add[2 * m]),
-                                       fma2<Elem>(x01[2 * m + 1], v_mul[2 * m + 1], v_add[2 * m + 1]),
-                                       fma2<Elem>(x89[2 * m], v_mul[2 * m], v_add[2 * m]),
-                                       fma2<Elem>(x89[2 * m + 1], v_mul[2 * m + 1], v_add[2 * m + 1])};
                 #pragma unroll
-                for (int nt = 0; nt < NT; ++nt) { mma_16816<Elem>(acc[nt][m], a, pb[mt][nt][0], pb[mt][nt][1]); }
+                for (int nt = 0; nt < NT; ++nt) { mma_16816<Elem>(acc[nt][m], va[m], pb[mt][nt][0], pb[mt][nt][1]); }
             }
         }
         __syncwarp();

@@ -1,4 +1,4 @@
-// Host-side launch of the decode kernel (+ the split combine) for one (dtype, head_dim, bits) case.
+// Host-side launch of the decode kernel (+ the split combine) for one (dtype, head_dim, loader) case.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -19,9 +19,8 @@ void launch_decode_split(const DecodeParams &p, cudaStream_t stream) {
     kernel<<<grid, Traits::kNThreads, smem, stream>>>(p);
 }
 
-template <typename Elem, int kHeadDim, int kKBits, int kVBits>
-void run_decode(const DecodeParams &p, cudaStream_t stream) {
-    using KV = PackedKV<kKBits, kVBits, kHeadDim, Elem>;
+template <typename Elem, int kHeadDim, typename KV>
+void run_decode_with(const DecodeParams &p, cudaStream_t stream) {
     if (p.h_h_k_ratio * p.seqlen_q <= 8) {
         launch_decode_split<DecodeTraits<Elem, kHeadDim, 1, KV>>(p, stream);
     } else {  // 16 rows a CTA; more rows take more CTAs along grid.z
@@ -31,6 +30,16 @@ void run_decode(const DecodeParams &p, cudaStream_t stream) {
         const int64_t rows = static_cast<int64_t>(p.b) * p.h * p.seqlen_q;
         decode_combine_kernel<Elem, kHeadDim><<<static_cast<unsigned>((rows + 3) / 4), 128, 0, stream>>>(p);
     }
+}
+
+template <typename Elem, int kHeadDim, int kKBits, int kVBits>
+void run_decode(const DecodeParams &p, cudaStream_t stream) {
+    run_decode_with<Elem, kHeadDim, PackedKV<kKBits, kVBits, kHeadDim, Elem>>(p, stream);
+}
+
+template <typename Elem, int kHeadDim>
+void run_decode_fp16(const DecodeParams &p, cudaStream_t stream) {
+    run_decode_with<Elem, kHeadDim, Fp16KV<kHeadDim, Elem>>(p, stream);
 }
 
 }  // namespace flash_tq

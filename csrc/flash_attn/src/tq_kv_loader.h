@@ -1,11 +1,18 @@
-// K/V loader policies of the decode kernel. A policy owns the shared-memory layout of one warp's
-// pipeline stage, the asynchronous copy of a tile of kTileN tokens into it, and the expansion of
-// the staged bytes into tensor-core A fragments plus per-token affine (scale, offset) factors.
+// K/V loader policies of the decode kernel (one kernel body, tq_decode_kernel.h, templated on
+// them). A policy owns the shared-memory layout of one warp's pipeline stage, the asynchronous copy
+// of a tile of kTileN tokens into it, and the expansion of the staged bytes into tensor-core A
+// fragments: k_frags (K tile, 16 tokens x 16 d per k-block) and v_frags (V^T tile, 16 d x 16
+// tokens), plus, when kAffine, per-token (scale, offset) factors the kernel folds into scores and
+// probabilities.
 //
 // PackedKV: codes + float16 (scale, offset) per token (flash_attn_tq/format.py). K fragments are
 // *raw* (each 16-bit value is kMagicValue + code): scale, offset and the magic number fold into the
 // scores. V fragments are code - kVCenter; scale and offset fold into the probabilities. So there
 // is no per-element multiply anywhere.
+//
+// Fp16KV: the same kernel over a float16/bfloat16 cache (our FP16 baseline): tiles staged with
+// 16-byte cp.async into an XOR-swizzled layout, fragments read with ldmatrix (K) and ldmatrix.trans
+// (V), no affine factors.
 #pragma once
 
 #include "tq_format.h"
@@ -17,7 +24,10 @@ namespace flash_tq {
 template <int kKBits_, int kVBits_, int kHeadDim, typename Elem>
 struct PackedKV {
     static constexpr int kKBits = kKBits_, kVBits = kVBits_;
-    static constexpr int kTileN = 32;  // tokens per warp tile: one token per lane for the copies
+    static constexpr bool kAffine = true;
+    static constexpr int kTileN = 32;   // tokens per warp tile: one token per lane for the copies
+    static constexpr int kStages = 3;   // per-warp cp.async stages: two tiles in flight while one computes
+    static constexpr int kCtasPerSm = 4;  // resident CTAs an SM holds (registers), for num_splits
     using KL = CodeLayout<kKBits, kHeadDim>;
     using VL = CodeLayout<kVBits, kHeadDim>;
     static constexpr int kKOff = 0;
@@ -105,6 +115,53 @@ struct PackedKV {
         extract_slots<kVBits, kGroupCodes, kMagic, true>(words, VL::group_first_code(g), out);
     }
 
+    // K A-fragments of the tile's 16-token block mt (raw values, see above).
+    __device__ static void k_frags(const char *stage, int mt, int lane, uint32_t (&a)[kHeadDim / 16][4]) {
+        const int g = lane / 4, c = lane % 4;
+        uint32_t k0[kSlotsK], k1[kSlotsK];
+        k_slots(stage, mt * 16 + g, c, k0);
+        k_slots(stage, mt * 16 + g + 8, c, k1);
+        #pragma unroll
+        for (int kb = 0; kb < kHeadDim / 16; ++kb) {
+            a[kb][0] = k0[2 * kb];
+            a[kb][1] = k1[2 * kb];
+            a[kb][2] = k0[2 * kb + 1];
+            a[kb][3] = k1[2 * kb + 1];
+        }
+    }
+
+    // V centring constants: code k of a thread group arrives as magic + code * 8^e; times 8^-e
+    // minus (magic * 8^-e + center) gives code - center exactly.
+    struct Consts {
+        uint32_t v_mul[kGroupCodes], v_add[kGroupCodes];
+    };
+    __device__ static Consts consts() {
+        Consts k;
+        #pragma unroll
+        for (int i = 0; i < kGroupCodes; ++i) {
+            const float down = exp2f(-3.f * v_scale_exp(i));
+            k.v_mul[i] = pack2<Elem>(down, down);
+            const float bias = -(kMagicValue * down + kVCenter);
+            k.v_add[i] = pack2<Elem>(bias, bias);
+        }
+        return k;
+    }
+
+    // V^T A-fragments (centred codes) of 16-token block mt: d block m in a[m].
+    __device__ static void v_frags(const char *stage, const Consts &k, int mt, int lane, uint32_t (&a)[kHeadDim / 16][4]) {
+        const int g = lane / 4, u = mt * 16 + 2 * (lane % 4);
+        uint32_t x01[kGroupCodes], x89[kGroupCodes];  // tokens (u, u + 1) and (u + 8, u + 9)
+        v_pair_slots(stage, u, g, x01);
+        v_pair_slots(stage, u + 8, g, x89);
+        #pragma unroll
+        for (int m = 0; m < kHeadDim / 16; ++m) {
+            a[m][0] = fma2<Elem>(x01[2 * m], k.v_mul[2 * m], k.v_add[2 * m]);
+            a[m][1] = fma2<Elem>(x01[2 * m + 1], k.v_mul[2 * m + 1], k.v_add[2 * m + 1]);
+            a[m][2] = fma2<Elem>(x89[2 * m], k.v_mul[2 * m], k.v_add[2 * m]);
+            a[m][3] = fma2<Elem>(x89[2 * m + 1], k.v_mul[2 * m + 1], k.v_add[2 * m + 1]);
+        }
+    }
+
     // (scale, offset) of token `tok`: value = scale * code + offset.
     __device__ static float2 affine(const char *stage, int meta_off, int tok) {
         const uint32_t bits = *reinterpret_cast<const uint32_t *>(stage + meta_off + tok * 4);
@@ -113,6 +170,103 @@ struct PackedKV {
     }
     __device__ static float2 k_affine(const char *stage, int tok) { return affine(stage, kKMetaOff, tok); }
     __device__ static float2 v_affine(const char *stage, int tok) { return affine(stage, kVMetaOff, tok); }
+};
+
+// A float16/bfloat16 cache [rows, cols, h_k, d] (DecodeParams' k_codes / v_codes point at it; the
+// kc_* / vc_* strides are in bytes). Rows of a tile are XOR-swizzled in 16-byte chunks so that both
+// the ldmatrix reads and the cp.async writes are free of bank conflicts.
+template <int kHeadDim, typename Elem>
+struct Fp16KV {
+    static constexpr bool kAffine = false;
+    static constexpr int kTileN = 16;      // one m16 block a tile: 8 KB of K+V at d=128
+    static constexpr int kStages = 2;      // 64 KB of pipeline a CTA (d=128): 3 CTAs, 12 warps an SM
+    static constexpr int kCtasPerSm = 3;
+    static constexpr int kRowBytes = kHeadDim * 2;
+    static constexpr int kChunks = kRowBytes / 16;           // 16-byte chunks a token row
+    static constexpr int kKOff = 0;
+    static constexpr int kVOff = kTileN * kRowBytes;
+    static constexpr int kStageBytes = 2 * kTileN * kRowBytes;
+    static constexpr float kMagicValue = 0.f;
+    static constexpr int kSlotsK = kHeadDim / 8;
+    static_assert(32 % kChunks == 0 || kChunks % 32 == 0, "copy passes");
+
+    // Natural d order: pair slot (c, kb, half) holds elements 16 kb + 8 half + 2c (+1), the A
+    // fragment's columns, so Q is gathered in the same order as for PackedKV.
+    __device__ static constexpr int q_slot(int c, int kb, int half) { return c * kSlotsK + 2 * kb + half; }
+    __device__ static constexpr int q_element(int slot, int hi) {
+        const int r = slot % kSlotsK;
+        return 16 * (r / 2) + 8 * (r % 2) + 2 * (slot / kSlotsK) + hi;
+    }
+    __device__ static constexpr int q_scale_exp(int) { return 0; }
+
+    // Physical chunk of logical chunk `chunk` of token `tok`: a bijection of tok % 8 XOR-ed into the
+    // low 3 bits, so 8 consecutive tokens (ldmatrix) and the (token, chunk) pairs of an 8-lane
+    // phase land in 8 different bank groups.
+    __device__ static int swizzle(int tok, int chunk) { return chunk ^ (((tok & 1) << 2) | ((tok >> 1) & 3)); }
+
+    struct Bases {
+        const uint8_t *k, *v;
+    };
+    __device__ static Bases bases(const DecodeParams &p, int bc, int hk) {
+        const int64_t row = p.block_table != nullptr ? 0 : bc;
+        return {p.k_codes + row * p.kc_batch_stride + hk * p.kc_head_stride,
+                p.v_codes + row * p.vc_batch_stride + hk * p.vc_head_stride};
+    }
+
+    // Lane l resolves the (row, col) of token tile_start + l % kTileN once; each copy pass moves
+    // 32 / kChunks tokens' rows, the lanes of a token reading its row's chunks in order.
+    __device__ static void load_tile(const DecodeParams &p, const Bases &base, char *stage, int b, int tile_start,
+                                     int seqlen_k, int lane) {
+        const int t = tile_start + lane % kTileN;
+        const bool valid = t < seqlen_k;
+        int row = 0, col = valid ? t : 0;
+        if (p.block_table != nullptr) {
+            row = valid ? p.block_table[b * p.block_table_batch_stride + (t >> p.page_block_shift)] : 0;
+            col = valid ? (t & (p.page_block_size - 1)) : 0;
+        }
+        constexpr int kTokensPerPass = 32 / kChunks > 0 ? 32 / kChunks : 1;
+        constexpr int kLanesPerToken = 32 / kTokensPerPass;
+        #pragma unroll
+        for (int pass = 0; pass < kTileN / kTokensPerPass; ++pass) {
+            const int tok = pass * kTokensPerPass + lane / kLanesPerToken;
+            const int r = __shfl_sync(0xffffffffu, row, tok);
+            const int cl = __shfl_sync(0xffffffffu, col, tok);
+            const bool ok = __shfl_sync(0xffffffffu, static_cast<int>(valid), tok) != 0;
+            const int64_t koff = static_cast<int64_t>(r) * static_cast<int>(p.kc_batch_stride) + static_cast<int64_t>(cl) * static_cast<int>(p.kc_row_stride);
+            const int64_t voff = static_cast<int64_t>(r) * static_cast<int>(p.vc_batch_stride) + static_cast<int64_t>(cl) * static_cast<int>(p.vc_row_stride);
+            #pragma unroll
+            for (int j = 0; j < kChunks / kLanesPerToken; ++j) {
+                const int chunk = j * kLanesPerToken + lane % kLanesPerToken;
+                const int dst = tok * kRowBytes + swizzle(tok, chunk) * 16;
+                cp_async<16>(stage + kKOff + dst, base.k + koff + chunk * 16, ok);
+                cp_async<16>(stage + kVOff + dst, base.v + voff + chunk * 16, ok);
+            }
+        }
+    }
+
+    struct Consts {};
+    __device__ static Consts consts() { return {}; }
+
+    // K A-fragments of the tile's 16-token block mt: matrices (tokens 0-7 | 8-15) x (d chunk 2kb | 2kb + 1).
+    __device__ static void k_frags(const char *stage, int mt, int lane, uint32_t (&a)[kHeadDim / 16][4]) {
+        const int i = lane / 8, tok = mt * 16 + lane % 8 + 8 * (i & 1);
+        const uint32_t row = static_cast<uint32_t>(__cvta_generic_to_shared(stage + kKOff + tok * kRowBytes));
+        #pragma unroll
+        for (int kb = 0; kb < kHeadDim / 16; ++kb) {
+            ldmatrix_x4<false>(a[kb], row + swizzle(tok, 2 * kb + (i >> 1)) * 16);
+        }
+    }
+
+    // V^T A-fragments of block mt (ldmatrix.trans of token-major rows): matrices
+    // (d chunk 2m | 2m + 1) x (tokens 0-7 | 8-15).
+    __device__ static void v_frags(const char *stage, const Consts &, int mt, int lane, uint32_t (&a)[kHeadDim / 16][4]) {
+        const int i = lane / 8, tok = mt * 16 + lane % 8 + 8 * (i >> 1);
+        const uint32_t row = static_cast<uint32_t>(__cvta_generic_to_shared(stage + kVOff + tok * kRowBytes));
+        #pragma unroll
+        for (int m = 0; m < kHeadDim / 16; ++m) {
+            ldmatrix_x4<true>(a[m], row + swizzle(tok, 2 * m + (i & 1)) * 16);
+        }
+    }
 };
 
 }  // namespace flash_tq

@@ -1,8 +1,18 @@
 // Quantize-on-write: fp16/bf16 K or V vectors -> packed codes + float16 (scale, offset), written
 // straight into cache slots (contiguous or paged: slot = row * cols + col of the codes tensor).
-// One warp a vector; the arithmetic follows flash_attn_tq/quantizers.py step by step in float32
-// with explicit round-to-nearest intrinsics (no FMA contraction, no fast-math division), so the
-// codes match the PyTorch reference except where a value lands within rounding of a bin edge.
+//
+// Eight threads a vector (four vectors a warp, a grid-stride loop so the per-thread constants load
+// once). Thread s of a vector loads elements [s*P, s*P + P) (P = d / 8) with 16-byte loads and runs
+// the Walsh-Hadamard butterflies on those bits (h < P) in registers; a transpose through shared
+// memory then gives thread t the elements e = 8j + t (j < P), whose butterflies (h >= P) are again
+// in registers, in the reference's order h = 1, 2, 4, .... Elements 8j + t are exactly the codes at
+// sequence positions t*P + j (tq_format.h), so each thread packs a contiguous run of the code row
+// by itself: no atomics, no shuffles of codes (but for the half 3-bit block at d = 64).
+//
+// Arithmetic follows flash_attn_tq/quantizers.py in float32 with explicit round-to-nearest
+// intrinsics; turbo folds the 1/sqrt(d) scale into the per-vector factor and evaluates the norm of
+// the levels in integers, so a code can differ from the reference only where the value lands
+// within float rounding of a bin edge (counted by the tests). asym matches bit for bit.
 #pragma once
 
 #include <cmath>
@@ -14,161 +24,239 @@
 
 namespace flash_tq {
 
-// Lane and bit of element e's code (tq_format.h); spare: bit i of the code is bit 15 of lane + i.
-template <int kBits, int kHeadDim>
-__device__ __forceinline__ void code_position(int e, int &lane, int &bit, bool &spare) {
-    const int k = 2 * (e / 16) + (e % 16) / 8;
-    const int n = (e % 8) * (kHeadDim / 8) + k;
-    spare = false;
-    if constexpr (kBits == 3) {
-        const int blk = n / 16, r = n % 16;
-        spare = r == 15;
-        lane = 3 * blk + (spare ? 0 : r / 5);
-        bit = spare ? 15 : 3 * (r % 5);
-    } else {
-        constexpr int kPerLane = 16 / kBits;
-        lane = n / kPerLane;
-        bit = kBits * (n % kPerLane);
+// Reductions over the 8 threads of a vector (lanes 8v .. 8v + 7).
+__device__ __forceinline__ float group8_sum(float x) {
+    #pragma unroll
+    for (int o = 1; o < 8; o <<= 1) { x = __fadd_rn(x, __shfl_xor_sync(0xffffffffu, x, o)); }
+    return x;
+}
+__device__ __forceinline__ float group8_min(float x) {
+    #pragma unroll
+    for (int o = 1; o < 8; o <<= 1) { x = fminf(x, __shfl_xor_sync(0xffffffffu, x, o)); }
+    return x;
+}
+__device__ __forceinline__ float group8_max(float x) {
+    #pragma unroll
+    for (int o = 1; o < 8; o <<= 1) { x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o)); }
+    return x;
+}
+
+// In-register butterflies over the index bits h = kFirst, 2 kFirst, ... < kN of x[kN].
+template <int kFirst, int kN>
+__device__ __forceinline__ void butterflies(float (&x)[kN]) {
+    #pragma unroll
+    for (int h = kFirst; h < kN; h *= 2) {
+        #pragma unroll
+        for (int k = 0; k < kN; ++k) {
+            if ((k & h) == 0) {
+                const float a = x[k], b = x[k + h];
+                x[k] = __fadd_rn(a, b);
+                x[k + h] = __fsub_rn(a, b);
+            }
+        }
     }
 }
 
-__device__ __forceinline__ float warp_sum(float x) {
-    #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) { x = __fadd_rn(x, __shfl_xor_sync(0xffffffffu, x, o)); }
-    return x;
-}
-__device__ __forceinline__ float warp_min(float x) {
-    #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) { x = fminf(x, __shfl_xor_sync(0xffffffffu, x, o)); }
-    return x;
-}
-__device__ __forceinline__ float warp_max(float x) {
-    #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) { x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o)); }
-    return x;
-}
+// Pack kP codes (sequence positions first .. first + kP - 1) into the 16-bit lanes they occupy:
+// out[i] is lane (first_lane + i) (fields of lanes shared with a neighbour thread are partial).
+template <int kBits, int kP>
+struct RunPacker {
+    // 2 / 4 bits: whole lanes; 3 bits: kP = 16 is one whole block (3 lanes), kP = 8 half of one
+    static constexpr int kLanes = kBits == 3 ? 3 : kP * kBits / 16;
+    __device__ static void pack(const int (&code)[kP], int first, uint32_t (&out)[kLanes]) {
+        #pragma unroll
+        for (int i = 0; i < kLanes; ++i) { out[i] = 0u; }
+        if constexpr (kBits == 3) {
+            const int r0 = first % 16;  // 0, or 8 for the upper half of a block (kP = 8)
+            #pragma unroll
+            for (int j = 0; j < kP; ++j) {
+                const uint32_t c = static_cast<uint32_t>(code[j]);
+                if constexpr (kP == 16) {  // r = j: positions known at compile time
+                    if (j == 15) {
+                        #pragma unroll
+                        for (int b = 0; b < 3; ++b) { out[b] |= ((c >> b) & 1u) << 15; }
+                    } else {
+                        out[j / 5] |= c << (3 * (j % 5));
+                    }
+                } else {
+                    const int r = r0 + j;
+                    if (r == 15) {
+                        #pragma unroll
+                        for (int b = 0; b < 3; ++b) { out[b] |= ((c >> b) & 1u) << 15; }
+                    } else {
+                        #pragma unroll
+                        for (int l = 0; l < 3; ++l) { out[l] |= (r / 5 == l) ? c << (3 * (r % 5)) : 0u; }
+                    }
+                }
+            }
+        } else {
+            constexpr int kPerLane = 16 / kBits;
+            #pragma unroll
+            for (int j = 0; j < kP; ++j) { out[j / kPerLane] |= static_cast<uint32_t>(code[j]) << (kBits * (j % kPerLane)); }
+        }
+    }
+};
 
 template <typename Elem, int kHeadDim, int kBits, Quant kQuant>
 __global__ void __launch_bounds__(128) pack_kv_kernel(const PackParams p) {
-    constexpr int kPerLane = kHeadDim / 32;  // lane l holds elements l * kPerLane ... (contiguous)
+    constexpr int P = kHeadDim / 8;          // elements a thread
     constexpr int kLevels = 1 << kBits;
-    constexpr int kWords = CodeLayout<kBits, kHeadDim>::kWords;
-    __shared__ uint32_t words_smem[4][kWords];
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int64_t vec = static_cast<int64_t>(blockIdx.x) * 4 + warp;
-    if (vec >= static_cast<int64_t>(p.tokens) * p.heads) return;
-    const int token = vec / p.heads, head = vec % p.heads;
-    const int64_t slot = p.slot_mapping[token];
-    if (slot < 0) return;
-    uint32_t *words = words_smem[warp];
-    for (int w = lane; w < kWords; w += 32) { words[w] = 0u; }
+    constexpr int kRowBytes = kHeadDim * kBits / 8;
+    constexpr int kPad = 8;                  // floats between vectors in the transpose buffer: no bank conflicts
+    constexpr bool kTurbo = kQuant != Quant::kAsym;
+    __shared__ __align__(16) float xpose[4][4][kHeadDim + kPad];  // [warp][vector][element]
+    __shared__ float edge_smem[kLevels], level_smem[kLevels];
 
-    const Elem *src = reinterpret_cast<const Elem *>(p.x) + token * p.x_token_stride + head * p.x_head_stride;
-    float x[kPerLane];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, vsub = lane / 8, s = lane % 8;
+    if constexpr (kQuant == Quant::kTurboLloyd) {
+        if (threadIdx.x < kLevels) {
+            level_smem[threadIdx.x] = p.levels[threadIdx.x];
+            edge_smem[threadIdx.x] = threadIdx.x + 1 < kLevels
+                ? __fmul_rn(__fadd_rn(p.levels[threadIdx.x + 1], p.levels[threadIdx.x]), 0.5f) : INFINITY;
+        }
+        __syncthreads();
+    }
+    // sign bits of the rotation for this thread's loaded elements, as 16-bit sign masks of pairs
+    uint32_t sign_mask[P / 2];
     #pragma unroll
-    for (int k = 0; k < kPerLane; ++k) { x[k] = to_float(src[lane * kPerLane + k]); }
+    for (int k = 0; k < P / 2; ++k) {
+        sign_mask[k] = 0u;
+        if constexpr (kTurbo) {
+            sign_mask[k] = (p.signs[s * P + 2 * k] < 0.f ? 0x8000u : 0u) | (p.signs[s * P + 2 * k + 1] < 0.f ? 0x80000000u : 0u);
+        }
+    }
+    const float sqrt_d = static_cast<float>(sqrt(static_cast<double>(kHeadDim)));
+    float *buf = xpose[warp][vsub];
 
-    float scale_out, offset_out;
-    float code[kPerLane];
-    if constexpr (kQuant == Quant::kAsym) {
-        float lo = x[0], hi = x[0];
-        #pragma unroll
-        for (int k = 1; k < kPerLane; ++k) { lo = fminf(lo, x[k]); hi = fmaxf(hi, x[k]); }
-        const float vmin = warp_min(lo), vmax = warp_max(hi);
-        float scale = __half2float(__float2half_rn(__fdiv_rn(__fsub_rn(vmax, vmin), static_cast<float>(kLevels - 1))));
-        if (!(scale > 0.f)) scale = 1.f;
-        const float zero = fminf(fmaxf(floorf(__fadd_rn(__fdiv_rn(-vmin, scale), 0.5f)), 0.f), kLevels - 1.f);
-        #pragma unroll
-        for (int k = 0; k < kPerLane; ++k) {
-            code[k] = fminf(fmaxf(floorf(__fadd_rn(__fadd_rn(__fdiv_rn(x[k], scale), zero), 0.5f)), 0.f), kLevels - 1.f);
-        }
-        scale_out = scale;
-        offset_out = __fmul_rn(-scale, zero);
-    } else {
-        // randomized Hadamard: signs, then butterflies h = 1, 2, 4, ... (same order as the reference)
-        #pragma unroll
-        for (int k = 0; k < kPerLane; ++k) { x[k] = __fmul_rn(x[k], p.signs[lane * kPerLane + k]); }
-        #pragma unroll
-        for (int h = 1; h < kPerLane; h *= 2) {
+    const int64_t vectors = static_cast<int64_t>(p.tokens) * p.heads;
+    const int64_t stride = static_cast<int64_t>(gridDim.x) * 16;
+    for (int64_t base = static_cast<int64_t>(blockIdx.x) * 16 + warp * 4; base < vectors; base += stride) {
+        const int64_t vec = base + vsub;
+        const bool live = vec < vectors;  // every lane runs (shuffles are warp-wide); only live ones store
+        const int token = live ? static_cast<int>(vec / p.heads) : 0, head = live ? static_cast<int>(vec % p.heads) : 0;
+        const int64_t slot = live ? p.slot_mapping[token] : -1;
+
+        // ---- load (16-byte loads; rows are 16-byte aligned, checked on the host) and apply the signs
+        float x[P];
+        {
+            const uint4 *src = reinterpret_cast<const uint4 *>(reinterpret_cast<const Elem *>(p.x) + token * p.x_token_stride +
+                                                               head * p.x_head_stride + s * P);
             #pragma unroll
-            for (int k = 0; k < kPerLane; ++k) {
-                if ((k & h) == 0) {
-                    const float a = x[k], b = x[k + h];
-                    x[k] = __fadd_rn(a, b);
-                    x[k + h] = __fsub_rn(a, b);
-                }
-            }
-        }
-        #pragma unroll
-        for (int h = 1; h < 32; h *= 2) {  // partner lane ^ h holds the other half of each butterfly
-            const bool upper = (lane & h) != 0;
-            #pragma unroll
-            for (int k = 0; k < kPerLane; ++k) {
-                const float other = __shfl_xor_sync(0xffffffffu, x[k], h);
-                x[k] = upper ? __fsub_rn(other, x[k]) : __fadd_rn(x[k], other);
-            }
-        }
-        const float inv_sqrt_d = static_cast<float>(1.0 / sqrt(static_cast<double>(kHeadDim)));
-        float ss = 0.f;
-        #pragma unroll
-        for (int k = 0; k < kPerLane; ++k) { x[k] = __fmul_rn(x[k], inv_sqrt_d); ss = __fadd_rn(ss, __fmul_rn(x[k], x[k])); }
-        const float norm = __fsqrt_rn(warp_sum(ss));
-        // the reference's sqrt(d) / norm is evaluated by torch as reciprocal(norm) * sqrt(d)
-        const float inv = norm > 0.f ? __fmul_rn(__frcp_rn(norm), static_cast<float>(sqrt(static_cast<double>(kHeadDim)))) : 0.f;
-        float lss = 0.f;
-        #pragma unroll
-        for (int k = 0; k < kPerLane; ++k) {
-            const float y = __fmul_rn(x[k], inv);
-            float level;
-            if constexpr (kQuant == Quant::kTurboUniform) {
-                code[k] = fminf(fmaxf(floorf(__fadd_rn(__fadd_rn(__fmul_rn(y, p.inv_step), 0.5f * (kLevels - 1)), 0.5f)), 0.f), kLevels - 1.f);
-                level = __fmul_rn(__fsub_rn(code[k], 0.5f * (kLevels - 1)), p.step);
-            } else {
-                int cnt = 0;  // number of bin edges strictly below y
+            for (int q = 0; q < P / 8; ++q) {
+                const uint4 raw = live ? __ldg(src + q) : make_uint4(0u, 0u, 0u, 0u);
+                const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
                 #pragma unroll
-                for (int e = 0; e + 1 < kLevels; ++e) {
-                    const float edge = __fmul_rn(__fadd_rn(p.levels[e + 1], p.levels[e]), 0.5f);
-                    cnt += y > edge ? 1 : 0;
+                for (int i = 0; i < 4; ++i) {
+                    const float2 f = unpack2<Elem>(w[i] ^ sign_mask[4 * q + i]);
+                    x[8 * q + 2 * i] = f.x;
+                    x[8 * q + 2 * i + 1] = f.y;
                 }
-                code[k] = static_cast<float>(cnt);
-                level = p.levels[cnt];
             }
-            lss = __fadd_rn(lss, __fmul_rn(level, level));
         }
-        const float lnorm = __fsqrt_rn(warp_sum(lss));
-        const float scale = lnorm > 0.f ? __fdiv_rn(norm, lnorm) : 0.f;
-        if constexpr (kQuant == Quant::kTurboUniform) {
-            scale_out = __half2float(__float2half_rn(__fmul_rn(scale, p.step)));
-            offset_out = __fmul_rn(-scale_out, 0.5f * (kLevels - 1));
-        } else {
-            scale_out = scale;
-            offset_out = 0.f;
-        }
-    }
+        if constexpr (kTurbo) { butterflies<1, P>(x); }  // index bits below P
 
-    __syncwarp();
-    #pragma unroll
-    for (int k = 0; k < kPerLane; ++k) {
-        int lane_idx, bit;
-        bool spare;
-        code_position<kBits, kHeadDim>(lane * kPerLane + k, lane_idx, bit, spare);
-        const uint32_t cv = static_cast<uint32_t>(code[k]);
-        if (spare) {
-            #pragma unroll
-            for (int i = 0; i < 3; ++i) {
-                const int l = lane_idx + i;
-                atomicOr(&words[l / 2], ((cv >> i) & 1u) << (bit + 16 * (l % 2)));
-            }
-        } else {
-            atomicOr(&words[lane_idx / 2], cv << (bit + 16 * (lane_idx % 2)));
+        // ---- transpose: thread t takes elements e = 8j + t
+        __syncwarp();
+        #pragma unroll
+        for (int q = 0; q < P / 4; ++q) {
+            *reinterpret_cast<float4 *>(buf + s * P + 4 * q) = make_float4(x[4 * q], x[4 * q + 1], x[4 * q + 2], x[4 * q + 3]);
         }
-    }
-    __syncwarp();
-    uint32_t *dst = reinterpret_cast<uint32_t *>(p.codes + (slot * p.heads + head) * (kWords * 4));
-    for (int w = lane; w < kWords; w += 32) { dst[w] = words[w]; }
-    if (lane == 0) {
-        p.meta[(slot * p.heads + head) * 2] = __half_as_ushort(__float2half_rn(scale_out));
-        p.meta[(slot * p.heads + head) * 2 + 1] = __half_as_ushort(__float2half_rn(offset_out));
+        __syncwarp();
+        #pragma unroll
+        for (int j = 0; j < P; ++j) { x[j] = buf[8 * j + s]; }
+        // x[j] is element 8j + s: index bits >= P of the element are bits >= P / 8 of j
+        if constexpr (kTurbo) { butterflies<P / 8, P>(x); }
+
+        int code[P];
+        float scale_out, offset_out;
+        if constexpr (kQuant == Quant::kAsym) {
+            float lo = x[0], hi = x[0];
+            #pragma unroll
+            for (int k = 1; k < P; ++k) { lo = fminf(lo, x[k]); hi = fmaxf(hi, x[k]); }
+            const float vmin = group8_min(lo), vmax = group8_max(hi);
+            float scale = __half2float(__float2half_rn(__fdiv_rn(__fsub_rn(vmax, vmin), static_cast<float>(kLevels - 1))));
+            if (!(scale > 0.f)) scale = 1.f;
+            const float zero = fminf(fmaxf(floorf(__fadd_rn(__fdiv_rn(-vmin, scale), 0.5f)), 0.f), kLevels - 1.f);
+            #pragma unroll
+            for (int k = 0; k < P; ++k) {
+                code[k] = static_cast<int>(fminf(fmaxf(floorf(__fadd_rn(__fadd_rn(__fdiv_rn(x[k], scale), zero), 0.5f)), 0.f), kLevels - 1.f));
+            }
+            scale_out = scale;
+            offset_out = __fmul_rn(-scale, zero);
+        } else {
+            // x is the unnormalized transform H x: the rotated vector is x / sqrt(d), its norm
+            // norm_u / sqrt(d), and the unit-variance coordinate y = x * sqrt(d) / norm_u
+            float ss = 0.f;
+            #pragma unroll
+            for (int k = 0; k < P; ++k) { ss = __fmaf_rn(x[k], x[k], ss); }
+            const float norm_u = __fsqrt_rn(group8_sum(ss));
+            const float to_unit = norm_u > 0.f ? __fdiv_rn(sqrt_d, norm_u) : 0.f;
+            const float norm = __fdiv_rn(norm_u, sqrt_d);
+            if constexpr (kQuant == Quant::kTurboUniform) {
+                // code = floor(y / step + levels / 2), clamped; the norm of the levels (code - mid) * step
+                // is step / 2 * sqrt(sum (2 code - (levels - 1))^2), exact in integers
+                const float to_grid = __fmul_rn(to_unit, p.inv_step);
+                int lss = 0;
+                #pragma unroll
+                for (int k = 0; k < P; ++k) {
+                    code[k] = min(max(__float2int_rd(__fmaf_rn(x[k], to_grid, 0.5f * kLevels)), 0), kLevels - 1);
+                    const int twice = 2 * code[k] - (kLevels - 1);
+                    lss += twice * twice;
+                }
+                int tot = lss;
+                #pragma unroll
+                for (int o = 1; o < 8; o <<= 1) { tot += __shfl_xor_sync(0xffffffffu, tot, o); }
+                // scale * step = norm / (step / 2 * sqrt(tot)) * step = 2 norm / sqrt(tot)
+                scale_out = tot > 0 ? __half2float(__float2half_rn(__fdiv_rn(__fmul_rn(2.f, norm), __fsqrt_rn(static_cast<float>(tot))))) : 0.f;
+                offset_out = __fmul_rn(-scale_out, 0.5f * (kLevels - 1));
+            } else {
+                float lss = 0.f;
+                #pragma unroll
+                for (int k = 0; k < P; ++k) {
+                    const float y = __fmul_rn(x[k], to_unit);
+                    int cnt = 0;  // number of bin edges strictly below y
+                    #pragma unroll
+                    for (int e = 0; e + 1 < kLevels; ++e) { cnt += y > edge_smem[e] ? 1 : 0; }
+                    code[k] = cnt;
+                    const float level = level_smem[cnt];
+                    lss = __fmaf_rn(level, level, lss);
+                }
+                const float lnorm = __fsqrt_rn(group8_sum(lss));
+                scale_out = lnorm > 0.f ? __fdiv_rn(norm, lnorm) : 0.f;
+                offset_out = 0.f;
+            }
+        }
+
+        // ---- pack this thread's run of codes (positions s*P ...) and store
+        using Packer = RunPacker<kBits, P>;
+        uint32_t lanes[Packer::kLanes];
+        Packer::pack(code, s * P, lanes);
+        uint8_t *row = p.codes + (slot * p.heads + head) * kRowBytes;
+        if constexpr (kBits == 3 && P == 8) {  // half blocks: merge with the neighbour, the even thread stores
+            #pragma unroll
+            for (int i = 0; i < 3; ++i) { lanes[i] |= __shfl_xor_sync(0xffffffffu, lanes[i], 1); }
+            if (slot >= 0 && (s & 1) == 0) {
+                uint16_t *dst = reinterpret_cast<uint16_t *>(row + 6 * (s / 2));
+                #pragma unroll
+                for (int i = 0; i < 3; ++i) { dst[i] = static_cast<uint16_t>(lanes[i]); }
+            }
+        } else if (slot >= 0) {
+            constexpr int kBytes = Packer::kLanes * 2;  // 6 (3-bit), 2 / 4 / 8
+            uint8_t *dst = row + s * kBytes;
+            if constexpr (kBytes == 8) {
+                *reinterpret_cast<uint2 *>(dst) = make_uint2(lanes[0] | (lanes[1] << 16), lanes[2] | (lanes[3] << 16));
+            } else if constexpr (kBytes == 4) {
+                *reinterpret_cast<uint32_t *>(dst) = lanes[0] | (lanes[1] << 16);
+            } else {
+                #pragma unroll
+                for (int i = 0; i < Packer::kLanes; ++i) { reinterpret_cast<uint16_t *>(dst)[i] = static_cast<uint16_t>(lanes[i]); }
+            }
+        }
+        if (slot >= 0 && s == 0) {
+            const uint32_t meta = static_cast<uint32_t>(__half_as_ushort(__float2half_rn(scale_out))) |
+                                  (static_cast<uint32_t>(__half_as_ushort(__float2half_rn(offset_out))) << 16);
+            *reinterpret_cast<uint32_t *>(p.meta + (slot * p.heads + head) * 2) = meta;
+        }
     }
 }
 

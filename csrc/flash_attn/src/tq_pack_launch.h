@@ -1,6 +1,7 @@
 // Host-side launch of the quantize-on-write kernel for one (dtype, head_dim).
 #pragma once
 
+#include <algorithm>
 #include <stdexcept>
 
 #include "tq_pack_kernel.h"
@@ -10,8 +11,12 @@ namespace flash_tq {
 template <typename Elem, int kHeadDim, int kBits>
 void launch_pack(const PackParams &p, int quant, cudaStream_t stream) {
     const int64_t vectors = static_cast<int64_t>(p.tokens) * p.heads;
-    const unsigned blocks = static_cast<unsigned>((vectors + 3) / 4);  // 4 warps, one vector each
-    if (blocks == 0) return;
+    if (vectors == 0) return;
+    int device = 0, num_sms = 0;
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device);
+    // 16 vectors a block-iteration; a grid of up to 16 blocks an SM strides over the rest
+    const unsigned blocks = static_cast<unsigned>(std::min<int64_t>((vectors + 15) / 16, 16 * static_cast<int64_t>(num_sms)));
     switch (static_cast<Quant>(quant)) {
         case Quant::kTurboUniform: pack_kv_kernel<Elem, kHeadDim, kBits, Quant::kTurboUniform><<<blocks, 128, 0, stream>>>(p); break;
         case Quant::kTurboLloyd: pack_kv_kernel<Elem, kHeadDim, kBits, Quant::kTurboLloyd><<<blocks, 128, 0, stream>>>(p); break;

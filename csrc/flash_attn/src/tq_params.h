@@ -26,7 +26,8 @@ struct DecodeParams {
     int64_t km_batch_stride, km_row_stride, km_head_stride;  // halves
     int64_t vm_batch_stride, vm_row_stride, vm_head_stride;  // halves
 
-    const int *seqlens_k;        // [batch]: attend over keys [0, seqlens_k[b])
+    const int *seqlens_k;        // [batch]: attend over keys [0, min(seqlens_k[b], max_seqlen_k))
+    int max_seqlen_k;            // cache capacity a sequence (cols, or max_blocks * page size)
     const int *cache_batch_idx;  // [batch] or nullptr: cache row of each batch entry
     const int *block_table;      // [batch, max_blocks] or nullptr
     int64_t block_table_batch_stride;
