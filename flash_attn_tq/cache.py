@@ -351,7 +351,7 @@ class QuantizedKVCache:
             out[f"{name}_meta"] = meta
         return out
 
-    def check_new_kv(self, k: torch.Tensor, v: torch.Tensor) -> None:
+    def check_new_kv(self, k: torch.Tensor, v: torch.Tensor, check_values: bool = True) -> None:
         for name, x in (("k", k), ("v", v)):
             if not isinstance(x, torch.Tensor):
                 raise TypeError(f"{name} must be a tensor")
@@ -362,7 +362,7 @@ class QuantizedKVCache:
                 raise TypeError(f"{name} must be float16, bfloat16 or float32, got {x.dtype}")
             if x.device != self.device:
                 raise ValueError(f"{name} is on {x.device} but the cache is on {self.device}")
-            if not _capturing() and not torch.isfinite(x).all():
+            if check_values and not _capturing() and not torch.isfinite(x).all():
                 raise ValueError(f"{name} contains NaN or Inf: a quantized cache cannot store them")
         if k.shape != v.shape:
             raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
@@ -374,20 +374,40 @@ class QuantizedKVCache:
         ``cache_seqlens`` (int or int32 ``[batch]``) defaults to :attr:`seqlens`; ``batch_idx``
         (``[batch]``) selects which cache rows the batch entries go to (default ``0..batch-1``).
         Afterwards ``seqlens[batch_idx] = cache_seqlens + n``.
+
+        On the GPU the pack kernel resolves the slots and checks positions, batch indices and values
+        itself; the call then reads back one flag word (one sync; none inside CUDA-graph capture,
+        where nothing is checked) and raises ValueError for NaN/Inf values or a cache overflow.
         """
-        self.check_new_kv(k, v)
+        fused = isinstance(k, torch.Tensor) and ops.pack_supported(self, k)
+        self.check_new_kv(k, v, check_values=not fused)
         B, n = k.shape[:2]
-        bidx = (torch.arange(B, device=self.device) if batch_idx is None else batch_idx.to(self.device).long())
-        if bidx.numel() != B or (B and not _capturing() and (int(bidx.min()) < 0 or int(bidx.max()) >= self.batch_size)):
-            raise ValueError(f"batch_idx must hold {B} indices in [0, {self.batch_size})")
-        start = self.seqlens[bidx] if cache_seqlens is None else cache_seqlens
-        if isinstance(start, int):
-            start = torch.full((B,), start, dtype=torch.int32, device=self.device)
-        start = start.to(self.device, torch.int32)
-        if start.shape != (B,):
-            raise ValueError(f"cache_seqlens must be an int or a [batch={B}] tensor, got {tuple(start.shape)}")
-        if B and not _capturing() and (int(start.min()) < 0 or int(start.max()) + n > self.max_seqlen):
-            raise ValueError(f"cache overflow: cache_seqlens + {n} new tokens exceeds max_seqlen={self.max_seqlen}")
+        checking = B > 0 and not _capturing()
+        if batch_idx is None:
+            if B > self.batch_size:
+                raise ValueError(f"batch {B} exceeds the cache's batch_size {self.batch_size}")
+            bidx = torch.arange(B, device=self.device)
+        else:
+            bidx = batch_idx.to(self.device).long()
+            if bidx.numel() != B:
+                raise ValueError(f"batch_idx must hold {B} indices in [0, {self.batch_size})")
+            if checking and not fused and (int(bidx.min()) < 0 or int(bidx.max()) >= self.batch_size):
+                raise ValueError(f"batch_idx must hold {B} indices in [0, {self.batch_size})")
+            if fused:  # the kernel flags bad indices; gathers below must not fault on them
+                bidx = bidx.clamp(0, self.batch_size - 1)
+        if isinstance(cache_seqlens, int):
+            if cache_seqlens < 0 or cache_seqlens + n > self.max_seqlen:
+                raise ValueError(f"cache overflow: cache_seqlens + {n} new tokens exceeds max_seqlen={self.max_seqlen}")
+            start = torch.full((B,), cache_seqlens, dtype=torch.int32, device=self.device)
+        else:
+            if cache_seqlens is None:
+                start = self.seqlens[:B].clone() if batch_idx is None else self.seqlens[bidx]
+            else:
+                start = cache_seqlens.to(self.device, torch.int32)
+            if start.shape != (B,):
+                raise ValueError(f"cache_seqlens must be an int or a [batch={B}] tensor, got {tuple(start.shape)}")
+            if checking and not fused and (int(start.min()) < 0 or int(start.max()) + n > self.max_seqlen):
+                raise ValueError(f"cache overflow: cache_seqlens + {n} new tokens exceeds max_seqlen={self.max_seqlen}")
         if n == 0:
             return
         if self.key_transform or self.value_pca:
@@ -398,11 +418,16 @@ class QuantizedKVCache:
                 k = self.transform_keys(k, bidx)
             if self.value_pca:
                 v = self._reflect(v.float(), self.v_house[bidx][:, None]).to(v.dtype)
-        pos = start.long().unsqueeze(1) + torch.arange(n, device=self.device)  # [B, n]
-        rows, cols = self._slots(bidx.unsqueeze(1).expand(B, n), pos)
-        if ops.pack_supported(self, k):  # quantize-on-write kernel, when built and on a GPU
-            ops.pack_into(self, k, v, rows, cols)
-        else:
+        if fused:  # quantize-on-write kernel: slots, range and value checks on the GPU
+            flags = torch.zeros(1, dtype=torch.int32, device=self.device)
+            raw_idx = None if batch_idx is None else batch_idx.to(self.device, torch.int32).contiguous()
+            ops.pack_into(self, k, v, start.contiguous(), raw_idx, flags)
+            if checking:
+                ops.raise_pack_errors(int(flags.item()))
+        if not fused or self.fp16_window:
+            pos = start.long().unsqueeze(1) + torch.arange(n, device=self.device)  # [B, n]
+        if not fused:
+            rows, cols = self._slots(bidx.unsqueeze(1).expand(B, n), pos)
             packed = self.quantize(k, v, bidx)
             for name in ("k_codes", "v_codes", "k_meta", "v_meta"):
                 getattr(self, name)[rows, cols] = packed[name]

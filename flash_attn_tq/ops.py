@@ -8,7 +8,9 @@ The extension ``flash_attn_tq_cuda`` registers three ops:
 * ``decode_kv16(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, softmax_scale,
   is_causal, num_splits) -> (out, softmax_lse)``: the same kernel body over a float16/bfloat16
   cache (its Fp16KV loader policy): our FP16 decode baseline.
-* ``pack_kv(x, slot_mapping, codes, meta, bits, quant, signs, levels, step)``: quantize-on-write.
+* ``pack_kv(x, slot_mapping, start, batch_idx, block_table, codes, meta, error_flags, capacity, bits,
+  quant, signs, levels, step)``: quantize-on-write into slots given by a vLLM-style ``slot_mapping``
+  or resolved in the kernel from (start, batch_idx, block_table), with range checks.
 
 Fake (meta) implementations are registered here so both trace under ``torch.compile``.
 """
@@ -51,7 +53,8 @@ def _register_fakes() -> None:
         return torch.empty_like(q), q.new_empty((b, h, sq), dtype=torch.float32)
 
     @torch.library.register_fake("flash_attn_tq::pack_kv")
-    def _pack_fake(x, slot_mapping, codes, meta, bits, quant, signs, levels, step):
+    def _pack_fake(x, slot_mapping, start, batch_idx, block_table, codes, meta, error_flags, capacity, bits, quant,
+                   signs, levels, step):
         return None
 
 
@@ -127,18 +130,33 @@ def pack_supported(cache, x: torch.Tensor) -> bool:
             and getattr(cache, "fit", "norm") == "norm")  # the pack kernel implements fit="norm" only
 
 
-def pack_into(cache, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> None:
-    """Quantize ``k, v [batch, n, kv_heads, d]`` on the GPU straight into the cache slots (rows, cols)."""
-    slots = (rows * cache.k_codes.shape[1] + cols).reshape(-1).to(torch.int64).contiguous()
+PACK_ERRORS = {1: "contains NaN or Inf: a quantized cache cannot store them",
+               2: "cache overflow: a new token's position is outside [0, max_seqlen)",
+               4: "batch_idx holds an index outside [0, batch_size)",
+               8: "block_table maps a new token to a page outside the cache"}
+
+
+def pack_into(cache, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, batch_idx: torch.Tensor | None,
+              error_flags: torch.Tensor | None = None) -> None:
+    """Quantize ``k, v [batch, n, kv_heads, d]`` on the GPU into positions ``start[i] + j`` of cache
+    rows ``batch_idx[i]`` (int32 ``[batch]``; None: row i). The kernel resolves paged slots, skips
+    tokens it cannot place or store and ORs :data:`PACK_ERRORS` bits into ``error_flags`` (int32 [1])."""
     quant = QUANT_IDS[(cache.quantizer, cache.grid)]
     for x, codes, meta, qz, bits in ((k, cache.k_codes, cache.k_meta, cache.k_quantizer, cache.k_bits),
                                      (v, cache.v_codes, cache.v_meta, cache.v_quantizer, cache.v_bits)):
         signs = levels = None
         if cache.quantizer == "turbo":
             signs = qz.signs_on(x.device)
-            levels = qz.codebook(x.device)
+            levels = qz.codebook(x.device) if cache.grid == "lloyd_max" else None
         x3 = x.reshape(-1, cache.num_kv_heads, cache.head_dim)
         if x3.stride(-1) != 1 or x3.stride(0) % 8 or x3.stride(1) % 8 or x3.data_ptr() % 16:
             x3 = x3.clone(memory_format=torch.contiguous_format)  # the kernel loads 16-byte aligned rows
-        torch.ops.flash_attn_tq.pack_kv(x3, slots, codes, meta, bits, quant, signs, levels,
-                                        float(uniform_step(bits)))
+        torch.ops.flash_attn_tq.pack_kv(x3, None, start, batch_idx, cache.block_table, codes, meta, error_flags,
+                                        cache.max_seqlen, bits, quant, signs, levels, float(uniform_step(bits)))
+
+
+def raise_pack_errors(flags: int, names: str = "k/v") -> None:
+    """Raise the ValueError for the error bits a pack call set (no-op for 0)."""
+    for bit, msg in PACK_ERRORS.items():
+        if flags & bit:
+            raise ValueError(f"{names}: {msg}" if bit == 1 else msg)

@@ -236,3 +236,46 @@ def test_kernel_errors_name_the_argument():
     with pytest.raises(ValueError, match="overflow"):
         big = torch.randn(1, 100, 2, 128, device=DEV, dtype=torch.float16)
         fa.flash_attn_with_kvcache(q, cache, k=big, v=big)
+
+
+@pytest.mark.parametrize("page_size", [None, 32])
+def test_append_checks_run_in_the_pack_kernel(page_size):
+    """Bad appends raise ValueError naming the problem (never a device fault) and leave seqlens alone;
+    the kernel skips the bad tokens (the call's valid rows may have been written, past seqlens)."""
+    cache, _, _ = _make_cache(3, [10, 20, 30], 2, 64, seed=4, max_seqlen=64, page_size=page_size)
+    before = {name: getattr(cache, name).clone() for name in ("k_codes", "k_meta", "seqlens")}
+    x = torch.randn(2, 4, 2, 64, device=DEV, dtype=torch.float16)
+    bad = x.clone()
+    bad[1, 2, 1, 5] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        cache.append(bad, x, batch_idx=torch.tensor([0, 1], device=DEV, dtype=torch.int32))
+    with pytest.raises(ValueError, match="batch_idx"):
+        cache.append(x, x, batch_idx=torch.tensor([0, 7], device=DEV, dtype=torch.int32))
+    with pytest.raises(ValueError, match="overflow"):
+        cache.append(x, x, cache_seqlens=torch.tensor([10, 61], device=DEV, dtype=torch.int32))
+    with pytest.raises(ValueError, match="overflow"):
+        cache.append(x, x, cache_seqlens=-1)
+    assert torch.equal(cache.seqlens, before["seqlens"])
+    # positions below seqlens were never touched by the failed calls
+    cpu = QuantizedKVCache.from_state_dict({k: (v.cpu() if torch.is_tensor(v) else v)
+                                            for k, v in cache.state_dict().items()}, device="cpu")
+    g_now = cpu.gather()
+    cache.k_codes.copy_(before["k_codes"])
+    cache.k_meta.copy_(before["k_meta"])
+    cpu0 = QuantizedKVCache.from_state_dict({k: (v.cpu() if torch.is_tensor(v) else v)
+                                             for k, v in cache.state_dict().items()}, device="cpu")
+    g_then = cpu0.gather()
+    for b, n in enumerate([10, 20, 30]):
+        assert torch.equal(g_now["k_codes"][b, :n], g_then["k_codes"][b, :n])
+    # and a good call still works after the failed ones
+    cache.append(x, x, batch_idx=torch.tensor([2, 0], device=DEV, dtype=torch.int32))
+    assert cache.seqlens.tolist() == [14, 20, 34]
+    ref = cache.quantize(x, x)
+    got = fmt.unpack_codes(cpu_gather_row(cache, 2, 30, 34), 3, 64)
+    exp = fmt.unpack_codes(ref["k_codes"][0], 3, 64)
+    assert ((got - exp).abs() <= 1).all() and (got != exp).float().mean() < 2e-3
+
+
+def cpu_gather_row(cache, row, lo, hi):
+    g = cache.gather(torch.tensor([row], device=DEV))
+    return g["k_codes"][0, lo:hi]

@@ -107,8 +107,8 @@ def test_kv16_paged_equals_contiguous(num_splits, page_size):
     q = torch.randn(batch, 1, 16, d, device=DEV, dtype=torch.float16)
     lens = torch.tensor(seqlens, dtype=torch.int32, device=DEV)
     _poison_allocator()
-    out_c, lse_c = ops.decode_kv16(q, k, v, lens, None, None, 0.1, False, num_splits)
-    out_p, lse_p = ops.decode_kv16(q, k_pages, v_pages, lens, None, block_table, 0.1, False, num_splits)
+    out_c, lse_c = ops.decode_kv16(q, k, v, lens, None, None, d ** -0.5, False, num_splits)
+    out_p, lse_p = ops.decode_kv16(q, k_pages, v_pages, lens, None, block_table, d ** -0.5, False, num_splits)
     if num_splits:  # same splits, same tiles: the same arithmetic
         assert torch.equal(out_c, out_p) and torch.equal(lse_c, lse_p)
     ref, _, ref_lp = _references(q, k, v, lens, False)

@@ -209,35 +209,82 @@ std::tuple<at::Tensor, at::Tensor> decode_kv16(
                          softmax_scale, is_causal, num_splits);
 }
 
+// Quantize-on-write of x [tokens, heads, d] into codes/meta. Token t goes to slot_mapping[t] (as
+// vLLM's reshape_and_cache; -1 skips), or, without one, to position start[i] + j of cache row
+// batch_idx[i] (t = i * n + j, n = tokens / start.size(0)), through block_table when paged: the
+// kernel resolves and range-checks the slots and ORs PackError bits into error_flags.
 void pack_kv(const at::Tensor &x,             // [tokens, heads, d] fp16/bf16
-             const at::Tensor &slot_mapping,  // [tokens] int64
+             const std::optional<at::Tensor> &slot_mapping,  // [tokens] int64
+             const std::optional<at::Tensor> &start,         // [batch] int32
+             const std::optional<at::Tensor> &batch_idx,     // [batch] int32
+             const std::optional<at::Tensor> &block_table,   // [cache rows, max_blocks] int32
              at::Tensor &codes,               // [rows, cols, heads, bytes] uint8, contiguous
              at::Tensor &meta,                // [rows, cols, heads, 2] half, contiguous
-             int64_t bits, int64_t quant, const std::optional<at::Tensor> &signs,
+             const std::optional<at::Tensor> &error_flags,   // [1] int32
+             int64_t capacity, int64_t bits, int64_t quant, const std::optional<at::Tensor> &signs,
              const std::optional<at::Tensor> &levels, double step) {
     CHECK_CUDA(x);
-    CHECK_CUDA(slot_mapping);
     CHECK_CUDA(codes);
     CHECK_CUDA(meta);
     TQ_CHECK(x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16, "x must be float16 or bfloat16");
     TQ_CHECK(x.dim() == 3 && x.stride(-1) == 1, "x must be [tokens, heads, head_dim] with a contiguous last dim");
     TQ_CHECK(x.stride(0) % 8 == 0 && x.stride(1) % 8 == 0 && reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0,
              "x rows must be 16-byte aligned (16-byte loads)");
+    TQ_CHECK(x.numel() < std::numeric_limits<int>::max() && x.size(0) * x.stride(0) < std::numeric_limits<int>::max(),
+             "x must have fewer than 2**31 elements (split the call)");
     const int d = x.size(2);
     TQ_CHECK(d == 64 || d == 128, "head_dim must be 64 or 128 for the pack kernel");
-    TQ_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == x.size(0) && slot_mapping.is_contiguous(),
-             "slot_mapping must be contiguous int64 [tokens]");
     TQ_CHECK(codes.is_contiguous() && meta.is_contiguous(), "codes and meta must be contiguous");
-    TQ_CHECK(codes.scalar_type() == at::kByte && codes.size(2) == x.size(1) && codes.size(3) == d * bits / 8,
+    TQ_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 4 && codes.size(2) == x.size(1) && codes.size(3) == d * bits / 8,
              "codes must be uint8 [rows, cols, heads, head_dim * bits / 8]");
-    TQ_CHECK(meta.scalar_type() == at::kHalf && meta.size(2) == x.size(1) && meta.size(3) == 2, "meta must be float16 [rows, cols, heads, 2]");
+    TQ_CHECK(meta.scalar_type() == at::kHalf && meta.dim() == 4 && meta.size(0) == codes.size(0) && meta.size(1) == codes.size(1) &&
+             meta.size(2) == x.size(1) && meta.size(3) == 2, "meta must be float16 [rows, cols, heads, 2]");
     TQ_CHECK(quant >= 0 && quant <= 2, "quant must be 0 (turbo uniform), 1 (turbo Lloyd-Max) or 2 (asym)");
+    TQ_CHECK(slot_mapping.has_value() != start.has_value(), "give either slot_mapping or start");
     c10::cuda::CUDAGuard guard(x.device());
     PackParams p{};
     p.x = x.data_ptr();
-    p.x_token_stride = x.stride(0);
-    p.x_head_stride = x.stride(1);
-    p.slot_mapping = slot_mapping.data_ptr<int64_t>();
+    p.x_token_stride = static_cast<int>(x.stride(0));
+    p.x_head_stride = static_cast<int>(x.stride(1));
+    p.rows = codes.size(0);
+    p.cols = codes.size(1);
+    p.capacity = static_cast<int>(capacity);
+    p.batch_rows = p.rows;
+    p.tokens = x.size(0);
+    p.heads = x.size(1);
+    if (slot_mapping.has_value()) {
+        CHECK_CUDA(*slot_mapping);
+        TQ_CHECK(slot_mapping->scalar_type() == at::kLong && slot_mapping->numel() == x.size(0) && slot_mapping->is_contiguous(),
+                 "slot_mapping must be contiguous int64 [tokens]");
+        p.slot_mapping = slot_mapping->data_ptr<int64_t>();
+    } else {
+        CHECK_CUDA(*start);
+        TQ_CHECK(start->scalar_type() == at::kInt && start->dim() == 1 && start->is_contiguous() && start->numel() > 0 &&
+                 x.size(0) % start->numel() == 0, "start must be contiguous int32 [batch] with tokens a multiple of batch");
+        p.start = start->data_ptr<int>();
+        p.n_new = x.size(0) / start->numel();
+        if (batch_idx.has_value()) {
+            CHECK_CUDA(*batch_idx);
+            TQ_CHECK(batch_idx->scalar_type() == at::kInt && batch_idx->numel() == start->numel() && batch_idx->is_contiguous(),
+                     "batch_idx must be contiguous int32 [batch]");
+            p.batch_idx = batch_idx->data_ptr<int>();
+        }
+        if (block_table.has_value()) {
+            CHECK_CUDA(*block_table);
+            TQ_CHECK(block_table->scalar_type() == at::kInt && block_table->dim() == 2 && block_table->stride(1) == 1,
+                     "block_table must be int32 [rows, max_blocks] with a contiguous last dim");
+            TQ_CHECK((p.cols & (p.cols - 1)) == 0, "page size must be a power of two");
+            p.block_table = block_table->data_ptr<int>();
+            p.block_table_stride = static_cast<int>(block_table->stride(0));
+            p.batch_rows = block_table->size(0);
+            while ((1 << p.page_shift) < p.cols) { ++p.page_shift; }
+        }
+    }
+    if (error_flags.has_value()) {
+        CHECK_CUDA(*error_flags);
+        TQ_CHECK(error_flags->scalar_type() == at::kInt && error_flags->numel() >= 1, "error_flags must be int32 [1]");
+        p.error_flags = error_flags->data_ptr<int>();
+    }
     p.codes = codes.data_ptr<uint8_t>();
     p.meta = reinterpret_cast<uint16_t *>(meta.data_ptr());
     if (quant != 2) {
@@ -252,8 +299,6 @@ void pack_kv(const at::Tensor &x,             // [tokens, heads, d] fp16/bf16
     }
     p.step = static_cast<float>(step);
     p.inv_step = static_cast<float>(1.0 / step);
-    p.tokens = x.size(0);
-    p.heads = x.size(1);
     auto stream = c10::cuda::getCurrentCUDAStream().stream();
     if (d == 64) {
         x.scalar_type() == at::kHalf ? run_pack<__half, 64>(p, bits, quant, stream) : run_pack<__nv_bfloat16, 64>(p, bits, quant, stream);
@@ -273,8 +318,9 @@ TORCH_LIBRARY(flash_attn_tq, m) {
           "int num_splits) -> (Tensor, Tensor)");
     m.def("decode_kv16(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seqlens_k, Tensor? cache_batch_idx, "
           "Tensor? block_table, float softmax_scale, bool is_causal, int num_splits) -> (Tensor, Tensor)");
-    m.def("pack_kv(Tensor x, Tensor slot_mapping, Tensor(a!) codes, Tensor(b!) meta, int bits, int quant, Tensor? signs, "
-          "Tensor? levels, float step) -> ()");
+    m.def("pack_kv(Tensor x, Tensor? slot_mapping, Tensor? start, Tensor? batch_idx, Tensor? block_table, Tensor(a!) codes, "
+          "Tensor(b!) meta, Tensor(c!)? error_flags, int capacity, int bits, int quant, Tensor? signs, Tensor? levels, "
+          "float step) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(flash_attn_tq, CUDA, m) {

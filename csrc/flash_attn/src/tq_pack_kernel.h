@@ -97,6 +97,27 @@ struct RunPacker {
     }
 };
 
+// Cache slot of token t (row * cols + col), or -1 (skipped; bad positions also flag an error).
+__device__ __forceinline__ int64_t pack_slot(const PackParams &p, int t) {
+    if (p.slot_mapping != nullptr) return p.slot_mapping[t];
+    const int i = t / p.n_new, j = t - i * p.n_new;
+    const int b = p.batch_idx != nullptr ? p.batch_idx[i] : i;
+    const int pos = p.start[i] + j;
+    int err = 0, row = b, col = pos;
+    if (b < 0 || b >= p.batch_rows) err |= kPackBatchIndex;
+    if (pos < 0 || pos >= p.capacity) err |= kPackPosition;
+    if (err == 0 && p.block_table != nullptr) {
+        row = p.block_table[static_cast<int64_t>(b) * p.block_table_stride + (pos >> p.page_shift)];
+        col = pos & ((1 << p.page_shift) - 1);
+        if (row < 0 || row >= p.rows) err |= kPackBlock;
+    }
+    if (err != 0) {
+        if (p.error_flags != nullptr) atomicOr(p.error_flags, err);
+        return -1;
+    }
+    return static_cast<int64_t>(row) * p.cols + col;
+}
+
 template <typename Elem, int kHeadDim, int kBits, Quant kQuant>
 __global__ void __launch_bounds__(128) pack_kv_kernel(const PackParams p) {
     constexpr int P = kHeadDim / 8;          // elements a thread
@@ -128,22 +149,40 @@ __global__ void __launch_bounds__(128) pack_kv_kernel(const PackParams p) {
     const float sqrt_d = static_cast<float>(sqrt(static_cast<double>(kHeadDim)));
     float *buf = xpose[warp][vsub];
 
-    const int64_t vectors = static_cast<int64_t>(p.tokens) * p.heads;
-    const int64_t stride = static_cast<int64_t>(gridDim.x) * 16;
-    for (int64_t base = static_cast<int64_t>(blockIdx.x) * 16 + warp * 4; base < vectors; base += stride) {
-        const int64_t vec = base + vsub;
+    const int vectors = p.tokens * p.heads;  // < 2^31 (checked on the host)
+    const int stride = gridDim.x * 16;
+    // 16-byte loads of this thread's P elements of vector `vec` (rows are 16-byte aligned, checked
+    // on the host); the next iteration's are in flight while this one computes
+    auto load = [&](int vec, uint4 (&raw)[P / 8]) {
+        const bool live = vec < vectors;
+        const int token = live ? vec / p.heads : 0, head = live ? vec - token * p.heads : 0;
+        const uint4 *src = reinterpret_cast<const uint4 *>(reinterpret_cast<const Elem *>(p.x) + token * p.x_token_stride +
+                                                           head * p.x_head_stride + s * P);
+        #pragma unroll
+        for (int q = 0; q < P / 8; ++q) { raw[q] = live ? __ldg(src + q) : make_uint4(0u, 0u, 0u, 0u); }
+    };
+    uint4 next[P / 8];
+    int base = blockIdx.x * 16 + warp * 4;
+    load(base + vsub, next);
+    for (; base < vectors; base += stride) {
+        const int vec = base + vsub;
         const bool live = vec < vectors;  // every lane runs (shuffles are warp-wide); only live ones store
-        const int token = live ? static_cast<int>(vec / p.heads) : 0, head = live ? static_cast<int>(vec % p.heads) : 0;
-        const int64_t slot = live ? p.slot_mapping[token] : -1;
+        const int token = live ? vec / p.heads : 0, head = live ? vec - token * p.heads : 0;
+        uint4 cur[P / 8];
+        #pragma unroll
+        for (int q = 0; q < P / 8; ++q) { cur[q] = next[q]; }
+        load(base + stride + vsub, next);
+        // one lane of the vector resolves the slot (checks + block table), the others read it
+        int64_t slot = -1;
+        if (live && s == 0) { slot = pack_slot(p, token); }
+        slot = __shfl_sync(0xffffffffu, slot, lane & ~7);
 
-        // ---- load (16-byte loads; rows are 16-byte aligned, checked on the host) and apply the signs
+        // ---- apply the signs, to float32
         float x[P];
         {
-            const uint4 *src = reinterpret_cast<const uint4 *>(reinterpret_cast<const Elem *>(p.x) + token * p.x_token_stride +
-                                                               head * p.x_head_stride + s * P);
             #pragma unroll
             for (int q = 0; q < P / 8; ++q) {
-                const uint4 raw = live ? __ldg(src + q) : make_uint4(0u, 0u, 0u, 0u);
+                const uint4 raw = cur[q];
                 const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
                 #pragma unroll
                 for (int i = 0; i < 4; ++i) {
@@ -169,11 +208,16 @@ __global__ void __launch_bounds__(128) pack_kv_kernel(const PackParams p) {
 
         int code[P];
         float scale_out, offset_out;
+        bool finite;
         if constexpr (kQuant == Quant::kAsym) {
             float lo = x[0], hi = x[0];
             #pragma unroll
             for (int k = 1; k < P; ++k) { lo = fminf(lo, x[k]); hi = fmaxf(hi, x[k]); }
+            float nan_probe = 0.f;  // x * 0 is NaN exactly for NaN / Inf (fminf / fmaxf skip NaN)
+            #pragma unroll
+            for (int k = 0; k < P; ++k) { nan_probe = __fmaf_rn(x[k], 0.f, nan_probe); }
             const float vmin = group8_min(lo), vmax = group8_max(hi);
+            finite = group8_sum(nan_probe) == 0.f;
             float scale = __half2float(__float2half_rn(__fdiv_rn(__fsub_rn(vmax, vmin), static_cast<float>(kLevels - 1))));
             if (!(scale > 0.f)) scale = 1.f;
             const float zero = fminf(fmaxf(floorf(__fadd_rn(__fdiv_rn(-vmin, scale), 0.5f)), 0.f), kLevels - 1.f);
@@ -190,6 +234,7 @@ __global__ void __launch_bounds__(128) pack_kv_kernel(const PackParams p) {
             #pragma unroll
             for (int k = 0; k < P; ++k) { ss = __fmaf_rn(x[k], x[k], ss); }
             const float norm_u = __fsqrt_rn(group8_sum(ss));
+            finite = norm_u < INFINITY;  // NaN or Inf anywhere in the vector: not finite
             const float to_unit = norm_u > 0.f ? __fdiv_rn(sqrt_d, norm_u) : 0.f;
             const float norm = __fdiv_rn(norm_u, sqrt_d);
             if constexpr (kQuant == Quant::kTurboUniform) {
@@ -225,6 +270,11 @@ __global__ void __launch_bounds__(128) pack_kv_kernel(const PackParams p) {
                 scale_out = lnorm > 0.f ? __fdiv_rn(norm, lnorm) : 0.f;
                 offset_out = 0.f;
             }
+        }
+
+        if (!finite) {  // a quantized cache cannot hold it: flag the call, write nothing
+            if (slot >= 0 && s == 0 && p.error_flags != nullptr) { atomicOr(p.error_flags, kPackNonFinite); }
+            slot = -1;
         }
 
         // ---- pack this thread's run of codes (positions s*P ...) and store

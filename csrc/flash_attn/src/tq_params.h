@@ -46,12 +46,23 @@ struct DecodeParams {
 // Quantize-on-write (tq_pack_kernel.h).
 enum class Quant { kTurboUniform = 0, kTurboLloyd = 1, kAsym = 2 };
 
+// Error bits the pack kernel ORs into error_flags (the token is skipped, nothing is written for it).
+enum PackError { kPackNonFinite = 1, kPackPosition = 2, kPackBatchIndex = 4, kPackBlock = 8 };
+
 struct PackParams {
     const void *x;                   // [tokens, heads, d]
-    int64_t x_token_stride, x_head_stride;
-    const int64_t *slot_mapping;     // [tokens]; -1 skips the token
-    uint8_t *codes;                  // [slots, heads, code_bytes] (contiguous)
-    uint16_t *meta;                  // [slots, heads, 2] (contiguous)
+    int x_token_stride, x_head_stride;  // elements (x has < 2^31 elements, checked on the host)
+    // Where token t goes: slot_mapping[t] (-1 skips it), or, without a slot mapping, position
+    // start[i] + j of cache row batch_idx[i] (t = i * n_new + j; batch_idx nullptr: row i), through
+    // block_table when paged. Slot = row * cols + col of the codes tensor.
+    const int64_t *slot_mapping;
+    const int *start, *batch_idx, *block_table;
+    int n_new, block_table_stride, page_shift;
+    int rows, cols, capacity;        // codes.shape[0], codes.shape[1], positions a sequence holds
+    int batch_rows;                  // sequences (codes rows, or block_table rows when paged)
+    int *error_flags;                // [1] or nullptr: PackError bits
+    uint8_t *codes;                  // [rows, cols, heads, code_bytes] (contiguous)
+    uint16_t *meta;                  // [rows, cols, heads, 2] (contiguous)
     const float *signs;              // [d] turbo sign vector
     const float *levels;             // [2^bits] Lloyd-Max levels (unit variance)
     float inv_step, step;            // uniform grid
