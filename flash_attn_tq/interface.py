@@ -222,6 +222,11 @@ def _merge_lse(out_a, lse_a, out_b, lse_b):
     return out, torch.where(torch.isfinite(lse), lse, torch.full_like(lse, math.inf))
 
 
+def _rows(bidx, batch, device):
+    """The cache rows of the batch entries: cache_batch_idx, or 0..batch-1."""
+    return bidx if bidx is not None else torch.arange(batch, device=device, dtype=torch.int32)
+
+
 def _window_part(q, cache, bidx, lens, softmax_scale):
     """Attention of q over the fp16 recent window of each sequence (positions [lens - R, lens))."""
     R = cache.fp16_window
@@ -246,10 +251,14 @@ def _quantized_kvcache(q, cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
             raise ValueError(f"cache_batch_idx must be int32 [batch={batch}], got {cache_batch_idx.dtype} "
                              f"{tuple(cache_batch_idx.shape)}")
         bidx = cache_batch_idx.to(device)
-    else:
-        bidx = torch.arange(batch, device=device, dtype=torch.int32)
+    else:  # rows 0..batch-1, made only where a tensor is needed (not on the plain decode path)
+        bidx = None
+    rows = functools.partial(_rows, bidx, batch, device)
     if cache_seqlens is None:
-        start = cache.seqlens[:batch].clone() if cache_batch_idx is None else cache.seqlens[bidx.long()]
+        if cache_batch_idx is not None:
+            start = cache.seqlens[bidx.long()]
+        else:  # a view is enough when nothing is appended (no kernel in a decode-only CUDA graph)
+            start = cache.seqlens[:batch] if k is None else cache.seqlens[:batch].clone()
     elif isinstance(cache_seqlens, int):
         start = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=device)
     else:
@@ -289,20 +298,20 @@ def _quantized_kvcache(q, cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
     if reason is None:
         _LAST_PATH.set("quantized:fused-cuda")
         n_quant = (lens - R).clamp(min=0).to(torch.int32) if R else lens
-        qt = cache.transform_query(q, bidx).to(q.dtype) if cache.key_transform else q  # q * s (key transform)
-        out, lse = ops.decode(qt if qt.stride(-1) == 1 else qt.contiguous(), cache, n_quant,
-                              bidx if cache_batch_idx is not None else None, softmax_scale, causal and not R, num_splits)
+        qt = cache.transform_query(q, rows()).to(q.dtype) if cache.key_transform else q  # q * s (key transform)
+        out, lse = ops.decode(qt if qt.stride(-1) == 1 else qt.contiguous(), cache, n_quant, bidx, softmax_scale,
+                              causal and not R, num_splits)
         if R:
-            out_w, lse_w = _window_part(qt, cache, bidx.long(), lens, softmax_scale)
+            out_w, lse_w = _window_part(qt, cache, rows().long(), lens, softmax_scale)
             out, lse = _merge_lse(out, lse, out_w, lse_w)
         if cache.key_transform and cache.key_center and return_softmax_lse:
-            lse = lse + softmax_scale * cache.query_shift(q, bidx)  # the scores lost q . mu (+inf stays +inf)
+            lse = lse + softmax_scale * cache.query_shift(q, rows())  # the scores lost q . mu (+inf stays +inf)
         if cache.value_pca:
-            out = cache.untransform_output(out, bidx)  # values were stored reflected (value_pca)
+            out = cache.untransform_output(out, rows())  # values were stored reflected (value_pca)
         out = out.to(q.dtype)
     else:
         _LAST_PATH.set(f"quantized:reference ({reason})")
-        k_deq, v_deq = cache.dequantize(bidx.long())
+        k_deq, v_deq = cache.dequantize(rows().long())
         out, lse = baseline.attention_reference(
             q, k_deq, v_deq, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
             alibi_slopes=alibi_slopes, key_lengths=lens, key_start=cache_leftpad)
