@@ -77,6 +77,14 @@ def fused_decode_supported(cache, q: torch.Tensor) -> str | None:
     return None
 
 
+def _aligned_rows(q: torch.Tensor) -> torch.Tensor:
+    """q as the kernels read it: contiguous rows at (head_dim / 16)-byte alignment (else a copy)."""
+    vec = q.shape[-1] // 32
+    if q.stride(-1) != 1 or q.data_ptr() % (2 * vec) or any(st % vec for st in q.stride()[:3]):
+        return q.contiguous() if q.stride(-1) != 1 else q.clone(memory_format=torch.contiguous_format)
+    return q
+
+
 def decode(q: torch.Tensor, cache, seqlens_k: torch.Tensor, batch_idx: torch.Tensor | None,
            softmax_scale: float, causal: bool, num_splits: int):
     """Fused attention of ``q [batch, seqlen_q, heads, d]`` over ``cache``'s quantized tokens.
@@ -85,6 +93,7 @@ def decode(q: torch.Tensor, cache, seqlens_k: torch.Tensor, batch_idx: torch.Ten
     rotates q into the codes' domain and the output back. Returns (out, lse ``[batch, heads, seqlen_q]``).
     """
     signs = cache.k_quantizer.signs_on(q.device) if cache.quantizer == "turbo" else None
+    q = _aligned_rows(q)
     return torch.ops.flash_attn_tq.decode_kvcache(
         q, cache.k_codes, cache.k_meta, cache.v_codes, cache.v_meta, seqlens_k,
         batch_idx, cache.block_table, signs, cache.k_bits, cache.v_bits, float(softmax_scale), bool(causal),
@@ -120,6 +129,7 @@ def decode_kv16(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s
                 causal: bool, num_splits: int):
     """The decode kernel over a float16/bfloat16 cache ``[rows, cols, kv_heads, d]`` (rows = batch,
     or pages with ``block_table``). Returns (out like q, lse ``[batch, heads, seqlen_q]``)."""
+    q = _aligned_rows(q)
     return torch.ops.flash_attn_tq.decode_kv16(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table,
                                                float(softmax_scale), bool(causal), int(num_splits))
 

@@ -126,6 +126,10 @@ void check_query(const at::Tensor &q) {
     TQ_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16, "q must be float16 or bfloat16");
     TQ_CHECK(q.dim() == 4 && q.stride(-1) == 1, "q must be [batch, seqlen_q, heads, head_dim] with a contiguous last dim");
     TQ_CHECK(q.size(3) == 64 || q.size(3) == 128, "head_dim must be 64 or 128 for the fused kernel");
+    // rows are read and written d / 32 values a lane at a time
+    const int64_t vec = q.size(3) / 32;
+    TQ_CHECK(reinterpret_cast<uintptr_t>(q.data_ptr()) % (2 * vec) == 0 && q.stride(0) % vec == 0 && q.stride(1) % vec == 0 &&
+             q.stride(2) % vec == 0, "q rows must be aligned to head_dim / 16 bytes");
 }
 
 // the kernel multiplies token and block indices by 32-bit row / block strides

@@ -34,8 +34,8 @@ struct DecodeTraits {
     static constexpr int kMTiles = kTileN / 16;   // 16-token MMA blocks a tile
     static constexpr int kKBlocks = kHeadDim / 16;
     static constexpr int kPipeBytes = kNWarps * kStages * KV::kStageBytes;
-    // merge: per-warp max/sum and O slices, merged row stats, the merged rows (rotated back in place)
-    static constexpr int kMergeBytes = (kNWarps * kRows * (kHeadDim + 2) + 2 * kRows + kRows * kHeadDim) * 4;
+    // merge: per-warp max/sum and O slices, merged row stats
+    static constexpr int kMergeBytes = (kNWarps * kRows * (kHeadDim + 2) + 2 * kRows) * 4;
     static constexpr int kSmemBytes = kPipeBytes > kMergeBytes ? kPipeBytes : kMergeBytes;
 };
 
@@ -72,25 +72,30 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_split_kernel(const D
     const int tile_begin = split * tiles_per_split;
     const int tile_end = min(n_tiles, tile_begin + tiles_per_split);
 
-    // turbo: q is rotated here (signs, then a Walsh-Hadamard transform of the CTA's rows in shared
-    // memory, before the pipeline uses it), and the output is rotated back at the end.
+    // turbo: q is rotated here (signs, then a Walsh-Hadamard transform, a warp a row, into shared
+    // memory before the pipeline uses it), and the output is rotated back at the end.
     const bool rotate = p.rot_signs != nullptr;
     constexpr float kInvSqrtD = D == 128 ? 0.08838834764831845f : 0.125f;  // 1/sqrt(D)
     static_assert(D == 64 || D == 128, "head dims");
+    constexpr int kV = D / 32;  // elements a lane holds of a row in the warp-wide transforms
     float *sm_q = reinterpret_cast<float *>(smem);  // [kRows][D]
     if (rotate) {
-        for (int idx = threadIdx.x; idx < kRows * D; idx += Traits::kNThreads) {
-            const int n = idx / D, e = idx % D, r = row0 + n;
-            float x = 0.f;
+        #pragma unroll
+        for (int n = warp; n < kRows; n += kWarps) {
+            const int r = row0 + n;
+            float x[kV] = {};
             if (r < total_rows) {
                 const Elem *qrow = reinterpret_cast<const Elem *>(p.q) + b * p.q_batch_stride + (r / group) * p.q_row_stride +
                                    (hk * group + r % group) * p.q_head_stride;
-                x = to_float(qrow[e]) * p.rot_signs[e];
+                load_row_part<Elem, kV>(qrow + lane * kV, x);
+                #pragma unroll
+                for (int k = 0; k < kV; ++k) { x[k] *= p.rot_signs[lane * kV + k]; }
             }
-            sm_q[idx] = x;
+            fwht_warp<D>(x, lane);
+            #pragma unroll
+            for (int k = 0; k < kV; ++k) { sm_q[n * D + lane * kV + k] = x[k]; }
         }
         __syncthreads();
-        fwht_rows<kRows, D, Traits::kNThreads>(sm_q);
     }
 
     // Q as B fragments (rows g of each n8 tile), gathered in the loader's slot order and scaled by
@@ -318,87 +323,104 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_split_kernel(const D
         }
     }
     __syncthreads();
-    float *sm_fin = sm_o + kWarps * kRows * D;  // [rows][D] merged, normalized
-    for (int idx = threadIdx.x; idx < kRows * D; idx += Traits::kNThreads) {
-        const int n = idx / D, d = idx % D;
-        float o = 0.f;
-        #pragma unroll
-        for (int w = 0; w < kWarps; ++w) { o += sm_o[(w * kRows + n) * D + d]; }
-        const float total = sm_row[kRows + n];
-        sm_fin[idx] = total > 0.f ? o / total : 0.f;
-    }
-    __syncthreads();
+    // a warp a row: sum the warps' slices, normalize, rotate back (turbo, no splits), store
     const bool unrotate = rotate && p.num_splits == 1;  // with splits the combine pass rotates back
-    if (unrotate) { fwht_rows<kRows, D, Traits::kNThreads>(sm_fin); }
     constexpr float kLn2 = 0.6931471805599453f;
-    for (int idx = threadIdx.x; idx < kRows * D; idx += Traits::kNThreads) {
-        const int n = idx / D, d = idx % D, r = row0 + n;
-        if (r >= total_rows) continue;
-        const int i = r / group, hq = hk * group + r % group;
-        const float o = unrotate ? sm_fin[idx] * p.rot_signs[d] * kInvSqrtD : sm_fin[idx];
+    #pragma unroll
+    for (int n = warp; n < kRows; n += kWarps) {
+        const int r = row0 + n;
+        if (r >= total_rows) continue;  // warp-uniform
         const float total = sm_row[kRows + n];
+        float o[kV];
+        #pragma unroll
+        for (int k = 0; k < kV; ++k) {
+            float sum = 0.f;
+            #pragma unroll
+            for (int w = 0; w < kWarps; ++w) { sum += sm_o[(w * kRows + n) * D + lane * kV + k]; }
+            o[k] = total > 0.f ? sum / total : 0.f;
+        }
+        if (unrotate) {
+            fwht_warp<D>(o, lane);
+            #pragma unroll
+            for (int k = 0; k < kV; ++k) { o[k] *= p.rot_signs[lane * kV + k] * kInvSqrtD; }
+        }
+        const int i = r / group, hq = hk * group + r % group;
         const float lse = total > 0.f ? (sm_row[n] + log2f(total)) * kLn2 : kNegInf;
         if (p.num_splits == 1) {
             Elem *out = reinterpret_cast<Elem *>(p.out) + b * p.o_batch_stride + i * p.o_row_stride + hq * p.o_head_stride;
-            out[d] = from_float<Elem>(o);
+            store_row_part<Elem, kV>(out + lane * kV, o);
             // a row with no visible key: output 0 and lse +inf, as upstream's kernels write
-            if (d == 0) { p.softmax_lse[(static_cast<int64_t>(b) * p.h + hq) * p.seqlen_q + i] = total > 0.f ? lse : INFINITY; }
+            if (lane == 0) { p.softmax_lse[(static_cast<int64_t>(b) * p.h + hq) * p.seqlen_q + i] = total > 0.f ? lse : INFINITY; }
         } else {
             const int64_t row_id = ((static_cast<int64_t>(split) * p.b + b) * p.h + hq) * p.seqlen_q + i;
-            p.out_accum[row_id * D + d] = o;
-            if (d == 0) { p.lse_accum[row_id] = lse; }
+            float *acc_out = p.out_accum + row_id * D + lane * kV;
+            if constexpr (kV == 4) {
+                *reinterpret_cast<float4 *>(acc_out) = make_float4(o[0], o[1], o[2], o[3]);
+            } else {
+                *reinterpret_cast<float2 *>(acc_out) = make_float2(o[0], o[1]);
+            }
+            if (lane == 0) { p.lse_accum[row_id] = lse; }
         }
     }
 }
 
-// Merge the splits of each (batch, head, query) row: one warp a row.
+// Merge the splits of each (batch, head, query) row: a CTA a row; its 4 warps take every 4th split
+// (lanes: kV consecutive d), then warp 0 sums them, normalizes and rotates back (turbo).
 template <typename Elem, int kHeadDim>
 __global__ void __launch_bounds__(128) decode_combine_kernel(const DecodeParams p) {
+    constexpr int kV = kHeadDim / 32;
+    __shared__ float sm_max[4], sm_total[4];
+    __shared__ __align__(16) float sm_o[4][kHeadDim];
     const int64_t rows = static_cast<int64_t>(p.b) * p.h * p.seqlen_q;
-    const int64_t row = static_cast<int64_t>(blockIdx.x) * 4 + threadIdx.x / 32;
-    const int lane = threadIdx.x % 32;
-    if (row >= rows) return;
+    const int64_t row = blockIdx.x;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     float mx = -INFINITY;
-    for (int s = 0; s < p.num_splits; ++s) { mx = fmaxf(mx, p.lse_accum[s * rows + row]); }
+    for (int s = threadIdx.x; s < p.num_splits; s += 128) { mx = fmaxf(mx, p.lse_accum[s * rows + row]); }
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) { mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o)); }
+    if (lane == 0) sm_max[warp] = mx;
+    __syncthreads();
+    mx = fmaxf(fmaxf(sm_max[0], sm_max[1]), fmaxf(sm_max[2], sm_max[3]));
     const float use = mx == -INFINITY ? 0.f : mx;
-    float o[kHeadDim / 32] = {};
+    float o[kV] = {};
     float total = 0.f;
-    for (int s = 0; s < p.num_splits; ++s) {
+    #pragma unroll 4
+    for (int s = warp; s < p.num_splits; s += 4) {
         const float w = __expf(p.lse_accum[s * rows + row] - use);
+        const float *src = p.out_accum + (s * rows + row) * kHeadDim + lane * kV;
+        float v[kV];
+        if constexpr (kV == 4) {
+            const float4 t = *reinterpret_cast<const float4 *>(src);
+            v[0] = t.x; v[1] = t.y; v[2] = t.z; v[3] = t.w;
+        } else {
+            const float2 t = *reinterpret_cast<const float2 *>(src);
+            v[0] = t.x; v[1] = t.y;
+        }
         total += w;
         #pragma unroll
-        for (int k = 0; k < kHeadDim / 32; ++k) { o[k] += w * p.out_accum[(s * rows + row) * kHeadDim + k * 32 + lane]; }
+        for (int k = 0; k < kV; ++k) { o[k] += w * v[k]; }
     }
     #pragma unroll
-    for (int k = 0; k < kHeadDim / 32; ++k) { o[k] = total > 0.f ? o[k] / total : 0.f; }
-    if (p.rot_signs != nullptr) {  // rotate back: Walsh-Hadamard over element k * 32 + lane, then signs
-        #pragma unroll
-        for (int h = 1; h < 32; h *= 2) {
-            #pragma unroll
-            for (int k = 0; k < kHeadDim / 32; ++k) {
-                const float other = __shfl_xor_sync(0xffffffffu, o[k], h);
-                o[k] = (lane & h) ? other - o[k] : o[k] + other;
-            }
-        }
-        #pragma unroll
-        for (int h = 1; h < kHeadDim / 32; h *= 2) {
-            #pragma unroll
-            for (int k = 0; k < kHeadDim / 32; ++k) {
-                if ((k & h) == 0) {
-                    const float a = o[k], c = o[k + h];
-                    o[k] = a + c;
-                    o[k + h] = a - c;
-                }
-            }
-        }
+    for (int k = 0; k < kV; ++k) { sm_o[warp][lane * kV + k] = o[k]; }
+    if (lane == 0) sm_total[warp] = total;
+    __syncthreads();
+    if (warp != 0) return;
+    total = sm_total[0] + sm_total[1] + sm_total[2] + sm_total[3];
+    #pragma unroll
+    for (int k = 0; k < kV; ++k) {
+        const int d = lane * kV + k;
+        const float sum = sm_o[0][d] + sm_o[1][d] + sm_o[2][d] + sm_o[3][d];
+        o[k] = total > 0.f ? sum / total : 0.f;
+    }
+    if (p.rot_signs != nullptr) {
+        fwht_warp<kHeadDim>(o, lane);
         const float inv_sqrt_d = kHeadDim == 128 ? 0.08838834764831845f : 0.125f;
         #pragma unroll
-        for (int k = 0; k < kHeadDim / 32; ++k) { o[k] *= p.rot_signs[k * 32 + lane] * inv_sqrt_d; }
+        for (int k = 0; k < kV; ++k) { o[k] *= p.rot_signs[lane * kV + k] * inv_sqrt_d; }
     }
     const int i = row % p.seqlen_q, hq = (row / p.seqlen_q) % p.h, b = row / (static_cast<int64_t>(p.seqlen_q) * p.h);
     Elem *out = reinterpret_cast<Elem *>(p.out) + b * p.o_batch_stride + i * p.o_row_stride + hq * p.o_head_stride;
-    #pragma unroll
-    for (int k = 0; k < kHeadDim / 32; ++k) { out[k * 32 + lane] = from_float<Elem>(o[k]); }
+    store_row_part<Elem, kV>(out + lane * kV, o);
     if (lane == 0) { p.softmax_lse[row] = total > 0.f ? use + logf(total) : INFINITY; }
 }
 

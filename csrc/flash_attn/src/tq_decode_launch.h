@@ -28,7 +28,7 @@ void run_decode_with(const DecodeParams &p, cudaStream_t stream) {
     }
     if (p.num_splits > 1) {
         const int64_t rows = static_cast<int64_t>(p.b) * p.h * p.seqlen_q;
-        decode_combine_kernel<Elem, kHeadDim><<<static_cast<unsigned>((rows + 3) / 4), 128, 0, stream>>>(p);
+        decode_combine_kernel<Elem, kHeadDim><<<static_cast<unsigned>(rows), 128, 0, stream>>>(p);
     }
 }
 

@@ -104,6 +104,54 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int kPending>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending)); }
 
+// Unnormalized Walsh-Hadamard transform of one row of kD floats held by a warp: lane l holds
+// elements l * kV + k (kV = kD / 32) in x[k]. Low index bits in registers, high bits by shuffles.
+template <int kD>
+__device__ __forceinline__ void fwht_warp(float (&x)[kD / 32], int lane) {
+    constexpr int kV = kD / 32;
+    #pragma unroll
+    for (int h = 1; h < kV; h *= 2) {
+        #pragma unroll
+        for (int k = 0; k < kV; ++k) {
+            if ((k & h) == 0) {
+                const float a = x[k], b = x[k + h];
+                x[k] = a + b;
+                x[k + h] = a - b;
+            }
+        }
+    }
+    #pragma unroll
+    for (int h = 1; h < 32; h *= 2) {
+        #pragma unroll
+        for (int k = 0; k < kV; ++k) {
+            const float other = __shfl_xor_sync(0xffffffffu, x[k], h);
+            x[k] = (lane & h) ? other - x[k] : x[k] + other;
+        }
+    }
+}
+
+// kV consecutive 16-bit values as floats / from floats (one 4- or 8-byte access).
+template <typename Elem, int kV>
+__device__ __forceinline__ void load_row_part(const Elem *src, float (&x)[kV]) {
+    static_assert(kV == 2 || kV == 4, "2 or 4 values");
+    if constexpr (kV == 4) {
+        const uint2 w = *reinterpret_cast<const uint2 *>(src);
+        const float2 a = unpack2<Elem>(w.x), b = unpack2<Elem>(w.y);
+        x[0] = a.x; x[1] = a.y; x[2] = b.x; x[3] = b.y;
+    } else {
+        const float2 a = unpack2<Elem>(*reinterpret_cast<const uint32_t *>(src));
+        x[0] = a.x; x[1] = a.y;
+    }
+}
+template <typename Elem, int kV>
+__device__ __forceinline__ void store_row_part(Elem *dst, const float (&x)[kV]) {
+    if constexpr (kV == 4) {
+        *reinterpret_cast<uint2 *>(dst) = make_uint2(pack2<Elem>(x[0], x[1]), pack2<Elem>(x[2], x[3]));
+    } else {
+        *reinterpret_cast<uint32_t *>(dst) = pack2<Elem>(x[0], x[1]);
+    }
+}
+
 // In-place unnormalized Walsh-Hadamard transform of kRows rows of kD floats in shared memory, by the
 // whole block (every thread must call it; ends with a barrier).
 template <int kRows, int kD, int kThreads>

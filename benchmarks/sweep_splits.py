@@ -1,0 +1,84 @@
+"""Decode time against num_splits (the data behind choose_num_splits in flash_api_tq.cpp).
+
+    python benchmarks/sweep_splits.py [--out benchmarks/results]
+
+For each shape, the fused op (3-bit, and the same kernel over the fp16 cache) replayed as a CUDA
+graph (kernel + combine, no host overhead) at fixed num_splits, and the heuristic's pick (0).
+Writes splits.json / splits.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from flash_attn_tq import ops  # noqa: E402
+from flash_attn_tq.cache import QuantizedKVCache  # noqa: E402
+
+SHAPES = [(1, 1024), (1, 4096), (1, 16384), (1, 65536), (1, 131072), (8, 1024), (8, 4096), (8, 32768), (32, 8192)]
+SPLITS = [0, 1, 2, 4, 8, 16, 32, 48, 66, 96, 128]
+
+
+def graph_us(fn):
+    from triton.testing import do_bench
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return do_bench(g.replay, warmup=10, rep=60, return_mode="median") * 1e3
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    args = ap.parse_args()
+    rows = []
+    for B, S in SHAPES:
+        cache = QuantizedKVCache(B, S, 8, 128, device="cuda")
+        k = torch.randn(B, S, 8, 128, device="cuda", dtype=torch.float16)
+        v = torch.randn_like(k)
+        cache.append(k, v)
+        q = torch.randn(B, 1, 32, 128, device="cuda", dtype=torch.float16)
+        lens = cache.seqlens
+        for kind in ("tq3", "kv16"):
+            times = {}
+            for sp in SPLITS:
+                if sp > S // 32:
+                    continue
+                if kind == "tq3":
+                    fn = lambda sp=sp: ops.decode(q, cache, lens, None, 0.088, False, sp)  # noqa: E731
+                else:
+                    fn = lambda sp=sp: ops.decode_kv16(q, k, v, lens, None, None, 0.088, False, sp)  # noqa: E731
+                times[sp] = graph_us(fn)
+            best = min((t, sp) for sp, t in times.items() if sp)
+            row = {"B": B, "S": S, "kind": kind, "us": times, "best_splits": best[1], "best_us": best[0],
+                   "heuristic_us": times[0]}
+            rows.append(row)
+            print(row, flush=True)
+        del cache, k, v
+        torch.cuda.empty_cache()
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "splits.json"), "w") as f:
+        json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    lines = ["| B | S | kernel | " + " | ".join(f"{s or 'auto'}" for s in SPLITS) + " | best |",
+             "|" + "---|" * (len(SPLITS) + 4)]
+    for r in rows:
+        cells = [f"{r['us'][s]:.1f}" if s in r["us"] else "–" for s in SPLITS]
+        lines.append(f"| {r['B']} | {r['S']} | {r['kind']} | " + " | ".join(cells) + f" | {r['best_splits']} |")
+    with open(os.path.join(args.out, "splits.md"), "w") as f:
+        f.write("Decode µs (CUDA graph, kernel + combine) against num_splits; H=32/8, d=128, fp16.\n\n"
+                + "\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
