@@ -80,7 +80,8 @@ def fused_decode_supported(cache, q: torch.Tensor) -> str | None:
 def _aligned_rows(q: torch.Tensor) -> torch.Tensor:
     """q as the kernels read it: contiguous rows at (head_dim / 16)-byte alignment (else a copy)."""
     vec = q.shape[-1] // 32
-    if q.stride(-1) != 1 or q.data_ptr() % (2 * vec) or any(st % vec for st in q.stride()[:3]):
+    misaligned = not torch.compiler.is_compiling() and q.data_ptr() % (2 * vec)  # (the op checks it too)
+    if q.stride(-1) != 1 or misaligned or any(st % vec for st in q.stride()[:3]):
         return q.contiguous() if q.stride(-1) != 1 else q.clone(memory_format=torch.contiguous_format)
     return q
 
@@ -159,7 +160,8 @@ def pack_into(cache, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, batc
             signs = qz.signs_on(x.device)
             levels = qz.codebook(x.device) if cache.grid == "lloyd_max" else None
         x3 = x.reshape(-1, cache.num_kv_heads, cache.head_dim)
-        if x3.stride(-1) != 1 or x3.stride(0) % 8 or x3.stride(1) % 8 or x3.data_ptr() % 16:
+        misaligned = not torch.compiler.is_compiling() and x3.data_ptr() % 16  # (the op checks it too)
+        if x3.stride(-1) != 1 or x3.stride(0) % 8 or x3.stride(1) % 8 or misaligned:
             x3 = x3.clone(memory_format=torch.contiguous_format)  # the kernel loads 16-byte aligned rows
         torch.ops.flash_attn_tq.pack_kv(x3, None, start, batch_idx, cache.block_table, codes, meta, error_flags,
                                         cache.max_seqlen, bits, quant, signs, levels, float(uniform_step(bits)))

@@ -22,14 +22,14 @@ namespace {
 
 #define CHECK_CUDA(t) TQ_CHECK((t).is_cuda(), #t " must be a CUDA tensor")
 
-// Pick num_splits so the grid fills the GPU with resident CTAs (ctas_per_sm of them, set by the
-// kernel's registers / shared memory) in one wave, keeping >= 128 tokens a split: measured on the
-// H200, more splits beat fewer even at 1K tokens (B=1: 15.8 us at 8 splits, 18.1 us at 2).
-int choose_num_splits(int ctas, int max_seqlen_k, int num_sms, int ctas_per_sm) {
-    const int resident = ctas_per_sm * num_sms;
-    if (ctas >= resident) return 1;
+// Pick num_splits so the grid is about one CTA per SM, keeping >= 128 tokens a split. Measured on
+// the H200 (benchmarks/results/splits.md, both loaders): B=1 x 8 kv heads is fastest at 16 splits
+// (128K tokens: 77 us vs 81 us at 66 splits = 4 CTAs an SM, 135 us at 8), B=8 at 2-8, B=32 at 1:
+// past one wave, the per-split prologue, merge and combine cost more than the extra warps hide.
+int choose_num_splits(int ctas, int max_seqlen_k, int num_sms) {
+    if (ctas >= num_sms) return 1;
     const int by_length = std::max(1, max_seqlen_k / 128);
-    return std::max(1, std::min({resident / ctas, by_length, 128}));
+    return std::max(1, std::min({(num_sms + ctas / 2) / ctas, by_length, 128}));
 }
 
 template <int kHeadDim>
@@ -102,8 +102,7 @@ std::tuple<at::Tensor, at::Tensor> run_decode_op(
     const int ctas = b * h_k * ((p.h_h_k_ratio * seqlen_q + rows_per_cta - 1) / rows_per_cta);
     int num_sms = 0;
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, q.get_device()));
-    const int ctas_per_sm = k_bits == 16 ? kFp16CtasPerSm : kPackedCtasPerSm;
-    p.num_splits = num_splits > 0 ? static_cast<int>(num_splits) : choose_num_splits(ctas, max_seqlen_k, num_sms, ctas_per_sm);
+    p.num_splits = num_splits > 0 ? static_cast<int>(num_splits) : choose_num_splits(ctas, max_seqlen_k, num_sms);
     at::Tensor out_accum, lse_accum;
     if (p.num_splits > 1) {
         out_accum = at::empty({p.num_splits, b, h, seqlen_q, d}, opts.dtype(at::kFloat));

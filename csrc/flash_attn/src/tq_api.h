@@ -15,10 +15,6 @@ void run_decode(const DecodeParams &p, cudaStream_t stream);
 template <typename Elem, int kHeadDim>
 void run_decode_fp16(const DecodeParams &p, cudaStream_t stream);
 
-// Resident CTAs an SM holds of each decode kernel (tq_kv_loader.h's kCtasPerSm), for num_splits.
-constexpr int kPackedCtasPerSm = 4;
-constexpr int kFp16CtasPerSm = 3;
-
 template <typename Elem, int kHeadDim>
 void run_pack(const PackParams &p, int bits, int quant, cudaStream_t stream);
 

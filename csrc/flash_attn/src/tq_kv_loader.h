@@ -27,7 +27,6 @@ struct PackedKV {
     static constexpr bool kAffine = true;
     static constexpr int kTileN = 32;   // tokens per warp tile: one token per lane for the copies
     static constexpr int kStages = 3;   // per-warp cp.async stages: two tiles in flight while one computes
-    static constexpr int kCtasPerSm = 4;  // resident CTAs an SM holds (registers), for num_splits
     using KL = CodeLayout<kKBits, kHeadDim>;
     using VL = CodeLayout<kVBits, kHeadDim>;
     static constexpr int kKOff = 0;
@@ -180,7 +179,6 @@ struct Fp16KV {
     static constexpr bool kAffine = false;
     static constexpr int kTileN = 16;      // one m16 block a tile: 8 KB of K+V at d=128
     static constexpr int kStages = 2;      // 64 KB of pipeline a CTA (d=128): 3 CTAs, 12 warps an SM
-    static constexpr int kCtasPerSm = 3;
     static constexpr int kRowBytes = kHeadDim * 2;
     static constexpr int kChunks = kRowBytes / 16;           // 16-byte chunks a token row
     static constexpr int kKOff = 0;

@@ -1,0 +1,52 @@
+"""Does the decode kernel read packed K/V faster head-major ([batch, kv_heads, seq, bytes]: a head's
+tokens contiguous) than token-major ([batch, seq, kv_heads, bytes], the cache's layout)?
+
+    python benchmarks/layout_experiment.py
+
+The kernel takes strides, so the same codes are copied into a head-major buffer viewed as
+[batch, seq, kv_heads, bytes]; outputs must match bit for bit. Times are CUDA-graph medians.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from flash_attn_tq import ops  # noqa: E402
+from flash_attn_tq.cache import QuantizedKVCache  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sweep_splits import graph_us  # noqa: E402
+
+
+def head_major(t: torch.Tensor) -> torch.Tensor:
+    b, s, h, n = t.shape
+    out = torch.empty(b, h, s, n, dtype=t.dtype, device=t.device).permute(0, 2, 1, 3)
+    out.copy_(t)
+    return out
+
+
+def main():
+    for B, S in ((1, 131072), (8, 32768), (32, 8192), (1, 16384), (8, 4096)):
+        cache = QuantizedKVCache(B, S, 8, 128, device="cuda")
+        cache.append(torch.randn(B, S, 8, 128, device="cuda", dtype=torch.float16),
+                     torch.randn(B, S, 8, 128, device="cuda", dtype=torch.float16))
+        q = torch.randn(B, 1, 32, 128, device="cuda", dtype=torch.float16)
+        fn_tok = lambda: ops.decode(q, cache, cache.seqlens, None, 0.088, False, 0)  # noqa: E731
+        ref = fn_tok()[0]
+        t_tok = graph_us(fn_tok)
+        for name in ("k_codes", "v_codes", "k_meta", "v_meta"):
+            setattr(cache, name, head_major(getattr(cache, name)))
+        out = fn_tok()[0]
+        same = torch.equal(out, ref)
+        t_head = graph_us(fn_tok)
+        print(f"B={B} S={S}: token-major {t_tok:.1f} us, head-major {t_head:.1f} us "
+              f"({t_tok / t_head:.2f}x), identical output: {same}", flush=True)
+        del cache
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
