@@ -40,16 +40,23 @@ def graph_us(fn):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--quick", action="store_true", help="fewer shapes and splits, 3-bit only")
+    ap.add_argument("--name", default="splits")
     args = ap.parse_args()
+    global SPLITS
+    shapes, kinds = SHAPES, ("tq3", "kv16")
+    if args.quick:
+        shapes, kinds = [(1, 1024), (1, 16384), (1, 131072), (8, 4096), (8, 32768), (32, 8192)], ("tq3",)
+        SPLITS = [0, 2, 8, 16, 32]
     rows = []
-    for B, S in SHAPES:
+    for B, S in shapes:
         cache = QuantizedKVCache(B, S, 8, 128, device="cuda")
         k = torch.randn(B, S, 8, 128, device="cuda", dtype=torch.float16)
         v = torch.randn_like(k)
         cache.append(k, v)
         q = torch.randn(B, 1, 32, 128, device="cuda", dtype=torch.float16)
         lens = cache.seqlens
-        for kind in ("tq3", "kv16"):
+        for kind in kinds:
             times = {}
             for sp in SPLITS:
                 if sp > S // 32:
@@ -67,14 +74,14 @@ def main():
         del cache, k, v
         torch.cuda.empty_cache()
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "splits.json"), "w") as f:
+    with open(os.path.join(args.out, f"{args.name}.json"), "w") as f:
         json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
     lines = ["| B | S | kernel | " + " | ".join(f"{s or 'auto'}" for s in SPLITS) + " | best |",
              "|" + "---|" * (len(SPLITS) + 4)]
     for r in rows:
         cells = [f"{r['us'][s]:.1f}" if s in r["us"] else "–" for s in SPLITS]
         lines.append(f"| {r['B']} | {r['S']} | {r['kind']} | " + " | ".join(cells) + f" | {r['best_splits']} |")
-    with open(os.path.join(args.out, "splits.md"), "w") as f:
+    with open(os.path.join(args.out, f"{args.name}.md"), "w") as f:
         f.write("Decode µs (CUDA graph, kernel + combine) against num_splits; H=32/8, d=128, fp16.\n\n"
                 + "\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -221,8 +221,8 @@ void pack_kv(const at::Tensor &x,             // [tokens, heads, d] fp16/bf16
              const std::optional<at::Tensor> &start,         // [batch] int32
              const std::optional<at::Tensor> &batch_idx,     // [batch] int32
              const std::optional<at::Tensor> &block_table,   // [cache rows, max_blocks] int32
-             at::Tensor &codes,               // [rows, cols, heads, bytes] uint8, contiguous
-             at::Tensor &meta,                // [rows, cols, heads, 2] half, contiguous
+             at::Tensor &codes,               // [rows, cols, heads, bytes] uint8 (any strides, contiguous rows)
+             at::Tensor &meta,                // [rows, cols, heads, 2] half
              const std::optional<at::Tensor> &error_flags,   // [1] int32
              int64_t capacity, int64_t bits, int64_t quant, const std::optional<at::Tensor> &signs,
              const std::optional<at::Tensor> &levels, double step) {
@@ -237,7 +237,13 @@ void pack_kv(const at::Tensor &x,             // [tokens, heads, d] fp16/bf16
              "x must have fewer than 2**31 elements (split the call)");
     const int d = x.size(2);
     TQ_CHECK(d == 64 || d == 128, "head_dim must be 64 or 128 for the pack kernel");
-    TQ_CHECK(codes.is_contiguous() && meta.is_contiguous(), "codes and meta must be contiguous");
+    // the kernel stores a thread's code run in 2-, 4- or 8-byte words and (scale, offset) as one 4-byte word
+    const int64_t code_align = bits == 4 ? 8 : (bits == 2 ? 4 : 2);
+    TQ_CHECK(codes.stride(3) == 1 && codes.stride(0) % code_align == 0 && codes.stride(1) % code_align == 0 &&
+             codes.stride(2) % code_align == 0 && reinterpret_cast<uintptr_t>(codes.data_ptr()) % code_align == 0,
+             "codes rows must be contiguous and aligned");
+    TQ_CHECK(meta.stride(3) == 1 && meta.stride(0) % 2 == 0 && meta.stride(1) % 2 == 0 && meta.stride(2) % 2 == 0 &&
+             reinterpret_cast<uintptr_t>(meta.data_ptr()) % 4 == 0, "meta rows must be contiguous and 4-byte aligned");
     TQ_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 4 && codes.size(2) == x.size(1) && codes.size(3) == d * bits / 8,
              "codes must be uint8 [rows, cols, heads, head_dim * bits / 8]");
     TQ_CHECK(meta.scalar_type() == at::kHalf && meta.dim() == 4 && meta.size(0) == codes.size(0) && meta.size(1) == codes.size(1) &&
@@ -290,6 +296,8 @@ void pack_kv(const at::Tensor &x,             // [tokens, heads, d] fp16/bf16
     }
     p.codes = codes.data_ptr<uint8_t>();
     p.meta = reinterpret_cast<uint16_t *>(meta.data_ptr());
+    p.codes_row_stride = codes.stride(0); p.codes_col_stride = codes.stride(1); p.codes_head_stride = codes.stride(2);
+    p.meta_row_stride = meta.stride(0); p.meta_col_stride = meta.stride(1); p.meta_head_stride = meta.stride(2);
     if (quant != 2) {
         TQ_CHECK(signs.has_value() && signs->scalar_type() == at::kFloat && signs->numel() == d && signs->is_cuda(),
                  "turbo needs signs: float32 CUDA [head_dim]");

@@ -1,6 +1,8 @@
 // Host-side launch of the decode kernel (+ the split combine) for one (dtype, head_dim, loader) case.
 #pragma once
 
+#include <cstdlib>
+
 #include <cuda_runtime.h>
 
 #include "tq_decode_kernel.h"
@@ -21,7 +23,10 @@ void launch_decode_split(const DecodeParams &p, cudaStream_t stream) {
 
 template <typename Elem, int kHeadDim, typename KV>
 void run_decode_with(const DecodeParams &p, cudaStream_t stream) {
-    if (p.h_h_k_ratio * p.seqlen_q <= 8) {
+    static const bool kEightWarps = [] { const char *e = std::getenv("FLASH_TQ_DECODE_WARPS"); return e && e[0] == '8'; }();  // EXPERIMENT
+    if (kEightWarps && p.h_h_k_ratio * p.seqlen_q <= 8) {
+        launch_decode_split<DecodeTraits<Elem, kHeadDim, 1, KV, 8>>(p, stream);
+    } else if (p.h_h_k_ratio * p.seqlen_q <= 8) {
         launch_decode_split<DecodeTraits<Elem, kHeadDim, 1, KV>>(p, stream);
     } else {  // 16 rows a CTA; more rows take more CTAs along grid.z
         launch_decode_split<DecodeTraits<Elem, kHeadDim, 2, KV>>(p, stream);

@@ -97,9 +97,18 @@ struct RunPacker {
     }
 };
 
-// Cache slot of token t (row * cols + col), or -1 (skipped; bad positions also flag an error).
-__device__ __forceinline__ int64_t pack_slot(const PackParams &p, int t) {
-    if (p.slot_mapping != nullptr) return p.slot_mapping[t];
+// (row, col) of the codes tensor token t goes to; row -1: skipped (a bad position also flags an error).
+__device__ __forceinline__ int2 pack_slot(const PackParams &p, int t) {
+    if (p.slot_mapping != nullptr) {
+        const int64_t slot = p.slot_mapping[t];
+        if (slot < 0) return make_int2(-1, 0);
+        if (slot >= static_cast<int64_t>(p.rows) * p.cols) {
+            if (p.error_flags != nullptr) atomicOr(p.error_flags, kPackPosition);
+            return make_int2(-1, 0);
+        }
+        const int row = static_cast<int>(slot / p.cols);
+        return make_int2(row, static_cast<int>(slot - static_cast<int64_t>(row) * p.cols));
+    }
     const int i = t / p.n_new, j = t - i * p.n_new;
     const int b = p.batch_idx != nullptr ? p.batch_idx[i] : i;
     const int pos = p.start[i] + j;
@@ -113,9 +122,9 @@ __device__ __forceinline__ int64_t pack_slot(const PackParams &p, int t) {
     }
     if (err != 0) {
         if (p.error_flags != nullptr) atomicOr(p.error_flags, err);
-        return -1;
+        return make_int2(-1, 0);
     }
-    return static_cast<int64_t>(row) * p.cols + col;
+    return make_int2(row, col);
 }
 
 template <typename Elem, int kHeadDim, int kBits, Quant kQuant>
@@ -173,9 +182,10 @@ __global__ void __launch_bounds__(128) pack_kv_kernel(const PackParams p) {
         for (int q = 0; q < P / 8; ++q) { cur[q] = next[q]; }
         load(base + stride + vsub, next);
         // one lane of the vector resolves the slot (checks + block table), the others read it
-        int64_t slot = -1;
-        if (live && s == 0) { slot = pack_slot(p, token); }
-        slot = __shfl_sync(0xffffffffu, slot, lane & ~7);
+        int2 cell = make_int2(-1, 0);
+        if (live && s == 0) { cell = pack_slot(p, token); }
+        const int slot_row = __shfl_sync(0xffffffffu, cell.x, lane & ~7), slot_col = __shfl_sync(0xffffffffu, cell.y, lane & ~7);
+        bool store = slot_row >= 0;
 
         // ---- apply the signs, to float32
         float x[P];
@@ -273,24 +283,24 @@ __global__ void __launch_bounds__(128) pack_kv_kernel(const PackParams p) {
         }
 
         if (!finite) {  // a quantized cache cannot hold it: flag the call, write nothing
-            if (slot >= 0 && s == 0 && p.error_flags != nullptr) { atomicOr(p.error_flags, kPackNonFinite); }
-            slot = -1;
+            if (store && s == 0 && p.error_flags != nullptr) { atomicOr(p.error_flags, kPackNonFinite); }
+            store = false;
         }
 
         // ---- pack this thread's run of codes (positions s*P ...) and store
         using Packer = RunPacker<kBits, P>;
         uint32_t lanes[Packer::kLanes];
         Packer::pack(code, s * P, lanes);
-        uint8_t *row = p.codes + (slot * p.heads + head) * kRowBytes;
+        uint8_t *row = p.codes + slot_row * p.codes_row_stride + slot_col * p.codes_col_stride + head * p.codes_head_stride;
         if constexpr (kBits == 3 && P == 8) {  // half blocks: merge with the neighbour, the even thread stores
             #pragma unroll
             for (int i = 0; i < 3; ++i) { lanes[i] |= __shfl_xor_sync(0xffffffffu, lanes[i], 1); }
-            if (slot >= 0 && (s & 1) == 0) {
+            if (store && (s & 1) == 0) {
                 uint16_t *dst = reinterpret_cast<uint16_t *>(row + 6 * (s / 2));
                 #pragma unroll
                 for (int i = 0; i < 3; ++i) { dst[i] = static_cast<uint16_t>(lanes[i]); }
             }
-        } else if (slot >= 0) {
+        } else if (store) {
             constexpr int kBytes = Packer::kLanes * 2;  // 6 (3-bit), 2 / 4 / 8
             uint8_t *dst = row + s * kBytes;
             if constexpr (kBytes == 8) {
@@ -302,10 +312,11 @@ __global__ void __launch_bounds__(128) pack_kv_kernel(const PackParams p) {
                 for (int i = 0; i < Packer::kLanes; ++i) { reinterpret_cast<uint16_t *>(dst)[i] = static_cast<uint16_t>(lanes[i]); }
             }
         }
-        if (slot >= 0 && s == 0) {
+        if (store && s == 0) {
             const uint32_t meta = static_cast<uint32_t>(__half_as_ushort(__float2half_rn(scale_out))) |
                                   (static_cast<uint32_t>(__half_as_ushort(__float2half_rn(offset_out))) << 16);
-            *reinterpret_cast<uint32_t *>(p.meta + (slot * p.heads + head) * 2) = meta;
+            *reinterpret_cast<uint32_t *>(p.meta + slot_row * p.meta_row_stride + slot_col * p.meta_col_stride +
+                                          head * p.meta_head_stride) = meta;
         }
     }
 }

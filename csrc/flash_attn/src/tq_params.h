@@ -61,8 +61,10 @@ struct PackParams {
     int rows, cols, capacity;        // codes.shape[0], codes.shape[1], positions a sequence holds
     int batch_rows;                  // sequences (codes rows, or block_table rows when paged)
     int *error_flags;                // [1] or nullptr: PackError bits
-    uint8_t *codes;                  // [rows, cols, heads, code_bytes] (contiguous)
-    uint16_t *meta;                  // [rows, cols, heads, 2] (contiguous)
+    uint8_t *codes;                  // [rows, cols, heads, code_bytes], any strides (bytes) with a contiguous last dim
+    uint16_t *meta;                  // [rows, cols, heads, 2], strides in halves
+    int64_t codes_row_stride, codes_col_stride, codes_head_stride;
+    int64_t meta_row_stride, meta_col_stride, meta_head_stride;
     const float *signs;              // [d] turbo sign vector
     const float *levels;             // [2^bits] Lloyd-Max levels (unit variance)
     float inv_step, step;            // uniform grid
