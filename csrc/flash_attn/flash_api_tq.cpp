@@ -22,14 +22,23 @@ namespace {
 
 #define CHECK_CUDA(t) TQ_CHECK((t).is_cuda(), #t " must be a CUDA tensor")
 
-// Pick num_splits so the grid is about one CTA per SM, keeping >= 128 tokens a split. Measured on
-// the H200 (benchmarks/results/splits.md, both loaders): B=1 x 8 kv heads is fastest at 16 splits
-// (128K tokens: 77 us vs 81 us at 66 splits = 4 CTAs an SM, 135 us at 8), B=8 at 2-8, B=32 at 1:
-// past one wave, the per-split prologue, merge and combine cost more than the extra warps hide.
+// Pick num_splits for an even load: the busiest SM holds ceil(ctas * s / num_sms) CTAs, each with
+// 1/s of a sequence, so the time goes as ceil(ctas * s / num_sms) / s; take the fewest splits
+// within 5% of the best (every split adds a prologue, a merge and combine work), >= 128 tokens a
+// split. Measured on the H200 (benchmarks/results/splits*.md): B=1 x 8 kv heads, 128K tokens:
+// 69 us at 16 splits (128 CTAs), 98 us at 17 (136 CTAs: 4 SMs run two), 81 us at 66; B=32: 1.
 int choose_num_splits(int ctas, int max_seqlen_k, int num_sms) {
-    if (ctas >= num_sms) return 1;
-    const int by_length = std::max(1, max_seqlen_k / 128);
-    return std::max(1, std::min({(num_sms + ctas / 2) / ctas, by_length, 128}));
+    const int max_splits = std::max(1, std::min(128, max_seqlen_k / 128));
+    double best = 0.0;
+    int best_splits = 1;
+    for (int s = 1; s <= max_splits; ++s) {
+        const double load = static_cast<double>((static_cast<int64_t>(ctas) * s + num_sms - 1) / num_sms) / s;
+        if (s == 1 || load < 0.95 * best) {
+            best = load;
+            best_splits = s;
+        }
+    }
+    return best_splits;
 }
 
 template <int kHeadDim>

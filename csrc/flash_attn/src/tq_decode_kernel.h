@@ -210,25 +210,44 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_split_kernel(const D
             }
         }
 
-        // ---- online softmax (base 2); probabilities scaled by V's per-token scale go to P^T
-        uint32_t pb[MT][NT][2];
+        // ---- online softmax (base 2) with lazy rescaling: a row's reference max moves only when the
+        // tile's max exceeds it by more than kRescaleSlack (probabilities stay <= 2^slack, safe in
+        // 16 bits), and the accumulators are rescaled only when some row of the warp moved; past
+        // the first tiles that is rare. Probabilities scaled by V's per-token scale go to P^T.
+        constexpr float kRescaleSlack = 8.f;
+        float tile_max[NT][2];
+        bool moved = false;
         #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
-            float use_max[2];
             #pragma unroll
             for (int j = 0; j < 2; ++j) {
                 float mx = kNegInf;
                 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) { mx = fmaxf(mx, fmaxf(sc[mt][nt][j], sc[mt][nt][j + 2])); }
-                mx = fmaxf(row_max[nt][j], warp_max_rows(mx));
-                use_max[j] = mx == kNegInf ? 0.f : mx;
-                const float rescale = exp2f(row_max[nt][j] - use_max[j]);
-                row_max[nt][j] = mx;
-                row_sum[nt][j] *= rescale;
-                row_corr[nt][j] *= rescale;
-                #pragma unroll
-                for (int m = 0; m < KB; ++m) { acc[nt][m][j] *= rescale; acc[nt][m][j + 2] *= rescale; }
+                tile_max[nt][j] = warp_max_rows(mx);
+                moved |= tile_max[nt][j] > row_max[nt][j] + kRescaleSlack;
             }
+        }
+        if (__any_sync(0xffffffffu, moved)) {
+            #pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                #pragma unroll
+                for (int j = 0; j < 2; ++j) {
+                    const float mx = fmaxf(row_max[nt][j], tile_max[nt][j]);
+                    const float rescale = mx == kNegInf ? 1.f : exp2f(row_max[nt][j] - mx);
+                    row_max[nt][j] = mx;
+                    row_sum[nt][j] *= rescale;
+                    row_corr[nt][j] *= rescale;
+                    #pragma unroll
+                    for (int m = 0; m < KB; ++m) { acc[nt][m][j] *= rescale; acc[nt][m][j + 2] *= rescale; }
+                }
+            }
+        }
+        uint32_t pb[MT][NT][2];
+        #pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            const float use_max[2] = {row_max[nt][0] == kNegInf ? 0.f : row_max[nt][0],
+                                      row_max[nt][1] == kNegInf ? 0.f : row_max[nt][1]};
             #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
                 const int t0 = mt * 16 + g;

@@ -23,10 +23,7 @@ void launch_decode_split(const DecodeParams &p, cudaStream_t stream) {
 
 template <typename Elem, int kHeadDim, typename KV>
 void run_decode_with(const DecodeParams &p, cudaStream_t stream) {
-    static const bool kEightWarps = [] { const char *e = std::getenv("FLASH_TQ_DECODE_WARPS"); return e && e[0] == '8'; }();  // EXPERIMENT
-    if (kEightWarps && p.h_h_k_ratio * p.seqlen_q <= 8) {
-        launch_decode_split<DecodeTraits<Elem, kHeadDim, 1, KV, 8>>(p, stream);
-    } else if (p.h_h_k_ratio * p.seqlen_q <= 8) {
+    if (p.h_h_k_ratio * p.seqlen_q <= 8) {
         launch_decode_split<DecodeTraits<Elem, kHeadDim, 1, KV>>(p, stream);
     } else {  // 16 rows a CTA; more rows take more CTAs along grid.z
         launch_decode_split<DecodeTraits<Elem, kHeadDim, 2, KV>>(p, stream);
@@ -39,7 +36,12 @@ void run_decode_with(const DecodeParams &p, cudaStream_t stream) {
 
 template <typename Elem, int kHeadDim, int kKBits, int kVBits>
 void run_decode(const DecodeParams &p, cudaStream_t stream) {
-    run_decode_with<Elem, kHeadDim, PackedKV<kKBits, kVBits, kHeadDim, Elem>>(p, stream);
+    static const bool kTile64 = [] { const char *e = std::getenv("FLASH_TQ_TILE64"); return e && e[0] == '1'; }();  // EXPERIMENT
+    if (kTile64) {
+        run_decode_with<Elem, kHeadDim, PackedKV<kKBits, kVBits, kHeadDim, Elem, 64>>(p, stream);
+    } else {
+        run_decode_with<Elem, kHeadDim, PackedKV<kKBits, kVBits, kHeadDim, Elem>>(p, stream);
+    }
 }
 
 template <typename Elem, int kHeadDim>

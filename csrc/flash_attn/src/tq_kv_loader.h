@@ -21,11 +21,11 @@
 
 namespace flash_tq {
 
-template <int kKBits_, int kVBits_, int kHeadDim, typename Elem>
+template <int kKBits_, int kVBits_, int kHeadDim, typename Elem, int kTileN_ = 32>
 struct PackedKV {
     static constexpr int kKBits = kKBits_, kVBits = kVBits_;
     static constexpr bool kAffine = true;
-    static constexpr int kTileN = 32;   // tokens per warp tile: one token per lane for the copies
+    static constexpr int kTileN = kTileN_;  // tokens per warp tile: the copies take one token a lane per 32
     static constexpr int kStages = 3;   // per-warp cp.async stages: two tiles in flight while one computes
     using KL = CodeLayout<kKBits, kHeadDim>;
     using VL = CodeLayout<kVBits, kHeadDim>;
@@ -76,11 +76,17 @@ struct PackedKV {
         for (int j = 0; j < kBytes / kChunk; ++j) { cp_async<kChunk>(dst + j * kChunk, src + j * kChunk, valid); }
     }
 
-    // Lane l copies token tile_start + l (codes and meta of K and V); tokens >= seqlen_k are zero-filled.
-    // Offsets are 32 x 32 -> 64-bit products: row and block strides fit in 32 bits (checked on the host).
+    // Lane l copies tokens tile_start + l + 32 i (codes and meta of K and V); tokens >= seqlen_k are
+    // zero-filled. Offsets are 32 x 32 -> 64-bit products: row and block strides fit in 32 bits
+    // (checked on the host).
     __device__ static void load_tile(const DecodeParams &p, const Bases &base, char *stage, int b, int tile_start,
                                      int seqlen_k, int lane) {
-        const int t = tile_start + lane;
+        #pragma unroll
+        for (int i = 0; i < kTileN / 32; ++i) { load_token(p, base, stage, b, tile_start + 32 * i, seqlen_k, 32 * i + lane); }
+    }
+    __device__ static void load_token(const DecodeParams &p, const Bases &base, char *stage, int b, int first,
+                                      int seqlen_k, int lane) {
+        const int t = first + lane % 32;
         const bool valid = t < seqlen_k;
         int row = 0, col = valid ? t : 0;
         if (p.block_table != nullptr) {  // page sizes are powers of two
