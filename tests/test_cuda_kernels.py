@@ -5,6 +5,7 @@ Run on the device: ``python -m pytest tests/test_cuda_kernels.py -q``.
 from __future__ import annotations
 
 import math
+import zlib
 
 import pytest
 import torch
@@ -87,7 +88,7 @@ CASES = [
 @pytest.mark.parametrize("case", CASES)
 def test_decode_matches_reference(dtype, d, bits, quantizer, case):
     batch, seqlens, hq, hk, sq = case
-    seed = hash((str(dtype), d, bits, quantizer, tuple(seqlens), sq)) % 10000
+    seed = zlib.crc32(repr((str(dtype), d, bits, quantizer, seqlens, sq)).encode()) % 10000  # stable across runs
     cache, _, _ = _make_cache(batch, seqlens, hk, d, quantizer=quantizer, k_bits=bits[0], v_bits=bits[1],
                               dtype=dtype, seed=seed)
     q = torch.randn(batch, sq, hq, d, device=DEV, generator=torch.Generator(device=DEV).manual_seed(seed + 1)).to(dtype)
@@ -100,7 +101,10 @@ def test_decode_matches_reference(dtype, d, bits, quantizer, case):
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     err = (out - ref).abs().max().item()
     err_lp = (ref_lp - ref).abs().max().item()
-    assert err <= 2 * err_lp + 2e-3, (err, err_lp)
+    # beyond 16-bit math: one rounding of each token's V scale times its probability (a common
+    # relative error of the token's values, which dominates with a single key), 2^-8 in bf16
+    eps = torch.finfo(dtype).eps
+    assert err <= 2 * err_lp + eps * ref.abs().max().item() + 2e-3, (err, err_lp)
     lse_err = (lse.cpu() - ref_lse).abs().max().item()
     assert lse_err <= 2 * (lse_lp_err := (ref_lse_lp - ref_lse).abs().max().item()) + 1e-3, (lse_err, lse_lp_err)
 

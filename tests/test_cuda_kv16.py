@@ -5,6 +5,7 @@ when upstream flash_attn is not installed.
 from __future__ import annotations
 
 import math
+import zlib
 
 import pytest
 import torch
@@ -76,7 +77,7 @@ CASES = [
 @pytest.mark.parametrize("case", CASES)
 def test_kv16_decode_matches_reference(dtype, d, case):
     batch, seqlens, hq, hk, sq = case
-    seed = hash((str(dtype), d, tuple(seqlens), sq)) % 10000
+    seed = zlib.crc32(repr((str(dtype), d, seqlens, sq)).encode()) % 10000  # stable across runs
     k, v = _kv(batch, max(seqlens) + 5, hk, d, dtype, seed, seqlens)
     q = torch.randn(batch, sq, hq, d, device=DEV, generator=torch.Generator(device=DEV).manual_seed(seed + 1)).to(dtype)
     lens = torch.tensor(seqlens, dtype=torch.int32, device=DEV)

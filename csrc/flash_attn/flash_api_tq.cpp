@@ -22,23 +22,24 @@ namespace {
 
 #define CHECK_CUDA(t) TQ_CHECK((t).is_cuda(), #t " must be a CUDA tensor")
 
-// Pick num_splits for an even load: the busiest SM holds ceil(ctas * s / num_sms) CTAs, each with
-// 1/s of a sequence, so the time goes as ceil(ctas * s / num_sms) / s; take the fewest splits
-// within 5% of the best (every split adds a prologue, a merge and combine work), >= 128 tokens a
-// split. Measured on the H200 (benchmarks/results/splits*.md): B=1 x 8 kv heads, 128K tokens:
-// 69 us at 16 splits (128 CTAs), 98 us at 17 (136 CTAs: 4 SMs run two), 81 us at 66; B=32: 1.
+// Pick num_splits. The busiest SM holds ceil(ctas * s / num_sms) CTAs of 1/s of a sequence each,
+// so time goes as load(s) = ceil(ctas * s / num_sms) / s. Among splits within 5% of the best load,
+// take the first that puts about two CTAs (8 warps) on every SM, else the fewest (each split adds a
+// prologue, a merge and combine work); >= 128 tokens a split. Measured on the H200
+// (benchmarks/results/splits*.md), B=1 x 8 kv heads x 128K tokens: 67 us at 32 splits, 70 us at
+// 16, 98 us at 17 (4 SMs run two CTAs), 81 us at 66; B=8 x 32K: 112 us at 8, 126 us at 2.
 int choose_num_splits(int ctas, int max_seqlen_k, int num_sms) {
     const int max_splits = std::max(1, std::min(128, max_seqlen_k / 128));
-    double best = 0.0;
-    int best_splits = 1;
+    auto load = [&](int s) { return static_cast<double>((static_cast<int64_t>(ctas) * s + num_sms - 1) / num_sms) / s; };
+    double best = load(1);
+    for (int s = 2; s <= max_splits; ++s) { best = std::min(best, load(s)); }
+    int fewest = 0;
     for (int s = 1; s <= max_splits; ++s) {
-        const double load = static_cast<double>((static_cast<int64_t>(ctas) * s + num_sms - 1) / num_sms) / s;
-        if (s == 1 || load < 0.95 * best) {
-            best = load;
-            best_splits = s;
-        }
+        if (load(s) > 1.05 * best) continue;
+        if (fewest == 0) fewest = s;
+        if (static_cast<int64_t>(ctas) * s * 20 >= static_cast<int64_t>(num_sms) * 38) return s;  // >= 1.9 CTAs an SM
     }
-    return best_splits;
+    return fewest;
 }
 
 template <int kHeadDim>
