@@ -25,7 +25,8 @@ from .quantizers import uniform_step
 FUSED_HEAD_DIMS = (64, 128)
 FUSED_DECODE_BITS = ((3, 3), (4, 3))  # (k_bits, v_bits) with a fused decode kernel
 MAX_FUSED_ROWS = 256  # group size * seqlen_q handled by the decode kernel (speculative decoding)
-QUANT_IDS = {("turbo", "uniform"): 0, ("turbo", "lloyd_max"): 1, ("asym", "uniform"): 2}
+QUANT_IDS = {("turbo", "uniform", "norm"): 0, ("turbo", "lloyd_max", "norm"): 1, ("asym", "uniform", "norm"): 2,
+             ("turbo", "uniform", "mean"): 3}  # (quantizer, grid, fit) -> the pack kernel's Quant
 
 
 @functools.lru_cache(maxsize=None)
@@ -138,7 +139,7 @@ def decode_kv16(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s
 def pack_supported(cache, x: torch.Tensor) -> bool:
     return (x.is_cuda and extension_available() and x.dtype in (torch.float16, torch.bfloat16)
             and cache.head_dim in FUSED_HEAD_DIMS and not cache.streaming
-            and getattr(cache, "fit", "norm") == "norm")  # the pack kernel implements fit="norm" only
+            and (cache.quantizer, cache.grid, getattr(cache, "fit", "norm")) in QUANT_IDS)
 
 
 PACK_ERRORS = {1: "contains NaN or Inf: a quantized cache cannot store them",
@@ -152,7 +153,7 @@ def pack_into(cache, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, batc
     """Quantize ``k, v [batch, n, kv_heads, d]`` on the GPU into positions ``start[i] + j`` of cache
     rows ``batch_idx[i]`` (int32 ``[batch]``; None: row i). The kernel resolves paged slots, skips
     tokens it cannot place or store and ORs :data:`PACK_ERRORS` bits into ``error_flags`` (int32 [1])."""
-    quant = QUANT_IDS[(cache.quantizer, cache.grid)]
+    quant = QUANT_IDS[(cache.quantizer, cache.grid, getattr(cache, "fit", "norm"))]
     for x, codes, meta, qz, bits in ((k, cache.k_codes, cache.k_meta, cache.k_quantizer, cache.k_bits),
                                      (v, cache.v_codes, cache.v_meta, cache.v_quantizer, cache.v_bits)):
         signs = levels = None

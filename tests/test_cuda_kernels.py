@@ -283,3 +283,32 @@ def test_append_checks_run_in_the_pack_kernel(page_size):
 def cpu_gather_row(cache, row, lo, hi):
     g = cache.gather(torch.tensor([row], device=DEV))
     return g["k_codes"][0, lo:hi]
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_pack_kernel_fit_mean_matches_reference(bits, d, dtype):
+    """fit="mean" (the TQCache default's grid fit) in the pack kernel vs the PyTorch quantizer."""
+    n, h = 777, 2
+    gen = torch.Generator(device=DEV).manual_seed(31 * bits + d)
+    x = (torch.randn(1, n, h, d, device=DEV, generator=gen) + 0.7).to(dtype)  # a nonzero mean to fit
+    cache = QuantizedKVCache(1, n, h, d, k_bits=bits, v_bits=bits, fit="mean", device=DEV)
+    assert ops.pack_supported(cache, x)
+    cache.k_codes.fill_(0xCD)
+    cache.k_meta.fill_(float("nan"))
+    cache.append(x, x)
+    ref = cache.quantize(x, x)
+    got = fmt.unpack_codes(cache.k_codes[0, :n], bits, d)
+    exp = fmt.unpack_codes(ref["k_codes"][0], bits, d)
+    assert ((got - exp).abs() <= 1).all()
+    frac = (got != exp).float().mean().item()
+    assert frac <= 2e-3, frac
+    torch.testing.assert_close(cache.k_meta[0, :n].float(), ref["k_meta"][0].float(), rtol=2e-3, atol=2e-3)
+    # and attention over it through the fused kernel matches the reference path
+    q = torch.randn(1, 1, 2 * h, d, device=DEV, dtype=dtype)
+    out = fa.flash_attn_with_kvcache(q, cache)
+    assert fa.last_path() == "quantized:fused-cuda"
+    ref_out, _, ref_lp, _ = _reference(q, cache, cache.seqlens, False)
+    err, err_lp = (out.float().cpu() - ref_out).abs().max().item(), (ref_lp - ref_out).abs().max().item()
+    assert err <= 2 * err_lp + torch.finfo(dtype).eps * ref_out.abs().max().item() + 2e-3, (err, err_lp)

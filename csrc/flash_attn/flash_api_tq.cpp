@@ -258,7 +258,7 @@ void pack_kv(const at::Tensor &x,             // [tokens, heads, d] fp16/bf16
              "codes must be uint8 [rows, cols, heads, head_dim * bits / 8]");
     TQ_CHECK(meta.scalar_type() == at::kHalf && meta.dim() == 4 && meta.size(0) == codes.size(0) && meta.size(1) == codes.size(1) &&
              meta.size(2) == x.size(1) && meta.size(3) == 2, "meta must be float16 [rows, cols, heads, 2]");
-    TQ_CHECK(quant >= 0 && quant <= 2, "quant must be 0 (turbo uniform), 1 (turbo Lloyd-Max) or 2 (asym)");
+    TQ_CHECK(quant >= 0 && quant <= 3, "quant must be 0 (turbo uniform), 1 (turbo Lloyd-Max), 2 (asym) or 3 (turbo, fit mean)");
     TQ_CHECK(slot_mapping.has_value() != start.has_value(), "give either slot_mapping or start");
     c10::cuda::CUDAGuard guard(x.device());
     PackParams p{};

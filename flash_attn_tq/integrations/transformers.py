@@ -55,8 +55,8 @@ DEFAULTS = dict(k_bits=3, v_bits=3, quantizer="turbo", grid="uniform", fit="mean
 # Per sequence and layer: 4 sink tokens + the last 124 tokens in 16-bit; every other token 3-bit codes +
 # float16 (scale, offset) = 3.5 bits/element at head_dim 64, 3.25 at 128. Keys centred and their main
 # direction stored exactly in the offset; values likewise for their main direction. (Per-channel key
-# scaling calibrated on the prompt helps at 1K tokens but hurts at 4K: off by default.) fit="mean" is not in the GPU quantize-on-write kernel yet (appends
-# quantize in PyTorch); fit="norm", key_pca=False, value_pca=False keep the kernel.
+# scaling calibrated on the prompt helps at 1K tokens but hurts at 4K: off by default.) On the GPU,
+# appends quantize in the pack kernel (fit="mean" included) after the key/value transforms in PyTorch.
 
 
 def _check_no_padding(attention_mask) -> None:

@@ -237,6 +237,38 @@ __global__ void __launch_bounds__(128) pack_kv_kernel(const PackParams p) {
             }
             scale_out = scale;
             offset_out = __fmul_rn(-scale, zero);
+        } else if constexpr (kQuant == Quant::kTurboMean) {
+            // x is the unnormalized transform H x (the rotated vector is x / sqrt(d)): fit the grid
+            // to r = x - mean(x): codes of r * sqrt(d) / |r| on the uniform grid, then the
+            // least-squares affine map of the codes' deviations onto r's, plus the mean
+            float sx = 0.f;
+            #pragma unroll
+            for (int k = 0; k < P; ++k) { sx = __fadd_rn(sx, x[k]); }
+            const float mean_u = __fdiv_rn(group8_sum(sx), static_cast<float>(kHeadDim));
+            float ss = 0.f;
+            #pragma unroll
+            for (int k = 0; k < P; ++k) { x[k] = __fsub_rn(x[k], mean_u); ss = __fmaf_rn(x[k], x[k], ss); }
+            const float rn_u = __fsqrt_rn(group8_sum(ss));
+            finite = rn_u < INFINITY;
+            const float to_grid = rn_u > 0.f ? __fmul_rn(__fdiv_rn(sqrt_d, rn_u), p.inv_step) : 0.f;
+            int s1 = 0, s2 = 0;
+            #pragma unroll
+            for (int k = 0; k < P; ++k) {
+                code[k] = min(max(__float2int_rd(__fmaf_rn(x[k], to_grid, 0.5f * kLevels)), 0), kLevels - 1);
+                s1 += code[k];
+                s2 += code[k] * code[k];
+            }
+            #pragma unroll
+            for (int o = 1; o < 8; o <<= 1) {
+                s1 += __shfl_xor_sync(0xffffffffu, s1, o);
+                s2 += __shfl_xor_sync(0xffffffffu, s2, o);
+            }
+            // |c - mean(c)|^2 = (d * sum c^2 - (sum c)^2) / d, exact in integers
+            const float cn = __fsqrt_rn(__fdiv_rn(static_cast<float>(kHeadDim * s2 - s1 * s1), static_cast<float>(kHeadDim)));
+            const float rn = __fdiv_rn(rn_u, sqrt_d), mean = __fdiv_rn(mean_u, sqrt_d);
+            const float cm = __fdiv_rn(static_cast<float>(s1), static_cast<float>(kHeadDim));
+            scale_out = cn > 0.f ? __half2float(__float2half_rn(__fdiv_rn(rn, cn))) : 0.f;
+            offset_out = __fsub_rn(mean, __fmul_rn(scale_out, cm));
         } else {
             // x is the unnormalized transform H x: the rotated vector is x / sqrt(d), its norm
             // norm_u / sqrt(d), and the unit-variance coordinate y = x * sqrt(d) / norm_u

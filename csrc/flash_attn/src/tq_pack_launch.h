@@ -21,6 +21,7 @@ void launch_pack(const PackParams &p, int quant, cudaStream_t stream) {
         case Quant::kTurboUniform: pack_kv_kernel<Elem, kHeadDim, kBits, Quant::kTurboUniform><<<blocks, 128, 0, stream>>>(p); break;
         case Quant::kTurboLloyd: pack_kv_kernel<Elem, kHeadDim, kBits, Quant::kTurboLloyd><<<blocks, 128, 0, stream>>>(p); break;
         case Quant::kAsym: pack_kv_kernel<Elem, kHeadDim, kBits, Quant::kAsym><<<blocks, 128, 0, stream>>>(p); break;
+        case Quant::kTurboMean: pack_kv_kernel<Elem, kHeadDim, kBits, Quant::kTurboMean><<<blocks, 128, 0, stream>>>(p); break;
         default: throw std::invalid_argument("unknown quantizer");
     }
 }

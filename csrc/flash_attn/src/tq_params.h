@@ -44,7 +44,9 @@ struct DecodeParams {
 };
 
 // Quantize-on-write (tq_pack_kernel.h).
-enum class Quant { kTurboUniform = 0, kTurboLloyd = 1, kAsym = 2 };
+// kTurboMean: turbo's uniform grid fitted around the rotated vector's mean (fit="mean" in
+// flash_attn_tq/quantizers.py): (scale, offset) = (|r| / |c - mean(c)|, mean - scale * mean(c)).
+enum class Quant { kTurboUniform = 0, kTurboLloyd = 1, kAsym = 2, kTurboMean = 3 };
 
 // Error bits the pack kernel ORs into error_flags (the token is skipped, nothing is written for it).
 enum PackError { kPackNonFinite = 1, kPackPosition = 2, kPackBatchIndex = 4, kPackBlock = 8 };
