@@ -163,10 +163,13 @@ def run_pack(B, n, Hk, d, dtype=torch.float16):
 
 
 def stamp():
-    try:
-        commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
-    except Exception:
-        commit = os.environ.get("GIT_COMMIT", "unknown")
+    commit = os.environ.get("GIT_COMMIT")  # set by the caller where the checkout has no (current) .git
+    if not commit:
+        try:
+            commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
+                                             stderr=subprocess.DEVNULL).strip()
+        except Exception:
+            commit = "unknown"
     return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
             "commit": commit, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
 
