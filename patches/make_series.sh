@@ -21,16 +21,18 @@ mkdir -p csrc/flash_attn/src
 cp "$here"/csrc/flash_attn/src/tq_*.h "$here"/csrc/flash_attn/src/tq_*.cu "$here"/csrc/flash_attn/src/generate_instantiations.py csrc/flash_attn/src/
 git add csrc/flash_attn/src
 commit "csrc: fused split-KV decode over a 3-bit packed KV cache" \
-"Adds the packed K/V code format (tq_format.h), a K/V loader policy that stages packed tiles with
-cp.async and expands them straight into m16n8k16 fragments (tq_kv_loader.h), the split-KV decode
-kernel with its combine pass (tq_decode_kernel.h), quantize-on-write (tq_pack_kernel.h), launch
-templates and one instantiation file per (dtype, head dim, K/V bits). Nothing upstream changes."
+"Adds the packed K/V code format (tq_format.h), two K/V loader policies sharing one kernel body: a
+packed 3/4-bit loader that stages tiles with cp.async and expands them straight into m16n8k16
+fragments, and an fp16/bf16 loader (cp.async + ldmatrix) (tq_kv_loader.h); the split-KV decode kernel
+with its combine pass (tq_decode_kernel.h), quantize-on-write with in-kernel slot resolution and
+checks (tq_pack_kernel.h), launch templates and one instantiation file per (dtype, head dim, loader).
+Nothing upstream changes."
 
 cp "$here"/csrc/flash_attn/flash_api_tq.cpp csrc/flash_attn/
 git add csrc/flash_attn/flash_api_tq.cpp
-commit "csrc: register flash_attn_tq::decode_kvcache and flash_attn_tq::pack_kv" \
-"torch.library ops (traceable with fake implementations registered from Python, CUDA-graph safe
-with a fixed num_splits). Built inside flash_attn_2_cuda with FLASH_TQ_NO_PYBIND_MODULE."
+commit "csrc: register flash_attn_tq::decode_kvcache, decode_kv16 and pack_kv" \
+"torch.library ops (traceable with fake implementations registered from Python, CUDA-graph safe:
+num_splits is chosen on the host). Built inside flash_attn_2_cuda with FLASH_TQ_NO_PYBIND_MODULE."
 
 python3 - <<'PY'
 import re
