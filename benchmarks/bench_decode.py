@@ -60,8 +60,8 @@ def bench(fn, reps_ms=200):
     return do_bench(fn, warmup=25, rep=reps_ms, return_mode="median") * 1e3  # µs
 
 
-def bench_graph(fn):
-    """Median time of ``fn`` replayed as a CUDA graph (how serving engines run decode)."""
+def bench_graph(fn, reps_ms=200):
+    """Median time (µs) of ``fn`` replayed as a CUDA graph (how serving engines run decode)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -70,7 +70,7 @@ def bench_graph(fn):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    return bench(graph.replay)
+    return bench(graph.replay, reps_ms)
 
 
 def upstream_fa2():

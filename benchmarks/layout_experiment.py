@@ -18,7 +18,7 @@ from flash_attn_tq import ops  # noqa: E402
 from flash_attn_tq.cache import QuantizedKVCache  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sweep_splits import graph_us  # noqa: E402
+from bench_decode import bench_graph as graph_us  # noqa: E402
 
 
 def head_major(t: torch.Tensor) -> torch.Tensor:

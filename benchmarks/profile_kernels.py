@@ -18,6 +18,9 @@ import flash_attn_tq as fa  # noqa: E402
 from flash_attn_tq import ops  # noqa: E402
 from flash_attn_tq.cache import QuantizedKVCache  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_decode import bench_graph  # noqa: E402
+
 
 def kernel_times(fn, reps=20):
     for _ in range(3):
@@ -32,20 +35,6 @@ def kernel_times(fn, reps=20):
         if ev.device_type == torch.autograd.DeviceType.CUDA:
             out.setdefault(ev.name, []).append(ev.device_time)
     return {k: sum(v) / reps for k, v in out.items()}
-
-
-def graph_time(fn):
-    from triton.testing import do_bench
-
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return do_bench(g.replay, warmup=25, rep=100, return_mode="median") * 1e3
 
 
 def main():
@@ -68,7 +57,7 @@ def main():
     for name, fn in cases:
         times = kernel_times(fn)
         try:
-            g = graph_time(fn)
+            g = bench_graph(fn, reps_ms=100)
         except Exception as e:  # not capturable
             g = float("nan")
             print("  (graph failed:", str(e).splitlines()[0][:100], ")")

@@ -19,22 +19,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from flash_attn_tq import ops  # noqa: E402
 from flash_attn_tq.cache import QuantizedKVCache  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_decode import bench_graph  # noqa: E402
+
 SHAPES = [(1, 1024), (1, 4096), (1, 16384), (1, 65536), (1, 131072), (8, 1024), (8, 4096), (8, 32768), (32, 8192)]
 SPLITS = [0, 1, 2, 4, 8, 16, 32, 48, 66, 96, 128]
 
 
 def graph_us(fn):
-    from triton.testing import do_bench
-
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return do_bench(g.replay, warmup=10, rep=60, return_mode="median") * 1e3
+    return bench_graph(fn, reps_ms=60)
 
 
 def main():

@@ -13,20 +13,13 @@ import torch
 import flash_attn_tq as fa
 from flash_attn_tq import baseline, format as fmt, ops
 from flash_attn_tq.cache import QuantizedKVCache
+from gpu_cases import DECODE_CASES, DEV, poison_allocator
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available() or not ops.extension_available(),
                        reason="needs a CUDA GPU and the flash_attn_tq_cuda extension"),
 ]
-
-DEV = "cuda"
-
-
-def _poison_allocator(nbytes: int = 1 << 28) -> None:
-    """Fill freed allocator blocks with NaN so an output element the kernel never writes shows up."""
-    junk = torch.full((nbytes // 4,), float("nan"), device=DEV)
-    del junk
 
 
 def _make_cache(batch, seqlens, kv_heads, d, *, quantizer="turbo", k_bits=3, v_bits=3, dtype=torch.float16,
@@ -69,23 +62,11 @@ def _reference(q, cache, seqlens_total, causal, softmax_scale=None):
     return out, lse, cpu.unrotate_output(out_lp.to(dt)).to(dt).float(), lse_lp
 
 
-CASES = [
-    # batch, seqlens, q heads, kv heads, seqlen_q
-    (1, [1], 8, 2, 1),
-    (3, [63, 257, 4097], 32, 8, 1),
-    (2, [1000, 17], 8, 8, 1),
-    (2, [129, 300], 9, 3, 1),
-    (2, [70, 33], 16, 1, 1),
-    (2, [200, 513], 8, 2, 4),
-    (1, [77], 4, 4, 16),
-]
-
-
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("bits", [(3, 3), (4, 3)])
 @pytest.mark.parametrize("quantizer", ["turbo", "asym"])
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", DECODE_CASES)
 def test_decode_matches_reference(dtype, d, bits, quantizer, case):
     batch, seqlens, hq, hk, sq = case
     seed = zlib.crc32(repr((str(dtype), d, bits, quantizer, seqlens, sq)).encode()) % 10000  # stable across runs
@@ -93,7 +74,7 @@ def test_decode_matches_reference(dtype, d, bits, quantizer, case):
                               dtype=dtype, seed=seed)
     q = torch.randn(batch, sq, hq, d, device=DEV, generator=torch.Generator(device=DEV).manual_seed(seed + 1)).to(dtype)
     causal = sq > 1
-    _poison_allocator()
+    poison_allocator()
     out, lse = fa.flash_attn_with_kvcache(q, cache, causal=causal, return_softmax_lse=True)
     assert fa.last_path() == "quantized:fused-cuda"
     ref, ref_lse, ref_lp, ref_lse_lp = _reference(q, cache, cache.seqlens, causal)
@@ -115,7 +96,7 @@ def test_decode_paged_and_splits(num_splits, page_size):
     seqlens = [1, 600, 4097]
     cache, _, _ = _make_cache(3, seqlens, 4, 128, page_size=page_size, shuffle_blocks=True, seed=num_splits + 7)
     q = torch.randn(3, 1, 16, 128, device=DEV, dtype=torch.float16)
-    _poison_allocator()
+    poison_allocator()
     out = fa.flash_attn_with_kvcache(q, cache, num_splits=num_splits)
     assert fa.last_path() == "quantized:fused-cuda"
     ref, _, ref_lp, _ = _reference(q, cache, cache.seqlens, False)

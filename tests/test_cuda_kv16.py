@@ -12,19 +12,13 @@ import torch
 
 import flash_attn_tq as fa
 from flash_attn_tq import baseline, interface, ops
+from gpu_cases import DECODE_CASES, DEV, poison_allocator
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available() or not ops.extension_available(),
                        reason="needs a CUDA GPU and the flash_attn_tq_cuda extension"),
 ]
-
-DEV = "cuda"
-
-
-def _poison_allocator(nbytes: int = 1 << 28) -> None:
-    junk = torch.full((nbytes // 4,), float("nan"), device=DEV)
-    del junk
 
 
 def _kv(batch, capacity, hk, d, dtype, seed, seqlens=None):
@@ -60,21 +54,9 @@ def _references(q, k, v, lens, causal):
     return out, lse, out_lp
 
 
-CASES = [
-    # batch, seqlens, q heads, kv heads, seqlen_q
-    (1, [1], 8, 2, 1),
-    (3, [63, 257, 4097], 32, 8, 1),
-    (2, [1000, 17], 8, 8, 1),
-    (2, [129, 300], 9, 3, 1),
-    (2, [70, 33], 16, 1, 1),
-    (2, [200, 513], 8, 2, 4),
-    (1, [77], 4, 4, 16),
-]
-
-
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", DECODE_CASES)
 def test_kv16_decode_matches_reference(dtype, d, case):
     batch, seqlens, hq, hk, sq = case
     seed = zlib.crc32(repr((str(dtype), d, seqlens, sq)).encode()) % 10000  # stable across runs
@@ -82,7 +64,7 @@ def test_kv16_decode_matches_reference(dtype, d, case):
     q = torch.randn(batch, sq, hq, d, device=DEV, generator=torch.Generator(device=DEV).manual_seed(seed + 1)).to(dtype)
     lens = torch.tensor(seqlens, dtype=torch.int32, device=DEV)
     causal = sq > 1
-    _poison_allocator()
+    poison_allocator()
     out, lse = ops.decode_kv16(q, k, v, lens, None, None, d ** -0.5, causal, 0)
     ref, ref_lse, ref_lp = _references(q, k, v, lens, causal)
     out = out.float().cpu()
@@ -107,7 +89,7 @@ def test_kv16_paged_equals_contiguous(num_splits, page_size):
     v_pages[block_table.long().flatten()] = v.reshape(batch * per_seq, page_size, hk, d)
     q = torch.randn(batch, 1, 16, d, device=DEV, dtype=torch.float16)
     lens = torch.tensor(seqlens, dtype=torch.int32, device=DEV)
-    _poison_allocator()
+    poison_allocator()
     out_c, lse_c = ops.decode_kv16(q, k, v, lens, None, None, d ** -0.5, False, num_splits)
     out_p, lse_p = ops.decode_kv16(q, k_pages, v_pages, lens, None, block_table, d ** -0.5, False, num_splits)
     if num_splits:  # same splits, same tiles: the same arithmetic

@@ -1,0 +1,23 @@
+"""Shared pieces of the GPU tests (test_cuda_*.py): device, decode shape cases, output poisoning."""
+from __future__ import annotations
+
+import torch
+
+DEV = "cuda"
+
+DECODE_CASES = [
+    # batch, seqlens, q heads, kv heads, seqlen_q
+    (1, [1], 8, 2, 1),
+    (3, [63, 257, 4097], 32, 8, 1),
+    (2, [1000, 17], 8, 8, 1),
+    (2, [129, 300], 9, 3, 1),
+    (2, [70, 33], 16, 1, 1),
+    (2, [200, 513], 8, 2, 4),
+    (1, [77], 4, 4, 16),
+]
+
+
+def poison_allocator(nbytes: int = 1 << 28) -> None:
+    """Fill freed allocator blocks with NaN so an output element the kernel never writes shows up."""
+    junk = torch.full((nbytes // 4,), float("nan"), device=DEV)
+    del junk
