@@ -1,4 +1,4 @@
-"""One decode shape for Nsight Compute:
+"""One decode shape (and, with --pack, quantize-on-write) for Nsight Compute:
     ncu --clock-control none --kernel-name regex:decode_split --launch-skip 5 --launch-count 1 \
         --section SpeedOfLight --section Occupancy --section WarpStateStats python benchmarks/profile_decode.py
 """
@@ -15,6 +15,7 @@ ap.add_argument("--seqlen", type=int, default=32768)
 ap.add_argument("--kv-heads", type=int, default=8)
 ap.add_argument("--q-heads", type=int, default=32)
 ap.add_argument("--head-dim", type=int, default=128)
+ap.add_argument("--pack", action="store_true", help="also run the pack kernel on a 32K-token prompt")
 args = ap.parse_args()
 B, S, Hk, d = args.batch, args.seqlen, args.kv_heads, args.head_dim
 cache = QuantizedKVCache(B, S, Hk, d, device="cuda")
@@ -27,3 +28,11 @@ for _ in range(10):
     ops.decode(q, cache, cache.seqlens, None, d ** -0.5, False, 0)
 torch.cuda.synchronize()
 print("done")
+if args.pack:  # quantize-on-write of a 32K-token prompt (ncu --kernel-name regex:pack_kv)
+    x = torch.randn(1, 32768, Hk, d, device="cuda", dtype=torch.float16)
+    big = QuantizedKVCache(1, 32768, Hk, d, device="cuda")
+    zero = torch.zeros(1, dtype=torch.int32, device="cuda")
+    for _ in range(10):
+        ops.pack_into(big, x, x, zero, None)
+    torch.cuda.synchronize()
+    print("pack done")
