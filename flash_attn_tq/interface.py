@@ -95,8 +95,23 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           deterministic=False, return_attn_probs=False, block_table=None):
-    """q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim) (or paged with block_table)."""
+                           deterministic=False, return_attn_probs=False, block_table=None, *,
+                           kv_cache: Optional[QuantizedKVCache] = None):
+    """q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim) (or paged with block_table).
+
+    With ``kv_cache=`` (a :class:`QuantizedKVCache`) the batch is a mixed chunked-prefill / decode
+    step over the quantized cache: sequence ``b`` (cache row ``b``) brings ``q[cu_seqlens_q[b]:
+    cu_seqlens_q[b+1]]`` and, when ``k``/``v`` are given, new keys/values ``k[cu_seqlens_k[b]:
+    cu_seqlens_k[b+1]]`` that are quantized into the cache first (``max_seqlen_k`` is not used).
+    Queries attend over the whole sequence in the cache, bottom-right aligned when ``causal``.
+    Returns out (total_q, nheads, headdim) [, softmax_lse (nheads, total_q) as upstream's varlen].
+    """
+    if kv_cache is not None:
+        if dropout_p or block_table is not None or return_attn_probs:
+            raise ValueError("kv_cache: dropout_p, block_table (set it on the cache) and return_attn_probs "
+                             "do not apply to a QuantizedKVCache")
+        return _quantized_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, kv_cache, softmax_scale,
+                                 causal, window_size, softcap, alibi_slopes)
     return _baseline_impl("flash_attn_varlen_func", q, k, v)(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
         window_size, softcap, alibi_slopes, deterministic, return_attn_probs, block_table)
@@ -220,6 +235,52 @@ def _merge_lse(out_a, lse_a, out_b, lse_b):
     wb = torch.exp(lb - safe).transpose(1, 2).unsqueeze(-1)
     out = out_a.float() * wa + out_b.float() * wb
     return out, torch.where(torch.isfinite(lse), lse, torch.full_like(lse, math.inf))
+
+
+def _quantized_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, cache, softmax_scale, causal, window_size,
+                      softcap, alibi_slopes):
+    """Varlen batch over a QuantizedKVCache: append each sequence's new K/V, then attend with the
+    queries left-padded to max_seqlen_q, so bottom-right causal alignment holds per sequence (the
+    padding rows come first, attend to fewer keys and are dropped)."""
+    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        raise ValueError(f"q must be (total_q, nheads, headdim), got {tuple(q.shape) if isinstance(q, torch.Tensor) else q}")
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if cu is not None and (cu.dtype != torch.int32 or cu.dim() != 1):
+            raise ValueError(f"{name} must be int32 (batch + 1,), got {cu.dtype} {tuple(cu.shape)}")
+    lens_q = cu_seqlens_q.diff().tolist()
+    batch = len(lens_q)
+    if cu_seqlens_q[0].item() != 0 or cu_seqlens_q[-1].item() != q.shape[0] or min(lens_q, default=0) < 0:
+        raise ValueError(f"cu_seqlens_q must rise from 0 to total_q={q.shape[0]}")
+    if max(lens_q, default=0) > max_seqlen_q:
+        raise ValueError(f"max_seqlen_q={max_seqlen_q} is below the longest query ({max(lens_q)})")
+    if batch > cache.batch_size:
+        raise ValueError(f"{batch} sequences exceed the cache's batch_size {cache.batch_size}")
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together")
+    if k is not None:
+        if cu_seqlens_k is None or cu_seqlens_k.numel() != batch + 1:
+            raise ValueError(f"cu_seqlens_k must be int32 (batch + 1 = {batch + 1},) with new k/v")
+        if k.dim() != 3 or k.shape != v.shape or cu_seqlens_k[-1].item() != k.shape[0]:
+            raise ValueError("k, v must be (total_k, nheads_k, headdim) with cu_seqlens_k ending at total_k")
+        bounds = cu_seqlens_k.tolist()
+        for b in range(batch):  # one append a sequence (its own position and length)
+            if bounds[b + 1] > bounds[b]:
+                row = torch.tensor([b], dtype=torch.int32, device=cache.device)
+                cache.append(k[bounds[b]:bounds[b + 1]].unsqueeze(0), v[bounds[b]:bounds[b + 1]].unsqueeze(0),
+                             batch_idx=row)
+    width = max(max(lens_q, default=0), 1)
+    # token j of sequence b sits at padded row width - len_b + j
+    seq = torch.repeat_interleave(torch.arange(batch, device=q.device), cu_seqlens_q.diff().to(q.device).long())
+    row = width - cu_seqlens_q.diff().to(q.device).long()[seq] + (torch.arange(q.shape[0], device=q.device)
+                                                               - cu_seqlens_q.to(q.device).long()[seq])
+    q_pad = q.new_zeros(batch, width, q.shape[1], q.shape[2])
+    q_pad[seq, row] = q
+    out, lse = _quantized_kvcache(q_pad, cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
+                                  cache_batch_idx=None, cache_leftpad=None, block_table=None,
+                                  softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+                                  rotary_interleaved=True, alibi_slopes=alibi_slopes, num_splits=0,
+                                  return_softmax_lse=True)
+    return out[seq, row], lse[seq, :, row].transpose(0, 1).contiguous()
 
 
 def _rows(bidx, batch, device):
