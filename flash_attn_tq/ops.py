@@ -24,9 +24,9 @@ from .quantizers import uniform_step
 
 FUSED_HEAD_DIMS = (64, 128)
 FUSED_DECODE_BITS = ((3, 3), (4, 3))  # (k_bits, v_bits) with a fused decode kernel
-# group size * seqlen_q the decode kernel takes per kv head: 16-row CTAs along grid.z, each reading the
-# whole cache (decode, speculative decoding, chunked prefill through flash_attn_varlen_func(kv_cache=))
-MAX_FUSED_ROWS = 16384
+# group size * seqlen_q the decode kernel takes per kv head (16-row CTAs along grid.z, each reading the
+# whole cache); validated on the H200 up to 64 rows (4 CTAs along z). Larger chunks take the reference path.
+MAX_FUSED_ROWS = 256
 QUANT_IDS = {("turbo", "uniform", "norm"): 0, ("turbo", "lloyd_max", "norm"): 1, ("asym", "uniform", "norm"): 2,
              ("turbo", "uniform", "mean"): 3}  # (quantizer, grid, fit) -> the pack kernel's Quant
 

@@ -297,22 +297,22 @@ def test_pack_kernel_fit_mean_matches_reference(bits, d, dtype):
 
 
 def test_varlen_mixed_batch_on_the_fused_kernel():
-    """Chunked prefill (300 queries x 4 heads a kv head = 1200 rows, 75 CTAs along grid.z) next to
+    """Chunked prefill (60 queries x 4 heads a kv head = 240 rows, 15 CTAs along grid.z) next to
     decode in one flash_attn_varlen_func(kv_cache=) call, against the CPU reference on a copy."""
     cache, _, _ = _make_cache(3, [500, 40, 1000], 2, 128, seed=21, max_seqlen=1400)
     cpu = QuantizedKVCache.from_state_dict({k: (v.cpu() if torch.is_tensor(v) else v)
                                             for k, v in cache.state_dict().items()}, device="cpu")
-    n_q, n_kv = [1, 300, 7], [1, 300, 0]
+    n_q, n_kv = [1, 60, 7], [1, 60, 0]
     q = torch.randn(sum(n_q), 8, 128, device=DEV, dtype=torch.float16)
     k = torch.randn(sum(n_kv), 2, 128, device=DEV, dtype=torch.float16)
     v = torch.randn_like(k)
-    cu_q = torch.tensor([0, 1, 301, 308], dtype=torch.int32, device=DEV)
-    cu_k = torch.tensor([0, 1, 301, 301], dtype=torch.int32, device=DEV)
+    cu_q = torch.tensor([0, 1, 61, 68], dtype=torch.int32, device=DEV)
+    cu_k = torch.tensor([0, 1, 61, 61], dtype=torch.int32, device=DEV)
     poison_allocator()
-    out, lse = fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 300, None, causal=True, kv_cache=cache)
+    out, lse = fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 60, None, causal=True, kv_cache=cache)
     assert fa.last_path() == "quantized:fused-cuda"
     ref, ref_lse = fa.flash_attn_varlen_func(q.cpu().float(), k.cpu().float(), v.cpu().float(), cu_q.cpu(),
-                                             cu_k.cpu(), 300, None, causal=True, kv_cache=cpu)
-    assert cache.seqlens.tolist() == cpu.seqlens.tolist() == [501, 340, 1000]
+                                             cu_k.cpu(), 60, None, causal=True, kv_cache=cpu)
+    assert cache.seqlens.tolist() == cpu.seqlens.tolist() == [501, 100, 1000]
     torch.testing.assert_close(out.float().cpu(), ref, atol=4e-3, rtol=0)
     torch.testing.assert_close(lse.cpu(), ref_lse, atol=2e-3, rtol=0)
