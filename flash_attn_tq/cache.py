@@ -441,10 +441,11 @@ class QuantizedKVCache:
                 getattr(self, name)[rows, cols] = packed[name]
         if self.fp16_window:
             R = self.fp16_window
-            keep = pos >= (start.long() + n - R).unsqueeze(1)  # only the last R of this chunk matter
-            b2 = bidx.unsqueeze(1).expand(B, n)[keep]
-            self.k_window[b2, pos[keep] % R] = k[keep].to(self.dtype)
-            self.v_window[b2, pos[keep] % R] = v[keep].to(self.dtype)
+            j0 = max(0, n - R)  # only the last R tokens of this chunk matter (a slice: no sync)
+            b2 = bidx.unsqueeze(1).expand(B, n - j0)
+            slots = pos[:, j0:] % R
+            self.k_window[b2, slots] = k[:, j0:].to(self.dtype)
+            self.v_window[b2, slots] = v[:, j0:].to(self.dtype)
         self.seqlens[bidx] = start + n
 
     # ------------------------------------------------------------------ reading
