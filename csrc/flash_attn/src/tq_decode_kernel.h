@@ -9,7 +9,8 @@
 // O^T[16 d x 8 rows] += V^T (A operand) * P^T (B operand, S^T transposed in registers with
 // movmatrix). Codes are never scaled element by element: K's per-token (scale, offset) and V's
 // fold into the scores and the probabilities (see tq_kv_loader.h). Each of the 4 warps streams its
-// own tiles through its own cp.async pipeline with an online softmax; warps, then splits (combine kernel), are merged through their log-sum-exp.
+// own tiles through its own cp.async pipeline with an online softmax; warps, then splits (combine
+// kernel), are merged through their log-sum-exp.
 #pragma once
 
 #include <cmath>
