@@ -399,7 +399,9 @@ class QuantizedKVCache:
             bidx = batch_idx.to(self.device).long()
             if bidx.numel() != B:
                 raise ValueError(f"batch_idx must hold {B} indices in [0, {self.batch_size})")
-            if checking and not fused and (int(bidx.min()) < 0 or int(bidx.max()) >= self.batch_size):
+            # (the kernel checks them too, but calibration and the key/value transforms index rows first)
+            host_check = not fused or self.key_transform or self.value_pca
+            if checking and host_check and (int(bidx.min()) < 0 or int(bidx.max()) >= self.batch_size):
                 raise ValueError(f"batch_idx must hold {B} indices in [0, {self.batch_size})")
             if fused:  # the kernel flags bad indices; gathers below must not fault on them
                 bidx = bidx.clamp(0, self.batch_size - 1)
