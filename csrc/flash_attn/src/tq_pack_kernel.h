@@ -41,22 +41,6 @@ __device__ __forceinline__ float group8_max(float x) {
     return x;
 }
 
-// In-register butterflies over the index bits h = kFirst, 2 kFirst, ... < kN of x[kN].
-template <int kFirst, int kN>
-__device__ __forceinline__ void butterflies(float (&x)[kN]) {
-    #pragma unroll
-    for (int h = kFirst; h < kN; h *= 2) {
-        #pragma unroll
-        for (int k = 0; k < kN; ++k) {
-            if ((k & h) == 0) {
-                const float a = x[k], b = x[k + h];
-                x[k] = __fadd_rn(a, b);
-                x[k + h] = __fsub_rn(a, b);
-            }
-        }
-    }
-}
-
 // Pack kP codes (sequence positions first .. first + kP - 1) into the 16-bit lanes they occupy:
 // out[i] is lane (first_lane + i) (fields of lanes shared with a neighbour thread are partial).
 template <int kBits, int kP>

@@ -104,22 +104,29 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int kPending>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending)); }
 
+// In-register Walsh-Hadamard butterflies over the index bits h = kFirst, 2 kFirst, ... < kN of x[kN]
+// (round-to-nearest adds: the pack kernel matches the reference's order and rounding).
+template <int kFirst, int kN>
+__device__ __forceinline__ void butterflies(float (&x)[kN]) {
+    #pragma unroll
+    for (int h = kFirst; h < kN; h *= 2) {
+        #pragma unroll
+        for (int k = 0; k < kN; ++k) {
+            if ((k & h) == 0) {
+                const float a = x[k], b = x[k + h];
+                x[k] = __fadd_rn(a, b);
+                x[k + h] = __fsub_rn(a, b);
+            }
+        }
+    }
+}
+
 // Unnormalized Walsh-Hadamard transform of one row of kD floats held by a warp: lane l holds
 // elements l * kV + k (kV = kD / 32) in x[k]. Low index bits in registers, high bits by shuffles.
 template <int kD>
 __device__ __forceinline__ void fwht_warp(float (&x)[kD / 32], int lane) {
     constexpr int kV = kD / 32;
-    #pragma unroll
-    for (int h = 1; h < kV; h *= 2) {
-        #pragma unroll
-        for (int k = 0; k < kV; ++k) {
-            if ((k & h) == 0) {
-                const float a = x[k], b = x[k + h];
-                x[k] = a + b;
-                x[k + h] = a - b;
-            }
-        }
-    }
+    butterflies<1, kV>(x);
     #pragma unroll
     for (int h = 1; h < 32; h *= 2) {
         #pragma unroll
@@ -149,24 +156,6 @@ __device__ __forceinline__ void store_row_part(Elem *dst, const float (&x)[kV]) 
         *reinterpret_cast<uint2 *>(dst) = make_uint2(pack2<Elem>(x[0], x[1]), pack2<Elem>(x[2], x[3]));
     } else {
         *reinterpret_cast<uint32_t *>(dst) = pack2<Elem>(x[0], x[1]);
-    }
-}
-
-// In-place unnormalized Walsh-Hadamard transform of kRows rows of kD floats in shared memory, by the
-// whole block (every thread must call it; ends with a barrier).
-template <int kRows, int kD, int kThreads>
-__device__ __forceinline__ void fwht_rows(float *x) {
-    #pragma unroll 1
-    for (int h = 1; h < kD; h *= 2) {
-        for (int idx = threadIdx.x; idx < kRows * kD / 2; idx += kThreads) {
-            float *row = x + (idx / (kD / 2)) * kD;
-            const int q = idx % (kD / 2);
-            const int a = (q / h) * 2 * h + q % h;
-            const float u = row[a], v = row[a + h];
-            row[a] = u + v;
-            row[a + h] = u - v;
-        }
-        __syncthreads();
     }
 }
 
