@@ -173,37 +173,43 @@ def flash_attn_with_kvcache(
         return_softmax_lse)
 
 
+def _check_batch_args(cache_seqlens, cache_batch_idx, batch: int) -> None:
+    """cache_seqlens (int, None or int32 [batch]) and cache_batch_idx (None or int32 [batch])."""
+    bad_lens = isinstance(cache_seqlens, torch.Tensor) and (cache_seqlens.dtype != torch.int32
+                                                            or cache_seqlens.shape != (batch,))
+    if bad_lens:
+        raise ValueError(f"cache_seqlens must be an int or int32 [batch={batch}], got {cache_seqlens.dtype} "
+                         f"{tuple(cache_seqlens.shape)}")
+    if cache_batch_idx is not None and (cache_batch_idx.dtype != torch.int32 or cache_batch_idx.shape != (batch,)):
+        raise ValueError(f"cache_batch_idx must be int32 [batch={batch}], got {cache_batch_idx.dtype} "
+                         f"{tuple(cache_batch_idx.shape)}")
+
+
 def _kv16_kvcache(q, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table, softmax_scale, causal,
                   num_splits, return_softmax_lse):
     """Upstream flash_attn_with_kvcache (no new k/v) on our decode kernel over a 16-bit cache."""
     batch = q.shape[0]
-    if cache_seqlens is None:  # upstream: the whole cache
-        full = k_cache.shape[1] if block_table is None else block_table.shape[1] * k_cache.shape[1]
-        cache_seqlens = full
-    if isinstance(cache_seqlens, int):
-        lens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
-    else:
-        if cache_seqlens.dtype != torch.int32 or cache_seqlens.shape != (batch,):
-            raise ValueError(f"cache_seqlens must be an int or int32 [batch={batch}], got {cache_seqlens.dtype} "
-                             f"{tuple(cache_seqlens.shape)}")
-        lens = cache_seqlens
-    if cache_batch_idx is not None and (cache_batch_idx.dtype != torch.int32 or cache_batch_idx.shape != (batch,)):
-        raise ValueError(f"cache_batch_idx must be int32 [batch={batch}], got {cache_batch_idx.dtype} "
-                         f"{tuple(cache_batch_idx.shape)}")
+    _check_batch_args(cache_seqlens, cache_batch_idx, batch)
     if block_table is not None and (block_table.dtype != torch.int32 or block_table.dim() != 2
                                     or block_table.shape[0] != batch):
         raise ValueError(f"block_table must be int32 [batch={batch}, max_blocks], got {block_table.dtype} "
                          f"{tuple(block_table.shape)}")
     if cache_batch_idx is None and block_table is None and batch > k_cache.shape[0]:
         raise ValueError(f"q batch {batch} exceeds k_cache's batch {k_cache.shape[0]}")
-    if isinstance(cache_seqlens, int) and cache_seqlens > (k_cache.shape[1] if block_table is None
-                                                           else block_table.shape[1] * k_cache.shape[1]):
-        raise ValueError(f"cache_seqlens {cache_seqlens} exceeds the cache's capacity")
+    capacity = k_cache.shape[1] if block_table is None else block_table.shape[1] * k_cache.shape[1]
+    if cache_seqlens is None:  # upstream: the whole cache
+        cache_seqlens = capacity
+    if isinstance(cache_seqlens, int):
+        if cache_seqlens > capacity:
+            raise ValueError(f"cache_seqlens {cache_seqlens} exceeds the cache's capacity")
+        lens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
+    else:
+        lens = cache_seqlens
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     _LAST_PATH.set("baseline:fused-kv16-cuda")
-    out, lse = ops.decode_kv16(q if q.stride(-1) == 1 else q.contiguous(), k_cache, v_cache, lens, cache_batch_idx,
-                               block_table, softmax_scale, causal, num_splits)
+    out, lse = ops.decode_kv16(q, k_cache, v_cache, lens, cache_batch_idx, block_table, softmax_scale, causal,
+                               num_splits)
     return (out, lse) if return_softmax_lse else out
 
 
@@ -307,10 +313,8 @@ def _quantized_kvcache(q, cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
         raise ValueError("block_table: a QuantizedKVCache carries its own block_table (set it on the cache)")
     batch, seqlen_q = q.shape[:2]
     device = q.device
+    _check_batch_args(cache_seqlens, cache_batch_idx, batch)
     if cache_batch_idx is not None:
-        if cache_batch_idx.dtype != torch.int32 or cache_batch_idx.shape != (batch,):
-            raise ValueError(f"cache_batch_idx must be int32 [batch={batch}], got {cache_batch_idx.dtype} "
-                             f"{tuple(cache_batch_idx.shape)}")
         bidx = cache_batch_idx.to(device)
     else:  # rows 0..batch-1, made only where a tensor is needed (not on the plain decode path)
         bidx = None
@@ -323,9 +327,6 @@ def _quantized_kvcache(q, cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
     elif isinstance(cache_seqlens, int):
         start = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=device)
     else:
-        if cache_seqlens.dtype != torch.int32 or cache_seqlens.shape != (batch,):
-            raise ValueError(f"cache_seqlens must be an int or int32 [batch={batch}], got {cache_seqlens.dtype} "
-                             f"{tuple(cache_seqlens.shape)}")
         start = cache_seqlens.to(device)
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together")
@@ -360,8 +361,7 @@ def _quantized_kvcache(q, cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
         _LAST_PATH.set("quantized:fused-cuda")
         n_quant = (lens - R).clamp(min=0).to(torch.int32) if R else lens
         qt = cache.transform_query(q, rows()).to(q.dtype) if cache.key_transform else q  # q * s (key transform)
-        out, lse = ops.decode(qt if qt.stride(-1) == 1 else qt.contiguous(), cache, n_quant, bidx, softmax_scale,
-                              causal and not R, num_splits)
+        out, lse = ops.decode(qt, cache, n_quant, bidx, softmax_scale, causal and not R, num_splits)
         if R:
             out_w, lse_w = _window_part(qt, cache, rows().long(), lens, softmax_scale)
             out, lse = _merge_lse(out, lse, out_w, lse_w)

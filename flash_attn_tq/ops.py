@@ -85,7 +85,7 @@ def _aligned_rows(q: torch.Tensor) -> torch.Tensor:
     vec = q.shape[-1] // 32
     misaligned = not torch.compiler.is_compiling() and q.data_ptr() % (2 * vec)  # (the op checks it too)
     if q.stride(-1) != 1 or misaligned or any(st % vec for st in q.stride()[:3]):
-        return q.contiguous() if q.stride(-1) != 1 else q.clone(memory_format=torch.contiguous_format)
+        return q.clone(memory_format=torch.contiguous_format)
     return q
 
 
