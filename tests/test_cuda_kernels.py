@@ -327,9 +327,10 @@ def test_decode_kernel_many_query_rows(dtype):
     q = torch.randn(2, 257, 8, 128, device=DEV, dtype=dtype)
     poison_allocator()
     out, lse = ops.decode(q, cache, cache.seqlens, None, 128 ** -0.5, True, 0)
-    ref, ref_lse, ref_lp, _ = _reference(q, cache, cache.seqlens, True)
+    ref, ref_lse, ref_lp, ref_lse_lp = _reference(q, cache, cache.seqlens, True)
     out = out.float().cpu()
     assert torch.isfinite(out).all()
     err, err_lp = (out - ref).abs().max().item(), (ref_lp - ref).abs().max().item()
     assert err <= 2 * err_lp + torch.finfo(dtype).eps * ref.abs().max().item() + 2e-3, (err, err_lp)
-    torch.testing.assert_close(lse.cpu(), ref_lse, atol=2e-3, rtol=0)
+    lse_err, lse_lp_err = (lse.cpu() - ref_lse).abs().max().item(), (ref_lse_lp - ref_lse).abs().max().item()
+    assert lse_err <= 2 * lse_lp_err + 1e-3, (lse_err, lse_lp_err)  # bf16: q rounding moves the lse too

@@ -54,16 +54,37 @@ struct PackedKV {
     __device__ static constexpr int v_scale_exp(int k) { return slot_scale_exp<kVBits, kGroupCodes, kMagic>(k); }
 
     // Per-lane global addresses of this (kv head, cache row); load_tile adds the token's offset.
+    // dense: a tile's rows are adjacent and 16-byte aligned in memory (the head-major cache; pages
+    // of at least a tile), so whole tiles are copied as contiguous regions.
     struct Bases {
         const uint8_t *kc, *vc;
         const uint16_t *km, *vm;
+        bool dense;
     };
     __device__ static Bases bases(const DecodeParams &p, int bc, int hk) {
         const int64_t row = p.block_table != nullptr ? 0 : bc;
-        return {p.k_codes + row * p.kc_batch_stride + hk * p.kc_head_stride,
-                p.v_codes + row * p.vc_batch_stride + hk * p.vc_head_stride,
-                p.k_meta + row * p.km_batch_stride + hk * p.km_head_stride,
-                p.v_meta + row * p.vm_batch_stride + hk * p.vm_head_stride};
+        Bases base{p.k_codes + row * p.kc_batch_stride + hk * p.kc_head_stride,
+                   p.v_codes + row * p.vc_batch_stride + hk * p.vc_head_stride,
+                   p.k_meta + row * p.km_batch_stride + hk * p.km_head_stride,
+                   p.v_meta + row * p.vm_batch_stride + hk * p.vm_head_stride, false};
+        auto aligned = [](const void *ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; };
+        base.dense = p.kc_row_stride == KL::kBytes && p.vc_row_stride == VL::kBytes && p.km_row_stride == 2 &&
+                     p.vm_row_stride == 2 && aligned(base.kc) && aligned(base.vc) && aligned(base.km) && aligned(base.vm) &&
+                     (p.block_table == nullptr ||
+                      (p.page_block_size >= kTileN && p.kc_batch_stride % 16 == 0 && p.vc_batch_stride % 16 == 0 &&
+                       p.km_batch_stride % 8 == 0 && p.vm_batch_stride % 8 == 0));
+        return base;
+    }
+
+    // kBytes contiguous bytes (a multiple of 16, 16-byte aligned) with 16-byte copies, lane-consecutive:
+    // each warp instruction reads 512 contiguous bytes, so every sector is requested once.
+    template <int kBytes>
+    __device__ static void copy_region(char *dst, const void *src, int lane) {
+        static_assert(kBytes % 16 == 0, "whole 16-byte chunks");
+        #pragma unroll
+        for (int c = lane; c < kBytes / 16; c += 32) {
+            cp_async<16>(dst + 16 * c, reinterpret_cast<const char *>(src) + 16 * c, true);
+        }
     }
 
     template <int kBytes>
@@ -80,6 +101,19 @@ struct PackedKV {
     // Offsets are 32 x 32 -> 64-bit products: row and block strides fit in 32 bits (checked on the host).
     __device__ static void load_tile(const DecodeParams &p, const Bases &base, char *stage, int b, int tile_start,
                                      int seqlen_k, int lane) {
+        if (base.dense && tile_start + kTileN <= seqlen_k) {  // a whole tile of adjacent rows
+            int row = 0, col = tile_start;
+            if (p.block_table != nullptr) {
+                row = p.block_table[b * p.block_table_batch_stride + (tile_start >> p.page_block_shift)];
+                col = tile_start & (p.page_block_size - 1);
+            }
+            const int64_t r = row;
+            copy_region<kTileN * KL::kBytes>(stage + kKOff, base.kc + r * p.kc_batch_stride + col * KL::kBytes, lane);
+            copy_region<kTileN * VL::kBytes>(stage + kVOff, base.vc + r * p.vc_batch_stride + col * VL::kBytes, lane);
+            copy_region<kTileN * 4>(stage + kKMetaOff, base.km + r * p.km_batch_stride + 2 * col, lane);
+            copy_region<kTileN * 4>(stage + kVMetaOff, base.vm + r * p.vm_batch_stride + 2 * col, lane);
+            return;
+        }
         const int t = tile_start + lane;
         const bool valid = t < seqlen_k;
         int row = 0, col = valid ? t : 0;
