@@ -16,6 +16,10 @@ for page_size, d, dtype in ((None, 128, torch.float16), (16, 64, torch.bfloat16)
                                          v=torch.randn(2, 1, 2, d, device="cuda", dtype=dtype), num_splits=splits)
     q4 = torch.randn(2, 4, 8, d, device="cuda", dtype=dtype)
     fa.flash_attn_with_kvcache(q4, cache, causal=True)
+    # the prefill kernel (>= 128 query rows a kv head): 200 rows, one and three splits
+    q50 = torch.randn(2, 50, 8, d, device="cuda", dtype=dtype)
+    for splits in (1, 3):
+        outp = fa.flash_attn_with_kvcache(q50, cache, causal=True, num_splits=splits)
     # the same kernel body over the fp16 cache (Fp16KV loader), contiguous and paged
     k16 = torch.randn(2, 304, 2, d, device="cuda", dtype=dtype)
     v16 = torch.randn_like(k16)
@@ -25,5 +29,5 @@ for page_size, d, dtype in ((None, 128, torch.float16), (16, 64, torch.bfloat16)
         pages = torch.arange(2 * 19, dtype=torch.int32, device="cuda").view(2, 19)
         ops.decode_kv16(q, k16.view(38, 16, 2, d), v16.view(38, 16, 2, d), lens, None, pages, d ** -0.5, False, splits)
     torch.cuda.synchronize()
-    assert torch.isfinite(out).all() and torch.isfinite(out16).all()
+    assert torch.isfinite(out).all() and torch.isfinite(out16).all() and torch.isfinite(outp).all()
 print("sanitize case done:", fa.last_path())

@@ -4,7 +4,8 @@ The extension ``flash_attn_tq_cuda`` registers three ops:
 
 * ``decode_kvcache(q, k_codes, k_meta, v_codes, v_meta, seqlens_k, cache_batch_idx, block_table,
   rot_signs, k_bits, v_bits, softmax_scale, is_causal, num_splits) -> (out, softmax_lse)``:
-  split-KV attention of ``q [batch, seqlen_q, heads, d]`` over packed K/V.
+  split-KV attention of ``q [batch, seqlen_q, heads, d]`` over packed K/V: the decode kernel, or
+  from :data:`PREFILL_MIN_ROWS` query rows a kv head the prefill kernel.
 * ``decode_kv16(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, softmax_scale,
   is_causal, num_splits) -> (out, softmax_lse)``: the same kernel body over a float16/bfloat16
   cache (its Fp16KV loader policy): our FP16 decode baseline.
@@ -24,9 +25,12 @@ from .quantizers import uniform_step
 
 FUSED_HEAD_DIMS = (64, 128)
 FUSED_DECODE_BITS = ((3, 3), (4, 3))  # (k_bits, v_bits) with a fused decode kernel
-# group size * seqlen_q the decode kernel takes per kv head (16-row CTAs along grid.z, each reading the
-# whole cache); validated on the H200 up to 64 rows (4 CTAs along z). Larger chunks take the reference path.
-MAX_FUSED_ROWS = 256
+# Query rows a kv head (GQA group size * seqlen_q) from which decode_kvcache runs its prefill kernel
+# (128-row CTAs, each packed tile expanded once into shared memory) instead of the decode kernel
+# (16-row CTAs, each expanding every tile itself); mirrors kPrefillMinRows in flash_api_tq.cpp.
+PREFILL_MIN_ROWS = 128
+# Rows a kv head decode_kv16 (the fp16 cache, decode kernel only) takes; more take the reference path.
+MAX_KV16_ROWS = 256
 QUANT_IDS = {("turbo", "uniform", "norm"): 0, ("turbo", "lloyd_max", "norm"): 1, ("asym", "uniform", "norm"): 2,
              ("turbo", "uniform", "mean"): 3}  # (quantizer, grid, fit) -> the pack kernel's Quant
 
@@ -75,8 +79,6 @@ def fused_decode_supported(cache, q: torch.Tensor) -> str | None:
         return f"K{cache.k_bits}V{cache.v_bits} (kernels: {FUSED_DECODE_BITS})"
     if cache.grid != "uniform":
         return "the Lloyd-Max grid (the kernel folds the uniform grid's affine levels)"
-    if (q.shape[2] // cache.num_kv_heads) * q.shape[1] > MAX_FUSED_ROWS:
-        return f"more than {MAX_FUSED_ROWS} query rows per kv head"
     return None
 
 
@@ -118,8 +120,8 @@ def kv16_decode_unsupported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if q.shape[-1] not in FUSED_HEAD_DIMS:
         return f"head_dim {q.shape[-1]} (kernels: {FUSED_HEAD_DIMS})"
     hk = k_cache.shape[2]
-    if hk == 0 or q.shape[2] % hk or (q.shape[2] // hk) * q.shape[1] > MAX_FUSED_ROWS:
-        return f"more than {MAX_FUSED_ROWS} query rows per kv head"
+    if hk == 0 or q.shape[2] % hk or (q.shape[2] // hk) * q.shape[1] > MAX_KV16_ROWS:
+        return f"more than {MAX_KV16_ROWS} query rows per kv head"
     for t in (k_cache, v_cache):
         if t.stride(-1) != 1 or any(st % 8 for st in t.stride()[:3]) or t.data_ptr() % 16:
             return "cache rows must be contiguous and 16-byte aligned"

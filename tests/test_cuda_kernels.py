@@ -13,7 +13,7 @@ import torch
 import flash_attn_tq as fa
 from flash_attn_tq import baseline, format as fmt, ops
 from flash_attn_tq.cache import QuantizedKVCache
-from gpu_cases import DECODE_CASES, DEV, poison_allocator
+from gpu_cases import DECODE_CASES, DEV, PREFILL_CASES, poison_allocator
 
 pytestmark = [
     pytest.mark.gpu,
@@ -62,6 +62,18 @@ def _reference(q, cache, seqlens_total, causal, softmax_scale=None):
     return out, lse, cpu.unrotate_output(out_lp.to(dt)).to(dt).float(), lse_lp
 
 
+def _check_against_reference(q, cache, out, lse, causal):
+    ref, ref_lse, ref_lp, ref_lse_lp = _reference(q, cache, cache.seqlens, causal)
+    out = out.float().cpu()
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    err, err_lp = (out - ref).abs().max().item(), (ref_lp - ref).abs().max().item()
+    # beyond 16-bit math: one rounding of each token's V scale times its probability (a common
+    # relative error of the token's values, which dominates with a single key), 2^-8 in bf16
+    assert err <= 2 * err_lp + torch.finfo(q.dtype).eps * ref.abs().max().item() + 2e-3, (err, err_lp)
+    lse_err, lse_lp_err = (lse.cpu() - ref_lse).abs().max().item(), (ref_lse_lp - ref_lse).abs().max().item()
+    assert lse_err <= 2 * lse_lp_err + 1e-3, (lse_err, lse_lp_err)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("bits", [(3, 3), (4, 3)])
@@ -77,17 +89,44 @@ def test_decode_matches_reference(dtype, d, bits, quantizer, case):
     poison_allocator()
     out, lse = fa.flash_attn_with_kvcache(q, cache, causal=causal, return_softmax_lse=True)
     assert fa.last_path() == "quantized:fused-cuda"
-    ref, ref_lse, ref_lp, ref_lse_lp = _reference(q, cache, cache.seqlens, causal)
-    out = out.float().cpu()
-    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
-    err = (out - ref).abs().max().item()
-    err_lp = (ref_lp - ref).abs().max().item()
-    # beyond 16-bit math: one rounding of each token's V scale times its probability (a common
-    # relative error of the token's values, which dominates with a single key), 2^-8 in bf16
-    eps = torch.finfo(dtype).eps
-    assert err <= 2 * err_lp + eps * ref.abs().max().item() + 2e-3, (err, err_lp)
-    lse_err = (lse.cpu() - ref_lse).abs().max().item()
-    assert lse_err <= 2 * (lse_lp_err := (ref_lse_lp - ref_lse).abs().max().item()) + 1e-3, (lse_err, lse_lp_err)
+    _check_against_reference(q, cache, out, lse, causal)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("bits", [(3, 3), (4, 3)])
+@pytest.mark.parametrize("quantizer", ["turbo", "asym"])
+@pytest.mark.parametrize("case", PREFILL_CASES)
+def test_prefill_matches_reference(dtype, d, bits, quantizer, case):
+    """The prefill kernel (>= ops.PREFILL_MIN_ROWS query rows a kv head) against float32 attention over
+    the dequantized cache, through flash_attn_with_kvcache."""
+    batch, seqlens, hq, hk, sq, causal = case
+    assert (hq // hk) * sq >= ops.PREFILL_MIN_ROWS
+    seed = zlib.crc32(repr(("prefill", str(dtype), d, bits, quantizer, seqlens, sq)).encode()) % 10000
+    cache, _, _ = _make_cache(batch, seqlens, hk, d, quantizer=quantizer, k_bits=bits[0], v_bits=bits[1],
+                              dtype=dtype, seed=seed)
+    q = torch.randn(batch, sq, hq, d, device=DEV, generator=torch.Generator(device=DEV).manual_seed(seed + 1)).to(dtype)
+    poison_allocator()
+    out, lse = fa.flash_attn_with_kvcache(q, cache, causal=causal, return_softmax_lse=True)
+    assert fa.last_path() == "quantized:fused-cuda"
+    _check_against_reference(q, cache, out, lse, causal)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 0])
+@pytest.mark.parametrize("page_size", [16, 64, 256])
+def test_prefill_paged_equals_contiguous(num_splits, page_size):
+    """Paged (shuffled pages) and contiguous caches holding the same codes give bit-identical prefill
+    outputs for the same splits, and match the reference."""
+    seqlens = [1000, 3000]
+    paged, _, _ = _make_cache(2, seqlens, 2, 128, page_size=page_size, shuffle_blocks=True, seed=5, max_seqlen=3072)
+    contiguous, _, _ = _make_cache(2, seqlens, 2, 128, seed=5, max_seqlen=3072)
+    assert torch.equal(paged.dequantize()[0].cpu(), contiguous.dequantize()[0].cpu())
+    q = torch.randn(2, 70, 8, 128, device=DEV, dtype=torch.float16)
+    poison_allocator()
+    out_p, lse_p = fa.flash_attn_with_kvcache(q, paged, causal=True, num_splits=num_splits, return_softmax_lse=True)
+    out_c, lse_c = fa.flash_attn_with_kvcache(q, contiguous, causal=True, num_splits=num_splits, return_softmax_lse=True)
+    assert torch.equal(out_p, out_c) and torch.equal(lse_p, lse_c)
+    _check_against_reference(q, contiguous, out_c, lse_c, True)
 
 
 @pytest.mark.parametrize("num_splits", [1, 3, 0])
@@ -320,17 +359,10 @@ def test_varlen_mixed_batch_on_the_fused_kernel():
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_decode_kernel_many_query_rows(dtype):
-    """The kernel itself past ops.MAX_FUSED_ROWS (256 query rows a kv head): 1028 rows = 65 CTAs along
-    grid.z, causal, against float32 attention over the dequantized cache (raise the limit once this
-    passes on the device)."""
+    """1028 query rows a kv head (9 prefill CTAs along grid.z), causal, against float32 attention over
+    the dequantized cache."""
     cache, _, _ = _make_cache(2, [700, 1500], 2, 128, dtype=dtype, seed=17)
     q = torch.randn(2, 257, 8, 128, device=DEV, dtype=dtype)
     poison_allocator()
     out, lse = ops.decode(q, cache, cache.seqlens, None, 128 ** -0.5, True, 0)
-    ref, ref_lse, ref_lp, ref_lse_lp = _reference(q, cache, cache.seqlens, True)
-    out = out.float().cpu()
-    assert torch.isfinite(out).all()
-    err, err_lp = (out - ref).abs().max().item(), (ref_lp - ref).abs().max().item()
-    assert err <= 2 * err_lp + torch.finfo(dtype).eps * ref.abs().max().item() + 2e-3, (err, err_lp)
-    lse_err, lse_lp_err = (lse.cpu() - ref_lse).abs().max().item(), (ref_lse_lp - ref_lse).abs().max().item()
-    assert lse_err <= 2 * lse_lp_err + 1e-3, (lse_err, lse_lp_err)  # bf16: q rounding moves the lse too
+    _check_against_reference(q, cache, out, lse, True)

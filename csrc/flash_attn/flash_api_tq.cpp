@@ -42,15 +42,27 @@ int choose_num_splits(int ctas, int max_seqlen_k, int num_sms) {
     return fewest;
 }
 
+// Query rows a kv head (GQA group x seqlen_q) from which the prefill kernel (128-row CTAs, each tile
+// expanded once into shared memory) replaces the decode kernel (16-row CTAs, each expanding every
+// tile in registers itself); mirrored by flash_attn_tq.ops.PREFILL_MIN_ROWS.
+constexpr int kPrefillMinRows = 128;
+constexpr int kPrefillRowsPerCta = 128;
+
+template <int kHeadDim, int kKBits, int kVBits, typename Elem>
+void run_packed(bool prefill, const DecodeParams &p, cudaStream_t stream) {
+    prefill ? run_prefill<Elem, kHeadDim, kKBits, kVBits>(p, stream) : run_decode<Elem, kHeadDim, kKBits, kVBits>(p, stream);
+}
+
 template <int kHeadDim>
-void dispatch_decode(const at::ScalarType dtype, int k_bits, int v_bits, const DecodeParams &p, cudaStream_t stream) {
+void dispatch_decode(const at::ScalarType dtype, int k_bits, int v_bits, bool prefill, const DecodeParams &p,
+                     cudaStream_t stream) {
     const bool fp16 = dtype == at::kHalf;
     if (k_bits == 16) {  // float16 / bfloat16 cache: the Fp16KV loader
         fp16 ? run_decode_fp16<__half, kHeadDim>(p, stream) : run_decode_fp16<__nv_bfloat16, kHeadDim>(p, stream);
     } else if (k_bits == 3 && v_bits == 3) {
-        fp16 ? run_decode<__half, kHeadDim, 3, 3>(p, stream) : run_decode<__nv_bfloat16, kHeadDim, 3, 3>(p, stream);
+        fp16 ? run_packed<kHeadDim, 3, 3, __half>(prefill, p, stream) : run_packed<kHeadDim, 3, 3, __nv_bfloat16>(prefill, p, stream);
     } else if (k_bits == 4 && v_bits == 3) {
-        fp16 ? run_decode<__half, kHeadDim, 4, 3>(p, stream) : run_decode<__nv_bfloat16, kHeadDim, 4, 3>(p, stream);
+        fp16 ? run_packed<kHeadDim, 4, 3, __half>(prefill, p, stream) : run_packed<kHeadDim, 4, 3, __nv_bfloat16>(prefill, p, stream);
     } else {
         TQ_CHECK(false, "no fused decode kernel for these k_bits/v_bits");
     }
@@ -108,8 +120,11 @@ std::tuple<at::Tensor, at::Tensor> run_decode_op(
     p.scale_softmax_log2 = static_cast<float>(softmax_scale * M_LOG2E);
     p.is_causal = is_causal && seqlen_q > 1;
 
-    const int rows_per_cta = p.h_h_k_ratio * seqlen_q <= 8 ? 8 : 16;
-    const int ctas = b * h_k * ((p.h_h_k_ratio * seqlen_q + rows_per_cta - 1) / rows_per_cta);
+    const int rows = p.h_h_k_ratio * seqlen_q;
+    const bool prefill = k_bits != 16 && rows >= kPrefillMinRows;
+    const int rows_per_cta = prefill ? kPrefillRowsPerCta : (rows <= 8 ? 8 : 16);
+    // a prefill CTA (8 warps, one an SM) counts as two 4-warp decode CTAs in the split heuristic
+    const int ctas = b * h_k * ((rows + rows_per_cta - 1) / rows_per_cta) * (prefill ? 2 : 1);
     int num_sms = 0;
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, q.get_device()));
     p.num_splits = num_splits > 0 ? static_cast<int>(num_splits) : choose_num_splits(ctas, max_seqlen_k, num_sms);
@@ -122,9 +137,9 @@ std::tuple<at::Tensor, at::Tensor> run_decode_op(
     }
     auto stream = c10::cuda::getCurrentCUDAStream().stream();
     if (d == 64) {
-        dispatch_decode<64>(q.scalar_type(), k_bits, v_bits, p, stream);
+        dispatch_decode<64>(q.scalar_type(), k_bits, v_bits, prefill, p, stream);
     } else {
-        dispatch_decode<128>(q.scalar_type(), k_bits, v_bits, p, stream);
+        dispatch_decode<128>(q.scalar_type(), k_bits, v_bits, prefill, p, stream);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return {out, lse};

@@ -11,6 +11,10 @@ for name, elem in DTYPES:
                 f.write(HEADER + '#include "tq_decode_launch.h"\n\nnamespace flash_tq {\n'
                         f"template void run_decode<{elem}, {d}, {kb}, {vb}>(const DecodeParams &, cudaStream_t);\n"
                         "}  // namespace flash_tq\n")
+            with open(f"tq_prefill_{name}_hdim{d}_k{kb}v{vb}.cu", "w") as f:
+                f.write(HEADER + '#include "tq_prefill_launch.h"\n\nnamespace flash_tq {\n'
+                        f"template void run_prefill<{elem}, {d}, {kb}, {vb}>(const DecodeParams &, cudaStream_t);\n"
+                        "}  // namespace flash_tq\n")
         with open(f"tq_decode_{name}_hdim{d}_kv16.cu", "w") as f:
             f.write(HEADER + '#include "tq_decode_launch.h"\n\nnamespace flash_tq {\n'
                     f"template void run_decode_fp16<{elem}, {d}>(const DecodeParams &, cudaStream_t);\n"

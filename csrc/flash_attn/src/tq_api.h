@@ -12,6 +12,10 @@ namespace flash_tq {
 template <typename Elem, int kHeadDim, int kKBits, int kVBits>
 void run_decode(const DecodeParams &p, cudaStream_t stream);
 
+// Many query rows a kv head (chunked prefill): 128-row CTAs over tiles expanded once into shared memory.
+template <typename Elem, int kHeadDim, int kKBits, int kVBits>
+void run_prefill(const DecodeParams &p, cudaStream_t stream);
+
 template <typename Elem, int kHeadDim>
 void run_decode_fp16(const DecodeParams &p, cudaStream_t stream);
 

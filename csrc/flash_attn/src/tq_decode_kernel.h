@@ -17,6 +17,7 @@
 
 #include "tq_kv_loader.h"
 #include "tq_params.h"
+#include "tq_rows.h"
 #include "tq_utils.h"
 
 namespace flash_tq {
@@ -56,18 +57,13 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_split_kernel(const D
     const int seqlen_k = max(0, min(p.seqlens_k[b], p.max_seqlen_k));  // never read past the cache
 
     // Keys visible to each accumulator column (row) this thread holds, and to the CTA's last row.
-    auto key_limit = [&](int r) {
-        if (r >= total_rows) return 0;
-        if (!p.is_causal) return seqlen_k;
-        return max(0, min(seqlen_k, seqlen_k - p.seqlen_q + r / group + 1));
-    };
     int lim[NT][2];
     #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
         #pragma unroll
-        for (int j = 0; j < 2; ++j) { lim[nt][j] = key_limit(row0 + nt * 8 + 2 * c + j); }
+        for (int j = 0; j < 2; ++j) { lim[nt][j] = key_limit(p, seqlen_k, total_rows, row0 + nt * 8 + 2 * c + j); }
     }
-    const int cta_limit = key_limit(min(row0 + kRows, total_rows) - 1);
+    const int cta_limit = key_limit(p, seqlen_k, total_rows, min(row0 + kRows, total_rows) - 1);
     const int n_tiles = (cta_limit + kTileN - 1) / kTileN;
     const int tiles_per_split = (n_tiles + p.num_splits - 1) / p.num_splits;
     const int tile_begin = split * tiles_per_split;
@@ -76,26 +72,10 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_split_kernel(const D
     // turbo: q is rotated here (signs, then a Walsh-Hadamard transform, a warp a row, into shared
     // memory before the pipeline uses it), and the output is rotated back at the end.
     const bool rotate = p.rot_signs != nullptr;
-    constexpr float kInvSqrtD = D == 128 ? 0.08838834764831845f : 0.125f;  // 1/sqrt(D)
-    static_assert(D == 64 || D == 128, "head dims");
-    constexpr int kV = D / 32;  // elements a lane holds of a row in the warp-wide transforms
+    constexpr int kV = RowMath<D>::kV;
     float *sm_q = reinterpret_cast<float *>(smem);  // [kRows][D]
     if (rotate) {
-        #pragma unroll
-        for (int n = warp; n < kRows; n += kWarps) {
-            const int r = row0 + n;
-            float x[kV] = {};
-            if (r < total_rows) {
-                const Elem *qrow = reinterpret_cast<const Elem *>(p.q) + b * p.q_batch_stride + (r / group) * p.q_row_stride +
-                                   (hk * group + r % group) * p.q_head_stride;
-                load_row_part<Elem, kV>(qrow + lane * kV, x);
-                #pragma unroll
-                for (int k = 0; k < kV; ++k) { x[k] *= p.rot_signs[lane * kV + k]; }
-            }
-            fwht_warp<D>(x, lane);
-            #pragma unroll
-            for (int k = 0; k < kV; ++k) { sm_q[n * D + lane * kV + k] = x[k]; }
-        }
+        rotate_q_rows<Elem, D, kRows, kWarps>(p, b, hk, row0, total_rows, sm_q, warp, lane);
         __syncthreads();
     }
 
@@ -108,35 +88,17 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_split_kernel(const D
     for (int nt = 0; nt < NT; ++nt) {
         const int r = row0 + nt * 8 + g;
         const bool valid = r < total_rows;
-        const Elem *qrow = reinterpret_cast<const Elem *>(p.q) + b * p.q_batch_stride +
-                           (valid ? (r / group) * p.q_row_stride + (hk * group + r % group) * p.q_head_stride : 0);
+        const Elem *qrow = q_row_ptr<Elem>(p, b, hk, valid ? r : 0);
         auto q_at = [&](int e) {
-            if (rotate) return sm_q[(nt * 8 + g) * D + e] * kInvSqrtD;
+            if (rotate) return sm_q[(nt * 8 + g) * D + e] * RowMath<D>::kInvSqrtD;
             return valid ? to_float(qrow[e]) : 0.f;
         };
-        float s = 0.f, ms = 0.f;
+        float s, ms;
+        q_row_slots<KV, Elem, KB>(q_at, c, qf[nt], s, ms);
         #pragma unroll
-        for (int kb = 0; kb < KB; ++kb) {
-            #pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int slot = KV::q_slot(c, kb, half);
-                const int e = KV::q_scale_exp(slot);
-                const float down = exp2f(-3.f * e);
-                qf[nt][kb][half] = pack2<Elem>(q_at(KV::q_element(slot, 0)) * down, q_at(KV::q_element(slot, 1)) * down);
-                const float2 used = unpack2<Elem>(qf[nt][kb][half]);
-                s += (used.x + used.y) * exp2f(3.f * e);
-                ms += used.x + used.y;
-            }
-        }
-        #pragma unroll
-        for (int o = 1; o <= 2; o *= 2) {
-            s += __shfl_xor_sync(0xffffffffu, s, o);
-            ms += __shfl_xor_sync(0xffffffffu, ms, o);
-        }
-        #pragma unroll
-        for (int j = 0; j < 2; ++j) {
+        for (int j = 0; j < 2; ++j) {  // to the accumulator layout: row 2c + j is a column
             sumq[nt][j] = __shfl_sync(0xffffffffu, s, (2 * c + j) * 4);
-            magicq[nt][j] = KV::kMagicValue * __shfl_sync(0xffffffffu, ms, (2 * c + j) * 4);
+            magicq[nt][j] = __shfl_sync(0xffffffffu, ms, (2 * c + j) * 4);
         }
     }
     if (rotate) { __syncthreads(); }  // sm_q is the pipeline's memory from here on
@@ -343,9 +305,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_split_kernel(const D
         }
     }
     __syncthreads();
-    // a warp a row: sum the warps' slices, normalize, rotate back (turbo, no splits), store
-    const bool unrotate = rotate && p.num_splits == 1;  // with splits the combine pass rotates back
-    constexpr float kLn2 = 0.6931471805599453f;
+    // a warp a row: sum the warps' slices, normalize, store (rotated back when there is one split)
     #pragma unroll
     for (int n = warp; n < kRows; n += kWarps) {
         const int r = row0 + n;
@@ -359,28 +319,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_split_kernel(const D
             for (int w = 0; w < kWarps; ++w) { sum += sm_o[(w * kRows + n) * D + lane * kV + k]; }
             o[k] = total > 0.f ? sum / total : 0.f;
         }
-        if (unrotate) {
-            fwht_warp<D>(o, lane);
-            #pragma unroll
-            for (int k = 0; k < kV; ++k) { o[k] *= p.rot_signs[lane * kV + k] * kInvSqrtD; }
-        }
-        const int i = r / group, hq = hk * group + r % group;
-        const float lse = total > 0.f ? (sm_row[n] + log2f(total)) * kLn2 : kNegInf;
-        if (p.num_splits == 1) {
-            Elem *out = reinterpret_cast<Elem *>(p.out) + b * p.o_batch_stride + i * p.o_row_stride + hq * p.o_head_stride;
-            store_row_part<Elem, kV>(out + lane * kV, o);
-            // a row with no visible key: output 0 and lse +inf, as upstream's kernels write
-            if (lane == 0) { p.softmax_lse[(static_cast<int64_t>(b) * p.h + hq) * p.seqlen_q + i] = total > 0.f ? lse : INFINITY; }
-        } else {
-            const int64_t row_id = ((static_cast<int64_t>(split) * p.b + b) * p.h + hq) * p.seqlen_q + i;
-            float *acc_out = p.out_accum + row_id * D + lane * kV;
-            if constexpr (kV == 4) {
-                *reinterpret_cast<float4 *>(acc_out) = make_float4(o[0], o[1], o[2], o[3]);
-            } else {
-                *reinterpret_cast<float2 *>(acc_out) = make_float2(o[0], o[1]);
-            }
-            if (lane == 0) { p.lse_accum[row_id] = lse; }
-        }
+        store_row<Elem, D>(p, b, hk, split, r, o, sm_row[n], total, lane);
     }
 }
 

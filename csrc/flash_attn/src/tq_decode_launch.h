@@ -7,6 +7,15 @@
 
 namespace flash_tq {
 
+// Merge the splits (a CTA an output row); nothing to do for one split.
+template <typename Elem, int kHeadDim>
+void launch_combine(const DecodeParams &p, cudaStream_t stream) {
+    if (p.num_splits > 1) {
+        const int64_t rows = static_cast<int64_t>(p.b) * p.h * p.seqlen_q;
+        decode_combine_kernel<Elem, kHeadDim><<<static_cast<unsigned>(rows), 128, 0, stream>>>(p);
+    }
+}
+
 template <typename Traits>
 void launch_decode_split(const DecodeParams &p, cudaStream_t stream) {
     auto kernel = &decode_split_kernel<Traits>;
@@ -26,10 +35,7 @@ void run_decode_with(const DecodeParams &p, cudaStream_t stream) {
     } else {  // 16 rows a CTA; more rows take more CTAs along grid.z
         launch_decode_split<DecodeTraits<Elem, kHeadDim, 2, KV>>(p, stream);
     }
-    if (p.num_splits > 1) {
-        const int64_t rows = static_cast<int64_t>(p.b) * p.h * p.seqlen_q;
-        decode_combine_kernel<Elem, kHeadDim><<<static_cast<unsigned>(rows), 128, 0, stream>>>(p);
-    }
+    launch_combine<Elem, kHeadDim>(p, stream);
 }
 
 template <typename Elem, int kHeadDim, int kKBits, int kVBits>

@@ -115,7 +115,6 @@ template <typename Elem, int kHeadDim, int kBits, Quant kQuant>
 __global__ void __launch_bounds__(128) pack_kv_kernel(const PackParams p) {
     constexpr int P = kHeadDim / 8;          // elements a thread
     constexpr int kLevels = 1 << kBits;
-    constexpr int kRowBytes = kHeadDim * kBits / 8;
     constexpr int kPad = 8;                  // floats between vectors in the transpose buffer: no bank conflicts
     constexpr bool kTurbo = kQuant != Quant::kAsym;
     __shared__ __align__(16) float xpose[4][4][kHeadDim + kPad];  // [warp][vector][element]

@@ -1,0 +1,307 @@
+// Prefill / chunked-prefill attention over a packed K/V cache: many query rows a (batch, kv head).
+//
+// One CTA = (split, batch * kv_head, 128 query rows); rows as in tq_rows.h (a GQA group's heads
+// share every tile), 16 rows a warp, 8 warps. The CTA streams the cache in 64-token tiles:
+//   1. two warps copy the packed tile (codes + fp16 metadata, ~6.6 KB at 3 bits, d=128) into a
+//      3-stage cp.async ring, as two PackedKV stages of 32 tokens;
+//   2. all 256 threads expand it once into shared memory as tensor-core B fragments (one K
+//      (token, lane-quad) unit and one V (token pair, lane-group) unit a thread: the loader's
+//      k_slots / v_pair_slots, so the codes are never scaled element by element), double-buffered;
+//   3. each warp runs FA2's loop on its rows: S = Q K^T (Q: A fragments in registers, in the
+//      loader's slot order), K's per-token (scale, offset) folded into the scores, online softmax,
+//      P scaled by V's per-token scale, O += P V with V as centred codes, V's offsets in a row term.
+// One barrier a tile: tile i + 1 is expanded while tile i is multiplied (warps interleave both).
+#pragma once
+
+#include <cmath>
+
+#include "tq_kv_loader.h"
+#include "tq_params.h"
+#include "tq_rows.h"
+#include "tq_utils.h"
+
+namespace flash_tq {
+
+template <typename Elem_, int kHeadDim_, int kKBits, int kVBits>
+struct PrefillTraits {
+    using Elem = Elem_;
+    using KV = PackedKV<kKBits, kVBits, kHeadDim_, Elem_>;
+    static constexpr int kHeadDim = kHeadDim_;
+    static constexpr int kNWarps = 8;
+    static constexpr int kNThreads = 32 * kNWarps;
+    static constexpr int kRows = 16 * kNWarps;     // query rows a CTA: each expanded tile serves 128 rows
+    static constexpr int kTileN = 2 * KV::kTileN;  // 64 tokens: one K and one V unit a thread
+    static constexpr int kPackedStages = 3;        // packed tiles in flight: i + 1 expanding, i + 2 arriving
+    static constexpr int kPackedBytes = 2 * KV::kStageBytes;
+    static constexpr int kKChunks = kHeadDim / 8;  // 16-byte chunks of a token's K fragments (4 lanes x kSlotsK words)
+    static constexpr int kVChunks = kHeadDim / 4;  // of a token pair's V fragments (8 groups x kHeadDim / 8 words)
+    static constexpr int kKFragOff = 0;
+    static constexpr int kVFragOff = kKFragOff + kTileN * kKChunks * 16;
+    static constexpr int kMetaOff = kVFragOff + kTileN / 2 * kVChunks * 16;  // float4 a token: K (scale, offset), V (scale, offset)
+    static constexpr int kFragBytes = kMetaOff + kTileN * 16;
+    static constexpr int kPipeBytes = kPackedStages * kPackedBytes + 2 * kFragBytes;
+    static constexpr int kQBytes = kRows * kHeadDim * 4;  // turbo q rotation, and the output rows at the end
+    static constexpr int kSmemBytes = kPipeBytes > kQBytes ? kPipeBytes : kQBytes;
+    static_assert(kTileN * 4 == kNThreads, "one K unit a thread");
+    static_assert(kTileN / 2 * 8 == kNThreads, "one V unit a thread");
+
+    // Swizzled 16-byte chunk of K chunk `l` of token t: every 8-lane phase of the fragment reads
+    // (tokens t, t + 1 x lane quads 0..3) and of the expansion writes lands in 8 bank groups.
+    __device__ static int k_chunk(int t, int l) { return t * kKChunks + (l ^ (((l >> 3) << 1) | (t & 1))); }
+    // ... and of V chunk `l` (= group * kHeadDim / 32 + part) of token pair u.
+    __device__ static int v_chunk(int u, int l) {
+        const int x = kHeadDim == 128 ? (u & 7) : ((u & 1) | ((u >> 1) & 2) | ((u << 1) & 4));
+        return u * kVChunks + (l ^ x);
+    }
+};
+
+__device__ __forceinline__ uint4 lds128(const char *base, int chunk) {
+    return *reinterpret_cast<const uint4 *>(base + 16 * chunk);
+}
+
+// Expand packed tile `packed` (two PackedKV stages) into fragment buffer `frag`.
+template <typename T>
+__device__ __forceinline__ void expand_tile(const char *packed, char *frag, const typename T::KV::Consts &consts, int tid) {
+    using KV = typename T::KV;
+    using Elem = typename T::Elem;
+    constexpr int D = T::kHeadDim, kSlots = KV::kSlotsK, kCodes = KV::kGroupCodes;
+    {   // K: token t, lane quad c: its pair slots (raw values) as kSlots / 4 chunks
+        const int t = tid / 4, c = tid % 4;
+        uint32_t w[kSlots];
+        KV::k_slots(packed + (t / KV::kTileN) * KV::kStageBytes, t % KV::kTileN, c, w);
+        #pragma unroll
+        for (int q = 0; q < kSlots / 4; ++q) {
+            *reinterpret_cast<uint4 *>(frag + T::kKFragOff + 16 * T::k_chunk(t, c * (kSlots / 4) + q)) =
+                make_uint4(w[4 * q], w[4 * q + 1], w[4 * q + 2], w[4 * q + 3]);
+        }
+    }
+    {   // V: token pair u, lane group g: element 8j + g of both tokens, centred, for each d tile j
+        const int u = tid % 32, g = tid / 32, t = 2 * u;
+        uint32_t w[kCodes];
+        KV::v_pair_slots(packed + (t / KV::kTileN) * KV::kStageBytes, t % KV::kTileN, g, w);
+        #pragma unroll
+        for (int j = 0; j < kCodes; ++j) { w[j] = fma2<Elem>(w[j], consts.v_mul[j], consts.v_add[j]); }
+        #pragma unroll
+        for (int q = 0; q < kCodes / 4; ++q) {
+            *reinterpret_cast<uint4 *>(frag + T::kVFragOff + 16 * T::v_chunk(u, g * (D / 32) + q)) =
+                make_uint4(w[4 * q], w[4 * q + 1], w[4 * q + 2], w[4 * q + 3]);
+        }
+    }
+    if (tid < T::kTileN) {  // per-token affine factors as floats
+        const char *stage = packed + (tid / KV::kTileN) * KV::kStageBytes;
+        const float2 kf = KV::k_affine(stage, tid % KV::kTileN), vf = KV::v_affine(stage, tid % KV::kTileN);
+        *reinterpret_cast<float4 *>(frag + T::kMetaOff + 16 * tid) = make_float4(kf.x, kf.y, vf.x, vf.y);
+    }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(T::kNThreads, 1) prefill_split_kernel(const DecodeParams p) {
+    using Elem = typename T::Elem;
+    using KV = typename T::KV;
+    constexpr int D = T::kHeadDim, KB = D / 16, NJ = T::kTileN / 8, DJ = D / 8, kV = RowMath<D>::kV;
+    constexpr float kNegInf = -INFINITY;
+    extern __shared__ __align__(16) char smem[];
+
+    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, c = lane % 4;
+    const int split = blockIdx.x, b = blockIdx.y / p.h_k, hk = blockIdx.y % p.h_k, row0 = blockIdx.z * T::kRows;
+    const int total_rows = p.h_h_k_ratio * p.seqlen_q, wrow0 = row0 + 16 * warp;
+    const int bc = p.cache_batch_idx != nullptr ? p.cache_batch_idx[b] : b;
+    const int seqlen_k = max(0, min(p.seqlens_k[b], p.max_seqlen_k));
+
+    const int lim[2] = {key_limit(p, seqlen_k, total_rows, wrow0 + g), key_limit(p, seqlen_k, total_rows, wrow0 + g + 8)};
+    const int cta_limit = key_limit(p, seqlen_k, total_rows, min(row0 + T::kRows, total_rows) - 1);
+    const int warp_limit = wrow0 < total_rows ? key_limit(p, seqlen_k, total_rows, min(wrow0 + 16, total_rows) - 1) : 0;
+    // tiles ending at or below every valid row's limit need no mask (limits grow with the row)
+    const int warp_unmasked = wrow0 < total_rows ? key_limit(p, seqlen_k, total_rows, wrow0) : 0;
+    const int n_tiles = (cta_limit + T::kTileN - 1) / T::kTileN;
+    const int tiles_per_split = (n_tiles + p.num_splits - 1) / p.num_splits;
+    const int tile_begin = split * tiles_per_split;
+    const int n_mine = max(0, min(n_tiles, tile_begin + tiles_per_split) - tile_begin);
+
+    // ---- Q: A fragments of rows wrow0 + g (a0, a2) and + g + 8 (a1, a3) in the loader's slot order
+    const bool rotate = p.rot_signs != nullptr;
+    float *sm_q = reinterpret_cast<float *>(smem);  // [kRows][D]
+    if (rotate) {
+        rotate_q_rows<Elem, D, T::kRows, T::kNWarps>(p, b, hk, row0, total_rows, sm_q, warp, lane);
+        __syncthreads();
+    }
+    uint32_t qa[KB][4];
+    float sumq[2], magicq[2];
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int n = 16 * warp + g + 8 * h, r = row0 + n;
+        const bool valid = r < total_rows;
+        const Elem *qrow = q_row_ptr<Elem>(p, b, hk, valid ? r : 0);
+        auto q_at = [&](int e) {
+            if (rotate) return sm_q[n * D + e] * RowMath<D>::kInvSqrtD;
+            return valid ? to_float(qrow[e]) : 0.f;
+        };
+        uint32_t f[KB][2];
+        q_row_slots<KV, Elem, KB>(q_at, c, f, sumq[h], magicq[h]);
+        #pragma unroll
+        for (int kb = 0; kb < KB; ++kb) { qa[kb][h] = f[kb][0]; qa[kb][h + 2] = f[kb][1]; }
+    }
+    if (rotate) { __syncthreads(); }  // sm_q is the pipeline's memory from here on
+
+    const typename KV::Consts consts = KV::consts();
+    const typename KV::Bases bases = KV::bases(p, bc, hk);
+    char *packed = smem;
+    char *frags = smem + T::kPackedStages * T::kPackedBytes;
+    auto load = [&](int i) {  // packed tile i of this split, by warps 0 and 1 (32 tokens each)
+        if (warp < 2 && i < n_mine) {
+            KV::load_tile(p, bases, packed + (i % T::kPackedStages) * T::kPackedBytes + warp * KV::kStageBytes, b,
+                          (tile_begin + i) * T::kTileN + warp * KV::kTileN, seqlen_k, lane);
+        }
+        cp_async_commit();
+    };
+
+    float acc[DJ][4], row_max[2], row_sum[2], row_corr[2];
+    #pragma unroll
+    for (int j = 0; j < DJ; ++j) {
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) { acc[j][e] = 0.f; }
+    }
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) { row_max[h] = kNegInf; row_sum[h] = 0.f; row_corr[h] = 0.f; }
+
+    load(0);
+    load(1);
+    cp_async_wait<1>();
+    __syncthreads();
+    if (n_mine > 0) { expand_tile<T>(packed, frags, consts, tid); }
+    for (int it = 0; it < n_mine; ++it) {
+        load(it + 2);
+        cp_async_wait<1>();
+        __syncthreads();  // tile it + 1 landed, tile it expanded, tile it - 1's fragments free
+        if (it + 1 < n_mine) {
+            expand_tile<T>(packed + ((it + 1) % T::kPackedStages) * T::kPackedBytes, frags + ((it + 1) % 2) * T::kFragBytes,
+                           consts, tid);
+        }
+        const int tile_start = (tile_begin + it) * T::kTileN;
+        if (tile_start >= warp_limit) continue;  // warp-uniform: no row of this warp sees the tile
+        const char *frag = frags + (it % 2) * T::kFragBytes;
+        const float4 *meta = reinterpret_cast<const float4 *>(frag + T::kMetaOff);
+
+        // ---- S = Q K^T: n8 tile j = tokens 8j..8j+7; lane (g, c) reads token 8j + g, quad c
+        float s[NJ][4];
+        #pragma unroll
+        for (int j = 0; j < NJ; ++j) {
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) { s[j][e] = 0.f; }
+        }
+        #pragma unroll
+        for (int q = 0; q < KB / 2; ++q) {
+            #pragma unroll
+            for (int j = 0; j < NJ; ++j) {
+                const uint4 w = lds128(frag + T::kKFragOff, T::k_chunk(8 * j + g, c * (KB / 2) + q));
+                mma_16816<Elem>(s[j], qa[2 * q], w.x, w.y);
+                mma_16816<Elem>(s[j], qa[2 * q + 1], w.z, w.w);
+            }
+        }
+        // scores (base 2): s[j][e] is row g + 8 (e / 2), token 8j + 2c + e % 2
+        const bool masked = tile_start + T::kTileN > warp_unmasked;
+        float tile_max[2] = {kNegInf, kNegInf};
+        #pragma unroll
+        for (int j = 0; j < NJ; ++j) {
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int h = e / 2, tok = 8 * j + 2 * c + e % 2;
+                const float4 m = meta[tok];
+                float v = (m.x * (s[j][e] - magicq[h]) + m.y * sumq[h]) * p.scale_softmax_log2;
+                if (masked && tile_start + tok >= lim[h]) v = kNegInf;
+                s[j][e] = v;
+                tile_max[h] = fmaxf(tile_max[h], v);
+            }
+        }
+        // online softmax with lazy rescaling (as in the decode kernel: the reference max moves only
+        // when a row's tile max exceeds it by more than 2^8)
+        constexpr float kRescaleSlack = 8.f;
+        bool moved = false;
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 1));
+            tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 2));
+            moved |= tile_max[h] > row_max[h] + kRescaleSlack;
+        }
+        if (__any_sync(0xffffffffu, moved)) {
+            #pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const float mx = fmaxf(row_max[h], tile_max[h]);
+                const float rescale = mx == kNegInf ? 1.f : exp2f(row_max[h] - mx);
+                row_max[h] = mx;
+                row_sum[h] *= rescale;
+                row_corr[h] *= rescale;
+                #pragma unroll
+                for (int j = 0; j < DJ; ++j) { acc[j][2 * h] *= rescale; acc[j][2 * h + 1] *= rescale; }
+            }
+        }
+        const float use_max[2] = {row_max[0] == kNegInf ? 0.f : row_max[0], row_max[1] == kNegInf ? 0.f : row_max[1]};
+        // P, scaled by V's per-token scale, as A fragments: k-block kb = n8 tiles 2kb, 2kb + 1
+        uint32_t pa[NJ / 2][4];
+        #pragma unroll
+        for (int j = 0; j < NJ; ++j) {
+            float pr[4];
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int h = e / 2;
+                const float4 m = meta[8 * j + 2 * c + e % 2];
+                const float prob = exp2f(s[j][e] - use_max[h]);
+                row_sum[h] += prob;
+                const float scaled = to_float(from_float<Elem>(prob * m.z));
+                pr[e] = scaled;
+                row_corr[h] += prob * (m.w + KV::kVMid * m.z) + 0.5f * scaled;  // see the decode kernel
+            }
+            pa[j / 2][2 * (j % 2)] = pack2<Elem>(pr[0], pr[1]);
+            pa[j / 2][2 * (j % 2) + 1] = pack2<Elem>(pr[2], pr[3]);
+        }
+        // ---- O += P V: lane (g, c) reads token pairs 8kb + c (b0) and 8kb + c + 4 (b1), group g
+        #pragma unroll
+        for (int kb = 0; kb < NJ / 2; ++kb) {
+            #pragma unroll
+            for (int q = 0; q < D / 32; ++q) {
+                const uint4 b0 = lds128(frag + T::kVFragOff, T::v_chunk(8 * kb + c, g * (D / 32) + q));
+                const uint4 b1 = lds128(frag + T::kVFragOff, T::v_chunk(8 * kb + c + 4, g * (D / 32) + q));
+                mma_16816<Elem>(acc[4 * q + 0], pa[kb], b0.x, b1.x);
+                mma_16816<Elem>(acc[4 * q + 1], pa[kb], b0.y, b1.y);
+                mma_16816<Elem>(acc[4 * q + 2], pa[kb], b0.z, b1.z);
+                mma_16816<Elem>(acc[4 * q + 3], pa[kb], b0.w, b1.w);
+            }
+        }
+    }
+    cp_async_wait<0>();
+
+    // ---- rows to shared memory (a warp's 16 rows), then a warp a row: normalize, store
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        #pragma unroll
+        for (int o = 1; o <= 2; o *= 2) {
+            row_sum[h] += __shfl_xor_sync(0xffffffffu, row_sum[h], o);
+            row_corr[h] += __shfl_xor_sync(0xffffffffu, row_corr[h], o);
+        }
+    }
+    __syncthreads();  // every warp is done with the fragment buffers
+    float *sm_o = reinterpret_cast<float *>(smem) + warp * 16 * D;  // [16][D]
+    #pragma unroll
+    for (int j = 0; j < DJ; ++j) {
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int h = e / 2;
+            sm_o[(g + 8 * h) * D + 8 * j + 2 * c + e % 2] = acc[j][e] + row_corr[h];
+        }
+    }
+    __syncwarp();
+    #pragma unroll 1
+    for (int n = 0; n < 16; ++n) {
+        const int r = wrow0 + n;
+        if (r >= total_rows) break;  // warp-uniform
+        const int src = (n % 8) * 4;  // a lane holding row n's statistics: g = n % 8
+        const float total = __shfl_sync(0xffffffffu, n < 8 ? row_sum[0] : row_sum[1], src);
+        const float mx = __shfl_sync(0xffffffffu, n < 8 ? row_max[0] : row_max[1], src);
+        float o[kV];
+        #pragma unroll
+        for (int k = 0; k < kV; ++k) { o[k] = total > 0.f ? sm_o[n * D + lane * kV + k] / total : 0.f; }
+        store_row<Elem, D>(p, b, hk, split, r, o, mx == kNegInf ? 0.f : mx, total, lane);
+    }
+}
+
+}  // namespace flash_tq

@@ -1,0 +1,120 @@
+// Query and output rows, shared by the decode (tq_decode_kernel.h) and prefill
+// (tq_prefill_kernel.h) kernels: causal key limits, the turbo rotation of q, q gathered in the
+// loader's slot order, and the final store (rotation back, lse, or a split's partial result).
+//
+// Rows: row r of a (batch, kv head) is query position r / group of q head hk * group + r % group,
+// so a GQA group's heads share every K/V tile.
+#pragma once
+
+#include <cmath>
+
+#include "tq_params.h"
+#include "tq_utils.h"
+
+namespace flash_tq {
+
+template <int kHeadDim>
+struct RowMath {
+    static_assert(kHeadDim == 64 || kHeadDim == 128, "head dims");
+    static constexpr int kV = kHeadDim / 32;  // elements a lane holds of a row in the warp-wide transforms
+    static constexpr float kInvSqrtD = kHeadDim == 128 ? 0.08838834764831845f : 0.125f;
+};
+
+// Keys [0, limit) visible to row r (0 for rows past the last); bottom-right causal alignment.
+__device__ __forceinline__ int key_limit(const DecodeParams &p, int seqlen_k, int total_rows, int r) {
+    if (r >= total_rows) return 0;
+    if (!p.is_causal) return seqlen_k;
+    return max(0, min(seqlen_k, seqlen_k - p.seqlen_q + r / p.h_h_k_ratio + 1));
+}
+
+template <typename Elem>
+__device__ __forceinline__ const Elem *q_row_ptr(const DecodeParams &p, int b, int hk, int r) {
+    const int group = p.h_h_k_ratio;
+    return reinterpret_cast<const Elem *>(p.q) + b * p.q_batch_stride + (r / group) * p.q_row_stride +
+           (hk * group + r % group) * p.q_head_stride;
+}
+
+// turbo: rows [row0, row0 + kRows) of q, sign-flipped and Walsh-Hadamard transformed (unnormalized),
+// a warp a row, into sm_q[kRows][D] (rows past total_rows: zeros). The caller synchronizes.
+template <typename Elem, int D, int kRows, int kWarps>
+__device__ void rotate_q_rows(const DecodeParams &p, int b, int hk, int row0, int total_rows, float *sm_q,
+                              int warp, int lane) {
+    constexpr int kV = RowMath<D>::kV;
+    #pragma unroll 1
+    for (int n = warp; n < kRows; n += kWarps) {
+        const int r = row0 + n;
+        float x[kV] = {};
+        if (r < total_rows) {
+            load_row_part<Elem, kV>(q_row_ptr<Elem>(p, b, hk, r) + lane * kV, x);
+            #pragma unroll
+            for (int k = 0; k < kV; ++k) { x[k] *= p.rot_signs[lane * kV + k]; }
+        }
+        fwht_warp<D>(x, lane);
+        #pragma unroll
+        for (int k = 0; k < kV; ++k) { sm_q[n * D + lane * kV + k] = x[k]; }
+    }
+}
+
+// One query row in the loader's pair-slot order, as the two registers (half 0, 1) of each k-block
+// that thread c holds: scaled by 8^-q_scale_exp (powers of two: exact). `sum` returns the row's sum
+// of its (rounded) elements (for K's offsets), `magic` the loader's magic value times the sum of
+// the scaled elements (for the magic number in raw K values); both reduced over the row's 4 lanes.
+// q_at(e): element e of the row (rotated and normalized for turbo).
+template <typename KV, typename Elem, int KB, typename QAt>
+__device__ __forceinline__ void q_row_slots(QAt q_at, int c, uint32_t (&f)[KB][2], float &sum, float &magic) {
+    float s = 0.f, ms = 0.f;
+    #pragma unroll
+    for (int kb = 0; kb < KB; ++kb) {
+        #pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int slot = KV::q_slot(c, kb, half);
+            const int e = KV::q_scale_exp(slot);
+            const float down = exp2f(-3.f * e);
+            f[kb][half] = pack2<Elem>(q_at(KV::q_element(slot, 0)) * down, q_at(KV::q_element(slot, 1)) * down);
+            const float2 used = unpack2<Elem>(f[kb][half]);
+            s += (used.x + used.y) * exp2f(3.f * e);
+            ms += used.x + used.y;
+        }
+    }
+    #pragma unroll
+    for (int o = 1; o <= 2; o *= 2) {
+        s += __shfl_xor_sync(0xffffffffu, s, o);
+        ms += __shfl_xor_sync(0xffffffffu, ms, o);
+    }
+    sum = s;
+    magic = KV::kMagicValue * ms;
+}
+
+// Store output row r (o: the lane's kV consecutive elements, normalized; max_log2 / total: the
+// row's base-2 max and probability sum). One split: rotate back (turbo), write out and the lse
+// (natural log; +inf for a row with no visible key, as upstream writes). Several splits: the raw
+// row and its lse go to the accumulators, the combine kernel rotates.
+template <typename Elem, int D>
+__device__ __forceinline__ void store_row(const DecodeParams &p, int b, int hk, int split, int r, float (&o)[D / 32],
+                                          float max_log2, float total, int lane) {
+    constexpr int kV = RowMath<D>::kV;
+    constexpr float kLn2 = 0.6931471805599453f;
+    const int group = p.h_h_k_ratio, i = r / group, hq = hk * group + r % group;
+    const float lse = total > 0.f ? (max_log2 + log2f(total)) * kLn2 : -INFINITY;
+    if (p.num_splits == 1) {
+        if (p.rot_signs != nullptr) {
+            fwht_warp<D>(o, lane);
+            #pragma unroll
+            for (int k = 0; k < kV; ++k) { o[k] *= p.rot_signs[lane * kV + k] * RowMath<D>::kInvSqrtD; }
+        }
+        Elem *out = reinterpret_cast<Elem *>(p.out) + b * p.o_batch_stride + i * p.o_row_stride + hq * p.o_head_stride;
+        store_row_part<Elem, kV>(out + lane * kV, o);
+        if (lane == 0) { p.softmax_lse[(static_cast<int64_t>(b) * p.h + hq) * p.seqlen_q + i] = total > 0.f ? lse : INFINITY; }
+    } else {
+        const int64_t row_id = ((static_cast<int64_t>(split) * p.b + b) * p.h + hq) * p.seqlen_q + i;
+        float *acc_out = p.out_accum + row_id * D + lane * kV;
+        if constexpr (kV == 4) {
+            *reinterpret_cast<float4 *>(acc_out) = make_float4(o[0], o[1], o[2], o[3]);
+        } else {
+            *reinterpret_cast<float2 *>(acc_out) = make_float2(o[0], o[1]);
+        }
+        if (lane == 0) { p.lse_accum[row_id] = lse; }
+    }
+}
+
+}  // namespace flash_tq
