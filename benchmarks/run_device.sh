@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One device call: build the extension, run the GPU tests, compute-sanitizer, then the decode benchmark.
-#   bash benchmarks/run_device.sh [tests|bench|all]      (results and logs go to $OUT, or benchmarks/results)
+# One device call: build the extension, run the GPU tests, compute-sanitizer, then the benchmarks.
+#   bash benchmarks/run_device.sh [tests|bench|prefill|all]   (results and logs go to $OUT, or benchmarks/results)
+#   bench: decode (bench_decode.py, BENCH_ARGS); prefill: chunked prefill + paged decode (bench_prefill.py, PREFILL_ARGS)
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-benchmarks/results}
@@ -21,11 +22,16 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
     tail -3 "$OUT/sanitizer_$tool.log"
   done
 fi
-if [ "$what" = bench ] || [ "$what" = all ]; then
+if [ "$what" != tests ]; then
   if [ -f .fa2/flash_attn-2.8.3.post2.tar.gz ]; then
     t0=$SECONDS
     python3 .fa2/build_upstream_fa2.py .fa2/flash_attn-2.8.3.post2.tar.gz /tmp/fa2 --hdims 64,128 > "$OUT/fa2_build.log" 2>&1 \
       && eval "$(tail -1 "$OUT/fa2_build.log")" && echo "upstream FA2 built in $((SECONDS - t0)) s" || tail -5 "$OUT/fa2_build.log"
   fi
-  python3 benchmarks/bench_decode.py ${BENCH_ARGS:-} --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -50
+  if [ "$what" = bench ] || [ "$what" = all ]; then
+    python3 benchmarks/bench_decode.py ${BENCH_ARGS:-} --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -50
+  fi
+  if [ "$what" = prefill ] || [ "$what" = all ]; then
+    python3 benchmarks/bench_prefill.py ${PREFILL_ARGS:-} --out "$OUT" 2>&1 | tee "$OUT/bench_prefill.log" | tail -30
+  fi
 fi
