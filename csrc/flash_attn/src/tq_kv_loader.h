@@ -27,6 +27,7 @@ struct PackedKV {
     static constexpr bool kAffine = true;
     static constexpr int kTileN = 32;   // tokens per warp tile: one token a lane for the copies (64: 3-12% slower)
     static constexpr int kStages = 3;   // per-warp cp.async stages: two tiles in flight while one computes
+    static constexpr int kSegment = 16;  // smallest page copied as contiguous regions (16-token pages: two a tile)
     using KL = CodeLayout<kKBits, kHeadDim>;
     using VL = CodeLayout<kVBits, kHeadDim>;
     static constexpr int kKOff = 0;
@@ -55,7 +56,7 @@ struct PackedKV {
 
     // Per-lane global addresses of this (kv head, cache row); load_tile adds the token's offset.
     // dense: a tile's rows are adjacent and 16-byte aligned in memory (the head-major cache; pages
-    // of at least a tile), so whole tiles are copied as contiguous regions.
+    // of at least kSegment tokens), so tiles are copied as contiguous regions of kSegment tokens or more.
     struct Bases {
         const uint8_t *kc, *vc;
         const uint16_t *km, *vm;
@@ -71,7 +72,7 @@ struct PackedKV {
         base.dense = p.kc_row_stride == KL::kBytes && p.vc_row_stride == VL::kBytes && p.km_row_stride == 2 &&
                      p.vm_row_stride == 2 && aligned(base.kc) && aligned(base.vc) && aligned(base.km) && aligned(base.vm) &&
                      (p.block_table == nullptr ||
-                      (p.page_block_size >= kTileN && p.kc_batch_stride % 16 == 0 && p.vc_batch_stride % 16 == 0 &&
+                      (p.page_block_size >= kSegment && p.kc_batch_stride % 16 == 0 && p.vc_batch_stride % 16 == 0 &&
                        p.km_batch_stride % 8 == 0 && p.vm_batch_stride % 8 == 0));
         return base;
     }
@@ -101,17 +102,26 @@ struct PackedKV {
     // Offsets are 32 x 32 -> 64-bit products: row and block strides fit in 32 bits (checked on the host).
     __device__ static void load_tile(const DecodeParams &p, const Bases &base, char *stage, int b, int tile_start,
                                      int seqlen_k, int lane) {
-        if (base.dense && tile_start + kTileN <= seqlen_k) {  // a whole tile of adjacent rows
-            int row = 0, col = tile_start;
-            if (p.block_table != nullptr) {
-                row = p.block_table[b * p.block_table_batch_stride + (tile_start >> p.page_block_shift)];
-                col = tile_start & (p.page_block_size - 1);
+        if (base.dense && tile_start + kTileN <= seqlen_k) {  // a whole tile of adjacent rows (or two halves)
+            auto copy_run = [&](auto tokens, int first) {  // `tokens` adjacent rows from tile token `first`
+                constexpr int kN = decltype(tokens)::value;
+                int row = 0, col = tile_start + first;
+                if (p.block_table != nullptr) {
+                    row = p.block_table[b * p.block_table_batch_stride + (col >> p.page_block_shift)];
+                    col &= p.page_block_size - 1;
+                }
+                const int64_t r = row;
+                copy_region<kN * KL::kBytes>(stage + kKOff + first * KL::kBytes, base.kc + r * p.kc_batch_stride + col * KL::kBytes, lane);
+                copy_region<kN * VL::kBytes>(stage + kVOff + first * VL::kBytes, base.vc + r * p.vc_batch_stride + col * VL::kBytes, lane);
+                copy_region<kN * 4>(stage + kKMetaOff + first * 4, base.km + r * p.km_batch_stride + 2 * col, lane);
+                copy_region<kN * 4>(stage + kVMetaOff + first * 4, base.vm + r * p.vm_batch_stride + 2 * col, lane);
+            };
+            if (p.block_table == nullptr || p.page_block_size >= kTileN) {
+                copy_run(std::integral_constant<int, kTileN>{}, 0);
+            } else {
+                copy_run(std::integral_constant<int, kSegment>{}, 0);
+                copy_run(std::integral_constant<int, kSegment>{}, kSegment);
             }
-            const int64_t r = row;
-            copy_region<kTileN * KL::kBytes>(stage + kKOff, base.kc + r * p.kc_batch_stride + col * KL::kBytes, lane);
-            copy_region<kTileN * VL::kBytes>(stage + kVOff, base.vc + r * p.vc_batch_stride + col * VL::kBytes, lane);
-            copy_region<kTileN * 4>(stage + kKMetaOff, base.km + r * p.km_batch_stride + 2 * col, lane);
-            copy_region<kTileN * 4>(stage + kVMetaOff, base.vm + r * p.vm_batch_stride + 2 * col, lane);
             return;
         }
         const int t = tile_start + lane;

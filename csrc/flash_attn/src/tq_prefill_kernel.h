@@ -5,11 +5,14 @@
 //   1. two warps copy the packed tile (codes + fp16 metadata, ~6.6 KB at 3 bits, d=128) into a
 //      3-stage cp.async ring, as two PackedKV stages of 32 tokens;
 //   2. all 256 threads expand it once into shared memory as tensor-core B fragments (one K
-//      (token, lane-quad) unit and one V (token pair, lane-group) unit a thread: the loader's
-//      k_slots / v_pair_slots, so the codes are never scaled element by element), double-buffered;
+//      (token, lane-quad) unit and one V (token pair, lane-group) unit a thread, through the
+//      loader's k_slots / v_pair_slots), double-buffered. Values are stored centred and scaled,
+//      (code - mid) * scale: the scale's 16-bit rounding error then multiplies a zero-mean factor
+//      (see the decode kernel on why a common-mode error must be avoided), and each token's
+//      offset + mid * scale stays a float32 term: for K times the row's sum of q, for V times p;
 //   3. each warp runs FA2's loop on its rows: S = Q K^T (Q: A fragments in registers, in the
-//      loader's slot order), K's per-token (scale, offset) folded into the scores, online softmax,
-//      P scaled by V's per-token scale, O += P V with V as centred codes, V's offsets in a row term.
+//      loader's slot order), the K term added to the scores, online softmax, O += P V, the V term
+//      summed per row.
 // One barrier a tile: tile i + 1 is expanded while tile i is multiplied (warps interleave both).
 #pragma once
 
@@ -27,6 +30,7 @@ struct PrefillTraits {
     using Elem = Elem_;
     using KV = PackedKV<kKBits, kVBits, kHeadDim_, Elem_>;
     static constexpr int kHeadDim = kHeadDim_;
+    static constexpr float kKMid = (1 << (kKBits - 1)) - 0.5f;  // middle of K's code range
     static constexpr int kNWarps = 8;
     static constexpr int kNThreads = 32 * kNWarps;
     static constexpr int kRows = 16 * kNWarps;     // query rows a CTA: each expanded tile serves 128 rows
@@ -37,8 +41,8 @@ struct PrefillTraits {
     static constexpr int kVChunks = kHeadDim / 4;  // of a token pair's V fragments (8 groups x kHeadDim / 8 words)
     static constexpr int kKFragOff = 0;
     static constexpr int kVFragOff = kKFragOff + kTileN * kKChunks * 16;
-    static constexpr int kMetaOff = kVFragOff + kTileN / 2 * kVChunks * 16;  // float4 a token: K (scale, offset), V (scale, offset)
-    static constexpr int kFragBytes = kMetaOff + kTileN * 16;
+    static constexpr int kMetaOff = kVFragOff + kTileN / 2 * kVChunks * 16;  // float2 a token: the K and V terms
+    static constexpr int kFragBytes = kMetaOff + kTileN * 8;
     static constexpr int kPipeBytes = kPackedStages * kPackedBytes + 2 * kFragBytes;
     static constexpr int kQBytes = kRows * kHeadDim * 4;  // turbo q rotation, and the output rows at the end
     static constexpr int kSmemBytes = kPipeBytes > kQBytes ? kPipeBytes : kQBytes;
@@ -59,38 +63,65 @@ __device__ __forceinline__ uint4 lds128(const char *base, int chunk) {
     return *reinterpret_cast<const uint4 *>(base + 16 * chunk);
 }
 
-// Expand packed tile `packed` (two PackedKV stages) into fragment buffer `frag`.
+// +-2^k as a pair of 16-bit floats.
+template <typename Elem>
+__device__ constexpr uint32_t pow2_pair(int k, bool negative) {
+    const uint32_t bits = (negative ? 0x8000u : 0u) |
+                          (std::is_same_v<Elem, __half> ? static_cast<uint32_t>(k + 15) << 10 : static_cast<uint32_t>(k + 127) << 7);
+    return bits | (bits << 16);
+}
+
+// A raw loader pair (magic + code * 8^e, tq_format.h) to (code - mid) * scale: the first two steps
+// are exact, the product rounds once.
+template <typename Elem>
+__device__ __forceinline__ uint32_t centred_scaled(uint32_t raw, int e, uint32_t neg_mid, uint32_t scale) {
+    constexpr int kMagicLog2 = std::is_same_v<Elem, __half> ? 10 : 7;
+    const uint32_t code = fma2<Elem>(raw, pow2_pair<Elem>(-3 * e, false), pow2_pair<Elem>(kMagicLog2 - 3 * e, true));
+    return fma2<Elem>(fma2<Elem>(code, pow2_pair<Elem>(0, false), neg_mid), scale, 0u);
+}
+
+// Expand packed tile `packed` (two PackedKV stages) into fragment buffer `frag`. k_term: the K
+// term is stored times the softmax scale (log2 domain).
 template <typename T>
-__device__ __forceinline__ void expand_tile(const char *packed, char *frag, const typename T::KV::Consts &consts, int tid) {
+__device__ __forceinline__ void expand_tile(const char *packed, char *frag, float k_term_scale, int tid) {
     using KV = typename T::KV;
     using Elem = typename T::Elem;
     constexpr int D = T::kHeadDim, kSlots = KV::kSlotsK, kCodes = KV::kGroupCodes;
-    {   // K: token t, lane quad c: its pair slots (raw values) as kSlots / 4 chunks
+    {   // K: token t, lane quad c: its pair slots as kSlots / 4 chunks
         const int t = tid / 4, c = tid % 4;
+        const char *stage = packed + (t / KV::kTileN) * KV::kStageBytes;
         uint32_t w[kSlots];
-        KV::k_slots(packed + (t / KV::kTileN) * KV::kStageBytes, t % KV::kTileN, c, w);
+        KV::k_slots(stage, t % KV::kTileN, c, w);
+        const float2 f = KV::k_affine(stage, t % KV::kTileN);
+        const uint32_t scale = pack2<Elem>(f.x, f.x), neg_mid = pack2<Elem>(-T::kKMid, -T::kKMid);
+        #pragma unroll
+        for (int i = 0; i < kSlots; ++i) { w[i] = centred_scaled<Elem>(w[i], KV::q_scale_exp(i), neg_mid, scale); }
         #pragma unroll
         for (int q = 0; q < kSlots / 4; ++q) {
             *reinterpret_cast<uint4 *>(frag + T::kKFragOff + 16 * T::k_chunk(t, c * (kSlots / 4) + q)) =
                 make_uint4(w[4 * q], w[4 * q + 1], w[4 * q + 2], w[4 * q + 3]);
         }
     }
-    {   // V: token pair u, lane group g: element 8j + g of both tokens, centred, for each d tile j
+    {   // V: token pair u, lane group g: element 8j + g of both tokens (low half: token 2u), each d tile j
         const int u = tid % 32, g = tid / 32, t = 2 * u;
+        const char *stage = packed + (t / KV::kTileN) * KV::kStageBytes;
         uint32_t w[kCodes];
-        KV::v_pair_slots(packed + (t / KV::kTileN) * KV::kStageBytes, t % KV::kTileN, g, w);
+        KV::v_pair_slots(stage, t % KV::kTileN, g, w);
+        const float2 f0 = KV::v_affine(stage, t % KV::kTileN), f1 = KV::v_affine(stage, t % KV::kTileN + 1);
+        const uint32_t scale = pack2<Elem>(f0.x, f1.x), neg_mid = pack2<Elem>(-KV::kVMid, -KV::kVMid);
         #pragma unroll
-        for (int j = 0; j < kCodes; ++j) { w[j] = fma2<Elem>(w[j], consts.v_mul[j], consts.v_add[j]); }
+        for (int j = 0; j < kCodes; ++j) { w[j] = centred_scaled<Elem>(w[j], KV::v_scale_exp(j), neg_mid, scale); }
         #pragma unroll
         for (int q = 0; q < kCodes / 4; ++q) {
             *reinterpret_cast<uint4 *>(frag + T::kVFragOff + 16 * T::v_chunk(u, g * (D / 32) + q)) =
                 make_uint4(w[4 * q], w[4 * q + 1], w[4 * q + 2], w[4 * q + 3]);
         }
     }
-    if (tid < T::kTileN) {  // per-token affine factors as floats
+    if (tid < T::kTileN) {  // per-token terms: offset + mid * scale (K: times the softmax scale)
         const char *stage = packed + (tid / KV::kTileN) * KV::kStageBytes;
         const float2 kf = KV::k_affine(stage, tid % KV::kTileN), vf = KV::v_affine(stage, tid % KV::kTileN);
-        *reinterpret_cast<float4 *>(frag + T::kMetaOff + 16 * tid) = make_float4(kf.x, kf.y, vf.x, vf.y);
+        *reinterpret_cast<float2 *>(frag + T::kMetaOff + 8 * tid) =
+            make_float2((kf.y + T::kKMid * kf.x) * k_term_scale, vf.y + KV::kVMid * vf.x);
     }
 }
 
@@ -126,7 +157,7 @@ __global__ void __launch_bounds__(T::kNThreads, 1) prefill_split_kernel(const De
         __syncthreads();
     }
     uint32_t qa[KB][4];
-    float sumq[2], magicq[2];
+    float sumq[2], unused_magic;
     #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int n = 16 * warp + g + 8 * h, r = row0 + n;
@@ -137,13 +168,12 @@ __global__ void __launch_bounds__(T::kNThreads, 1) prefill_split_kernel(const De
             return valid ? to_float(qrow[e]) : 0.f;
         };
         uint32_t f[KB][2];
-        q_row_slots<KV, Elem, KB>(q_at, c, f, sumq[h], magicq[h]);
+        q_row_slots<KV, Elem, KB, false>(q_at, c, f, sumq[h], unused_magic);
         #pragma unroll
         for (int kb = 0; kb < KB; ++kb) { qa[kb][h] = f[kb][0]; qa[kb][h + 2] = f[kb][1]; }
     }
     if (rotate) { __syncthreads(); }  // sm_q is the pipeline's memory from here on
 
-    const typename KV::Consts consts = KV::consts();
     const typename KV::Bases bases = KV::bases(p, bc, hk);
     char *packed = smem;
     char *frags = smem + T::kPackedStages * T::kPackedBytes;
@@ -168,19 +198,20 @@ __global__ void __launch_bounds__(T::kNThreads, 1) prefill_split_kernel(const De
     load(1);
     cp_async_wait<1>();
     __syncthreads();
-    if (n_mine > 0) { expand_tile<T>(packed, frags, consts, tid); }
+    if (n_mine > 0) { expand_tile<T>(packed, frags, p.scale_softmax_log2, tid); }
     for (int it = 0; it < n_mine; ++it) {
         load(it + 2);
         cp_async_wait<1>();
         __syncthreads();  // tile it + 1 landed, tile it expanded, tile it - 1's fragments free
         if (it + 1 < n_mine) {
             expand_tile<T>(packed + ((it + 1) % T::kPackedStages) * T::kPackedBytes, frags + ((it + 1) % 2) * T::kFragBytes,
-                           consts, tid);
+                           p.scale_softmax_log2, tid);
         }
         const int tile_start = (tile_begin + it) * T::kTileN;
         if (tile_start >= warp_limit) continue;  // warp-uniform: no row of this warp sees the tile
         const char *frag = frags + (it % 2) * T::kFragBytes;
-        const float4 *meta = reinterpret_cast<const float4 *>(frag + T::kMetaOff);
+        // per-token terms of tokens (8j + 2c, 8j + 2c + 1): (K, V, K, V)
+        const float4 *terms = reinterpret_cast<const float4 *>(frag + T::kMetaOff);
 
         // ---- S = Q K^T: n8 tile j = tokens 8j..8j+7; lane (g, c) reads token 8j + g, quad c
         float s[NJ][4];
@@ -206,8 +237,8 @@ __global__ void __launch_bounds__(T::kNThreads, 1) prefill_split_kernel(const De
             #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int h = e / 2, tok = 8 * j + 2 * c + e % 2;
-                const float4 m = meta[tok];
-                float v = (m.x * (s[j][e] - magicq[h]) + m.y * sumq[h]) * p.scale_softmax_log2;
+                const float4 m = terms[4 * j + c];
+                float v = fmaf(s[j][e], p.scale_softmax_log2, (e % 2 ? m.z : m.x) * sumq[h]);
                 if (masked && tile_start + tok >= lim[h]) v = kNegInf;
                 s[j][e] = v;
                 tile_max[h] = fmaxf(tile_max[h], v);
@@ -236,7 +267,7 @@ __global__ void __launch_bounds__(T::kNThreads, 1) prefill_split_kernel(const De
             }
         }
         const float use_max[2] = {row_max[0] == kNegInf ? 0.f : row_max[0], row_max[1] == kNegInf ? 0.f : row_max[1]};
-        // P, scaled by V's per-token scale, as A fragments: k-block kb = n8 tiles 2kb, 2kb + 1
+        // P as A fragments: k-block kb = n8 tiles 2kb, 2kb + 1
         uint32_t pa[NJ / 2][4];
         #pragma unroll
         for (int j = 0; j < NJ; ++j) {
@@ -244,12 +275,11 @@ __global__ void __launch_bounds__(T::kNThreads, 1) prefill_split_kernel(const De
             #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int h = e / 2;
-                const float4 m = meta[8 * j + 2 * c + e % 2];
+                const float4 m = terms[4 * j + c];
                 const float prob = exp2f(s[j][e] - use_max[h]);
                 row_sum[h] += prob;
-                const float scaled = to_float(from_float<Elem>(prob * m.z));
-                pr[e] = scaled;
-                row_corr[h] += prob * (m.w + KV::kVMid * m.z) + 0.5f * scaled;  // see the decode kernel
+                row_corr[h] += prob * (e % 2 ? m.w : m.y);
+                pr[e] = prob;
             }
             pa[j / 2][2 * (j % 2)] = pack2<Elem>(pr[0], pr[1]);
             pa[j / 2][2 * (j % 2) + 1] = pack2<Elem>(pr[2], pr[3]);

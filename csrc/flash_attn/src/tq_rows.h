@@ -56,11 +56,11 @@ __device__ void rotate_q_rows(const DecodeParams &p, int b, int hk, int row0, in
 }
 
 // One query row in the loader's pair-slot order, as the two registers (half 0, 1) of each k-block
-// that thread c holds: scaled by 8^-q_scale_exp (powers of two: exact). `sum` returns the row's sum
-// of its (rounded) elements (for K's offsets), `magic` the loader's magic value times the sum of
-// the scaled elements (for the magic number in raw K values); both reduced over the row's 4 lanes.
-// q_at(e): element e of the row (rotated and normalized for turbo).
-template <typename KV, typename Elem, int KB, typename QAt>
+// that thread c holds: for raw K values (kRawK) scaled by 8^-q_scale_exp (powers of two: exact).
+// `sum` returns the row's sum of its (rounded) elements (for K's offsets), `magic` the loader's
+// magic value times the sum of the scaled elements (for the magic number in raw K values); both
+// reduced over the row's 4 lanes. q_at(e): element e of the row (rotated and normalized for turbo).
+template <typename KV, typename Elem, int KB, bool kRawK = true, typename QAt>
 __device__ __forceinline__ void q_row_slots(QAt q_at, int c, uint32_t (&f)[KB][2], float &sum, float &magic) {
     float s = 0.f, ms = 0.f;
     #pragma unroll
@@ -68,7 +68,7 @@ __device__ __forceinline__ void q_row_slots(QAt q_at, int c, uint32_t (&f)[KB][2
         #pragma unroll
         for (int half = 0; half < 2; ++half) {
             const int slot = KV::q_slot(c, kb, half);
-            const int e = KV::q_scale_exp(slot);
+            const int e = kRawK ? KV::q_scale_exp(slot) : 0;
             const float down = exp2f(-3.f * e);
             f[kb][half] = pack2<Elem>(q_at(KV::q_element(slot, 0)) * down, q_at(KV::q_element(slot, 1)) * down);
             const float2 used = unpack2<Elem>(f[kb][half]);
