@@ -1,18 +1,18 @@
 // Prefill / chunked-prefill attention over a packed K/V cache: many query rows a (batch, kv head).
 //
-// One CTA = (split, batch * kv_head, 128 query rows); rows as in tq_rows.h (a GQA group's heads
-// share every tile), 16 rows a warp, 8 warps. The CTA streams the cache in 64-token tiles:
+// One CTA = (split, batch * kv_head, 16 query rows a warp); rows as in tq_rows.h (a GQA group's
+// heads share every tile). The CTA streams the cache in 64-token tiles:
 //   1. two warps copy the packed tile (codes + fp16 metadata, ~6.6 KB at 3 bits, d=128) into a
 //      3-stage cp.async ring, as two PackedKV stages of 32 tokens;
-//   2. all 256 threads expand it once into shared memory as tensor-core B fragments (one K
-//      (token, lane-quad) unit and one V (token pair, lane-group) unit a thread, through the
-//      loader's k_slots / v_pair_slots), double-buffered. Values are stored centred and scaled,
-//      (code - mid) * scale: the scale's 16-bit rounding error then multiplies a zero-mean factor
-//      (see the decode kernel on why a common-mode error must be avoided), and each token's
-//      offset + mid * scale stays a float32 term: for K times the row's sum of q, for V times p;
+//   2. all threads expand it once into shared memory as tensor-core B fragments (256 K (token,
+//      lane-quad) units and 256 V (token pair, lane-group) units, through the loader's k_slots /
+//      v_pair_slots), double-buffered. K is stored as code - mid (exact), its per-token scale and
+//      offset + mid * scale applied to the scores in float32 (a 16-bit scale would put one
+//      rounding error on a whole score); V as (code - mid) * scale, whose scale rounding then
+//      multiplies a zero-mean factor (see the decode kernel on why a common-mode error must be
+//      avoided), with offset + mid * scale a float32 term times p;
 //   3. each warp runs FA2's loop on its rows: S = Q K^T (Q: A fragments in registers, in the
-//      loader's slot order), the K term added to the scores, online softmax, O += P V, the V term
-//      summed per row.
+//      loader's slot order), online softmax, O += P V, the V term summed per row.
 // One barrier a tile: tile i + 1 is expanded while tile i is multiplied (warps interleave both).
 #pragma once
 
@@ -25,29 +25,30 @@
 
 namespace flash_tq {
 
-template <typename Elem_, int kHeadDim_, int kKBits, int kVBits>
+template <typename Elem_, int kHeadDim_, int kKBits, int kVBits, int kNWarps_>
 struct PrefillTraits {
     using Elem = Elem_;
     using KV = PackedKV<kKBits, kVBits, kHeadDim_, Elem_>;
     static constexpr int kHeadDim = kHeadDim_;
     static constexpr float kKMid = (1 << (kKBits - 1)) - 0.5f;  // middle of K's code range
-    static constexpr int kNWarps = 8;
+    static constexpr int kNWarps = kNWarps_;
     static constexpr int kNThreads = 32 * kNWarps;
-    static constexpr int kRows = 16 * kNWarps;     // query rows a CTA: each expanded tile serves 128 rows
-    static constexpr int kTileN = 2 * KV::kTileN;  // 64 tokens: one K and one V unit a thread
+    static constexpr int kRows = 16 * kNWarps;     // query rows a CTA share each expanded tile
+    static constexpr int kTileN = 2 * KV::kTileN;  // 64 tokens: 256 K and 256 V expansion units
     static constexpr int kPackedStages = 3;        // packed tiles in flight: i + 1 expanding, i + 2 arriving
     static constexpr int kPackedBytes = 2 * KV::kStageBytes;
     static constexpr int kKChunks = kHeadDim / 8;  // 16-byte chunks of a token's K fragments (4 lanes x kSlotsK words)
     static constexpr int kVChunks = kHeadDim / 4;  // of a token pair's V fragments (8 groups x kHeadDim / 8 words)
     static constexpr int kKFragOff = 0;
     static constexpr int kVFragOff = kKFragOff + kTileN * kKChunks * 16;
-    static constexpr int kMetaOff = kVFragOff + kTileN / 2 * kVChunks * 16;  // float2 a token: the K and V terms
-    static constexpr int kFragBytes = kMetaOff + kTileN * 8;
+    static constexpr int kKTermOff = kVFragOff + kTileN / 2 * kVChunks * 16;  // float2 a token: K scale, K term
+    static constexpr int kVTermOff = kKTermOff + kTileN * 8;                  // float a token: V term
+    static constexpr int kFragBytes = kVTermOff + kTileN * 4;
     static constexpr int kPipeBytes = kPackedStages * kPackedBytes + 2 * kFragBytes;
     static constexpr int kQBytes = kRows * kHeadDim * 4;  // turbo q rotation, and the output rows at the end
     static constexpr int kSmemBytes = kPipeBytes > kQBytes ? kPipeBytes : kQBytes;
-    static_assert(kTileN * 4 == kNThreads, "one K unit a thread");
-    static_assert(kTileN / 2 * 8 == kNThreads, "one V unit a thread");
+    static constexpr int kUnits = kTileN * 4;      // K units (token, lane quad) = V units (token pair, group)
+    static_assert(kUnits % kNThreads == 0 && kTileN / 2 * 8 == kUnits, "whole expansion passes");
 
     // Swizzled 16-byte chunk of K chunk `l` of token t: every 8-lane phase of the fragment reads
     // (tokens t, t + 1 x lane quads 0..3) and of the expansion writes lands in 8 bank groups.
@@ -71,62 +72,64 @@ __device__ constexpr uint32_t pow2_pair(int k, bool negative) {
     return bits | (bits << 16);
 }
 
-// A raw loader pair (magic + code * 8^e, tq_format.h) to (code - mid) * scale: the first two steps
-// are exact, the product rounds once.
+// A raw loader pair (magic + code * 8^e, tq_format.h) to the codes (exact).
 template <typename Elem>
-__device__ __forceinline__ uint32_t centred_scaled(uint32_t raw, int e, uint32_t neg_mid, uint32_t scale) {
+__device__ __forceinline__ uint32_t code_pair(uint32_t raw, int e) {
     constexpr int kMagicLog2 = std::is_same_v<Elem, __half> ? 10 : 7;
-    const uint32_t code = fma2<Elem>(raw, pow2_pair<Elem>(-3 * e, false), pow2_pair<Elem>(kMagicLog2 - 3 * e, true));
-    return fma2<Elem>(fma2<Elem>(code, pow2_pair<Elem>(0, false), neg_mid), scale, 0u);
+    return fma2<Elem>(raw, pow2_pair<Elem>(-3 * e, false), pow2_pair<Elem>(kMagicLog2 - 3 * e, true));
 }
 
-// Expand packed tile `packed` (two PackedKV stages) into fragment buffer `frag`. k_term: the K
-// term is stored times the softmax scale (log2 domain).
+// Expand packed tile `packed` (two PackedKV stages) into fragment buffer `frag`; the K terms are
+// stored times the softmax scale (log2 domain).
 template <typename T>
-__device__ __forceinline__ void expand_tile(const char *packed, char *frag, float k_term_scale, int tid) {
+__device__ __forceinline__ void expand_tile(const char *packed, char *frag, float softmax_scale_log2, int tid) {
     using KV = typename T::KV;
     using Elem = typename T::Elem;
     constexpr int D = T::kHeadDim, kSlots = KV::kSlotsK, kCodes = KV::kGroupCodes;
-    {   // K: token t, lane quad c: its pair slots as kSlots / 4 chunks
-        const int t = tid / 4, c = tid % 4;
-        const char *stage = packed + (t / KV::kTileN) * KV::kStageBytes;
-        uint32_t w[kSlots];
-        KV::k_slots(stage, t % KV::kTileN, c, w);
-        const float2 f = KV::k_affine(stage, t % KV::kTileN);
-        const uint32_t scale = pack2<Elem>(f.x, f.x), neg_mid = pack2<Elem>(-T::kKMid, -T::kKMid);
-        #pragma unroll
-        for (int i = 0; i < kSlots; ++i) { w[i] = centred_scaled<Elem>(w[i], KV::q_scale_exp(i), neg_mid, scale); }
-        #pragma unroll
-        for (int q = 0; q < kSlots / 4; ++q) {
-            *reinterpret_cast<uint4 *>(frag + T::kKFragOff + 16 * T::k_chunk(t, c * (kSlots / 4) + q)) =
-                make_uint4(w[4 * q], w[4 * q + 1], w[4 * q + 2], w[4 * q + 3]);
+    #pragma unroll
+    for (int unit = tid; unit < T::kUnits; unit += T::kNThreads) {
+        {   // K: token t, lane quad c: its pair slots as kSlots / 4 chunks of code - mid
+            const int t = unit / 4, c = unit % 4;
+            uint32_t w[kSlots];
+            KV::k_slots(packed + (t / KV::kTileN) * KV::kStageBytes, t % KV::kTileN, c, w);
+            const uint32_t neg_mid = pack2<Elem>(-T::kKMid, -T::kKMid);
+            #pragma unroll
+            for (int i = 0; i < kSlots; ++i) { w[i] = fma2<Elem>(code_pair<Elem>(w[i], KV::q_scale_exp(i)), pow2_pair<Elem>(0, false), neg_mid); }
+            #pragma unroll
+            for (int q = 0; q < kSlots / 4; ++q) {
+                *reinterpret_cast<uint4 *>(frag + T::kKFragOff + 16 * T::k_chunk(t, c * (kSlots / 4) + q)) =
+                    make_uint4(w[4 * q], w[4 * q + 1], w[4 * q + 2], w[4 * q + 3]);
+            }
+        }
+        {   // V: token pair u, lane group g: element 8j + g of both tokens (low half: token 2u), each d tile j
+            const int u = unit % 32, g = unit / 32, t = 2 * u;
+            const char *stage = packed + (t / KV::kTileN) * KV::kStageBytes;
+            uint32_t w[kCodes];
+            KV::v_pair_slots(stage, t % KV::kTileN, g, w);
+            const float2 f0 = KV::v_affine(stage, t % KV::kTileN), f1 = KV::v_affine(stage, t % KV::kTileN + 1);
+            const uint32_t scale = pack2<Elem>(f0.x, f1.x), neg_mid = pack2<Elem>(-KV::kVMid, -KV::kVMid);
+            #pragma unroll
+            for (int j = 0; j < kCodes; ++j) {
+                w[j] = fma2<Elem>(fma2<Elem>(code_pair<Elem>(w[j], KV::v_scale_exp(j)), pow2_pair<Elem>(0, false), neg_mid), scale, 0u);
+            }
+            #pragma unroll
+            for (int q = 0; q < kCodes / 4; ++q) {
+                *reinterpret_cast<uint4 *>(frag + T::kVFragOff + 16 * T::v_chunk(u, g * (D / 32) + q)) =
+                    make_uint4(w[4 * q], w[4 * q + 1], w[4 * q + 2], w[4 * q + 3]);
+            }
         }
     }
-    {   // V: token pair u, lane group g: element 8j + g of both tokens (low half: token 2u), each d tile j
-        const int u = tid % 32, g = tid / 32, t = 2 * u;
+    for (int t = tid; t < T::kTileN; t += T::kNThreads) {  // per-token float32 factors
         const char *stage = packed + (t / KV::kTileN) * KV::kStageBytes;
-        uint32_t w[kCodes];
-        KV::v_pair_slots(stage, t % KV::kTileN, g, w);
-        const float2 f0 = KV::v_affine(stage, t % KV::kTileN), f1 = KV::v_affine(stage, t % KV::kTileN + 1);
-        const uint32_t scale = pack2<Elem>(f0.x, f1.x), neg_mid = pack2<Elem>(-KV::kVMid, -KV::kVMid);
-        #pragma unroll
-        for (int j = 0; j < kCodes; ++j) { w[j] = centred_scaled<Elem>(w[j], KV::v_scale_exp(j), neg_mid, scale); }
-        #pragma unroll
-        for (int q = 0; q < kCodes / 4; ++q) {
-            *reinterpret_cast<uint4 *>(frag + T::kVFragOff + 16 * T::v_chunk(u, g * (D / 32) + q)) =
-                make_uint4(w[4 * q], w[4 * q + 1], w[4 * q + 2], w[4 * q + 3]);
-        }
-    }
-    if (tid < T::kTileN) {  // per-token terms: offset + mid * scale (K: times the softmax scale)
-        const char *stage = packed + (tid / KV::kTileN) * KV::kStageBytes;
-        const float2 kf = KV::k_affine(stage, tid % KV::kTileN), vf = KV::v_affine(stage, tid % KV::kTileN);
-        *reinterpret_cast<float2 *>(frag + T::kMetaOff + 8 * tid) =
-            make_float2((kf.y + T::kKMid * kf.x) * k_term_scale, vf.y + KV::kVMid * vf.x);
+        const float2 kf = KV::k_affine(stage, t % KV::kTileN), vf = KV::v_affine(stage, t % KV::kTileN);
+        *reinterpret_cast<float2 *>(frag + T::kKTermOff + 8 * t) =
+            make_float2(kf.x * softmax_scale_log2, (kf.y + T::kKMid * kf.x) * softmax_scale_log2);
+        *reinterpret_cast<float *>(frag + T::kVTermOff + 4 * t) = vf.y + KV::kVMid * vf.x;
     }
 }
 
 template <typename T>
-__global__ void __launch_bounds__(T::kNThreads, 1) prefill_split_kernel(const DecodeParams p) {
+__global__ void __launch_bounds__(T::kNThreads, 256 / T::kNThreads) prefill_split_kernel(const DecodeParams p) {
     using Elem = typename T::Elem;
     using KV = typename T::KV;
     constexpr int D = T::kHeadDim, KB = D / 16, NJ = T::kTileN / 8, DJ = D / 8, kV = RowMath<D>::kV;
@@ -210,8 +213,9 @@ __global__ void __launch_bounds__(T::kNThreads, 1) prefill_split_kernel(const De
         const int tile_start = (tile_begin + it) * T::kTileN;
         if (tile_start >= warp_limit) continue;  // warp-uniform: no row of this warp sees the tile
         const char *frag = frags + (it % 2) * T::kFragBytes;
-        // per-token terms of tokens (8j + 2c, 8j + 2c + 1): (K, V, K, V)
-        const float4 *terms = reinterpret_cast<const float4 *>(frag + T::kMetaOff);
+        // per-token factors of tokens (8j + 2c, 8j + 2c + 1): K (scale, term, scale, term), V (term, term)
+        const float4 *k_terms = reinterpret_cast<const float4 *>(frag + T::kKTermOff);
+        const float2 *v_terms = reinterpret_cast<const float2 *>(frag + T::kVTermOff);
 
         // ---- S = Q K^T: n8 tile j = tokens 8j..8j+7; lane (g, c) reads token 8j + g, quad c
         float s[NJ][4];
@@ -237,8 +241,8 @@ __global__ void __launch_bounds__(T::kNThreads, 1) prefill_split_kernel(const De
             #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int h = e / 2, tok = 8 * j + 2 * c + e % 2;
-                const float4 m = terms[4 * j + c];
-                float v = fmaf(s[j][e], p.scale_softmax_log2, (e % 2 ? m.z : m.x) * sumq[h]);
+                const float4 m = k_terms[4 * j + c];
+                float v = e % 2 ? fmaf(s[j][e], m.z, m.w * sumq[h]) : fmaf(s[j][e], m.x, m.y * sumq[h]);
                 if (masked && tile_start + tok >= lim[h]) v = kNegInf;
                 s[j][e] = v;
                 tile_max[h] = fmaxf(tile_max[h], v);
@@ -275,10 +279,10 @@ __global__ void __launch_bounds__(T::kNThreads, 1) prefill_split_kernel(const De
             #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int h = e / 2;
-                const float4 m = terms[4 * j + c];
+                const float2 m = v_terms[4 * j + c];
                 const float prob = exp2f(s[j][e] - use_max[h]);
                 row_sum[h] += prob;
-                row_corr[h] += prob * (e % 2 ? m.w : m.y);
+                row_corr[h] += prob * (e % 2 ? m.y : m.x);
                 pr[e] = prob;
             }
             pa[j / 2][2 * (j % 2)] = pack2<Elem>(pr[0], pr[1]);

@@ -1,6 +1,8 @@
 // Host-side launch of the prefill kernel (+ the split combine) for one (dtype, head_dim, bits) case.
 #pragma once
 
+#include <cstdlib>
+
 #include <cuda_runtime.h>
 
 #include "tq_decode_launch.h"
@@ -8,9 +10,8 @@
 
 namespace flash_tq {
 
-template <typename Elem, int kHeadDim, int kKBits, int kVBits>
-void run_prefill(const DecodeParams &p, cudaStream_t stream) {
-    using Traits = PrefillTraits<Elem, kHeadDim, kKBits, kVBits>;
+template <typename Traits>
+void launch_prefill(const DecodeParams &p, cudaStream_t stream) {
     auto kernel = &prefill_split_kernel<Traits>;
     constexpr int smem = Traits::kSmemBytes;
     if constexpr (smem > 48 * 1024) {
@@ -19,7 +20,19 @@ void run_prefill(const DecodeParams &p, cudaStream_t stream) {
     const int rows = p.h_h_k_ratio * p.seqlen_q;
     dim3 grid(p.num_splits, p.b * p.h_k, (rows + Traits::kRows - 1) / Traits::kRows);
     kernel<<<grid, Traits::kNThreads, smem, stream>>>(p);
-    launch_combine<Elem, kHeadDim>(p, stream);
+    launch_combine<typename Traits::Elem, Traits::kHeadDim>(p, stream);
+}
+
+template <typename Elem, int kHeadDim, int kKBits, int kVBits>
+void run_prefill(const DecodeParams &p, cudaStream_t stream) {
+    // EXPERIMENT: 8 warps (one CTA an SM) or 4 warps (two CTAs an SM, whose barriers interleave)
+    static const bool four = std::getenv("FLASH_ATTN_TQ_PREFILL_WARPS") != nullptr &&
+                             std::atoi(std::getenv("FLASH_ATTN_TQ_PREFILL_WARPS")) == 4;
+    if (four) {
+        launch_prefill<PrefillTraits<Elem, kHeadDim, kKBits, kVBits, 4>>(p, stream);
+    } else {
+        launch_prefill<PrefillTraits<Elem, kHeadDim, kKBits, kVBits, 8>>(p, stream);
+    }
 }
 
 }  // namespace flash_tq
