@@ -128,6 +128,107 @@ __device__ __forceinline__ void expand_tile(const char *packed, char *frag, floa
     }
 }
 
+// One warp's rows over fragment buffer `frag` (tile at key tile_start): S = Q K^T, the online
+// softmax, O += P V. masked: some key of the tile lies past a row's limit lim[h].
+template <typename T>
+__device__ __forceinline__ void attend_tile(const char *frag, int tile_start, bool masked, const int (&lim)[2],
+                                            const uint32_t (&qa)[T::kHeadDim / 16][4], const float (&sumq)[2],
+                                            float (&row_max)[2], float (&row_sum)[2], float (&row_corr)[2],
+                                            float (&acc)[T::kHeadDim / 8][4], int lane) {
+    using Elem = typename T::Elem;
+    constexpr int D = T::kHeadDim, KB = D / 16, NJ = T::kTileN / 8, DJ = D / 8;
+    constexpr float kNegInf = -INFINITY;
+    const int g = lane / 4, c = lane % 4;
+    // per-token factors of tokens (8j + 2c, 8j + 2c + 1): K (scale, term, scale, term), V (term, term)
+    const float4 *k_terms = reinterpret_cast<const float4 *>(frag + T::kKTermOff);
+    const float2 *v_terms = reinterpret_cast<const float2 *>(frag + T::kVTermOff);
+
+    // ---- S = Q K^T: n8 tile j = tokens 8j..8j+7; lane (g, c) reads token 8j + g, quad c
+    float s[NJ][4];
+    #pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) { s[j][e] = 0.f; }
+    }
+    #pragma unroll
+    for (int q = 0; q < KB / 2; ++q) {  // chunk q: k-blocks 2q, 2q + 1; consecutive MMAs are independent
+        uint4 w[NJ];
+        #pragma unroll
+        for (int j = 0; j < NJ; ++j) { w[j] = lds128(frag + T::kKFragOff, T::k_chunk(8 * j + g, c * (KB / 2) + q)); }
+        #pragma unroll
+        for (int j = 0; j < NJ; ++j) { mma_16816<Elem>(s[j], qa[2 * q], w[j].x, w[j].y); }
+        #pragma unroll
+        for (int j = 0; j < NJ; ++j) { mma_16816<Elem>(s[j], qa[2 * q + 1], w[j].z, w[j].w); }
+    }
+    // scores (base 2): s[j][e] is row g + 8 (e / 2), token 8j + 2c + e % 2
+    float tile_max[2] = {kNegInf, kNegInf};
+    #pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int h = e / 2, tok = 8 * j + 2 * c + e % 2;
+            const float4 m = k_terms[4 * j + c];
+            float v = e % 2 ? fmaf(s[j][e], m.z, m.w * sumq[h]) : fmaf(s[j][e], m.x, m.y * sumq[h]);
+            if (masked && tile_start + tok >= lim[h]) v = kNegInf;
+            s[j][e] = v;
+            tile_max[h] = fmaxf(tile_max[h], v);
+        }
+    }
+    // online softmax with lazy rescaling (as in the decode kernel: the reference max moves only
+    // when a row's tile max exceeds it by more than 2^8)
+    constexpr float kRescaleSlack = 8.f;
+    bool moved = false;
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 1));
+        tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 2));
+        moved |= tile_max[h] > row_max[h] + kRescaleSlack;
+    }
+    if (__any_sync(0xffffffffu, moved)) {
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const float mx = fmaxf(row_max[h], tile_max[h]);
+            const float rescale = mx == kNegInf ? 1.f : exp2f(row_max[h] - mx);
+            row_max[h] = mx;
+            row_sum[h] *= rescale;
+            row_corr[h] *= rescale;
+            #pragma unroll
+            for (int j = 0; j < DJ; ++j) { acc[j][2 * h] *= rescale; acc[j][2 * h + 1] *= rescale; }
+        }
+    }
+    const float use_max[2] = {row_max[0] == kNegInf ? 0.f : row_max[0], row_max[1] == kNegInf ? 0.f : row_max[1]};
+    // P as A fragments: k-block kb = n8 tiles 2kb, 2kb + 1
+    uint32_t pa[NJ / 2][4];
+    #pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+        float pr[4];
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int h = e / 2;
+            const float2 m = v_terms[4 * j + c];
+            const float prob = exp2f(s[j][e] - use_max[h]);
+            row_sum[h] += prob;
+            row_corr[h] += prob * (e % 2 ? m.y : m.x);
+            pr[e] = prob;
+        }
+        pa[j / 2][2 * (j % 2)] = pack2<Elem>(pr[0], pr[1]);
+        pa[j / 2][2 * (j % 2) + 1] = pack2<Elem>(pr[2], pr[3]);
+    }
+    // ---- O += P V: lane (g, c) reads token pairs 8kb + c (b0) and 8kb + c + 4 (b1), group g
+    #pragma unroll
+    for (int kb = 0; kb < NJ / 2; ++kb) {
+        #pragma unroll
+        for (int q = 0; q < D / 32; ++q) {
+            const uint4 b0 = lds128(frag + T::kVFragOff, T::v_chunk(8 * kb + c, g * (D / 32) + q));
+            const uint4 b1 = lds128(frag + T::kVFragOff, T::v_chunk(8 * kb + c + 4, g * (D / 32) + q));
+            mma_16816<Elem>(acc[4 * q + 0], pa[kb], b0.x, b1.x);
+            mma_16816<Elem>(acc[4 * q + 1], pa[kb], b0.y, b1.y);
+            mma_16816<Elem>(acc[4 * q + 2], pa[kb], b0.z, b1.z);
+            mma_16816<Elem>(acc[4 * q + 3], pa[kb], b0.w, b1.w);
+        }
+    }
+}
+
 template <typename T>
 __global__ void __launch_bounds__(T::kNThreads, 256 / T::kNThreads) prefill_split_kernel(const DecodeParams p) {
     using Elem = typename T::Elem;
@@ -202,105 +303,26 @@ __global__ void __launch_bounds__(T::kNThreads, 256 / T::kNThreads) prefill_spli
     cp_async_wait<1>();
     __syncthreads();
     if (n_mine > 0) { expand_tile<T>(packed, frags, p.scale_softmax_log2, tid); }
+    // Odd warps expand after their tile's MMAs, even warps before: half the warps run integer
+    // work while the other half keeps the tensor cores busy.
+    const bool expand_first = warp % 2 == 0;
     for (int it = 0; it < n_mine; ++it) {
         load(it + 2);
         cp_async_wait<1>();
         __syncthreads();  // tile it + 1 landed, tile it expanded, tile it - 1's fragments free
-        if (it + 1 < n_mine) {
-            expand_tile<T>(packed + ((it + 1) % T::kPackedStages) * T::kPackedBytes, frags + ((it + 1) % 2) * T::kFragBytes,
-                           p.scale_softmax_log2, tid);
-        }
+        auto expand_next = [&]() {
+            if (it + 1 < n_mine) {
+                expand_tile<T>(packed + ((it + 1) % T::kPackedStages) * T::kPackedBytes,
+                               frags + ((it + 1) % 2) * T::kFragBytes, p.scale_softmax_log2, tid);
+            }
+        };
+        if (expand_first) { expand_next(); }
         const int tile_start = (tile_begin + it) * T::kTileN;
-        if (tile_start >= warp_limit) continue;  // warp-uniform: no row of this warp sees the tile
-        const char *frag = frags + (it % 2) * T::kFragBytes;
-        // per-token factors of tokens (8j + 2c, 8j + 2c + 1): K (scale, term, scale, term), V (term, term)
-        const float4 *k_terms = reinterpret_cast<const float4 *>(frag + T::kKTermOff);
-        const float2 *v_terms = reinterpret_cast<const float2 *>(frag + T::kVTermOff);
-
-        // ---- S = Q K^T: n8 tile j = tokens 8j..8j+7; lane (g, c) reads token 8j + g, quad c
-        float s[NJ][4];
-        #pragma unroll
-        for (int j = 0; j < NJ; ++j) {
-            #pragma unroll
-            for (int e = 0; e < 4; ++e) { s[j][e] = 0.f; }
+        if (tile_start < warp_limit) {  // warp-uniform: else no row of this warp sees the tile
+            attend_tile<T>(frags + (it % 2) * T::kFragBytes, tile_start, tile_start + T::kTileN > warp_unmasked, lim, qa,
+                           sumq, row_max, row_sum, row_corr, acc, lane);
         }
-        #pragma unroll
-        for (int q = 0; q < KB / 2; ++q) {
-            #pragma unroll
-            for (int j = 0; j < NJ; ++j) {
-                const uint4 w = lds128(frag + T::kKFragOff, T::k_chunk(8 * j + g, c * (KB / 2) + q));
-                mma_16816<Elem>(s[j], qa[2 * q], w.x, w.y);
-                mma_16816<Elem>(s[j], qa[2 * q + 1], w.z, w.w);
-            }
-        }
-        // scores (base 2): s[j][e] is row g + 8 (e / 2), token 8j + 2c + e % 2
-        const bool masked = tile_start + T::kTileN > warp_unmasked;
-        float tile_max[2] = {kNegInf, kNegInf};
-        #pragma unroll
-        for (int j = 0; j < NJ; ++j) {
-            #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int h = e / 2, tok = 8 * j + 2 * c + e % 2;
-                const float4 m = k_terms[4 * j + c];
-                float v = e % 2 ? fmaf(s[j][e], m.z, m.w * sumq[h]) : fmaf(s[j][e], m.x, m.y * sumq[h]);
-                if (masked && tile_start + tok >= lim[h]) v = kNegInf;
-                s[j][e] = v;
-                tile_max[h] = fmaxf(tile_max[h], v);
-            }
-        }
-        // online softmax with lazy rescaling (as in the decode kernel: the reference max moves only
-        // when a row's tile max exceeds it by more than 2^8)
-        constexpr float kRescaleSlack = 8.f;
-        bool moved = false;
-        #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 1));
-            tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 2));
-            moved |= tile_max[h] > row_max[h] + kRescaleSlack;
-        }
-        if (__any_sync(0xffffffffu, moved)) {
-            #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const float mx = fmaxf(row_max[h], tile_max[h]);
-                const float rescale = mx == kNegInf ? 1.f : exp2f(row_max[h] - mx);
-                row_max[h] = mx;
-                row_sum[h] *= rescale;
-                row_corr[h] *= rescale;
-                #pragma unroll
-                for (int j = 0; j < DJ; ++j) { acc[j][2 * h] *= rescale; acc[j][2 * h + 1] *= rescale; }
-            }
-        }
-        const float use_max[2] = {row_max[0] == kNegInf ? 0.f : row_max[0], row_max[1] == kNegInf ? 0.f : row_max[1]};
-        // P as A fragments: k-block kb = n8 tiles 2kb, 2kb + 1
-        uint32_t pa[NJ / 2][4];
-        #pragma unroll
-        for (int j = 0; j < NJ; ++j) {
-            float pr[4];
-            #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int h = e / 2;
-                const float2 m = v_terms[4 * j + c];
-                const float prob = exp2f(s[j][e] - use_max[h]);
-                row_sum[h] += prob;
-                row_corr[h] += prob * (e % 2 ? m.y : m.x);
-                pr[e] = prob;
-            }
-            pa[j / 2][2 * (j % 2)] = pack2<Elem>(pr[0], pr[1]);
-            pa[j / 2][2 * (j % 2) + 1] = pack2<Elem>(pr[2], pr[3]);
-        }
-        // ---- O += P V: lane (g, c) reads token pairs 8kb + c (b0) and 8kb + c + 4 (b1), group g
-        #pragma unroll
-        for (int kb = 0; kb < NJ / 2; ++kb) {
-            #pragma unroll
-            for (int q = 0; q < D / 32; ++q) {
-                const uint4 b0 = lds128(frag + T::kVFragOff, T::v_chunk(8 * kb + c, g * (D / 32) + q));
-                const uint4 b1 = lds128(frag + T::kVFragOff, T::v_chunk(8 * kb + c + 4, g * (D / 32) + q));
-                mma_16816<Elem>(acc[4 * q + 0], pa[kb], b0.x, b1.x);
-                mma_16816<Elem>(acc[4 * q + 1], pa[kb], b0.y, b1.y);
-                mma_16816<Elem>(acc[4 * q + 2], pa[kb], b0.z, b1.z);
-                mma_16816<Elem>(acc[4 * q + 3], pa[kb], b0.w, b1.w);
-            }
-        }
+        if (!expand_first) { expand_next(); }
     }
     cp_async_wait<0>();
 
