@@ -147,12 +147,13 @@ def main():
     ap.add_argument("--quick", action="store_true", help="fewer shapes")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     ap.add_argument("--name", default="prefill")
+    ap.add_argument("--paged-only", action="store_true", help="only the paged-decode table")
     args = ap.parse_args()
     torch.manual_seed(0)
     lengths = [8192, 32768] if args.quick else [8192, 16384, 32768, 131072]
     chunks = [512, 2048] if args.quick else [64, 512, 1024, 2048, 4096]
     prefill_rows = []
-    for S in lengths:
+    for S in [] if args.paged_only else lengths:
         for q_len in chunks:
             r = run_prefill(S, q_len)
             print(r, flush=True)
