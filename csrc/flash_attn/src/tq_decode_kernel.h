@@ -121,25 +121,17 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_split_kernel(const D
     char *pipe = smem + warp * kStages * KV::kStageBytes;
     const int my_first = tile_begin + warp;
     const int my_count = my_first < tile_end ? (tile_end - my_first + kWarps - 1) / kWarps : 0;
-    auto tile_of = [&](int i) { return (my_first + i * kWarps) * kTileN; };  // first token of my i-th tile
     #pragma unroll
     for (int s = 0; s < kStages - 1; ++s) {
-        if (s < my_count) {
-            KV::load_tile(p, bases, pipe + s * KV::kStageBytes, b, tile_of(s), seqlen_k, lane,
-                          KV::tile_rows(p, bases, b, tile_of(s), seqlen_k));
-        }
+        if (s < my_count) { KV::load_tile(p, bases, pipe + s * KV::kStageBytes, b, (my_first + s * kWarps) * kTileN, seqlen_k, lane); }
         cp_async_commit();
     }
 
-    // pages of the next tile to load, looked up one iteration before its copy is issued
-    typename KV::TileRows next_rows = KV::tile_rows(p, bases, b, tile_of(kStages - 1), seqlen_k);
     int load_stage = kStages - 1, compute_stage = 0;
     for (int it = 0; it < my_count; ++it) {
         const int ahead = it + kStages - 1;
         if (ahead < my_count) {
-            const typename KV::TileRows rows = next_rows;
-            if (ahead + 1 < my_count) { next_rows = KV::tile_rows(p, bases, b, tile_of(ahead + 1), seqlen_k); }
-            KV::load_tile(p, bases, pipe + load_stage * KV::kStageBytes, b, tile_of(ahead), seqlen_k, lane, rows);
+            KV::load_tile(p, bases, pipe + load_stage * KV::kStageBytes, b, (my_first + ahead * kWarps) * kTileN, seqlen_k, lane);
         }
         load_stage = load_stage == kStages - 1 ? 0 : load_stage + 1;
         cp_async_commit();

@@ -98,31 +98,16 @@ struct PackedKV {
         for (int j = 0; j < kBytes / kChunk; ++j) { cp_async<kChunk>(dst + j * kChunk, src + j * kChunk, valid); }
     }
 
-    // Cache rows (pages) of a whole dense tile's two kSegment-token runs, looked up ahead of
-    // load_tile: the kernel reads them one tile early so the block-table latency hides behind math.
-    struct TileRows {
-        int run[kTileN / kSegment];
-    };
-    __device__ static TileRows tile_rows(const DecodeParams &p, const Bases &base, int b, int tile_start, int seqlen_k) {
-        TileRows rows{};
-        if (p.block_table != nullptr && base.dense && tile_start + kTileN <= seqlen_k) {
-            const int *table = p.block_table + b * p.block_table_batch_stride;
-            #pragma unroll
-            for (int i = 0; i < kTileN / kSegment; ++i) { rows.run[i] = table[(tile_start + i * kSegment) >> p.page_block_shift]; }
-        }
-        return rows;
-    }
-
     // Lane l copies token tile_start + l (codes and meta of K and V); tokens >= seqlen_k are zero-filled.
     // Offsets are 32 x 32 -> 64-bit products: row and block strides fit in 32 bits (checked on the host).
     __device__ static void load_tile(const DecodeParams &p, const Bases &base, char *stage, int b, int tile_start,
-                                     int seqlen_k, int lane, const TileRows &rows) {
+                                     int seqlen_k, int lane) {
         if (base.dense && tile_start + kTileN <= seqlen_k) {  // a whole tile of adjacent rows (or two halves)
             auto copy_run = [&](auto tokens, int first) {  // `tokens` adjacent rows from tile token `first`
                 constexpr int kN = decltype(tokens)::value;
                 int row = 0, col = tile_start + first;
                 if (p.block_table != nullptr) {
-                    row = rows.run[first / kSegment];
+                    row = p.block_table[b * p.block_table_batch_stride + (col >> p.page_block_shift)];
                     col &= p.page_block_size - 1;
                 }
                 const int64_t r = row;
@@ -270,13 +255,10 @@ struct Fp16KV {
                 p.v_codes + row * p.vc_batch_stride + hk * p.vc_head_stride};
     }
 
-    struct TileRows {};  // (pages are resolved per lane in load_tile)
-    __device__ static TileRows tile_rows(const DecodeParams &, const Bases &, int, int, int) { return {}; }
-
     // Lane l resolves the (row, col) of token tile_start + l % kTileN once; each copy pass moves
     // 32 / kChunks tokens' rows, one 16-byte chunk a lane, a token's lanes reading its row in order.
     __device__ static void load_tile(const DecodeParams &p, const Bases &base, char *stage, int b, int tile_start,
-                                     int seqlen_k, int lane, const TileRows &) {
+                                     int seqlen_k, int lane) {
         const int t = tile_start + lane % kTileN;
         const bool valid = t < seqlen_k;
         int row = 0, col = valid ? t : 0;

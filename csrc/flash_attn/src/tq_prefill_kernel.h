@@ -283,9 +283,8 @@ __global__ void __launch_bounds__(T::kNThreads, 256 / T::kNThreads) prefill_spli
     char *frags = smem + T::kPackedStages * T::kPackedBytes;
     auto load = [&](int i) {  // packed tile i of this split, by warps 0 and 1 (32 tokens each)
         if (warp < 2 && i < n_mine) {
-            const int start = (tile_begin + i) * T::kTileN + warp * KV::kTileN;
-            KV::load_tile(p, bases, packed + (i % T::kPackedStages) * T::kPackedBytes + warp * KV::kStageBytes, b, start,
-                          seqlen_k, lane, KV::tile_rows(p, bases, b, start, seqlen_k));
+            KV::load_tile(p, bases, packed + (i % T::kPackedStages) * T::kPackedBytes + warp * KV::kStageBytes, b,
+                          (tile_begin + i) * T::kTileN + warp * KV::kTileN, seqlen_k, lane);
         }
         cp_async_commit();
     };
