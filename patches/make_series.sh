@@ -20,12 +20,14 @@ commit() { git -c user.name="flash_attn_tq" -c user.email="dev@flash-attn-tq.loc
 mkdir -p csrc/flash_attn/src
 cp "$here"/csrc/flash_attn/src/tq_*.h "$here"/csrc/flash_attn/src/tq_*.cu "$here"/csrc/flash_attn/src/generate_instantiations.py csrc/flash_attn/src/
 git add csrc/flash_attn/src
-commit "csrc: fused split-KV decode over a 3-bit packed KV cache" \
+commit "csrc: fused split-KV decode and chunked prefill over a 3-bit packed KV cache" \
 "Adds the packed K/V code format (tq_format.h), two K/V loader policies sharing one kernel body: a
 packed 3/4-bit loader that stages tiles with cp.async and expands them straight into m16n8k16
 fragments, and an fp16/bf16 loader (cp.async + ldmatrix) (tq_kv_loader.h); the split-KV decode kernel
-with its combine pass (tq_decode_kernel.h), quantize-on-write with in-kernel slot resolution and
-checks (tq_pack_kernel.h), launch templates and one instantiation file per (dtype, head dim, loader).
+with its combine pass (tq_decode_kernel.h); a prefill kernel for many query rows that expands each
+packed tile once into shared-memory fragments for 128 rows (tq_prefill_kernel.h); the query/output
+row helpers both share (tq_rows.h); quantize-on-write with in-kernel slot resolution and checks
+(tq_pack_kernel.h), launch templates and one instantiation file per (dtype, head dim, loader).
 Nothing upstream changes."
 
 cp "$here"/csrc/flash_attn/flash_api_tq.cpp csrc/flash_attn/
