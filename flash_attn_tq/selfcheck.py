@@ -71,6 +71,15 @@ def main(argv: list[str] | None = None) -> int:
     ref, _ = baseline.attention_reference(q.float(), kd, vd, key_lengths=cache.seqlens)
     err = ((out.float() - ref).norm() / ref.norm()).item()
     ok &= _check(f"{path} vs float32 over the dequantized cache", err < 2e-3, f"relative error {err:.2e}")
+    # a chunk of new queries (chunked prefill, causal, bottom-right): on the GPU 64 queries x 4 heads a
+    # kv head = 256 rows, the prefill kernel
+    n_chunk = 64 if fused else 16
+    qc = torch.randn(B, n_chunk, hq, d, generator=gen, device=dev, dtype=torch.float16)
+    outc = fa.flash_attn_with_kvcache(qc, cache, causal=True)
+    refc, _ = baseline.attention_reference(qc.float(), kd, vd, causal=True, key_lengths=cache.seqlens)
+    errc = ((outc.float() - refc).norm() / refc.norm()).item()
+    ok &= _check(f"chunked prefill ({n_chunk} queries, causal), {fa.last_path()}", errc < 2e-3,
+                 f"relative error {errc:.2e}")
     full, _ = baseline.attention_reference(q.float(), k.float(), v.float())
     qerr = ((out.float() - full).norm() / full.norm()).item()
     print(f"  [info] vs full-precision K/V (quantization error): relative {qerr:.3f}; "
