@@ -44,6 +44,39 @@ def ref_attention(q, k, v, lens, causal=False, scale=None):
     return out, lse
 
 
+def ref_attention_ext(q, k, v, ends, starts, causal, window, softcap, scale=None):
+    """float64 attention with upstream's extras, written independently of ref_attention: keys
+    [starts[b], ends[b]) (cache_leftpad) form a sequence against which the causal diagonal and the
+    local window (left, right; -1 = unbounded) align bottom-right; softcap: s -> c * tanh(s / c)."""
+    q, k, v = q.double(), k.double(), v.double()
+    B, Sq, Hq, d = q.shape
+    group = Hq // k.shape[2]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    out = torch.zeros(B, Sq, Hq, v.shape[-1], dtype=torch.float64)
+    lse = torch.full((B, Hq, Sq), INF, dtype=torch.float64)
+    left, right = window
+    if causal:
+        right = 0
+    for b in range(B):
+        lo, hi = int(starts[b]), int(ends[b])
+        n = hi - lo
+        for h in range(Hq):
+            for i in range(Sq):
+                pos = i + n - Sq  # the query's position among the n keys
+                keep = [j for j in range(n) if (right < 0 or j <= pos + right) and (left < 0 or j >= pos - left)]
+                if not keep:
+                    continue
+                idx = torch.tensor(keep) + lo
+                s = (k[b, idx, h // group] @ q[b, i, h]) * scale
+                if softcap:
+                    s = softcap * torch.tanh(s / softcap)
+                m = s.max()
+                p = torch.exp(s - m)
+                out[b, i, h] = (p / p.sum()) @ v[b, idx, h // group]
+                lse[b, h, i] = m + torch.log(p.sum())
+    return out, lse
+
+
 def rel_err(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
@@ -163,7 +196,7 @@ def test_empty_cache_row_no_new_tokens():
 
 # ----------------------------------------------------------------------------- batch idx / paged
 
-@pytest.mark.parametrize("layout", ["contiguous", "paged16-shuffled", "paged32"])
+@pytest.mark.parametrize("layout", ["contiguous", "paged16-shuffled", "paged32", "paged64", "paged128", "paged256"])
 @pytest.mark.parametrize("quantizer", ["turbo", "asym"])
 def test_cache_batch_idx_and_paged(layout, quantizer):
     gen = torch.Generator().manual_seed(len(layout) + 13 * (quantizer == "asym"))
@@ -171,8 +204,8 @@ def test_cache_batch_idx_and_paged(layout, quantizer):
     kw = dict(quantizer=quantizer, k_bits=4, v_bits=3)
     if layout == "contiguous":
         cache = QuantizedKVCache(CB, S, Hkv, d, **kw)
-    elif layout == "paged32":
-        cache = QuantizedKVCache(CB, S, Hkv, d, page_size=32, **kw)
+    elif layout.startswith("paged") and not layout.endswith("shuffled"):  # paged32 ... paged256
+        cache = QuantizedKVCache(CB, S, Hkv, d, page_size=int(layout[5:]), **kw)
     else:
         per = math.ceil(S / 16)
         bt = torch.randperm(CB * per + 4, generator=gen)[: CB * per].reshape(CB, per).int()
@@ -293,6 +326,30 @@ def test_rotary_equals_prerotated(interleaved, causal, quantizer, rot_dim):
     out_plain = flash_attn_with_kvcache(q, QuantizedKVCache(B, 32, Hkv, d, quantizer=quantizer, k_bits=4),
                                         k=k, v=v, causal=causal)
     assert not torch.allclose(out_plain[0, :, :], out_a[0, :, :], atol=1e-3)
+
+
+@pytest.mark.parametrize("window", [(-1, -1), (8, 0), (16, 4), (0, 0)])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("softcap", [0.0, 5.0])
+@pytest.mark.parametrize("leftpad", [False, True])
+def test_local_window_softcap_leftpad(window, causal, softcap, leftpad):
+    """Upstream's window_size / softcap / cache_leftpad semantics over a quantized cache, against an
+    independent float64 implementation over the values the cache holds."""
+    gen = torch.Generator().manual_seed(seed := 1000 + 17 * window[0] + 5 * window[1] + int(causal) * 3 +
+                                        int(softcap) + int(leftpad) * 7)
+    cache = QuantizedKVCache(3, 80, 2, 64, seed=seed)
+    lengths = [70, 33, 80]
+    fill_rows(cache, lengths, gen)
+    q = torch.randn(3, 5, 4, 64, generator=gen).to(torch.float16)
+    starts = torch.tensor([3, 0, 11], dtype=torch.int32) if leftpad else torch.zeros(3, dtype=torch.int32)
+    out, lse = flash_attn_with_kvcache(q, cache, causal=causal, window_size=window, softcap=softcap,
+                                       cache_leftpad=starts if leftpad else None, return_softmax_lse=True)
+    kd, vd = cache.dequantize()
+    ref, ref_lse = ref_attention_ext(q, kd, vd, cache.seqlens, starts, causal, window, softcap)
+    assert rel_err(out, ref) < 2e-3
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    assert (lse[finite].double() - ref_lse[finite]).abs().max() < 1e-3
 
 
 def test_rotary_needs_k():
