@@ -245,9 +245,10 @@ def _merge_lse(out_a, lse_a, out_b, lse_b):
 
 def _quantized_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, cache, softmax_scale, causal, window_size,
                       softcap, alibi_slopes):
-    """Varlen batch over a QuantizedKVCache: append each sequence's new K/V, then attend with the
-    queries left-padded to max_seqlen_q, so bottom-right causal alignment holds per sequence (the
-    padding rows come first, attend to fewer keys and are dropped)."""
+    """Varlen batch over a QuantizedKVCache: append each sequence's new K/V (one append for all the
+    sequences with the same number of new tokens), then attend with the queries left-padded to
+    max_seqlen_q, so bottom-right causal alignment holds per sequence (the padding rows come first,
+    attend to fewer keys and are dropped)."""
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         raise ValueError(f"q must be (total_q, nheads, headdim), got {tuple(q.shape) if isinstance(q, torch.Tensor) else q}")
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
@@ -269,11 +270,14 @@ def _quantized_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, cache, 
         if k.dim() != 3 or k.shape != v.shape or cu_seqlens_k[-1].item() != k.shape[0]:
             raise ValueError("k, v must be (total_k, nheads_k, headdim) with cu_seqlens_k ending at total_k")
         bounds = cu_seqlens_k.tolist()
-        for b in range(batch):  # one append a sequence (its own position and length)
+        by_length: dict[int, list[int]] = {}  # sequences with as many new tokens share one append
+        for b in range(batch):
             if bounds[b + 1] > bounds[b]:
-                row = torch.tensor([b], dtype=torch.int32, device=cache.device)
-                cache.append(k[bounds[b]:bounds[b + 1]].unsqueeze(0), v[bounds[b]:bounds[b + 1]].unsqueeze(0),
-                             batch_idx=row)
+                by_length.setdefault(bounds[b + 1] - bounds[b], []).append(b)
+        for n, seqs in by_length.items():  # e.g. all decoding sequences (n = 1) in one launch
+            tokens = (torch.tensor([bounds[b] for b in seqs], device=k.device).unsqueeze(1)
+                      + torch.arange(n, device=k.device))  # [len(seqs), n] rows of k / v
+            cache.append(k[tokens], v[tokens], batch_idx=torch.tensor(seqs, dtype=torch.int32, device=cache.device))
     width = max(max(lens_q, default=0), 1)
     # token j of sequence b sits at padded row width - len_b + j
     seq = torch.repeat_interleave(torch.arange(batch, device=q.device), cu_seqlens_q.diff().to(q.device).long())

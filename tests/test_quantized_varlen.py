@@ -21,10 +21,10 @@ def _clone(cache: QuantizedKVCache) -> QuantizedKVCache:
 def test_mixed_batch_equals_per_sequence_calls(causal, page_size, window):
     torch.manual_seed(7)
     hk, hq, d = 2, 6, 64
-    prefix = [30, 0, 55, 12]       # tokens already in each sequence
-    new_kv = [1, 37, 0, 5]         # decode 1 / prefill a 37-token chunk / query only / a 5-token chunk
-    n_q = [1, 37, 3, 5]
-    cache = QuantizedKVCache(4, 128, hk, d, page_size=page_size)
+    prefix = [30, 0, 55, 12, 9]    # tokens already in each sequence
+    new_kv = [1, 37, 0, 5, 1]      # decode 1 / prefill a 37-token chunk / query only / a 5-token chunk / decode
+    n_q = [1, 37, 3, 5, 1]         # (the two decoding sequences share one append)
+    cache = QuantizedKVCache(5, 128, hk, d, page_size=page_size)
     for b, n in enumerate(prefix):
         if n:
             cache.append(torch.randn(1, n, hk, d), torch.randn(1, n, hk, d), batch_idx=torch.tensor([b]))
