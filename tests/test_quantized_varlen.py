@@ -38,7 +38,7 @@ def test_mixed_batch_equals_per_sequence_calls(causal, page_size, window):
                                          kv_cache=cache)
     assert out.shape == q.shape and lse.shape == (hq, q.shape[0])
     assert cache.seqlens.tolist() == [p + n for p, n in zip(prefix, new_kv)]
-    for b in range(4):
+    for b in range(len(prefix)):
         qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
         kb = k[ks].unsqueeze(0) if new_kv[b] else None
         vb = v[ks].unsqueeze(0) if new_kv[b] else None
