@@ -16,9 +16,10 @@ void launch_combine(const DecodeParams &p, cudaStream_t stream) {
     }
 }
 
+// A split kernel over (split, batch * kv head, query-row blocks of Traits::kRows): the decode kernel
+// or the prefill kernel (tq_prefill_launch.h).
 template <typename Traits>
-void launch_decode_split(const DecodeParams &p, cudaStream_t stream) {
-    auto kernel = &decode_split_kernel<Traits>;
+void launch_split(void (*kernel)(const DecodeParams), const DecodeParams &p, cudaStream_t stream) {
     constexpr int smem = Traits::kSmemBytes;
     if constexpr (smem > 48 * 1024) {
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
@@ -31,9 +32,11 @@ void launch_decode_split(const DecodeParams &p, cudaStream_t stream) {
 template <typename Elem, int kHeadDim, typename KV>
 void run_decode_with(const DecodeParams &p, cudaStream_t stream) {
     if (p.h_h_k_ratio * p.seqlen_q <= 8) {
-        launch_decode_split<DecodeTraits<Elem, kHeadDim, 1, KV>>(p, stream);
+        using Traits = DecodeTraits<Elem, kHeadDim, 1, KV>;
+        launch_split<Traits>(&decode_split_kernel<Traits>, p, stream);
     } else {  // 16 rows a CTA; more rows take more CTAs along grid.z
-        launch_decode_split<DecodeTraits<Elem, kHeadDim, 2, KV>>(p, stream);
+        using Traits = DecodeTraits<Elem, kHeadDim, 2, KV>;
+        launch_split<Traits>(&decode_split_kernel<Traits>, p, stream);
     }
     launch_combine<Elem, kHeadDim>(p, stream);
 }
