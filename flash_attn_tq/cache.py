@@ -280,9 +280,9 @@ class QuantizedKVCache:
         """value_pca: map attention outputs ``[batch, seqlen_q, heads, d]`` over transformed values back."""
         if not self.value_pca:
             return out
-        bidx = torch.arange(out.shape[0], device=self.device) if batch_idx is None else batch_idx.to(self.device).long()
-        group = out.shape[2] // self.num_kv_heads
-        return self._reflect(out.float(), self.v_house[bidx].repeat_interleave(group, 1)[:, None])
+        B, Sq, H, D = out.shape
+        w = self._per_row(self.v_house, batch_idx, B)[:, None, :, None]  # [b, 1, kv_heads, 1, d]
+        return self._reflect(out.float().reshape(B, Sq, self.num_kv_heads, -1, D), w).reshape(B, Sq, H, D)
 
     def _householder(self, x: torch.Tensor, bidx: torch.Tensor) -> torch.Tensor:
         """P x for x [b, n, H, d] (P symmetric orthogonal: its own inverse)."""
@@ -313,20 +313,21 @@ class QuantizedKVCache:
         """``q * s`` for queries ``[batch, seqlen_q, heads, d]`` (GQA: kv head ``h // group``), float32."""
         if not self.key_transform:
             return q
-        bidx = torch.arange(q.shape[0], device=self.device) if batch_idx is None else batch_idx.to(self.device).long()
-        group = q.shape[2] // self.num_kv_heads
-        qt = q.float() * self.k_div[bidx].repeat_interleave(group, 1)[:, None]
+        B, Sq, H, D = q.shape  # GQA through a [b, sq, kv_heads, group, d] view
+        qt = q.float().reshape(B, Sq, self.num_kv_heads, -1, D) * self._per_row(self.k_div, batch_idx, B)[:, None, :, None]
         if self.key_pca:
-            w = self.k_house[bidx].repeat_interleave(group, 1)[:, None]
-            qt = qt - 2 * (qt * w).sum(-1, keepdim=True) * w
-        return qt
+            qt = self._reflect(qt, self._per_row(self.k_house, batch_idx, B)[:, None, :, None])
+        return qt.reshape(B, Sq, H, D)
 
     def query_shift(self, q: torch.Tensor, batch_idx: torch.Tensor | None = None) -> torch.Tensor:
         """``q . mu`` ``[batch, heads, seqlen_q]``: what the key centring removes from every score."""
-        bidx = torch.arange(q.shape[0], device=self.device) if batch_idx is None else batch_idx.to(self.device).long()
-        group = q.shape[2] // self.num_kv_heads
-        mu = self.k_shift[bidx].repeat_interleave(group, 1)  # [b, h, d]
-        return torch.einsum("bshd,bhd->bhs", q.float(), mu)
+        B, Sq, H, D = q.shape
+        mu = self._per_row(self.k_shift, batch_idx, B)  # [b, kv_heads, d]
+        return torch.einsum("bshgd,bhd->bhgs", q.float().reshape(B, Sq, self.num_kv_heads, -1, D), mu).reshape(B, H, Sq)
+
+    def _per_row(self, table: torch.Tensor, batch_idx: torch.Tensor | None, batch: int) -> torch.Tensor:
+        """Rows ``batch_idx`` of a per-sequence table (rows 0..batch-1 by default: a slice, no gather)."""
+        return table[:batch] if batch_idx is None else table[batch_idx.to(self.device).long()]
 
     # ------------------------------------------------------------------ writing
     def _slots(self, batch_idx: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

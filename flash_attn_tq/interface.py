@@ -232,15 +232,33 @@ def _check_query(q, cache: QuantizedKVCache) -> None:
 
 
 def _merge_lse(out_a, lse_a, out_b, lse_b):
-    """Merge two partial attentions over disjoint keys (lse +inf/-inf marks an empty part)."""
-    la = torch.where(torch.isfinite(lse_a), lse_a, torch.full_like(lse_a, -math.inf))
-    lb = torch.where(torch.isfinite(lse_b), lse_b, torch.full_like(lse_b, -math.inf))
+    """Merge two partial attentions over disjoint keys (lse +inf or -inf marks an empty part; rows
+    empty in both get lse +inf and output 0). Few ops: decode runs this once a layer and step."""
+    la = lse_a.masked_fill(lse_a == math.inf, -math.inf)
+    lb = lse_b.masked_fill(lse_b == math.inf, -math.inf)
     lse = torch.logaddexp(la, lb)
-    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    empty = lse == -math.inf
+    safe = lse.masked_fill(empty, 0.0)
     wa = torch.exp(la - safe).transpose(1, 2).unsqueeze(-1)  # [b, sq, h, 1]
     wb = torch.exp(lb - safe).transpose(1, 2).unsqueeze(-1)
-    out = out_a.float() * wa + out_b.float() * wb
-    return out, torch.where(torch.isfinite(lse), lse, torch.full_like(lse, math.inf))
+    out = torch.addcmul(out_a.float() * wa, out_b.float(), wb)
+    return out, lse.masked_fill(empty, math.inf)
+
+
+def _dense_part(q, k, v, scale, visible):
+    """float32 attention of q ``[B, Sq, Hq, D]`` over a short 16-bit key set k, v ``[B, S, Hkv, D]``
+    (the fp16 window, sink tokens); ``visible`` bool, broadcastable to ``[B, Sq, S]``. GQA through a
+    view (no repeated K/V). Returns out ``[B, Sq, Hq, D]``, lse ``[B, Hq, Sq]`` (-inf: no key)."""
+    B, Sq, Hq, D = q.shape
+    S, Hkv = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    qh = q.reshape(B, Sq, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * Sq, D).float()
+    s = torch.matmul(qh, k.float().permute(0, 2, 3, 1)).mul_(scale).view(B, Hkv, G, Sq, S)
+    s.masked_fill_(~visible.view(-1, 1, 1, *visible.shape[-2:]), -math.inf)
+    lse = torch.logsumexp(s, -1)  # [B, Hkv, G, Sq]
+    p = s.sub_(lse.masked_fill(lse == -math.inf, 0.0).unsqueeze(-1)).exp_().view(B, Hkv, G * Sq, S)
+    out = torch.matmul(p, v.float().transpose(1, 2)).view(B, Hkv, G, Sq, D).permute(0, 3, 1, 2, 4)
+    return out.reshape(B, Sq, Hq, D), lse.view(B, Hq, Sq)
 
 
 def _quantized_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, cache, softmax_scale, causal, window_size,
@@ -293,20 +311,21 @@ def _quantized_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, cache, 
     return out[seq, row], lse[seq, :, row].transpose(0, 1).contiguous()
 
 
-def _rows(bidx, batch, device):
-    """The cache rows of the batch entries: cache_batch_idx, or 0..batch-1."""
-    return bidx if bidx is not None else torch.arange(batch, device=device, dtype=torch.int32)
-
-
-def _window_part(q, cache, bidx, lens, softmax_scale):
-    """Attention of q over the fp16 recent window of each sequence (positions [lens - R, lens))."""
-    R = cache.fp16_window
+def _window_part(q, cache, bidx, lens, softmax_scale, causal):
+    """Attention of q over the fp16 recent window of each sequence (positions [lens - R, lens)) of
+    cache rows bidx (None: 0..batch-1); causal:
+    the queries are the last seqlen_q positions (bottom-right aligned with the window's newest key)."""
+    R, Sq = cache.fp16_window, q.shape[1]
     order = (lens.long().unsqueeze(1) - R + torch.arange(R, device=q.device)) % R  # ring slots, oldest first
     idx = order[:, :, None, None].expand(-1, -1, cache.num_kv_heads, cache.head_dim)
-    kw = cache.k_window[bidx].gather(1, idx)
-    vw = cache.v_window[bidx].gather(1, idx)
-    start = (R - lens.long()).clamp(min=0)
-    return baseline.attention_reference(q, kw, vw, softmax_scale=softmax_scale, key_lengths=R, key_start=start)
+    rows = slice(0, q.shape[0]) if bidx is None else bidx.long()  # (a slice: no copy of the whole window)
+    kw = cache.k_window[rows].gather(1, idx)
+    vw = cache.v_window[rows].gather(1, idx)
+    slot = torch.arange(R, device=q.device)
+    visible = (slot >= (R - lens.long()).view(-1, 1, 1))  # [B, 1, R]: slots holding a token
+    if causal and Sq > 1:
+        visible = visible & (slot <= (R - Sq + torch.arange(Sq, device=q.device)).unsqueeze(1))  # [B, Sq, R]
+    return _dense_part(q, kw, vw, softmax_scale, visible)
 
 
 def _quantized_kvcache(q, cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
@@ -320,9 +339,8 @@ def _quantized_kvcache(q, cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
     _check_batch_args(cache_seqlens, cache_batch_idx, batch)
     if cache_batch_idx is not None:
         bidx = cache_batch_idx.to(device)
-    else:  # rows 0..batch-1, made only where a tensor is needed (not on the plain decode path)
+    else:  # rows 0..batch-1: slices of the per-row tables, no index tensor
         bidx = None
-    rows = functools.partial(_rows, bidx, batch, device)
     if cache_seqlens is None:
         if cache_batch_idx is not None:
             start = cache.seqlens[bidx.long()]
@@ -364,19 +382,19 @@ def _quantized_kvcache(q, cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
     if reason is None:
         _LAST_PATH.set("quantized:fused-cuda")
         n_quant = (lens - R).clamp(min=0).to(torch.int32) if R else lens
-        qt = cache.transform_query(q, rows()).to(q.dtype) if cache.key_transform else q  # q * s (key transform)
+        qt = cache.transform_query(q, bidx).to(q.dtype) if cache.key_transform else q  # q * s (key transform)
         out, lse = ops.decode(qt, cache, n_quant, bidx, softmax_scale, causal and not R, num_splits)
         if R:
-            out_w, lse_w = _window_part(qt, cache, rows().long(), lens, softmax_scale)
+            out_w, lse_w = _window_part(qt, cache, bidx, lens, softmax_scale, causal)
             out, lse = _merge_lse(out, lse, out_w, lse_w)
         if cache.key_transform and cache.key_center and return_softmax_lse:
-            lse = lse + softmax_scale * cache.query_shift(q, rows())  # the scores lost q . mu (+inf stays +inf)
+            lse = lse + softmax_scale * cache.query_shift(q, bidx)  # the scores lost q . mu (+inf stays +inf)
         if cache.value_pca:
-            out = cache.untransform_output(out, rows())  # values were stored reflected (value_pca)
+            out = cache.untransform_output(out, bidx)  # values were stored reflected (value_pca)
         out = out.to(q.dtype)
     else:
         _LAST_PATH.set(f"quantized:reference ({reason})")
-        k_deq, v_deq = cache.dequantize(rows().long())
+        k_deq, v_deq = cache.dequantize(bidx.long() if bidx is not None else torch.arange(batch, device=device))
         out, lse = baseline.attention_reference(
             q, k_deq, v_deq, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
             alibi_slopes=alibi_slopes, key_lengths=lens, key_start=cache_leftpad)

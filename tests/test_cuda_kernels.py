@@ -159,12 +159,15 @@ def test_decode_cache_batch_idx_and_append():
     torch.testing.assert_close(out.float().cpu(), ref, atol=3e-3, rtol=0)
 
 
-def test_decode_with_fp16_window_matches_reference():
+@pytest.mark.parametrize("seqlen_q", [1, 4])
+def test_decode_with_fp16_window_matches_reference(seqlen_q):
+    """The kernel over the quantized tokens merged with the fp16 window (causal for several queries:
+    a query must not see the window's newer tokens)."""
     cache, _, _ = _make_cache(2, [300, 40], 2, 128, window=64, seed=11)
-    q = torch.randn(2, 1, 8, 128, device=DEV, dtype=torch.float16)
-    out = fa.flash_attn_with_kvcache(q, cache)
+    q = torch.randn(2, seqlen_q, 8, 128, device=DEV, dtype=torch.float16)
+    out = fa.flash_attn_with_kvcache(q, cache, causal=seqlen_q > 1)
     assert fa.last_path() == "quantized:fused-cuda"
-    ref, _, _, _ = _reference(q, cache, cache.seqlens, False)
+    ref, _, _, _ = _reference(q, cache, cache.seqlens, seqlen_q > 1)
     torch.testing.assert_close(out.float().cpu(), ref, atol=3e-3, rtol=0)
 
 

@@ -273,6 +273,32 @@ def test_fp16_window(quantizer, seqlen_q, causal):
     assert (no_win - exp_out).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("seqlen_q,causal", [(1, False), (5, True), (5, False)])
+@pytest.mark.parametrize("batch_idx", [None, [2, 0]])
+def test_window_part_of_the_fused_path(seqlen_q, causal, batch_idx):
+    """The fp16-window attention the fused GPU path merges with the kernel's output (interface._window_part),
+    against float64 attention over the window's tokens: causal queries must not see newer window keys,
+    rows shorter than the window only their own tokens."""
+    from flash_attn_tq.interface import _window_part
+    R = 8
+    gen = torch.Generator().manual_seed(seqlen_q + 2 * causal)
+    cache = QuantizedKVCache(3, 60, 2, 64, fp16_window=R)
+    fill_rows(cache, [40, 3, 11], gen)
+    bidx = None if batch_idx is None else torch.tensor(batch_idx, dtype=torch.int32)
+    rows = [0, 1] if batch_idx is None else batch_idx
+    q = torch.randn(len(rows), seqlen_q, 4, 64, generator=gen)
+    lens = cache.seqlens[rows]
+    out, lse = _window_part(q, cache, bidx, lens, 0.125, causal)
+    lse = lse.masked_fill(lse == -INF, INF)  # (internal parts mark a row without keys -inf, the API +inf)
+    kd, vd = cache.dequantize(torch.tensor(rows))  # window tokens come back exact
+    for i, (row, n) in enumerate(zip(rows, lens.tolist())):
+        lo = max(0, n - R)
+        kw, vw = kd[i:i + 1, lo:n], vd[i:i + 1, lo:n]
+        exp_out, exp_lse = ref_attention(q[i:i + 1], kw, vw, [n - lo], causal, scale=0.125)
+        torch.testing.assert_close(out[i:i + 1].double(), exp_out, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(lse[i:i + 1].double(), exp_lse, rtol=1e-5, atol=1e-6)
+
+
 def test_fp16_window_covering_everything_is_full_precision():
     R = 16
     gen = torch.Generator().manual_seed(5)

@@ -45,7 +45,7 @@ except ImportError as e:  # pragma: no cover - exercised only without transforme
 
 from ..cache import QuantizedKVCache
 from ..format import bits_per_element as _format_bits
-from ..interface import _merge_lse, flash_attn_with_kvcache
+from ..interface import _dense_part, _merge_lse, flash_attn_with_kvcache
 
 ATTN_IMPLEMENTATION = "tq_kvcache"  # (a name containing "flash" would make transformers look for flash-attn)
 
@@ -67,17 +67,9 @@ def _check_no_padding(attention_mask) -> None:
 
 def _sink_attention(q, k, v, q_pos, scale):
     """q [B, Sq, Hq, D] at absolute positions q_pos [Sq]; k, v [B, S0, Hkv, D] at positions 0..S0-1.
-    Causal float32 attention; returns out [B, Sq, Hq, D], lse [B, Hq, Sq] (+inf where no key)."""
-    group = q.shape[2] // k.shape[2]
-    kk = k.float().repeat_interleave(group, 2)
-    vv = v.float().repeat_interleave(group, 2)
-    s = torch.einsum("bqhd,bkhd->bhqk", q.float(), kk) * scale
-    visible = torch.arange(k.shape[1], device=q.device)[None, :] <= q_pos[:, None]  # [Sq, S0]
-    s = s.masked_fill(~visible, -math.inf)
-    lse = torch.logsumexp(s, -1)
-    p = torch.exp(s - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)).unsqueeze(-1))
-    out = torch.einsum("bhqk,bkhd->bqhd", p, vv)
-    return out, torch.where(torch.isfinite(lse), lse, torch.full_like(lse, math.inf))
+    Causal float32 attention; returns out [B, Sq, Hq, D], lse [B, Hq, Sq] (-inf where no key)."""
+    visible = torch.arange(k.shape[1], device=q.device)[None, None, :] <= q_pos[None, :, None]  # [1, Sq, S0]
+    return _dense_part(q, k, v, scale, visible)
 
 
 class TQLayer(CacheLayerMixin):
