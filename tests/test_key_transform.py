@@ -186,3 +186,28 @@ def test_key_scale_balanced_against_queries():
     plain = QuantizedKVCache(B, S, H, d, key_center=True, key_scale=0.5, key_scale_q=True)
     plain.append(k, v)  # no queries: falls back to rms(k) ** a
     torch.testing.assert_close(plain.k_div, rk.sqrt() / rk.sqrt().pow(2).mean(-1, keepdim=True).sqrt(), rtol=1e-4, atol=1e-5)
+
+
+def test_transforms_of_selected_rows():
+    """transform_query / query_shift / untransform_output for cache rows picked by batch_idx (the
+    fused path's GQA views) against the per-q-head formulas."""
+    B, S, H, Hq, d = 3, 40, 2, 6, 64
+    cache = QuantizedKVCache(B, 64, H, d, key_center=True, key_scale=0.5, key_pca=True, value_pca=True, fit="mean")
+    cache.append(keys_with_offset(B, S, H, d, seed=9), torch.randn(B, S, H, d))
+    assert bool(cache.calibrated.all())
+    rows = torch.tensor([2, 0], dtype=torch.int32)
+    q, o = torch.randn(2, 3, Hq, d), torch.randn(2, 3, Hq, d)
+    group = Hq // H
+
+    def per_q_head(table):
+        return table[rows.long()].repeat_interleave(group, 1)  # [2, Hq, d]
+
+    div, w, wv = per_q_head(cache.k_div)[:, None], per_q_head(cache.k_house)[:, None], per_q_head(cache.v_house)[:, None]
+    qt = q * div
+    torch.testing.assert_close(cache.transform_query(q, rows), qt - 2 * (qt * w).sum(-1, keepdim=True) * w)
+    torch.testing.assert_close(cache.query_shift(q, rows), torch.einsum("bshd,bhd->bhs", q, per_q_head(cache.k_shift)))
+    torch.testing.assert_close(cache.untransform_output(o, rows), o - 2 * (o * wv).sum(-1, keepdim=True) * wv)
+    first_rows = torch.tensor([0, 1])  # the default: rows 0..batch-1
+    torch.testing.assert_close(cache.transform_query(q), cache.transform_query(q, first_rows))
+    torch.testing.assert_close(cache.query_shift(q), cache.query_shift(q, first_rows))
+    torch.testing.assert_close(cache.untransform_output(o), cache.untransform_output(o, first_rows))
