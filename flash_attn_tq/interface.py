@@ -312,9 +312,9 @@ def _quantized_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, cache, 
 
 
 def _window_part(q, cache, bidx, lens, softmax_scale, causal):
-    """Attention of q over the fp16 recent window of each sequence (positions [lens - R, lens)) of
-    cache rows bidx (None: 0..batch-1); causal:
-    the queries are the last seqlen_q positions (bottom-right aligned with the window's newest key)."""
+    """Attention of q over the fp16 recent window (positions [lens - R, lens)) of cache rows bidx
+    (None: 0..batch-1). causal: the queries are the last seqlen_q positions, bottom-right aligned
+    with the window's newest key. Returns (out, lse) with lse -inf for rows without keys."""
     R, Sq = cache.fp16_window, q.shape[1]
     order = (lens.long().unsqueeze(1) - R + torch.arange(R, device=q.device)) % R  # ring slots, oldest first
     idx = order[:, :, None, None].expand(-1, -1, cache.num_kv_heads, cache.head_dim)
