@@ -53,7 +53,8 @@ SIM_NAME = "tq_sim"
 # Every config tried. Options: quantizer, k_bits, v_bits, fit, fp16_window, sink_tokens,
 # key_center, key_scale, protect ("boundary" = first and last layer in 16-bit). None = full precision.
 BASE = dict(quantizer="turbo", k_bits=3, v_bits=3, fit="norm", fp16_window=0, sink_tokens=0,
-            key_center=False, key_scale=0.0, key_scale_q=False, key_pca=False, value_pca=False, protect=None)
+            key_center=False, key_scale=0.0, key_scale_q=False, key_pca=False, value_pca=False, protect=None,
+            qjl=False)
 
 
 def _cfg(**kw):
@@ -98,6 +99,11 @@ CONFIGS = {
     "K4V3": _cfg(k_bits=4),
     "K4V3+w128": _cfg(k_bits=4, fp16_window=128),
     "K4V3+kc+sink4+w124": _cfg(k_bits=4, key_center=True, sink_tokens=4, fp16_window=124),
+    # TurboQuant's inner-product variant for keys: a 2-bit MSE code plus a 1-bit QJL sign sketch of the
+    # residual (q . k estimated without bias) and the residual's norm in place of the offset: 3.5 bits at
+    # head_dim 64, as K3
+    "K2qjl+V3+kc+sink4": _cfg(k_bits=2, qjl=True, key_center=True, sink_tokens=4),
+    "K2qjl+V3+kc+sink4+w124": _cfg(k_bits=2, qjl=True, key_center=True, sink_tokens=4, fp16_window=124),
 }
 DEFAULT = "turbo3+kc+pca+vpca+sink4+w124"  # = flash_attn_tq.integrations.transformers.DEFAULTS
 NO_WINDOW_DEFAULT = "turbo3+kc+pca+vpca+sink4"
@@ -110,7 +116,8 @@ LONG = ["full", "turbo3", "turbo3+kc+pca+vpca+sink4", "turbo3+kc+sink4+w124", "t
 def config_bits(cfg, head_dim, num_layers):
     if cfg is None:
         return 16.0
-    q = (bits_per_element(head_dim, cfg["k_bits"]) + bits_per_element(head_dim, cfg["v_bits"])) / 2
+    k_bits = bits_per_element(head_dim, cfg["k_bits"]) + (1.0 if cfg.get("qjl") else 0.0)  # + the sign sketch
+    q = (k_bits + bits_per_element(head_dim, cfg["v_bits"])) / 2
     prot = len(protected_layers(cfg, num_layers))
     return (q * (num_layers - prot) + 16.0 * prot) / num_layers
 
@@ -195,7 +202,23 @@ class Sim:
         kd, vd = cache.dequantize(use_window=False)
         kh[:, :, s0:] = kd.transpose(1, 2)
         vh[:, :, s0:] = vd.transpose(1, 2)
+        Sim.sketch = None
+        if cfg.get("qjl"):  # residual sign sketch: signs of S r and |r| (float16) per quantized key
+            r = key.float() - kh
+            r[:, :, :s0] = 0
+            proj = Sim.projection(D)
+            Sim.sketch = (torch.sign(r @ proj.T), r.norm(dim=-1).half().float())
         return kh, vh, k16, v16
+
+    sketch = None  # (signs [B, Hkv, S, D], norms [B, Hkv, S]) of the current layer's QJL keys
+    _projections: dict = {}
+
+    @staticmethod
+    def projection(d):
+        """A fixed Gaussian QJL projection [d, d] (the same in every layer: the keys' rotation differs)."""
+        if d not in Sim._projections:
+            Sim._projections[d] = torch.randn(d, d, generator=torch.Generator().manual_seed(1234))
+        return Sim._projections[d]
 
     @staticmethod
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -209,6 +232,11 @@ class Sim:
             return out.transpose(1, 2).contiguous(), None
         kh, vh, kf, vf = Sim.roundtrip(key, value, cfg, Sim.calib, query)
         kf, vf, kh, vh = (t.repeat_interleave(G, 1) for t in (kf, vf, kh, vh))
+        sketch = None
+        if Sim.sketch is not None:  # q . r ~ sqrt(pi / 2) / m * |r| * (S q) . sign(S r)
+            signs, norms = (t.repeat_interleave(G, 1) for t in Sim.sketch)
+            sq = query.float() @ Sim.projection(D).T
+            sketch = (signs, norms * math.sqrt(math.pi / 2) / D, sq)
         q = query.float()
         R, s0 = cfg["fp16_window"], cfg["sink_tokens"]
         out = torch.empty(B, Hq, S, D)
@@ -218,7 +246,11 @@ class Sim:
             qi = q[:, :, i0:i1]
             ii, jj = pos[i0:i1, None], pos[None, :i1]
             full = ((ii - jj) < R) | (jj < s0)
-            s = torch.where(full, qi @ kf[:, :, :i1].transpose(-1, -2), qi @ kh[:, :, :i1].transpose(-1, -2)) * scaling
+            s_quant = qi @ kh[:, :, :i1].transpose(-1, -2)
+            if sketch is not None:
+                signs, norms, sq = sketch
+                s_quant = s_quant + (sq[:, :, i0:i1] @ signs[:, :, :i1].transpose(-1, -2)) * norms[:, :, None, :i1]
+            s = torch.where(full, qi @ kf[:, :, :i1].transpose(-1, -2), s_quant) * scaling
             p = torch.softmax(s.masked_fill(jj > ii, -math.inf), -1)
             pf = p * full
             out[:, :, i0:i1] = pf @ vf[:, :, :i1] + (p - pf) @ vh[:, :, :i1]
