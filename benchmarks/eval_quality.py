@@ -54,7 +54,7 @@ SIM_NAME = "tq_sim"
 # key_center, key_scale, protect ("boundary" = first and last layer in 16-bit). None = full precision.
 BASE = dict(quantizer="turbo", k_bits=3, v_bits=3, fit="norm", fp16_window=0, sink_tokens=0,
             key_center=False, key_scale=0.0, key_scale_q=False, key_pca=False, value_pca=False, protect=None,
-            qjl=False)
+            qjl=False, k4_layers=None, scale_only=False)
 
 
 def _cfg(**kw):
@@ -104,20 +104,43 @@ CONFIGS = {
     # head_dim 64, as K3
     "K2qjl+V3+kc+sink4": _cfg(k_bits=2, qjl=True, key_center=True, sink_tokens=4),
     "K2qjl+V3+kc+sink4+w124": _cfg(k_bits=2, qjl=True, key_center=True, sink_tokens=4, fp16_window=124),
+    # mixed key widths inside 3.5 bits: turbo's norm fit needs no offset (it is -mid * scale), so with
+    # scale-only metadata (0.25 bit at head_dim 64) half the layers can hold 4-bit keys
+    "K3.5mix(first)+V3+kc+sink4+w124": _cfg(k4_layers="first_half", scale_only=True, key_center=True, sink_tokens=4,
+                                             fp16_window=124),
+    "K3.5mix(even)+V3+kc+sink4+w124": _cfg(k4_layers="even", scale_only=True, key_center=True, sink_tokens=4,
+                                            fp16_window=124),
+    "K3.5mix(last)+V3+kc+sink4+w124": _cfg(k4_layers="last_half", scale_only=True, key_center=True, sink_tokens=4,
+                                            fp16_window=124),
 }
 DEFAULT = "turbo3+kc+pca+vpca+sink4+w124"  # = flash_attn_tq.integrations.transformers.DEFAULTS
 NO_WINDOW_DEFAULT = "turbo3+kc+pca+vpca+sink4"
 QUICK = ["full", "asym3", "turbo3", "turbo3+w128", "turbo3+kc+sink4", "turbo3+kc+sink4+w124", NO_WINDOW_DEFAULT, DEFAULT,
          "K4V3"]
 LONG = ["full", "turbo3", "turbo3+kc+pca+vpca+sink4", "turbo3+kc+sink4+w124", "turbo3+kc+pca+vpca+sink4+w124",
-        "turbo3+kc+ksq.5+pca+vpca+sink4", "turbo3+kc+ksq.5+pca+vpca+sink4+w124"]
+        "turbo3+kc+ksq.5+pca+vpca+sink4", "turbo3+kc+ksq.5+pca+vpca+sink4+w124", "K3.5mix(last)+V3+kc+sink4+w124"]
+
+
+def k4_layers(cfg, num_layers):
+    """Layers whose keys get 4 bits in the mixed-width configs."""
+    which = cfg.get("k4_layers") if cfg else None
+    if which == "first_half":
+        return set(range(num_layers // 2))
+    if which == "even":
+        return set(range(0, num_layers, 2))
+    if which == "last_half":
+        return set(range(num_layers // 2, num_layers))
+    return set()
 
 
 def config_bits(cfg, head_dim, num_layers):
     if cfg is None:
         return 16.0
-    k_bits = bits_per_element(head_dim, cfg["k_bits"]) + (1.0 if cfg.get("qjl") else 0.0)  # + the sign sketch
-    q = (k_bits + bits_per_element(head_dim, cfg["v_bits"])) / 2
+    meta = -16.0 / head_dim if cfg.get("scale_only") else 0.0  # bits_per_element counts fp16 scale + offset
+    k_codes = cfg["k_bits"] + len(k4_layers(cfg, num_layers)) * (4 - cfg["k_bits"]) / num_layers
+    k_bits = bits_per_element(head_dim, cfg["k_bits"]) + (k_codes - cfg["k_bits"]) + meta
+    k_bits += 1.0 if cfg.get("qjl") else 0.0  # the sign sketch
+    q = (k_bits + bits_per_element(head_dim, cfg["v_bits"]) + meta) / 2
     prot = len(protected_layers(cfg, num_layers))
     return (q * (num_layers - prot) + 16.0 * prot) / num_layers
 
@@ -230,6 +253,8 @@ class Sim:
             out = F.scaled_dot_product_attention(query, key.repeat_interleave(G, 1), value.repeat_interleave(G, 1),
                                                  is_causal=True, scale=scaling)
             return out.transpose(1, 2).contiguous(), None
+        if module.layer_idx in k4_layers(cfg, Sim.num_layers):
+            cfg = dict(cfg, k_bits=4)
         kh, vh, kf, vf = Sim.roundtrip(key, value, cfg, Sim.calib, query)
         kf, vf, kh, vh = (t.repeat_interleave(G, 1) for t in (kf, vf, kh, vh))
         sketch = None
