@@ -93,6 +93,9 @@ class QuantizedKVCache:
             raise TypeError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
         if fp16_window < 0:
             raise ValueError(f"fp16_window must be >= 0, got {fp16_window}")
+        for name, val in (("k_bits", k_bits), ("v_bits", v_bits)):
+            if val not in fmt.SUPPORTED_BITS:
+                raise ValueError(f"{name} must be one of {fmt.SUPPORTED_BITS}, got {val}")
         self.batch_size, self.max_seqlen = int(batch_size), int(max_seqlen)
         self.num_kv_heads, self.head_dim = int(num_kv_heads), int(head_dim)
         self.k_bits, self.v_bits, self.quantizer, self.grid = k_bits, v_bits, quantizer, grid

@@ -83,6 +83,7 @@ CASES = [
     dict(fp16_window=4, sink_tokens=4, key_center=True, key_scale=0.5, key_scale_q=True, key_pca=True,
          value_pca=True, fit="mean"),
     dict(fp16_window=16, sink_tokens=0, k_bits=4, v_bits=3, protected_layers=(0,)),
+    dict(fp16_window=4, sink_tokens=2, key_center=True, layer_options={1: dict(k_bits=4), 2: dict(k_bits=4)}),
 ]
 
 
@@ -124,6 +125,22 @@ def test_cache_bookkeeping():
     assert cache.quantized_caches()[1] is None
     assert cache.bits_per_element(64) == pytest.approx((3.5 + 16) / 2)
     assert TQCache(model.config).bits_per_element(128) == pytest.approx(3.25)
+
+
+def test_layer_options():
+    """Per-layer overrides: 4-bit keys in the last layers (the best 3.5-bit mix of the quality study)."""
+    model = tiny_model(layers=4)
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    cache = TQCache(model.config, fp16_window=0, layer_options={i: {"k_bits": 4} for i in (2, 3)})
+    with torch.no_grad():
+        model(torch.randint(3, 96, (1, 20)), past_key_values=cache)
+    assert [qc.k_bits for qc in cache.quantized_caches()] == [3, 3, 4, 4]
+    assert all(qc.v_bits == 3 for qc in cache.quantized_caches())
+    assert cache.bits_per_element(64) == pytest.approx((3.5 + 4.5) / 4 + 3.5 / 2)  # K 3.5 / 4.5, V 3.5
+    with pytest.raises(ValueError, match="k_bits"):
+        TQCache(model.config, layer_options={1: {"k_bits": 5}})
+    with pytest.raises(ValueError, match="sink_tokens"):
+        TQCache(model.config, layer_options={1: {"sink_tokens": 2}})
 
 
 def test_defaults_and_errors():

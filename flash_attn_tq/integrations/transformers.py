@@ -31,7 +31,7 @@ Layers in ``protected_layers`` keep a plain 16-bit cache. Batches must not be pa
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from typing import Iterable, Mapping
 
 import torch
 
@@ -215,12 +215,15 @@ class TQCache(Cache):
         sink_tokens: leading tokens kept in 16-bit outside the quantized cache.
         prefill: ``"full"`` (the first forward attends over its own full-precision K/V) or
             ``"quantized"`` (it attends over the quantized cache, as token-by-token decoding would).
+        layer_options: per-layer QuantizedKVCache option overrides, ``{layer index: {option: value}}``,
+            e.g. 4-bit keys in the last half of the layers (the best 3.5-bit mix measured,
+            ``benchmarks/results/quality.md``): ``{i: {"k_bits": 4} for i in range(15, 30)}``.
         **cache_kwargs: QuantizedKVCache options (k_bits, v_bits, quantizer, grid, fit,
             fp16_window, key_center, key_scale, seed, ...). Missing ones come from :data:`DEFAULTS`.
     """
 
     def __init__(self, config=None, *, max_cache_len: int | None = None, protected_layers: Iterable[int] = (),
-                 prefill: str = "full", **cache_kwargs):
+                 prefill: str = "full", layer_options: Mapping[int, Mapping] | None = None, **cache_kwargs):
         super().__init__(layers=[])
         if prefill not in ("full", "quantized"):
             raise ValueError(f"prefill must be 'full' or 'quantized', got {prefill!r}")
@@ -234,14 +237,27 @@ class TQCache(Cache):
         self.protected_layers = frozenset(int(i) for i in protected_layers)
         self.prefill = prefill
         self.num_layers = getattr(config, "num_hidden_layers", None)
+        self.layer_options = {int(i): dict(o) for i, o in (layer_options or {}).items()}
+        for i, o in self.layer_options.items():
+            if "sink_tokens" in o:
+                raise ValueError(f"layer_options[{i}]: sink_tokens is a TQCache-wide option")
         QuantizedKVCache(1, 1, 1, 64, **opts)  # validate the options early
+        for i, o in self.layer_options.items():
+            try:
+                QuantizedKVCache(1, 1, 1, 64, **dict(opts, **o))
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"layer_options[{i}]: {e}") from None
+
+    def layer_cache_kwargs(self, idx: int) -> dict:
+        """The QuantizedKVCache options of layer ``idx`` (the TQCache's, with its layer_options)."""
+        return dict(self.cache_kwargs, **self.layer_options.get(idx, {}))
 
     def _make_layer(self, idx: int) -> CacheLayerMixin:
         if idx in self.protected_layers:
             from transformers.cache_utils import DynamicLayer
             return DynamicLayer()
         return TQLayer(sink_tokens=self.sink_tokens, max_cache_len=self.initial_capacity, prefill=self.prefill,
-                       **self.cache_kwargs)
+                       **self.layer_cache_kwargs(idx))
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         while len(self.layers) <= layer_idx:
@@ -254,9 +270,12 @@ class TQCache(Cache):
         L = num_layers or self.num_layers
         if L is None:
             raise ValueError("pass num_layers (or build the TQCache with the model config)")
-        q = (_format_bits(head_dim, self.cache_kwargs["k_bits"]) + _format_bits(head_dim, self.cache_kwargs["v_bits"])) / 2
-        prot = len([i for i in self.protected_layers if i < L])
-        return (q * (L - prot) + 16.0 * prot) / L
+        total = 0.0
+        for i in range(L):
+            o = self.layer_cache_kwargs(i)
+            total += 16.0 if i in self.protected_layers else (_format_bits(head_dim, o["k_bits"]) +
+                                                              _format_bits(head_dim, o["v_bits"])) / 2
+        return total / L
 
     def quantized_caches(self) -> list[QuantizedKVCache | None]:
         """The QuantizedKVCache of each layer (None for protected or not-yet-used layers)."""
