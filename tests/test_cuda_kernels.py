@@ -112,6 +112,19 @@ def test_prefill_matches_reference(dtype, d, bits, quantizer, case):
     _check_against_reference(q, cache, out, lse, causal)
 
 
+@pytest.mark.parametrize("seqlen_q", [1, 64])
+@pytest.mark.parametrize("page_size", [None, 256])
+def test_long_cache(seqlen_q, page_size):
+    """A 128K-token cache (odd length), decode and a 256-row prefill chunk, contiguous and paged."""
+    cache, _, _ = _make_cache(1, [131071], 2, 128, page_size=page_size, shuffle_blocks=True, seed=31,
+                              max_seqlen=131072)
+    q = torch.randn(1, seqlen_q, 8, 128, device=DEV, dtype=torch.float16)
+    poison_allocator()
+    out, lse = fa.flash_attn_with_kvcache(q, cache, causal=True, return_softmax_lse=True)
+    assert fa.last_path() == "quantized:fused-cuda"
+    _check_against_reference(q, cache, out, lse, True)
+
+
 @pytest.mark.parametrize("num_splits", [1, 3, 0])
 @pytest.mark.parametrize("page_size", [16, 64, 256])
 def test_prefill_paged_equals_contiguous(num_splits, page_size):
