@@ -289,8 +289,7 @@ class QuantizedKVCache:
 
     def _householder(self, x: torch.Tensor, bidx: torch.Tensor) -> torch.Tensor:
         """P x for x [b, n, H, d] (P symmetric orthogonal: its own inverse)."""
-        w = self.k_house[bidx][:, None]
-        return x - 2 * (x * w).sum(-1, keepdim=True) * w
+        return self._reflect(x, self.k_house[bidx][:, None])
 
     def transform_keys(self, k: torch.Tensor, batch_idx: torch.Tensor | None = None) -> torch.Tensor:
         """``(k - mu) / s`` for keys ``[batch, n, kv_heads, d]`` of rows ``batch_idx`` (same dtype)."""

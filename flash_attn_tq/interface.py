@@ -298,9 +298,10 @@ def _quantized_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, cache, 
             cache.append(k[tokens], v[tokens], batch_idx=torch.tensor(seqs, dtype=torch.int32, device=cache.device))
     width = max(max(lens_q, default=0), 1)
     # token j of sequence b sits at padded row width - len_b + j
-    seq = torch.repeat_interleave(torch.arange(batch, device=q.device), cu_seqlens_q.diff().to(q.device).long())
-    row = width - cu_seqlens_q.diff().to(q.device).long()[seq] + (torch.arange(q.shape[0], device=q.device)
-                                                               - cu_seqlens_q.to(q.device).long()[seq])
+    cu_q = cu_seqlens_q.to(q.device).long()
+    len_q = cu_q.diff()
+    seq = torch.repeat_interleave(torch.arange(batch, device=q.device), len_q)
+    row = width - len_q[seq] + (torch.arange(q.shape[0], device=q.device) - cu_q[seq])
     q_pad = q.new_zeros(batch, width, q.shape[1], q.shape[2])
     q_pad[seq, row] = q
     out, lse = _quantized_kvcache(q_pad, cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
