@@ -41,7 +41,7 @@ struct DecodeTraits {
     static constexpr int kSmemBytes = kPipeBytes > kMergeBytes ? kPipeBytes : kMergeBytes;
 };
 
-template <typename Traits>
+template <typename Traits, Paging kPaging>
 __global__ void __launch_bounds__(Traits::kNThreads) decode_split_kernel(const DecodeParams p) {
     using Elem = typename Traits::Elem;
     using KV = typename Traits::KV;
@@ -121,18 +121,24 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_split_kernel(const D
     char *pipe = smem + warp * kStages * KV::kStageBytes;
     const int my_first = tile_begin + warp;
     const int my_count = my_first < tile_end ? (tile_end - my_first + kWarps - 1) / kWarps : 0;
+    // the warp's tile i (i = 0, 1, 2, ...) into stage `st`
+    TilePages<kTileN, KV::kSegment> pages;
+    if constexpr (kPaging == Paging::kRows) { pages.start(p, b, my_first, kWarps, my_count, seqlen_k, lane); }
+    auto load = [&](int i, int st) {
+        int rows[2] = {0, 0};
+        if constexpr (kPaging == Paging::kRows) { pages.rows_of(i, rows, lane); }
+        KV::template load_tile<kPaging>(p, bases, pipe + st * KV::kStageBytes, b, (my_first + i * kWarps) * kTileN, seqlen_k, lane, rows);
+    };
     #pragma unroll
     for (int s = 0; s < kStages - 1; ++s) {
-        if (s < my_count) { KV::load_tile(p, bases, pipe + s * KV::kStageBytes, b, (my_first + s * kWarps) * kTileN, seqlen_k, lane); }
+        if (s < my_count) { load(s, s); }
         cp_async_commit();
     }
 
     int load_stage = kStages - 1, compute_stage = 0;
     for (int it = 0; it < my_count; ++it) {
         const int ahead = it + kStages - 1;
-        if (ahead < my_count) {
-            KV::load_tile(p, bases, pipe + load_stage * KV::kStageBytes, b, (my_first + ahead * kWarps) * kTileN, seqlen_k, lane);
-        }
+        if (ahead < my_count) { load(ahead, load_stage); }
         load_stage = load_stage == kStages - 1 ? 0 : load_stage + 1;
         cp_async_commit();
         cp_async_wait<kStages - 1>();

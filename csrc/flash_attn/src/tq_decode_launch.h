@@ -29,14 +29,25 @@ void launch_split(void (*kernel)(const DecodeParams), const DecodeParams &p, cud
     kernel<<<grid, Traits::kNThreads, smem, stream>>>(p);
 }
 
+template <typename Traits>
+void launch_decode_split(const DecodeParams &p, cudaStream_t stream) {
+    if constexpr (Traits::KV::kAffine) {  // packed caches: contiguous and paged kernels apart (no paging code in the former)
+        if (p.block_table != nullptr) {
+            launch_split<Traits>(&decode_split_kernel<Traits, Paging::kRows>, p, stream);
+        } else {
+            launch_split<Traits>(&decode_split_kernel<Traits, Paging::kNone>, p, stream);
+        }
+    } else {
+        launch_split<Traits>(&decode_split_kernel<Traits, Paging::kRuntime>, p, stream);
+    }
+}
+
 template <typename Elem, int kHeadDim, typename KV>
 void run_decode_with(const DecodeParams &p, cudaStream_t stream) {
     if (p.h_h_k_ratio * p.seqlen_q <= 8) {
-        using Traits = DecodeTraits<Elem, kHeadDim, 1, KV>;
-        launch_split<Traits>(&decode_split_kernel<Traits>, p, stream);
+        launch_decode_split<DecodeTraits<Elem, kHeadDim, 1, KV>>(p, stream);
     } else {  // 16 rows a CTA; more rows take more CTAs along grid.z
-        using Traits = DecodeTraits<Elem, kHeadDim, 2, KV>;
-        launch_split<Traits>(&decode_split_kernel<Traits>, p, stream);
+        launch_decode_split<DecodeTraits<Elem, kHeadDim, 2, KV>>(p, stream);
     }
     launch_combine<Elem, kHeadDim>(p, stream);
 }
