@@ -2,10 +2,11 @@
 # A/B an experiment patch on the device in one call: build and benchmark the checkout as it is (A),
 # apply the patch, rebuild, run the GPU tests and benchmark again (B). Each run times the FP16 paths
 # beside ours, so compare the speedup columns (ratios), not absolute times across calls.
-#   bash benchmarks/ab_patch.sh PATCH [decode|prefill|both]     (tables go to $OUT, or /tmp/ab)
+#   bash benchmarks/ab_patch.sh PATCH [decode|prefill|both|paged]     (tables go to $OUT, or /tmp/ab)
+# paged: the decode table and bench_prefill.py's paged-decode table only (no FA2 build).
 # Example: bash benchmarks/ab_patch.sh benchmarks/experiments/prefill_fewer_instructions.patch prefill
 set -uo pipefail
-patch=${1:?usage: ab_patch.sh PATCH [decode|prefill|both]}
+patch=${1:?usage: ab_patch.sh PATCH [decode|prefill|both|paged]}
 what=${2:-both}
 OUT=${OUT:-/tmp/ab}
 mkdir -p "$OUT" /tmp/ab_work
@@ -19,13 +20,14 @@ bench() {  # $1: A or B; only the Markdown tables come back (the JSON/PNG stay i
     cp "/tmp/ab_work/decode_$1.md" "$OUT/"
   fi
   if [ "$what" != decode ]; then
-    python3 benchmarks/bench_prefill.py --quick --out /tmp/ab_work --name "prefill_$1" > /dev/null 2>&1
+    local only=; [ "$what" = paged ] && only=--paged-only
+    python3 benchmarks/bench_prefill.py --quick $only --out /tmp/ab_work --name "prefill_$1" > /dev/null 2>&1
     cp "/tmp/ab_work/prefill_$1.md" "$OUT/"
   fi
 }
 
 t0=$SECONDS
-if [ "$what" != decode ] && [ -f .fa2/flash_attn-2.8.3.post2.tar.gz ]; then  # FA2 beside the prefill rows (~100 s)
+if [ "$what" != decode ] && [ "$what" != paged ] && [ -f .fa2/flash_attn-2.8.3.post2.tar.gz ]; then  # FA2 beside the prefill rows (~100 s)
   python3 .fa2/build_upstream_fa2.py .fa2/flash_attn-2.8.3.post2.tar.gz /tmp/fa2 --hdims 128 > /tmp/ab_work/fa2.log 2>&1 \
     && eval "$(tail -1 /tmp/ab_work/fa2.log)" || echo "upstream FA2 not built: prefill rows without it (compare tq3 µs, same call)"
 fi
