@@ -374,8 +374,11 @@ def _quantized_kvcache(q, cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
     R = cache.fp16_window
     reason = ops.fused_decode_supported(cache, q)
     if reason is None:
-        for bad, what in ((softcap != 0.0, "softcap"), (alibi_slopes is not None, "alibi_slopes"), (local, "window_size"),
-                          (cache_leftpad is not None, "cache_leftpad"),
+        for bad, what in ((alibi_slopes is not None, "alibi_slopes"),
+                          (R and (local or softcap != 0.0 or cache_leftpad is not None),
+                           "window_size / softcap / cache_leftpad with an fp16 window"),
+                          (softcap != 0.0 and cache.key_transform and cache.key_center,
+                           "softcap with key centring (the kernel's scores lack q . mu)"),
                           (R and causal and seqlen_q > R, "causal seqlen_q beyond the fp16 window")):
             if bad:
                 reason = f"{what} is not supported by the fused kernel"
@@ -384,7 +387,9 @@ def _quantized_kvcache(q, cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
         _LAST_PATH.set("quantized:fused-cuda")
         n_quant = (lens - R).clamp(min=0).to(torch.int32) if R else lens
         qt = cache.transform_query(q, bidx).to(q.dtype) if cache.key_transform else q  # q * s (key transform)
-        out, lse = ops.decode(qt, cache, n_quant, bidx, softmax_scale, causal and not R, num_splits)
+        leftpad = None if cache_leftpad is None else cache_leftpad.to(device=device, dtype=torch.int32).contiguous()
+        out, lse = ops.decode(qt, cache, n_quant, bidx, softmax_scale, causal and not R, num_splits,
+                              window_size if local else (-1, -1), leftpad, softcap)
         if R:
             out_w, lse_w = _window_part(qt, cache, bidx, lens, softmax_scale, causal)
             out, lse = _merge_lse(out, lse, out_w, lse_w)

@@ -49,7 +49,8 @@ def extension_available() -> bool:
 def _register_fakes() -> None:
     @torch.library.register_fake("flash_attn_tq::decode_kvcache")
     def _decode_fake(q, k_codes, k_meta, v_codes, v_meta, seqlens_k, cache_batch_idx, block_table, rot_signs,
-                     k_bits, v_bits, softmax_scale, is_causal, num_splits):
+                     k_bits, v_bits, softmax_scale, is_causal, num_splits, window_left=-1, window_right=-1,
+                     cache_leftpad=None, softcap=0.0):
         b, sq, h, _ = q.shape
         return torch.empty_like(q), q.new_empty((b, h, sq), dtype=torch.float32)
 
@@ -92,10 +93,13 @@ def _aligned_rows(q: torch.Tensor) -> torch.Tensor:
 
 
 def decode(q: torch.Tensor, cache, seqlens_k: torch.Tensor, batch_idx: torch.Tensor | None,
-           softmax_scale: float, causal: bool, num_splits: int):
+           softmax_scale: float, causal: bool, num_splits: int, window_size: tuple[int, int] = (-1, -1),
+           leftpad: torch.Tensor | None = None, softcap: float = 0.0):
     """Fused attention of ``q [batch, seqlen_q, heads, d]`` over ``cache``'s quantized tokens.
 
-    ``seqlens_k [batch]`` int32: keys ``[0, seqlens_k[b])`` are attended. For turbo caches the kernel
+    ``seqlens_k [batch]`` int32: keys ``[leftpad[b], seqlens_k[b])`` are attended (``leftpad``: int32
+    ``[batch]`` or None), within ``window_size`` (upstream's local attention, bottom-right aligned;
+    -1: unbounded), scores soft-capped at ``softcap`` (0: off). For turbo caches the kernel
     rotates q into the codes' domain and the output back. Returns (out, lse ``[batch, heads, seqlen_q]``).
     """
     signs = cache.k_quantizer.signs_on(q.device) if cache.quantizer == "turbo" else None
@@ -103,7 +107,7 @@ def decode(q: torch.Tensor, cache, seqlens_k: torch.Tensor, batch_idx: torch.Ten
     return torch.ops.flash_attn_tq.decode_kvcache(
         q, cache.k_codes, cache.k_meta, cache.v_codes, cache.v_meta, seqlens_k,
         batch_idx, cache.block_table, signs, cache.k_bits, cache.v_bits, float(softmax_scale), bool(causal),
-        int(num_splits))
+        int(num_splits), int(window_size[0]), int(window_size[1]), leftpad, float(softcap))
 
 
 def kv16_decode_unsupported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -45,25 +45,26 @@ def _make_cache(batch, seqlens, kv_heads, d, *, quantizer="turbo", k_bits=3, v_b
     return cache, k, v
 
 
-def _reference(q, cache, seqlens_total, causal, softmax_scale=None):
+def _reference(q, cache, seqlens_total, causal, softmax_scale=None, window_size=(-1, -1), **extra):
     """float32 attention over the dequantized cache (the quantized reference path, on a CPU copy)."""
     cpu = QuantizedKVCache.from_state_dict({k: (v.cpu() if torch.is_tensor(v) else v)
                                             for k, v in cache.state_dict().items()}, device="cpu")
     kd, vd = cpu.dequantize()
     out, lse = baseline.attention_reference(q.float().cpu(), kd, vd, softmax_scale=softmax_scale, causal=causal,
-                                            key_lengths=seqlens_total.cpu())
+                                            key_lengths=seqlens_total.cpu(), window_size=window_size, **extra)
     # what a 16-bit kernel computes: the codes' domain (rotated for turbo), inputs and output rounded
     # to q's dtype. The fused kernel may err at most about twice as much as this does.
     dt = q.dtype
     kr, vr = cpu.dequantize(rotated=True)
     out_lp, lse_lp = baseline.attention_reference(cpu.rotate_query(q.cpu()), kr.to(dt), vr.to(dt),
                                                   softmax_scale=softmax_scale, causal=causal,
-                                                  key_lengths=seqlens_total.cpu())
+                                                  key_lengths=seqlens_total.cpu(), window_size=window_size, **extra)
     return out, lse, cpu.unrotate_output(out_lp.to(dt)).to(dt).float(), lse_lp
 
 
-def _check_against_reference(q, cache, out, lse, causal):
-    ref, ref_lse, ref_lp, ref_lse_lp = _reference(q, cache, cache.seqlens, causal)
+def _check_against_reference(q, cache, out, lse, causal, window_size=(-1, -1), **extra):
+    """extra: softcap= / key_start= (cache_leftpad) for the references."""
+    ref, ref_lse, ref_lp, ref_lse_lp = _reference(q, cache, cache.seqlens, causal, window_size=window_size, **extra)
     out = out.float().cpu()
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     err, err_lp = (out - ref).abs().max().item(), (ref_lp - ref).abs().max().item()
@@ -123,6 +124,39 @@ def test_long_cache(seqlen_q, page_size):
     out, lse = fa.flash_attn_with_kvcache(q, cache, causal=True, return_softmax_lse=True)
     assert fa.last_path() == "quantized:fused-cuda"
     _check_against_reference(q, cache, out, lse, True)
+
+
+@pytest.mark.parametrize("window,causal", [((100, 0), True), ((37, -1), False), ((50, 20), False), ((0, 0), True)])
+@pytest.mark.parametrize("seqlen_q", [1, 4, 64])
+@pytest.mark.parametrize("num_splits", [1, 3, 0])
+def test_local_window_on_the_fused_kernels(window, causal, seqlen_q, num_splits):
+    """window_size (local attention) in the decode kernel (1 and 4 queries) and the prefill kernel
+    (64 queries x 4 heads a kv head = 256 rows), against float32 attention with the same window."""
+    cache, _, _ = _make_cache(2, [700, 1500], 2, 128, seed=23)
+    q = torch.randn(2, seqlen_q, 8, 128, device=DEV, dtype=torch.float16,
+                    generator=torch.Generator(device=DEV).manual_seed(seqlen_q))
+    poison_allocator()
+    out, lse = fa.flash_attn_with_kvcache(q, cache, causal=causal, window_size=window, num_splits=num_splits,
+                                         return_softmax_lse=True)
+    assert fa.last_path() == "quantized:fused-cuda"
+    _check_against_reference(q, cache, out, lse, causal, window_size=window)
+
+
+@pytest.mark.parametrize("extra", ["leftpad", "softcap", "both"])
+@pytest.mark.parametrize("seqlen_q", [1, 4, 64])
+def test_leftpad_and_softcap_on_the_fused_kernels(extra, seqlen_q):
+    """cache_leftpad (keys before it are padding) and softcap in the decode and prefill kernels."""
+    cache, _, _ = _make_cache(2, [700, 1500], 2, 128, seed=29)
+    q = torch.randn(2, seqlen_q, 8, 128, device=DEV, dtype=torch.float16,
+                    generator=torch.Generator(device=DEV).manual_seed(seqlen_q + 5))
+    leftpad = torch.tensor([3, 611], dtype=torch.int32, device=DEV) if extra != "softcap" else None
+    softcap = 4.0 if extra != "leftpad" else 0.0
+    poison_allocator()
+    out, lse = fa.flash_attn_with_kvcache(q, cache, causal=True, cache_leftpad=leftpad, softcap=softcap,
+                                         return_softmax_lse=True)
+    assert fa.last_path() == "quantized:fused-cuda"
+    _check_against_reference(q, cache, out, lse, True, softcap=softcap,
+                             key_start=None if leftpad is None else leftpad.cpu())
 
 
 @pytest.mark.parametrize("num_splits", [1, 3, 0])
@@ -253,7 +287,12 @@ def test_unsupported_calls_fall_back_to_the_reference():
     cache, _, _ = _make_cache(1, [40], 2, 128, seed=2)
     q = torch.randn(1, 1, 4, 128, device=DEV, dtype=torch.float16)
     fa.flash_attn_with_kvcache(q, cache, softcap=30.0)
-    assert fa.last_path().startswith("quantized:reference (softcap")
+    assert fa.last_path() == "quantized:fused-cuda"
+    centred = QuantizedKVCache(1, 64, 2, 128, key_center=True, device=DEV)
+    centred.append(torch.randn(1, 8, 2, 128, device=DEV, dtype=torch.float16),
+                   torch.randn(1, 8, 2, 128, device=DEV, dtype=torch.float16))
+    fa.flash_attn_with_kvcache(q, centred, softcap=30.0)
+    assert fa.last_path().startswith("quantized:reference (softcap with key centring")
     lloyd = QuantizedKVCache(1, 64, 2, 128, grid="lloyd_max", device=DEV)
     lloyd.append(torch.randn(1, 8, 2, 128, device=DEV, dtype=torch.float16),
                  torch.randn(1, 8, 2, 128, device=DEV, dtype=torch.float16))

@@ -512,37 +512,42 @@ def test_quality_peaked_attention():
         assert cos > 0.8
 
 
-def _cpu_stand_in_for_the_kernel(q, cache, seqlens_k, batch_idx, softmax_scale, causal, num_splits):
+def _cpu_stand_in_for_the_kernel(q, cache, seqlens_k, batch_idx, softmax_scale, causal, num_splits,
+                                 window_size=(-1, -1), leftpad=None, softcap=0.0):
     """What ops.decode computes, on the CPU: q (in the key transform's domain) over the stored codes
     of keys [0, seqlens_k) (rotated domain for turbo: q rotated in, the output rotated back)."""
     rows = torch.arange(q.shape[0]) if batch_idx is None else batch_idx.long()
     kr, vr = cache.dequantize(rows, rotated=True, use_window=False)
     out, lse = flash_attn_tq.baseline.attention_reference(cache.rotate_query(q.float()), kr, vr,
                                                           softmax_scale=softmax_scale, causal=causal,
-                                                          key_lengths=seqlens_k)
+                                                          key_lengths=seqlens_k, window_size=window_size,
+                                                          key_start=leftpad, softcap=softcap)
     return cache.unrotate_output(out).to(q.dtype), lse
 
 
 @pytest.mark.parametrize("seqlen_q", [1, 4])
-@pytest.mark.parametrize("options", ["plain", "window", "tqcache-default"])
+@pytest.mark.parametrize("options", ["plain", "window", "tqcache-default", "local", "leftpad-softcap"])
 @pytest.mark.parametrize("batch_idx", [None, [2, 0]])
 def test_fused_branch_python_side_matches_reference_path(monkeypatch, seqlen_q, options, batch_idx):
     """The GPU path's Python side (window part, log-sum-exp merge, key/value transforms, lse shift)
     run on the CPU with a stand-in for the kernel, against the reference path on the same cache."""
     from flash_attn_tq import ops
-    kw = {"plain": {}, "window": dict(fp16_window=8),
+    kw = {"plain": {}, "window": dict(fp16_window=8), "local": {}, "leftpad-softcap": {},
           "tqcache-default": dict(fp16_window=8, key_center=True, key_pca=True, value_pca=True, fit="mean")}[options]
+    local = (20, 0) if options == "local" else (-1, -1)  # window_size
+    extra = dict(cache_leftpad=torch.tensor([5, 12], dtype=torch.int32), softcap=2.5) if options == "leftpad-softcap" else {}
     gen = torch.Generator().manual_seed(seqlen_q + 11 * len(options))
     cache = QuantizedKVCache(3, 80, 2, 64, **kw)
     cache.append((torch.randn(3, 50, 2, 64, generator=gen) + 1.5).half(), torch.randn(3, 50, 2, 64, generator=gen).half())
     bidx = None if batch_idx is None else torch.tensor(batch_idx, dtype=torch.int32)
     q = torch.randn(2, seqlen_q, 4, 64, generator=gen).half()
     expected, expected_lse = flash_attn_with_kvcache(q.float(), cache, cache_batch_idx=bidx, causal=True,
-                                                     return_softmax_lse=True)
+                                                     window_size=local, return_softmax_lse=True, **extra)
     assert last_path().startswith("quantized:reference")
     monkeypatch.setattr(ops, "fused_decode_supported", lambda c, x: None)
     monkeypatch.setattr(ops, "decode", _cpu_stand_in_for_the_kernel)
-    out, lse = flash_attn_with_kvcache(q, cache, cache_batch_idx=bidx, causal=True, return_softmax_lse=True)
+    out, lse = flash_attn_with_kvcache(q, cache, cache_batch_idx=bidx, causal=True, window_size=local,
+                                       return_softmax_lse=True, **extra)
     assert last_path() == "quantized:fused-cuda"
     assert rel_err(out.float(), expected) < 2e-3
     torch.testing.assert_close(lse, expected_lse, rtol=0, atol=2e-3)

@@ -74,7 +74,8 @@ std::tuple<at::Tensor, at::Tensor> run_decode_op(
     DecodeParams &p, const at::Tensor &q, const at::Tensor &k_store, const at::Tensor &seqlens_k,
     const std::optional<at::Tensor> &cache_batch_idx, const std::optional<at::Tensor> &block_table,
     const std::optional<at::Tensor> &rot_signs, int k_bits, int v_bits, double softmax_scale, bool is_causal,
-    int64_t num_splits) {
+    int64_t num_splits, int64_t window_left, int64_t window_right, const std::optional<at::Tensor> &cache_leftpad,
+    double softcap) {
     CHECK_CUDA(seqlens_k);
     TQ_CHECK(seqlens_k.scalar_type() == at::kInt && seqlens_k.dim() == 1 && seqlens_k.is_contiguous(),
              "seqlens_k must be contiguous int32 [batch]");
@@ -119,6 +120,16 @@ std::tuple<at::Tensor, at::Tensor> run_decode_op(
     p.b = b; p.seqlen_q = seqlen_q; p.h = h; p.h_k = h_k; p.h_h_k_ratio = h / h_k;
     p.scale_softmax_log2 = static_cast<float>(softmax_scale * M_LOG2E);
     p.is_causal = is_causal && seqlen_q > 1;
+    if (cache_leftpad.has_value()) {
+        CHECK_CUDA(*cache_leftpad);
+        TQ_CHECK(cache_leftpad->scalar_type() == at::kInt && cache_leftpad->numel() == b && cache_leftpad->is_contiguous(),
+                 "cache_leftpad must be contiguous int32 [batch]");
+        p.leftpad_k = cache_leftpad->data_ptr<int>();
+    }
+    p.softcap_log2 = softcap > 0 ? static_cast<float>(softcap * M_LOG2E) : 0.f;
+    // upstream's conventions: a window at least the cache is none; causal closes it on the right
+    p.window_left = window_left >= max_seqlen_k ? -1 : static_cast<int>(std::max<int64_t>(window_left, -1));
+    p.window_right = is_causal ? 0 : (window_right >= max_seqlen_k ? -1 : static_cast<int>(std::max<int64_t>(window_right, -1)));
 
     const int rows = p.h_h_k_ratio * seqlen_q;
     const bool prefill = k_bits != 16 && rows >= kPrefillMinRows;
@@ -127,7 +138,9 @@ std::tuple<at::Tensor, at::Tensor> run_decode_op(
     const int ctas = b * h_k * ((rows + rows_per_cta - 1) / rows_per_cta) * (prefill ? 2 : 1);
     int num_sms = 0;
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, q.get_device()));
-    p.num_splits = num_splits > 0 ? static_cast<int>(num_splits) : choose_num_splits(ctas, max_seqlen_k, num_sms);
+    // keys a row can see at most: the local window's span when there is one
+    const int span = p.window_left >= 0 ? std::min<int64_t>(max_seqlen_k, p.window_left + seqlen_q + 1) : max_seqlen_k;
+    p.num_splits = num_splits > 0 ? static_cast<int>(num_splits) : choose_num_splits(ctas, span, num_sms);
     at::Tensor out_accum, lse_accum;
     if (p.num_splits > 1) {
         out_accum = at::empty({p.num_splits, b, h, seqlen_q, d}, opts.dtype(at::kFloat));
@@ -171,7 +184,8 @@ std::tuple<at::Tensor, at::Tensor> decode_kvcache(
     const at::Tensor &seqlens_k,    // [b] int32
     const std::optional<at::Tensor> &cache_batch_idx, const std::optional<at::Tensor> &block_table,
     const std::optional<at::Tensor> &rot_signs,  // turbo: [d] float32 Hadamard signs (rotate q in, output out)
-    int64_t k_bits, int64_t v_bits, double softmax_scale, bool is_causal, int64_t num_splits) {
+    int64_t k_bits, int64_t v_bits, double softmax_scale, bool is_causal, int64_t num_splits, int64_t window_left,
+    int64_t window_right, const std::optional<at::Tensor> &cache_leftpad, double softcap) {
     check_query(q);
     CHECK_CUDA(k_codes);
     CHECK_CUDA(v_codes);
@@ -202,7 +216,7 @@ std::tuple<at::Tensor, at::Tensor> decode_kvcache(
     p.km_batch_stride = k_meta.stride(0); p.km_row_stride = k_meta.stride(1); p.km_head_stride = k_meta.stride(2);
     p.vm_batch_stride = v_meta.stride(0); p.vm_row_stride = v_meta.stride(1); p.vm_head_stride = v_meta.stride(2);
     return run_decode_op(p, q, k_codes, seqlens_k, cache_batch_idx, block_table, rot_signs, k_bits, v_bits,
-                         softmax_scale, is_causal, num_splits);
+                         softmax_scale, is_causal, num_splits, window_left, window_right, cache_leftpad, softcap);
 }
 
 // The same kernel body over a float16/bfloat16 cache (the Fp16KV loader): our FP16 baseline.
@@ -234,7 +248,7 @@ std::tuple<at::Tensor, at::Tensor> decode_kv16(
     p.kc_batch_stride = 2 * k_cache.stride(0); p.kc_row_stride = 2 * k_cache.stride(1); p.kc_head_stride = 2 * k_cache.stride(2);
     p.vc_batch_stride = 2 * v_cache.stride(0); p.vc_row_stride = 2 * v_cache.stride(1); p.vc_head_stride = 2 * v_cache.stride(2);
     return run_decode_op(p, q, k_cache, seqlens_k, cache_batch_idx, block_table, std::nullopt, 16, 16,
-                         softmax_scale, is_causal, num_splits);
+                         softmax_scale, is_causal, num_splits, -1, -1, std::nullopt, 0.0);
 }
 
 // Quantize-on-write of x [tokens, heads, d] into codes/meta. Token t goes to slot_mapping[t] (as
@@ -351,7 +365,8 @@ TORCH_LIBRARY(flash_attn_tq, m) {
     m.def("decode_kvcache(Tensor q, Tensor k_codes, Tensor k_meta, Tensor v_codes, Tensor v_meta, Tensor seqlens_k, "
           "Tensor? cache_batch_idx, Tensor? block_table, Tensor? rot_signs, int k_bits, int v_bits, float softmax_scale, "
           "bool is_causal, "
-          "int num_splits) -> (Tensor, Tensor)");
+          "int num_splits, int window_left=-1, int window_right=-1, Tensor? cache_leftpad=None, float softcap=0.0) "
+          "-> (Tensor, Tensor)");
     m.def("decode_kv16(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seqlens_k, Tensor? cache_batch_idx, "
           "Tensor? block_table, float softmax_scale, bool is_causal, int num_splits) -> (Tensor, Tensor)");
     m.def("pack_kv(Tensor x, Tensor? slot_mapping, Tensor? start, Tensor? batch_idx, Tensor? block_table, Tensor(a!) codes, "

@@ -41,7 +41,7 @@ struct DecodeTraits {
     static constexpr int kSmemBytes = kPipeBytes > kMergeBytes ? kPipeBytes : kMergeBytes;
 };
 
-template <typename Traits, Paging kPaging>
+template <typename Traits, Paging kPaging, bool kLocal>
 __global__ void __launch_bounds__(Traits::kNThreads) decode_split_kernel(const DecodeParams p) {
     using Elem = typename Traits::Elem;
     using KV = typename Traits::KV;
@@ -55,18 +55,26 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_split_kernel(const D
     const int group = p.h_h_k_ratio, total_rows = group * p.seqlen_q;
     const int bc = p.cache_batch_idx != nullptr ? p.cache_batch_idx[b] : b;
     const int seqlen_k = max(0, min(p.seqlens_k[b], p.max_seqlen_k));  // never read past the cache
+    const int key_start = kLocal && p.leftpad_k != nullptr ? max(0, p.leftpad_k[b]) : 0;
 
-    // Keys visible to each accumulator column (row) this thread holds, and to the CTA's last row.
-    int lim[NT][2];
+    // Keys [first, lim) visible to each accumulator column (row) this thread holds, and to the CTA's
+    // rows: tiles from the first row's first key to the last row's limit.
+    int lim[NT][2], first[NT][2];
     #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
         #pragma unroll
-        for (int j = 0; j < 2; ++j) { lim[nt][j] = key_limit(p, seqlen_k, total_rows, row0 + nt * 8 + 2 * c + j); }
+        for (int j = 0; j < 2; ++j) {
+            lim[nt][j] = key_limit(p, seqlen_k, total_rows, row0 + nt * 8 + 2 * c + j);
+            first[nt][j] = key_first<kLocal>(p, seqlen_k, total_rows, row0 + nt * 8 + 2 * c + j, key_start);
+        }
     }
-    const int cta_limit = key_limit(p, seqlen_k, total_rows, min(row0 + kRows, total_rows) - 1);
+    const int cta_last_row = min(row0 + kRows, total_rows) - 1;
+    const int cta_limit = key_limit(p, seqlen_k, total_rows, cta_last_row);
+    const int cta_first_max = key_first<kLocal>(p, seqlen_k, total_rows, cta_last_row, key_start);  // tiles before it need the lower mask
+    const int tile_first = key_first<kLocal>(p, seqlen_k, total_rows, row0, key_start) / kTileN;
     const int n_tiles = (cta_limit + kTileN - 1) / kTileN;
-    const int tiles_per_split = (n_tiles + p.num_splits - 1) / p.num_splits;
-    const int tile_begin = split * tiles_per_split;
+    const int tiles_per_split = (max(0, n_tiles - tile_first) + p.num_splits - 1) / p.num_splits;
+    const int tile_begin = tile_first + split * tiles_per_split;
     const int tile_end = min(n_tiles, tile_begin + tiles_per_split);
 
     // turbo: q is rotated here (signs, then a Walsh-Hadamard transform, a warp a row, into shared
@@ -175,6 +183,30 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_split_kernel(const D
                         v = (f.x * (sc[mt][nt][j] - magicq[nt][j & 1]) + f.y * sumq[nt][j & 1]) * p.scale_softmax_log2;
                     }
                     sc[mt][nt][j] = key < lim[nt][j & 1] ? v : kNegInf;
+                }
+            }
+        }
+        if (kLocal && tile_start < cta_first_max) {  // warp-uniform: only tiles before a row's first key (window, leftpad)
+            #pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                #pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+                    #pragma unroll
+                    for (int j = 0; j < 4; ++j) {
+                        if (tile_start + mt * 16 + g + (j < 2 ? 0 : 8) < first[nt][j & 1]) sc[mt][nt][j] = kNegInf;
+                    }
+                }
+            }
+        }
+        if (kLocal && p.softcap_log2 > 0.f) {  // warp-uniform; masked scores stay -inf
+            #pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                #pragma unroll
+                for (int nt = 0; nt < NT; ++nt) {
+                    #pragma unroll
+                    for (int j = 0; j < 4; ++j) {
+                        if (sc[mt][nt][j] != kNegInf) sc[mt][nt][j] = softcap_score(sc[mt][nt][j], p.softcap_log2);
+                    }
                 }
             }
         }

@@ -3,6 +3,8 @@
 
 #include <cuda_runtime.h>
 
+#include <type_traits>
+
 #include "tq_decode_kernel.h"
 
 namespace flash_tq {
@@ -29,16 +31,26 @@ void launch_split(void (*kernel)(const DecodeParams), const DecodeParams &p, cud
     kernel<<<grid, Traits::kNThreads, smem, stream>>>(p);
 }
 
+// Contiguous and paged packed caches get their own kernels (no paging code in the former), and a
+// lower key bound or softcap the kLocal variant: the common case runs none of their instructions.
 template <typename Traits>
 void launch_decode_split(const DecodeParams &p, cudaStream_t stream) {
-    if constexpr (Traits::KV::kAffine) {  // packed caches: contiguous and paged kernels apart (no paging code in the former)
+    auto go = [&](auto paging, auto local) {
+        launch_split<Traits>(&decode_split_kernel<Traits, decltype(paging)::value, decltype(local)::value>, p, stream);
+    };
+    using Rows = std::integral_constant<Paging, Paging::kRows>;
+    using NoPages = std::integral_constant<Paging, Paging::kNone>;
+    using Runtime = std::integral_constant<Paging, Paging::kRuntime>;
+    using Local = std::true_type;
+    using Plain = std::false_type;
+    if constexpr (Traits::KV::kAffine) {
         if (p.block_table != nullptr) {
-            launch_split<Traits>(&decode_split_kernel<Traits, Paging::kRows>, p, stream);
+            p.local() ? go(Rows{}, Local{}) : go(Rows{}, Plain{});
         } else {
-            launch_split<Traits>(&decode_split_kernel<Traits, Paging::kNone>, p, stream);
+            p.local() ? go(NoPages{}, Local{}) : go(NoPages{}, Plain{});
         }
     } else {
-        launch_split<Traits>(&decode_split_kernel<Traits, Paging::kRuntime>, p, stream);
+        p.local() ? go(Runtime{}, Local{}) : go(Runtime{}, Plain{});
     }
 }
 

@@ -41,6 +41,13 @@ struct DecodeParams {
     float scale_softmax_log2;  // softmax_scale * log2(e)
     int num_splits;
     bool is_causal;
+    // local attention: row i (bottom-right position pos = seqlen_k - seqlen_q + i) sees keys
+    // [pos - window_left, pos + window_right]; -1: unbounded (the host sets window_right = 0 when causal)
+    int window_left, window_right;
+    const int *leftpad_k;  // [batch] or nullptr: keys before leftpad_k[b] are padding (upstream's cache_leftpad)
+    float softcap_log2;    // 0: none; else scores s -> c tanh(s / c), c = softcap * log2(e) (scores are base 2)
+    // a lower key bound or softcap: the kernels' kLocal variant (the others compile them out)
+    bool local() const { return window_left >= 0 || leftpad_k != nullptr || softcap_log2 > 0.f; }
 };
 
 // Quantize-on-write (tq_pack_kernel.h).

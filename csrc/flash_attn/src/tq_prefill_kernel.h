@@ -129,9 +129,10 @@ __device__ __forceinline__ void expand_tile(const char *packed, char *frag, floa
 }
 
 // One warp's rows over fragment buffer `frag` (tile at key tile_start): S = Q K^T, the online
-// softmax, O += P V. masked: some key of the tile lies past a row's limit lim[h].
-template <typename T>
+// softmax, O += P V. masked: some key of the tile lies outside a row's keys [first[h], lim[h]).
+template <typename T, bool kLocal>
 __device__ __forceinline__ void attend_tile(const char *frag, int tile_start, bool masked, const int (&lim)[2],
+                                            const int (&first)[2], float softcap_log2,
                                             const uint32_t (&qa)[T::kHeadDim / 16][4], const float (&sumq)[2],
                                             float (&row_max)[2], float (&row_sum)[2], float (&row_corr)[2],
                                             float (&acc)[T::kHeadDim / 8][4], int lane) {
@@ -169,10 +170,23 @@ __device__ __forceinline__ void attend_tile(const char *frag, int tile_start, bo
             const int h = e / 2, tok = 8 * j + 2 * c + e % 2;
             const float4 m = k_terms[4 * j + c];
             float v = e % 2 ? fmaf(s[j][e], m.z, m.w * sumq[h]) : fmaf(s[j][e], m.x, m.y * sumq[h]);
-            if (masked && tile_start + tok >= lim[h]) v = kNegInf;
+            if (masked && (tile_start + tok >= lim[h] || (kLocal && tile_start + tok < first[h]))) v = kNegInf;
             s[j][e] = v;
-            tile_max[h] = fmaxf(tile_max[h], v);
         }
+    }
+    if (kLocal && softcap_log2 > 0.f) {  // warp-uniform; masked scores stay -inf
+        #pragma unroll
+        for (int j = 0; j < NJ; ++j) {
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                if (s[j][e] != kNegInf) s[j][e] = softcap_score(s[j][e], softcap_log2);
+            }
+        }
+    }
+    #pragma unroll
+    for (int j = 0; j < NJ; ++j) {
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) { tile_max[e / 2] = fmaxf(tile_max[e / 2], s[j][e]); }
     }
     // online softmax with lazy rescaling (as in the decode kernel: the reference max moves only
     // when a row's tile max exceeds it by more than 2^8)
@@ -229,7 +243,7 @@ __device__ __forceinline__ void attend_tile(const char *frag, int tile_start, bo
     }
 }
 
-template <typename T>
+template <typename T, bool kLocal>
 __global__ void __launch_bounds__(T::kNThreads, 256 / T::kNThreads) prefill_split_kernel(const DecodeParams p) {
     using Elem = typename T::Elem;
     using KV = typename T::KV;
@@ -242,15 +256,22 @@ __global__ void __launch_bounds__(T::kNThreads, 256 / T::kNThreads) prefill_spli
     const int total_rows = p.h_h_k_ratio * p.seqlen_q, wrow0 = row0 + 16 * warp;
     const int bc = p.cache_batch_idx != nullptr ? p.cache_batch_idx[b] : b;
     const int seqlen_k = max(0, min(p.seqlens_k[b], p.max_seqlen_k));
+    const int key_start = kLocal && p.leftpad_k != nullptr ? max(0, p.leftpad_k[b]) : 0;
 
+    // keys [first, lim) of rows wrow0 + g (h = 0) and + 8 (h = 1); limits and firsts grow with the row
     const int lim[2] = {key_limit(p, seqlen_k, total_rows, wrow0 + g), key_limit(p, seqlen_k, total_rows, wrow0 + g + 8)};
+    const int first[2] = {key_first<kLocal>(p, seqlen_k, total_rows, wrow0 + g, key_start), key_first<kLocal>(p, seqlen_k, total_rows, wrow0 + g + 8, key_start)};
     const int cta_limit = key_limit(p, seqlen_k, total_rows, min(row0 + T::kRows, total_rows) - 1);
-    const int warp_limit = wrow0 < total_rows ? key_limit(p, seqlen_k, total_rows, min(wrow0 + 16, total_rows) - 1) : 0;
-    // tiles ending at or below every valid row's limit need no mask (limits grow with the row)
+    const int warp_last = min(wrow0 + 16, total_rows) - 1;
+    const int warp_limit = wrow0 < total_rows ? key_limit(p, seqlen_k, total_rows, warp_last) : 0;
+    const int warp_first = wrow0 < total_rows ? key_first<kLocal>(p, seqlen_k, total_rows, wrow0, key_start) : 0;
+    // tiles within [the last row's first key, the first row's limit) need no mask
     const int warp_unmasked = wrow0 < total_rows ? key_limit(p, seqlen_k, total_rows, wrow0) : 0;
+    const int warp_first_max = wrow0 < total_rows ? key_first<kLocal>(p, seqlen_k, total_rows, warp_last, key_start) : 0;
+    const int tile_first = key_first<kLocal>(p, seqlen_k, total_rows, row0, key_start) / T::kTileN;
     const int n_tiles = (cta_limit + T::kTileN - 1) / T::kTileN;
-    const int tiles_per_split = (n_tiles + p.num_splits - 1) / p.num_splits;
-    const int tile_begin = split * tiles_per_split;
+    const int tiles_per_split = (max(0, n_tiles - tile_first) + p.num_splits - 1) / p.num_splits;
+    const int tile_begin = tile_first + split * tiles_per_split;
     const int n_mine = max(0, min(n_tiles, tile_begin + tiles_per_split) - tile_begin);
 
     // ---- Q: A fragments of rows wrow0 + g (a0, a2) and + g + 8 (a1, a3) in the loader's slot order
@@ -318,8 +339,9 @@ __global__ void __launch_bounds__(T::kNThreads, 256 / T::kNThreads) prefill_spli
         };
         if (expand_first) { expand_next(); }
         const int tile_start = (tile_begin + it) * T::kTileN;
-        if (tile_start < warp_limit) {  // warp-uniform: else no row of this warp sees the tile
-            attend_tile<T>(frags + (it % 2) * T::kFragBytes, tile_start, tile_start + T::kTileN > warp_unmasked, lim, qa,
+        if (tile_start < warp_limit && tile_start + T::kTileN > warp_first) {  // warp-uniform: a row sees the tile
+            const bool masked = tile_start + T::kTileN > warp_unmasked || (kLocal && tile_start < warp_first_max);
+            attend_tile<T, kLocal>(frags + (it % 2) * T::kFragBytes, tile_start, masked, lim, first, p.softcap_log2, qa,
                            sumq, row_max, row_sum, row_corr, acc, lane);
         }
         if (!expand_first) { expand_next(); }

@@ -20,11 +20,27 @@ struct RowMath {
     static constexpr float kInvSqrtD = kHeadDim == 128 ? 0.08838834764831845f : 0.125f;
 };
 
-// Keys [0, limit) visible to row r (0 for rows past the last); bottom-right causal alignment.
+// Keys [key_first, key_limit) visible to row r (none for rows past the last): bottom-right causal
+// alignment and the local window. Both grow with r.
 __device__ __forceinline__ int key_limit(const DecodeParams &p, int seqlen_k, int total_rows, int r) {
     if (r >= total_rows) return 0;
-    if (!p.is_causal) return seqlen_k;
-    return max(0, min(seqlen_k, seqlen_k - p.seqlen_q + r / p.h_h_k_ratio + 1));
+    const int right = p.is_causal ? 0 : p.window_right;
+    if (right < 0) return seqlen_k;
+    return max(0, min(seqlen_k, seqlen_k - p.seqlen_q + r / p.h_h_k_ratio + right + 1));
+}
+// key_start: the sequence's first key (cache_leftpad; 0 without). 0 in the kernels' non-local variants.
+template <bool kLocal>
+__device__ __forceinline__ int key_first(const DecodeParams &p, int seqlen_k, int total_rows, int r, int key_start) {
+    if (!kLocal || r >= total_rows) return 0;
+    if (p.window_left < 0) return key_start;
+    return max(key_start, seqlen_k - p.seqlen_q + r / p.h_h_k_ratio - p.window_left);
+}
+
+// Upstream's softcap on a base-2 score: c tanh(s / c), c = softcap * log2(e).
+__device__ __forceinline__ float softcap_score(float s, float c) {
+    float t;
+    asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(s / c));
+    return c * t;
 }
 
 template <typename Elem>
