@@ -16,6 +16,11 @@ for page_size, d, dtype in ((None, 128, torch.float16), (16, 64, torch.bfloat16)
                                          v=torch.randn(2, 1, 2, d, device="cuda", dtype=dtype), num_splits=splits)
     q4 = torch.randn(2, 4, 8, d, device="cuda", dtype=dtype)
     fa.flash_attn_with_kvcache(q4, cache, causal=True)
+    # the kLocal kernels: a window, leftpad and softcap (decode and prefill rows)
+    leftpad = torch.tensor([3, 40], dtype=torch.int32, device="cuda")
+    fa.flash_attn_with_kvcache(q4, cache, causal=True, window_size=(60, 0), cache_leftpad=leftpad, softcap=20.0)
+    fa.flash_attn_with_kvcache(torch.randn(2, 50, 8, d, device="cuda", dtype=dtype), cache, window_size=(90, 7),
+                               num_splits=3)
     # the prefill kernel (>= 128 query rows a kv head): 200 rows, one and three splits
     q50 = torch.randn(2, 50, 8, d, device="cuda", dtype=dtype)
     for splits in (1, 3):

@@ -190,6 +190,23 @@ def test_decode_paged_and_splits(num_splits, page_size):
     assert err <= 2 * err_lp + 2e-3, (err, err_lp)
 
 
+@pytest.mark.parametrize("page_size", [16, 32, 256])
+@pytest.mark.parametrize("window", [(-1, -1), (5000, 0)])
+def test_decode_paged_equals_contiguous_long(page_size, window):
+    """One split over 20K tokens: each warp walks ~150 tiles, so the paged kernel's block-table
+    look-ahead (32 tiles a chunk) turns over several times; paged == contiguous bit for bit."""
+    seqlens = [20001, 12345]
+    paged, _, _ = _make_cache(2, seqlens, 2, 128, page_size=page_size, shuffle_blocks=True, seed=41, max_seqlen=20480)
+    contiguous, _, _ = _make_cache(2, seqlens, 2, 128, seed=41, max_seqlen=20480)
+    q = torch.randn(2, 1, 8, 128, device=DEV, dtype=torch.float16)
+    poison_allocator()
+    out_p, lse_p = fa.flash_attn_with_kvcache(q, paged, num_splits=1, window_size=window, return_softmax_lse=True)
+    out_c, lse_c = fa.flash_attn_with_kvcache(q, contiguous, num_splits=1, window_size=window, return_softmax_lse=True)
+    assert fa.last_path() == "quantized:fused-cuda"
+    assert torch.equal(out_p, out_c) and torch.equal(lse_p, lse_c)
+    _check_against_reference(q, contiguous, out_c, lse_c, False, window_size=window)
+
+
 def test_decode_cache_batch_idx_and_append():
     cache, _, _ = _make_cache(4, [50, 90, 10, 300], 2, 64, seed=3, max_seqlen=400)
     q = torch.randn(2, 1, 6, 64, device=DEV, dtype=torch.float16)
