@@ -4,7 +4,7 @@
 # beside ours, so compare the speedup columns (ratios), not absolute times across calls.
 #   bash benchmarks/ab_patch.sh PATCH [decode|prefill|both|paged]     (tables go to $OUT, or /tmp/ab)
 # paged: the decode table and bench_prefill.py's paged-decode table only (no FA2 build).
-# Example: bash benchmarks/ab_patch.sh benchmarks/experiments/prefill_fewer_instructions.patch prefill
+# Example: GIT_COMMIT=abc1234 bash benchmarks/ab_patch.sh benchmarks/experiments/prefill_fewer_instructions.patch prefill
 set -uo pipefail
 patch=${1:?usage: ab_patch.sh PATCH [decode|prefill|both|paged]}
 what=${2:-both}
@@ -31,9 +31,12 @@ if [ "$what" != decode ] && [ "$what" != paged ] && [ -f .fa2/flash_attn-2.8.3.p
   python3 .fa2/build_upstream_fa2.py .fa2/flash_attn-2.8.3.post2.tar.gz /tmp/fa2 --hdims 128 > /tmp/ab_work/fa2.log 2>&1 \
     && eval "$(tail -1 /tmp/ab_work/fa2.log)" || echo "upstream FA2 not built: prefill rows without it (compare tq3 µs, same call)"
 fi
+# the device's .git may be stale: the tables are stamped with GIT_COMMIT (pass the checkout's commit) and "+patch"
+export GIT_COMMIT=${GIT_COMMIT:-unknown}
 build A && bench A
 echo "A built and benchmarked: $((SECONDS - t0)) s"
 git apply "$patch" || { echo "the patch does not apply"; exit 1; }
+GIT_COMMIT="$GIT_COMMIT+$(basename "$patch" .patch)"
 build B
 python3 -m pytest tests/test_cuda_kernels.py tests/test_cuda_kv16.py -q -p no:cacheprovider 2>&1 | tail -3 | tee "$OUT/tests_B.log"
 bench B
