@@ -54,7 +54,7 @@ SIM_NAME = "tq_sim"
 # key_center, key_scale, protect ("boundary" = first and last layer in 16-bit). None = full precision.
 BASE = dict(quantizer="turbo", k_bits=3, v_bits=3, fit="norm", fp16_window=0, sink_tokens=0,
             key_center=False, key_scale=0.0, key_scale_q=False, key_pca=False, value_pca=False, protect=None,
-            qjl=False, k4_layers=None, scale_only=False)
+            qjl=False, k4_layers=None, scale_only=False, klt=None)
 
 
 def _cfg(**kw):
@@ -113,6 +113,25 @@ CONFIGS = {
     "K3.5mix(last)+V3+kc+sink4+w124": _cfg(k4_layers="last_half", scale_only=True, key_center=True, sink_tokens=4,
                                             fp16_window=124),
 }
+# Transform coding (simulation only, no kernel yet): a per-(sequence, kv head) KLT calibrated on the
+# prompt (eigenvectors of the centred keys' covariance; values likewise), then bits per coordinate by
+# greedy reverse water-filling on variance x importance (keys: the queries' energy along the
+# eigenvector), uniform Gaussian-optimal grids per coordinate scaled by one float16 gain a token.
+# "kb"/"vb": average code bits per element; "pattern": one bit pattern by importance rank for every
+# head and layer (the mean allocation), the shape a kernel with fixed per-16-d widths could read;
+# "qweight": False drops the query weighting. Measured: worse than turbo's random rotation (see the table).
+_KLT = {"klt": dict(kb=3.5, vb=3.0), "pairs": dict(kb=3.5, vb=3.0, mode="pairs")}
+CONFIGS.update({
+    "klt K3.5V3+sink4+w124": _cfg(klt=_KLT["klt"], sink_tokens=4, fp16_window=124),
+    "klt K3.5V3+sink4": _cfg(klt=_KLT["klt"], sink_tokens=4),
+    "klt K4V2.5+sink4+w124": _cfg(klt=dict(kb=4.0, vb=2.5), sink_tokens=4, fp16_window=124),
+    # RoPE-aware: the calibrated KLT above starves directions the keys rotate into after the prompt
+    "pairs K3.5V3+sink4+w124": _cfg(klt=_KLT["pairs"], sink_tokens=4, fp16_window=124),
+    "pairs K3.5V3+sink4": _cfg(klt=_KLT["pairs"], sink_tokens=4),
+    "pairs K4V2.5+sink4+w124": _cfg(klt=dict(kb=4.0, vb=2.5, mode="pairs"), sink_tokens=4, fp16_window=124),
+    "pairs K3V3+sink4": _cfg(klt=dict(kb=3.0, vb=3.0, mode="pairs"), sink_tokens=4),
+})
+
 DEFAULT = "turbo3+kc+pca+vpca+sink4+w124"  # = flash_attn_tq.integrations.transformers.DEFAULTS
 NO_WINDOW_DEFAULT = "turbo3+kc+pca+vpca+sink4"
 QUICK = ["full", "asym3", "turbo3", "turbo3+w128", "turbo3+kc+sink4", "turbo3+kc+sink4+w124", NO_WINDOW_DEFAULT, DEFAULT,
@@ -136,6 +155,8 @@ def k4_layers(cfg, num_layers):
 def config_bits(cfg, head_dim, num_layers):
     if cfg is None:
         return 16.0
+    if cfg.get("klt"):  # codes + one float16 gain a token for K and for V
+        return (cfg["klt"]["kb"] + cfg["klt"]["vb"]) / 2 + 16.0 / head_dim
     meta = -16.0 / head_dim if cfg.get("scale_only") else 0.0  # bits_per_element counts fp16 scale + offset
     k_codes = cfg["k_bits"] + len(k4_layers(cfg, num_layers)) * (4 - cfg["k_bits"]) / num_layers
     k_bits = bits_per_element(head_dim, cfg["k_bits"]) + (k_codes - cfg["k_bits"]) + meta
@@ -233,6 +254,121 @@ class Sim:
             Sim.sketch = (torch.sign(r @ proj.T), r.norm(dim=-1).half().float())
         return kh, vh, k16, v16
 
+    # uniform quantizers for a unit Gaussian: step and mean squared error by bit width (Max 1960)
+    STEP = torch.tensor([0.0, 1.596, 0.9957, 0.5860, 0.3352, 0.1881, 0.1041, 0.0568, 0.0307])
+    MSE = torch.tensor([1.0, 0.3634, 0.1188, 0.03744, 0.01154, 0.00349, 0.00104, 0.000302, 0.0000869, 0.0])
+
+    @staticmethod
+    def allocate_bits(weight, total, max_bits=8):
+        """Greedy reverse water-filling: weight [..., D] (variance x importance a coordinate), total
+        bits a vector -> bits [..., D] (long). Each step gives a bit where it removes the most error."""
+        bits = torch.zeros(weight.shape, dtype=torch.long)
+        one = torch.ones(*weight.shape[:-1], 1, dtype=torch.long)
+        for _ in range(int(total)):
+            gain = weight * (Sim.MSE[bits] - Sim.MSE[bits + 1])
+            gain = gain.masked_fill(bits >= max_bits, -1.0)
+            bits.scatter_add_(-1, gain.argmax(-1, keepdim=True), one)
+        return bits
+
+    @staticmethod
+    def transform_code(x, c, avg_bits, importance=None, pattern=False):
+        """x [B, H, S, D] float32 -> its transform-coded reconstruction (see the klt configs)."""
+        B, H, S, D = x.shape
+        mu = x[:, :, :c].mean(2, keepdim=True)
+        xc = x - mu
+        cov = xc[:, :, :c].transpose(-1, -2) @ xc[:, :, :c] / c
+        lam, U = torch.linalg.eigh(cov)                     # ascending
+        lam = lam.clamp(min=1e-12)
+        imp = torch.ones_like(lam) if importance is None else torch.einsum("bhdi,bhde,bhei->bhi", U, importance, U)
+        weight = lam * imp.clamp(min=1e-12)
+        order = weight.argsort(-1, descending=True)
+        U = U.gather(-1, order[:, :, None, :].expand(-1, -1, D, -1))
+        lam, weight = lam.gather(-1, order), weight.gather(-1, order)
+        bits = Sim.allocate_bits(weight, round(avg_bits * D))
+        if pattern:  # the mean allocation by rank, the same for every head (total kept)
+            mean = bits.float().mean((0, 1))
+            flat = Sim.allocate_bits((4.0 ** mean)[None, None], round(avg_bits * D))[0, 0]
+            bits = flat.expand_as(bits)
+        y = xc @ U                                            # KLT coordinates, most important first
+        sigma = lam.sqrt()[:, :, None]
+        gain = (y.norm(dim=-1, keepdim=True) / lam.sum(-1).sqrt()[:, :, None, None]).half().float().clamp(min=1e-8)
+        z = y / (gain * sigma)
+        b = bits[:, :, None, :].expand_as(z)
+        step = Sim.STEP[b]
+        half = (1 << b).float() / 2
+        level = torch.minimum(torch.maximum(torch.floor(z / step.clamp(min=1e-9)), -half), half - 1)
+        zq = torch.where(b > 0, (level + 0.5) * step, torch.zeros_like(z))
+        return (zq * gain * sigma) @ U.transpose(-1, -2) + mu
+
+    @staticmethod
+    def _hadamard(n):
+        h = torch.ones(1, 1)
+        while h.shape[0] < n:
+            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+        return h / math.sqrt(n)
+
+    @staticmethod
+    def pair_code(x, c, avg_bits, q_energy=None, group=16, min_bits=1):
+        """RoPE-aware allocation (no calibrated rotation: RoPE moves keys through each frequency pair's
+        plane, so only pair energies are stable across positions). x [B, H, S, D] float32; pairs
+        (i, i + D/2) (rotate_half layout). Pairs sorted by energy x query energy go into groups of
+        `group` dims; each group gets one bit width (water-filling on the groups' mean log weight), a
+        Hadamard transform inside the group after per-dim normalisation, a uniform Gaussian grid, one
+        float16 gain a token."""
+        B, H, S, D = x.shape
+        P = D // 2
+        mu = x[:, :, :c].mean(2, keepdim=True)
+        xc = x - mu
+        e = xc[:, :, :c].pow(2).mean(2)                          # [B, H, D]
+        e_pair = (e[..., :P] + e[..., P:]).clamp(min=1e-12) / 2  # per dim of the pair
+        w_pair = e_pair * (1.0 if q_energy is None else (q_energy[..., :P] + q_energy[..., P:]).clamp(min=1e-12))
+        order = w_pair.argsort(-1, descending=True)               # [B, H, P]
+        per = group // 2                                          # groups hold whole pairs
+        dims = torch.stack([order.view(B, H, P // per, per), (order + P).view(B, H, P // per, per)], -1)
+        dims = dims.reshape(B, H, D)                              # group g: dims [g*group, (g+1)*group)
+        ng = D // group
+        w_sorted = w_pair.gather(-1, order).view(B, H, ng, per)
+        w_group = w_sorted.log().mean(-1).exp()                   # geometric mean
+        bits_g = Sim.allocate_bits(w_group, round(avg_bits * ng) - min_bits * ng, max_bits=8 - min_bits) + min_bits
+        sigma = e_pair.repeat(1, 1, 2).sqrt()                     # [B, H, D]
+        z = (xc / sigma[:, :, None]).gather(-1, dims[:, :, None, :].expand(-1, -1, S, -1))
+        Hm = Sim._hadamard(group)
+        zg = z.view(B, H, S, ng, group) @ Hm
+        gain = (zg.norm(dim=(-1, -2)) / math.sqrt(D)).half().float().clamp(min=1e-8)[..., None, None]
+        u = zg / gain
+        b = bits_g[:, :, None, :, None].expand_as(u)
+        step = Sim.STEP[b]
+        half = (1 << b).float() / 2
+        level = torch.minimum(torch.maximum(torch.floor(u / step.clamp(min=1e-9)), -half), half - 1)
+        uq = torch.where(b > 0, (level + 0.5) * step, torch.zeros_like(u))
+        zq = ((uq * gain) @ Hm.T).reshape(B, H, S, D)
+        out = torch.empty_like(zq).scatter_(-1, dims[:, :, None, :].expand(-1, -1, S, -1), zq)
+        return out * sigma[:, :, None] + mu
+
+    @staticmethod
+    def roundtrip_klt(key, value, cfg, calib, query):
+        B, H, S, D = key.shape
+        s0 = min(cfg["sink_tokens"], S)
+        kh, vh = key.float().clone(), value.float().clone()
+        if S - s0 < 2:
+            return kh, vh, key.half().float(), value.half().float()
+        c = max(min(calib - s0, S - s0), 2)
+        opt = cfg["klt"]
+        imp = None
+        if opt.get("qweight", True) and query is not None:
+            G = query.shape[1] // H
+            qc = query.float()[:, :, s0:s0 + c].reshape(B, H, G * c, D)  # a kv head's G query heads
+            imp = qc.transpose(-1, -2) @ qc / qc.shape[2]
+        if opt.get("mode") == "pairs":
+            qe = None if imp is None else torch.diagonal(imp, dim1=-2, dim2=-1)
+            g, mb = opt.get("group", 16), opt.get("min_bits", 1)
+            kh[:, :, s0:] = Sim.pair_code(key.float()[:, :, s0:], c, opt["kb"], qe, g, mb)
+            vh[:, :, s0:] = Sim.pair_code(value.float()[:, :, s0:], c, opt["vb"], None, g, mb)
+        else:
+            kh[:, :, s0:] = Sim.transform_code(key.float()[:, :, s0:], c, opt["kb"], imp, opt.get("pattern", False))
+            vh[:, :, s0:] = Sim.transform_code(value.float()[:, :, s0:], c, opt["vb"], None, opt.get("pattern", False))
+        return kh, vh, key.half().float(), value.half().float()
+
     sketch = None  # (signs [B, Hkv, S, D], norms [B, Hkv, S]) of the current layer's QJL keys
     _projections: dict = {}
 
@@ -255,7 +391,11 @@ class Sim:
             return out.transpose(1, 2).contiguous(), None
         if module.layer_idx in k4_layers(cfg, Sim.num_layers):
             cfg = dict(cfg, k_bits=4)
-        kh, vh, kf, vf = Sim.roundtrip(key, value, cfg, Sim.calib, query)
+        if cfg.get("klt"):
+            Sim.sketch = None
+            kh, vh, kf, vf = Sim.roundtrip_klt(key, value, cfg, Sim.calib, query)
+        else:
+            kh, vh, kf, vf = Sim.roundtrip(key, value, cfg, Sim.calib, query)
         kf, vf, kh, vh = (t.repeat_interleave(G, 1) for t in (kf, vf, kh, vh))
         sketch = None
         if Sim.sketch is not None:  # q . r ~ sqrt(pi / 2) / m * |r| * (S q) . sign(S r)
