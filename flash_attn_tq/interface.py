@@ -20,6 +20,7 @@ import math
 from typing import Optional, Union
 
 import torch
+import torch.nn.functional as F
 
 from . import baseline, ops
 from .cache import QuantizedKVCache
@@ -312,10 +313,11 @@ def _quantized_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, cache, 
     return out[seq, row], lse[seq, :, row].transpose(0, 1).contiguous()
 
 
-def _window_part(q, cache, bidx, lens, softmax_scale, causal):
+def _window_part(q, cache, bidx, lens, softmax_scale, causal, prefix=None):
     """Attention of q over the fp16 recent window (positions [lens - R, lens)) of cache rows bidx
     (None: 0..batch-1). causal: the queries are the last seqlen_q positions, bottom-right aligned
-    with the window's newest key. Returns (out, lse) with lse -inf for rows without keys."""
+    with the window's newest key. prefix: (k, v) ``[batch, P, kv_heads, d]`` 16-bit tokens every query
+    sees, attended in the same pass. Returns (out, lse) with lse -inf for rows without keys."""
     R, Sq = cache.fp16_window, q.shape[1]
     order = (lens.long().unsqueeze(1) - R + torch.arange(R, device=q.device)) % R  # ring slots, oldest first
     idx = order[:, :, None, None].expand(-1, -1, cache.num_kv_heads, cache.head_dim)
@@ -326,13 +328,29 @@ def _window_part(q, cache, bidx, lens, softmax_scale, causal):
     visible = (slot >= (R - lens.long()).view(-1, 1, 1))  # [B, 1, R]: slots holding a token
     if causal and Sq > 1:
         visible = visible & (slot <= (R - Sq + torch.arange(Sq, device=q.device)).unsqueeze(1))  # [B, Sq, R]
+    if prefix is not None:  # (float32: _dense_part computes in float32 anyway)
+        kw, vw = torch.cat([prefix[0].float(), kw.float()], 1), torch.cat([prefix[1].float(), vw.float()], 1)
+        visible = F.pad(visible, (prefix[0].shape[1], 0), value=True)
     return _dense_part(q, kw, vw, softmax_scale, visible)
+
+
+def _attend_quantized(q, cache, softmax_scale, prefix=None, return_softmax_lse=False):
+    """Causal attention of q ``[B, Sq, Hq, D]`` over ``cache`` rows 0..B-1 (nothing appended), with
+    ``prefix`` tokens ahead of the cache's (see :func:`_quantized_kvcache`): TQCache's call."""
+    return _quantized_kvcache(q, cache, None, None, None, None, None, None, None, None, softmax_scale, True, (-1, -1),
+                              0.0, True, None, 0, return_softmax_lse, prefix=prefix)
 
 
 def _quantized_kvcache(q, cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                        block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
-                       num_splits, return_softmax_lse):
+                       num_splits, return_softmax_lse, prefix=None):
+    """prefix (internal, TQCache's sink tokens): (k, v) ``[batch, P, kv_heads, d]`` 16-bit tokens that
+    come before the cache's first token, stored like its window (transformed keys, reflected values),
+    seen by every query; on the fused path they join the fp16 window's attention pass."""
     _check_query(q, cache)
+    if prefix is not None and (window_size[0] >= 0 or window_size[1] >= 0 or softcap != 0.0
+                               or cache_leftpad is not None or alibi_slopes is not None):
+        raise ValueError("prefix tokens cannot be combined with window_size, softcap, cache_leftpad or alibi_slopes")
     if block_table is not None and block_table is not cache.block_table:
         raise ValueError("block_table: a QuantizedKVCache carries its own block_table (set it on the cache)")
     batch, seqlen_q = q.shape[:2]
@@ -391,8 +409,12 @@ def _quantized_kvcache(q, cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
         out, lse = ops.decode(qt, cache, n_quant, bidx, softmax_scale, causal and not R, num_splits,
                               window_size if local else (-1, -1), leftpad, softcap)
         if R:
-            out_w, lse_w = _window_part(qt, cache, bidx, lens, softmax_scale, causal)
+            out_w, lse_w = _window_part(qt, cache, bidx, lens, softmax_scale, causal, prefix)
             out, lse = _merge_lse(out, lse, out_w, lse_w)
+        elif prefix is not None:
+            out_p, lse_p = _dense_part(qt, prefix[0], prefix[1], softmax_scale, torch.ones(1, 1, dtype=torch.bool,
+                                                                                         device=device))
+            out, lse = _merge_lse(out, lse, out_p, lse_p)
         if cache.key_transform and cache.key_center and return_softmax_lse:
             lse = lse + softmax_scale * cache.query_shift(q, bidx)  # the scores lost q . mu (+inf stays +inf)
         if cache.value_pca:
@@ -400,7 +422,16 @@ def _quantized_kvcache(q, cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
         out = out.to(q.dtype)
     else:
         _LAST_PATH.set(f"quantized:reference ({reason})")
-        k_deq, v_deq = cache.dequantize(bidx.long() if bidx is not None else torch.arange(batch, device=device))
+        rows = bidx.long() if bidx is not None else torch.arange(batch, device=device)
+        k_deq, v_deq = cache.dequantize(rows)
+        if prefix is not None:  # back to the keys' and values' own domain, ahead of the cache's tokens
+            pk = cache.untransform_keys(prefix[0], rows)
+            pv = prefix[1].float()
+            if cache.value_pca:
+                pv = cache._reflect(pv, cache.v_house[rows][:, None])
+            k_deq = torch.cat([pk.to(k_deq.dtype), k_deq], 1)
+            v_deq = torch.cat([pv.to(v_deq.dtype), v_deq], 1)
+            lens = lens + prefix[0].shape[1]
         out, lse = baseline.attention_reference(
             q, k_deq, v_deq, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
             alibi_slopes=alibi_slopes, key_lengths=lens, key_start=cache_leftpad)

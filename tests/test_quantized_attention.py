@@ -526,6 +526,41 @@ def _cpu_stand_in_for_the_kernel(q, cache, seqlens_k, batch_idx, softmax_scale, 
 
 
 @pytest.mark.parametrize("seqlen_q", [1, 4])
+@pytest.mark.parametrize("options", ["plain", "window", "tqcache-default"])
+def test_prefix_tokens_join_the_window_pass(monkeypatch, seqlen_q, options):
+    """TQCache's sink tokens as a prefix (stored like the window: transformed keys, reflected values):
+    the fused branch (one dense pass with the fp16 window, stand-in kernel) and the reference branch
+    both equal the cache's attention merged with a separate float32 attention over the sinks in
+    their own domain (what TQCache did before)."""
+    from flash_attn_tq import ops
+    from flash_attn_tq.interface import _attend_quantized, _dense_part, _merge_lse
+    kw = {"plain": {}, "window": dict(fp16_window=8),
+          "tqcache-default": dict(fp16_window=8, key_center=True, key_pca=True, value_pca=True, fit="mean")}[options]
+    gen = torch.Generator().manual_seed(seqlen_q + 7 * len(options))
+    cache = QuantizedKVCache(2, 80, 2, 64, **kw)
+    cache.append((torch.randn(2, 50, 2, 64, generator=gen) + 1.5).half(), torch.randn(2, 50, 2, 64, generator=gen).half())
+    sink_k = (torch.randn(2, 4, 2, 64, generator=gen) * 3 + 1.5).half()  # loud sinks: their share matters
+    sink_v = torch.randn(2, 4, 2, 64, generator=gen).half()
+    stored_k = cache.transform_keys(sink_k.float())
+    stored_v = cache._reflect(sink_v.float(), cache.v_house[:2][:, None]) if cache.value_pca else sink_v.float()
+    q = torch.randn(2, seqlen_q, 4, 64, generator=gen).half()
+    out_c, lse_c = flash_attn_with_kvcache(q.float(), cache, causal=True, return_softmax_lse=True)
+    out_s, lse_s = _dense_part(q.float(), sink_k, sink_v, 0.125, torch.ones(1, 1, dtype=torch.bool))
+    expected = _merge_lse(out_c, lse_c, out_s, lse_s)[0]
+    reference = _attend_quantized(q.float(), cache, 0.125, (stored_k, stored_v))
+    assert last_path().startswith("quantized:reference")
+    assert rel_err(reference.float(), expected) < 1e-5
+    monkeypatch.setattr(ops, "fused_decode_supported", lambda c, x: None)
+    monkeypatch.setattr(ops, "decode", _cpu_stand_in_for_the_kernel)
+    fused = _attend_quantized(q, cache, 0.125, (stored_k, stored_v))
+    assert last_path() == "quantized:fused-cuda"
+    assert rel_err(fused.float(), expected) < 2e-3
+    with pytest.raises(ValueError, match="prefix"):
+        flash_attn_tq.interface._quantized_kvcache(q, cache, None, None, None, None, None, None, None, None, 0.125, True,
+                                                   (10, 0), 0.0, True, None, 0, False, prefix=(stored_k, stored_v))
+
+
+@pytest.mark.parametrize("seqlen_q", [1, 4])
 @pytest.mark.parametrize("options", ["plain", "window", "tqcache-default", "local", "leftpad-softcap"])
 @pytest.mark.parametrize("batch_idx", [None, [2, 0]])
 def test_fused_branch_python_side_matches_reference_path(monkeypatch, seqlen_q, options, batch_idx):

@@ -45,7 +45,7 @@ except ImportError as e:  # pragma: no cover - exercised only without transforme
 
 from ..cache import QuantizedKVCache
 from ..format import bits_per_element as _format_bits
-from ..interface import _dense_part, _merge_lse, flash_attn_with_kvcache
+from ..interface import _attend_quantized, _dense_part, _merge_lse
 
 ATTN_IMPLEMENTATION = "tq_kvcache"  # (a name containing "flash" would make transformers look for flash-attn)
 
@@ -88,6 +88,7 @@ class TQLayer(CacheLayerMixin):
         self.cache_kwargs = cache_kwargs
         self.qcache: QuantizedKVCache | None = None
         self.sink_k = self.sink_v = None  # [B, n_sink, Hkv, D]
+        self.sinks_stored = None  # the sinks as the quantized cache's window stores tokens (see stored_sinks)
         self.length = 0  # tokens seen
         self.chunk_start = 0  # tokens seen before the last update
         self.pending = None  # (k, v) of the last update, written by commit() (it needs the queries)
@@ -142,6 +143,7 @@ class TQLayer(CacheLayerMixin):
             ks, vs = k[:, :n_sink].to(self.store_dtype), v[:, :n_sink].to(self.store_dtype)
             self.sink_k = ks if self.sink_k is None else torch.cat([self.sink_k, ks], 1)
             self.sink_v = vs if self.sink_v is None else torch.cat([self.sink_v, vs], 1)
+            self.sinks_stored = None
         if n > n_sink:
             self._ensure_capacity(self.length + n - self.sink_tokens)
             self.pending = (k[:, n_sink:], v[:, n_sink:])
@@ -163,7 +165,7 @@ class TQLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.qcache = None
         self.pending = None
-        self.sink_k = self.sink_v = None
+        self.sink_k = self.sink_v = self.sinks_stored = None
         self.length = self.chunk_start = 0
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -185,24 +187,36 @@ class TQLayer(CacheLayerMixin):
             self.qcache.append(k, v, q=q.float() if q.dtype == torch.float64 else q)
 
     # -- attention
+    def stored_sinks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sink tokens in the quantized cache's stored domain (transformed keys, reflected values:
+        how its fp16 window holds tokens), float32, so they join the window's attention pass.
+        Recomputed while the cache's calibration may still change the transforms."""
+        qc = self.qcache
+        if self.sinks_stored is None or ((qc.key_transform or qc.value_pca) and not qc._calibration_done):
+            k = qc.transform_keys(self.sink_k.float())
+            v = self.sink_v.float()
+            if qc.value_pca:
+                v = qc._reflect(v, qc.v_house[:v.shape[0]][:, None])
+            self.sinks_stored = (k, v)
+        return self.sinks_stored
+
     def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """query ``[B, Hq, Sq, D]`` (the last Sq tokens) -> output ``[B, Sq, Hq, D]``."""
         q = query.transpose(1, 2)
         Sq = q.shape[1]
-        parts = []
-        if self.qcache is not None and int(self.length) > self.sink_tokens:
-            qc = self.qcache
-            qq = q.to(qc.dtype) if q.is_cuda else (q.float() if q.dtype == torch.float64 else q)
-            out, lse = flash_attn_with_kvcache(qq, kv_cache=qc, causal=True, softmax_scale=scaling,
-                                               return_softmax_lse=True)
-            parts.append((out, lse))
-        if self.sink_k is not None:
+        n_sink = 0 if self.sink_k is None else self.sink_k.shape[1]
+        if self.qcache is None or int(self.length) <= self.sink_tokens:  # only sink tokens so far
             q_pos = torch.arange(self.length - Sq, self.length, device=q.device)
-            parts.append(_sink_attention(q, self.sink_k, self.sink_v, q_pos, scaling))
-        out, lse = parts[0]
-        for o2, l2 in parts[1:]:
-            out, lse = _merge_lse(out, lse, o2, l2)
-        return out.to(query.dtype)
+            return _sink_attention(q, self.sink_k, self.sink_v, q_pos, scaling)[0].to(query.dtype)
+        qc = self.qcache
+        qq = q.to(qc.dtype) if q.is_cuda else (q.float() if q.dtype == torch.float64 else q)
+        if self.length - Sq >= n_sink:  # every query sees every sink: one pass with the fp16 window
+            return _attend_quantized(qq, qc, scaling, self.stored_sinks() if n_sink else None).to(query.dtype)
+        # (a chunk that holds sink positions itself: its first queries must not see later sinks)
+        out, lse = _attend_quantized(qq, qc, scaling, return_softmax_lse=True)
+        q_pos = torch.arange(self.length - Sq, self.length, device=q.device)
+        out_s, lse_s = _sink_attention(q, self.sink_k, self.sink_v, q_pos, scaling)
+        return _merge_lse(out, lse, out_s, lse_s)[0].to(query.dtype)
 
 
 class TQCache(Cache):
