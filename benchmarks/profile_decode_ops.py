@@ -47,7 +47,7 @@ def stub_kernels() -> None:
     ops.pack_supported = lambda cache, x: True
     ops.pack_into = lambda cache, k, v, start, batch_idx, error_flags=None: None
     ops.fused_decode_supported = lambda cache, q: None
-    ops.decode = lambda q, cache, lens, bidx, scale, causal, splits: (
+    ops.decode = lambda q, cache, lens, bidx, scale, causal, splits, *local: (
         torch.zeros_like(q), torch.zeros(q.shape[0], q.shape[2], q.shape[1]))
 
 

@@ -379,7 +379,8 @@ class QuantizedKVCache:
             raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
 
     def append(self, k: torch.Tensor, v: torch.Tensor, cache_seqlens: torch.Tensor | int | None = None,
-               batch_idx: torch.Tensor | None = None, q: torch.Tensor | None = None) -> None:
+               batch_idx: torch.Tensor | None = None, q: torch.Tensor | None = None,
+               error_flags: torch.Tensor | None = None) -> None:
         """Quantize ``k, v [batch, n, kv_heads, d]`` and write them at positions ``cache_seqlens ...``.
 
         ``cache_seqlens`` (int or int32 ``[batch]``) defaults to :attr:`seqlens`; ``batch_idx``
@@ -389,9 +390,15 @@ class QuantizedKVCache:
         On the GPU the pack kernel resolves the slots and checks positions, batch indices and values
         itself; the call then reads back one flag word (one sync; none inside CUDA-graph capture,
         where nothing is checked) and raises ValueError for NaN/Inf values or a cache overflow.
+        ``error_flags`` (int32 ``[1]`` on the cache's device): the kernel ORs its error bits into it
+        and the call does not read it back; the caller checks later, e.g. once for all the layers
+        of a forward pass (:func:`flash_attn_tq.ops.raise_pack_errors`), saving a sync a call.
         """
         fused = isinstance(k, torch.Tensor) and ops.pack_supported(self, k)
         self.check_new_kv(k, v, check_values=not fused)
+        if error_flags is not None and (not isinstance(error_flags, torch.Tensor) or error_flags.dtype != torch.int32
+                                        or error_flags.numel() != 1 or error_flags.device.type != self.device.type):
+            raise ValueError(f"error_flags must be an int32 [1] tensor on the cache's device ({self.device})")
         B, n = k.shape[:2]
         checking = B > 0 and not _capturing()
         if batch_idx is None:
@@ -432,10 +439,10 @@ class QuantizedKVCache:
             if self.value_pca:
                 v = self._reflect(v.float(), self.v_house[bidx][:, None]).to(v.dtype)
         if fused:  # quantize-on-write kernel: slots, range and value checks on the GPU
-            flags = torch.zeros(1, dtype=torch.int32, device=self.device)
+            flags = torch.zeros(1, dtype=torch.int32, device=self.device) if error_flags is None else error_flags
             raw_idx = None if batch_idx is None else batch_idx.to(self.device, torch.int32).contiguous()
             ops.pack_into(self, k, v, start.contiguous(), raw_idx, flags)
-            if checking:
+            if checking and error_flags is None:
                 ops.raise_pack_errors(int(flags.item()))
         if not fused or self.fp16_window:
             pos = start.long().unsqueeze(1) + torch.arange(n, device=self.device)  # [B, n]

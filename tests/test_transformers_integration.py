@@ -182,3 +182,53 @@ def test_without_cache_falls_back_to_sdpa():
         got = model(ids, use_cache=False).logits
     torch.testing.assert_close(got, ref)
     assert tq_attention_forward is not None
+
+
+def test_pack_errors_are_read_back_once_a_forward():
+    """The layers share one pack-error word; only the last quantized layer reads it back (one host
+    sync a step on the GPU), and a read raises for any bit set and clears it."""
+    from flash_attn_tq.integrations.transformers import PackErrors
+    model = tiny_model(layers=3)
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    cache = TQCache(model.config, protected_layers=(2,))
+    with torch.no_grad():
+        model(torch.randint(3, 96, (1, 12)), past_key_values=cache)
+    layers = cache.layers
+    assert [layer.checks_pack_errors for layer in layers[:2]] == [False, True]
+    assert layers[0].pack_errors is layers[1].pack_errors is cache.pack_errors
+    errors = PackErrors()
+    errors.check()  # nothing written yet
+    flags = errors.buffer(torch.device("cpu"))
+    errors.check()
+    flags.fill_(1)  # the NaN / Inf bit
+    with pytest.raises(ValueError, match="NaN"):
+        errors.check()
+    assert int(flags.item()) == 0
+    errors.check()
+    qc = QuantizedKVCache(1, 8, 2, 64)
+    with pytest.raises(ValueError, match="error_flags"):
+        qc.append(torch.randn(1, 2, 2, 64), torch.randn(1, 2, 2, 64), error_flags=torch.zeros(1, dtype=torch.int64))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU and the built extension")
+def test_pack_errors_surface_in_the_same_forward_on_the_gpu():
+    """A NaN key in a middle layer is written by the pack kernel without a sync; the last layer's
+    read-back raises it within the same forward call, and the next clean forward runs."""
+    from flash_attn_tq import ops
+    if not ops.extension_available():
+        pytest.skip("the CUDA extension is not built")
+    model = tiny_model(layers=3).cuda().half()
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    cache = TQCache(model.config, fp16_window=0, sink_tokens=0)
+    ids = torch.randint(3, 96, (1, 12), device="cuda")
+    with torch.no_grad():
+        model(ids, past_key_values=cache)
+        bias = torch.zeros(model.config.num_key_value_heads * 64, device="cuda", dtype=torch.float16)
+        bias[5] = float("nan")
+        proj = model.model.layers[1].self_attn.k_proj
+        hook = proj.register_forward_hook(lambda mod, inp, out: out + bias)
+        with pytest.raises(ValueError, match="NaN"):
+            model(ids[:, :1], past_key_values=cache)
+        hook.remove()
+    assert int(cache.pack_errors.flags.item()) == 0

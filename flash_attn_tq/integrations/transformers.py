@@ -43,7 +43,8 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without transformers
     raise ImportError("flash_attn_tq.integrations.transformers needs transformers >= 5") from e
 
-from ..cache import QuantizedKVCache
+from .. import ops
+from ..cache import QuantizedKVCache, _capturing
 from ..format import bits_per_element as _format_bits
 from ..interface import _attend_quantized, _dense_part, _merge_lse
 
@@ -72,6 +73,28 @@ def _sink_attention(q, k, v, q_pos, scale):
     return _dense_part(q, k, v, scale, visible)
 
 
+class PackErrors:
+    """The pack kernel's error bits of a TQCache's layers, read back once a forward pass (one host
+    sync a step instead of one a layer) by the last quantized layer."""
+
+    def __init__(self):
+        self.flags: torch.Tensor | None = None
+
+    def buffer(self, device: torch.device) -> torch.Tensor:
+        if self.flags is None or self.flags.device != device:
+            self.flags = torch.zeros(1, dtype=torch.int32, device=device)
+        return self.flags
+
+    def check(self) -> None:
+        """Raise ValueError for any error bit set since the last check (and clear them)."""
+        if self.flags is None or _capturing():
+            return
+        bits = int(self.flags.item())
+        if bits:
+            self.flags.zero_()
+            ops.raise_pack_errors(bits)
+
+
 class TQLayer(CacheLayerMixin):
     """One decoder layer's cache: 16-bit attention-sink tokens + a QuantizedKVCache for the rest."""
 
@@ -80,8 +103,10 @@ class TQLayer(CacheLayerMixin):
     is_croppable = False
 
     def __init__(self, *, sink_tokens: int = 0, max_cache_len: int | None = None, prefill: str = "full",
-                 **cache_kwargs):
+                 pack_errors: PackErrors | None = None, checks_pack_errors: bool = True, **cache_kwargs):
         super().__init__()
+        self.pack_errors = pack_errors  # shared with the other layers (None: each append checks its own)
+        self.checks_pack_errors = checks_pack_errors  # this layer reads them back (the last quantized one)
         self.sink_tokens = int(sink_tokens)
         self.max_cache_len = max_cache_len
         self.prefill = prefill
@@ -184,7 +209,10 @@ class TQLayer(CacheLayerMixin):
             k, v = self.pending
             self.pending = None
             q = query.transpose(1, 2)
-            self.qcache.append(k, v, q=q.float() if q.dtype == torch.float64 else q)
+            flags = self.pack_errors.buffer(k.device) if self.pack_errors is not None and k.is_cuda else None
+            self.qcache.append(k, v, q=q.float() if q.dtype == torch.float64 else q, error_flags=flags)
+            if flags is not None and self.checks_pack_errors:
+                self.pack_errors.check()
 
     # -- attention
     def stored_sinks(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -252,6 +280,7 @@ class TQCache(Cache):
         self.prefill = prefill
         self.num_layers = getattr(config, "num_hidden_layers", None)
         self.layer_options = {int(i): dict(o) for i, o in (layer_options or {}).items()}
+        self.pack_errors = PackErrors()
         for i, o in self.layer_options.items():
             if "sink_tokens" in o:
                 raise ValueError(f"layer_options[{i}]: sink_tokens is a TQCache-wide option")
@@ -270,8 +299,10 @@ class TQCache(Cache):
         if idx in self.protected_layers:
             from transformers.cache_utils import DynamicLayer
             return DynamicLayer()
+        quantized = [i for i in range(self.num_layers or 0) if i not in self.protected_layers]
+        checks = not quantized or idx == quantized[-1]  # (layer count unknown: every layer checks)
         return TQLayer(sink_tokens=self.sink_tokens, max_cache_len=self.initial_capacity, prefill=self.prefill,
-                       **self.layer_cache_kwargs(idx))
+                       pack_errors=self.pack_errors, checks_pack_errors=checks, **self.layer_cache_kwargs(idx))
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         while len(self.layers) <= layer_idx:
