@@ -120,6 +120,20 @@ CONFIGS = {
 # "kb"/"vb": average code bits per element; "pattern": one bit pattern by importance rank for every
 # head and layer (the mean allocation), the shape a kernel with fixed per-16-d widths could read;
 # "qweight": False drops the query weighting. Measured: worse than turbo's random rotation (see the table).
+CONFIGS.update({  # the 128 fp16 tokens split between sinks and the recent window; 4-bit keys in the middle layers
+    "K3.5mix(last)+V3+kc+sink8+w120": _cfg(k4_layers="last_half", scale_only=True, key_center=True, sink_tokens=8,
+                                           fp16_window=120),
+    "K3.5mix(last)+V3+kc+sink16+w112": _cfg(k4_layers="last_half", scale_only=True, key_center=True, sink_tokens=16,
+                                            fp16_window=112),
+    "K3.5mix(middle)+V3+kc+sink4+w124": _cfg(k4_layers="middle", scale_only=True, key_center=True, sink_tokens=4,
+                                             fp16_window=124),
+    "K3.5mix(last)+V3+kc+sink32+w96": _cfg(k4_layers="last_half", scale_only=True, key_center=True, sink_tokens=32,
+                                           fp16_window=96),
+    "turbo3+kc+pca+vpca+sink16+w112": _cfg(key_center=True, key_pca=True, value_pca=True, fit="mean", sink_tokens=16,
+                                           fp16_window=112),
+    "turbo3+kc+pca+vpca+sink32+w96": _cfg(key_center=True, key_pca=True, value_pca=True, fit="mean", sink_tokens=32,
+                                          fp16_window=96),
+})
 _KLT = {"klt": dict(kb=3.5, vb=3.0), "pairs": dict(kb=3.5, vb=3.0, mode="pairs")}
 CONFIGS.update({
     "klt K3.5V3+sink4+w124": _cfg(klt=_KLT["klt"], sink_tokens=4, fp16_window=124),
@@ -137,7 +151,8 @@ NO_WINDOW_DEFAULT = "turbo3+kc+pca+vpca+sink4"
 QUICK = ["full", "asym3", "turbo3", "turbo3+w128", "turbo3+kc+sink4", "turbo3+kc+sink4+w124", NO_WINDOW_DEFAULT, DEFAULT,
          "K4V3"]
 LONG = ["full", "turbo3", "turbo3+kc+pca+vpca+sink4", "turbo3+kc+sink4+w124", "turbo3+kc+pca+vpca+sink4+w124",
-        "turbo3+kc+ksq.5+pca+vpca+sink4", "turbo3+kc+ksq.5+pca+vpca+sink4+w124", "K3.5mix(last)+V3+kc+sink4+w124"]
+        "turbo3+kc+ksq.5+pca+vpca+sink4", "turbo3+kc+ksq.5+pca+vpca+sink4+w124", "K3.5mix(last)+V3+kc+sink4+w124",
+        "K3.5mix(last)+V3+kc+sink16+w112", "K3.5mix(last)+V3+kc+sink32+w96", "turbo3+kc+pca+vpca+sink32+w96"]
 
 
 def k4_layers(cfg, num_layers):
@@ -149,6 +164,8 @@ def k4_layers(cfg, num_layers):
         return set(range(0, num_layers, 2))
     if which == "last_half":
         return set(range(num_layers // 2, num_layers))
+    if which == "middle":
+        return set(range(num_layers // 4, num_layers // 4 + num_layers // 2))
     return set()
 
 
