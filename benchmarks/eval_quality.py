@@ -673,8 +673,9 @@ def verify(args) -> bool:
                                 "key_scale", "key_scale_q", "key_pca", "value_pca")}
     if opts["quantizer"] == "asym":
         opts.pop("fit")
-    cache = TQCache(model.config, prefill="quantized",
-                    protected_layers=protected_layers(cfg, model.config.num_hidden_layers), **opts)
+    L = model.config.num_hidden_layers
+    cache = TQCache(model.config, prefill="quantized", protected_layers=protected_layers(cfg, L),
+                    layer_options={i: {"k_bits": 4} for i in k4_layers(cfg, L)}, **opts)
     outs = [model(ids[None, :prompt], past_key_values=cache).logits[0]]
     for t in range(prompt, len(ids)):
         outs.append(model(ids[None, t:t + 1], past_key_values=cache).logits[0])
