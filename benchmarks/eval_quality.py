@@ -117,9 +117,7 @@ CONFIGS = {
 # prompt (eigenvectors of the centred keys' covariance; values likewise), then bits per coordinate by
 # greedy reverse water-filling on variance x importance (keys: the queries' energy along the
 # eigenvector), uniform Gaussian-optimal grids per coordinate scaled by one float16 gain a token.
-# "kb"/"vb": average code bits per element; "pattern": one bit pattern by importance rank for every
-# head and layer (the mean allocation), the shape a kernel with fixed per-16-d widths could read;
-# "qweight": False drops the query weighting. Measured: worse than turbo's random rotation (see the table).
+# "kb"/"vb": average code bits per element. Measured: worse than turbo's random rotation (see the table).
 CONFIGS.update({  # the 128 fp16 tokens split between sinks and the recent window; 4-bit keys in the middle layers
     "K3.5mix(last)+V3+kc+sink8+w120": _cfg(k4_layers="last_half", scale_only=True, key_center=True, sink_tokens=8,
                                            fp16_window=120),
@@ -288,7 +286,16 @@ class Sim:
         return bits
 
     @staticmethod
-    def transform_code(x, c, avg_bits, importance=None, pattern=False):
+    def gaussian_grid(z, b):
+        """z (unit-variance units) -> the nearest level of the b-bit uniform Gaussian grid (b: same shape;
+        0 bits: 0)."""
+        step = Sim.STEP[b]
+        half = (1 << b).float() / 2
+        level = torch.minimum(torch.maximum(torch.floor(z / step.clamp(min=1e-9)), -half), half - 1)
+        return torch.where(b > 0, (level + 0.5) * step, torch.zeros_like(z))
+
+    @staticmethod
+    def transform_code(x, c, avg_bits, importance=None):
         """x [B, H, S, D] float32 -> its transform-coded reconstruction (see the klt configs)."""
         B, H, S, D = x.shape
         mu = x[:, :, :c].mean(2, keepdim=True)
@@ -302,19 +309,11 @@ class Sim:
         U = U.gather(-1, order[:, :, None, :].expand(-1, -1, D, -1))
         lam, weight = lam.gather(-1, order), weight.gather(-1, order)
         bits = Sim.allocate_bits(weight, round(avg_bits * D))
-        if pattern:  # the mean allocation by rank, the same for every head (total kept)
-            mean = bits.float().mean((0, 1))
-            flat = Sim.allocate_bits((4.0 ** mean)[None, None], round(avg_bits * D))[0, 0]
-            bits = flat.expand_as(bits)
         y = xc @ U                                            # KLT coordinates, most important first
         sigma = lam.sqrt()[:, :, None]
         gain = (y.norm(dim=-1, keepdim=True) / lam.sum(-1).sqrt()[:, :, None, None]).half().float().clamp(min=1e-8)
         z = y / (gain * sigma)
-        b = bits[:, :, None, :].expand_as(z)
-        step = Sim.STEP[b]
-        half = (1 << b).float() / 2
-        level = torch.minimum(torch.maximum(torch.floor(z / step.clamp(min=1e-9)), -half), half - 1)
-        zq = torch.where(b > 0, (level + 0.5) * step, torch.zeros_like(z))
+        zq = Sim.gaussian_grid(z, bits[:, :, None, :].expand_as(z))
         return (zq * gain * sigma) @ U.transpose(-1, -2) + mu
 
     @staticmethod
@@ -353,11 +352,7 @@ class Sim:
         zg = z.view(B, H, S, ng, group) @ Hm
         gain = (zg.norm(dim=(-1, -2)) / math.sqrt(D)).half().float().clamp(min=1e-8)[..., None, None]
         u = zg / gain
-        b = bits_g[:, :, None, :, None].expand_as(u)
-        step = Sim.STEP[b]
-        half = (1 << b).float() / 2
-        level = torch.minimum(torch.maximum(torch.floor(u / step.clamp(min=1e-9)), -half), half - 1)
-        uq = torch.where(b > 0, (level + 0.5) * step, torch.zeros_like(u))
+        uq = Sim.gaussian_grid(u, bits_g[:, :, None, :, None].expand_as(u))
         zq = ((uq * gain) @ Hm.T).reshape(B, H, S, D)
         out = torch.empty_like(zq).scatter_(-1, dims[:, :, None, :].expand(-1, -1, S, -1), zq)
         return out * sigma[:, :, None] + mu
@@ -372,7 +367,7 @@ class Sim:
         c = max(min(calib - s0, S - s0), 2)
         opt = cfg["klt"]
         imp = None
-        if opt.get("qweight", True) and query is not None:
+        if query is not None:
             G = query.shape[1] // H
             qc = query.float()[:, :, s0:s0 + c].reshape(B, H, G * c, D)  # a kv head's G query heads
             imp = qc.transpose(-1, -2) @ qc / qc.shape[2]
@@ -382,8 +377,8 @@ class Sim:
             kh[:, :, s0:] = Sim.pair_code(key.float()[:, :, s0:], c, opt["kb"], qe, g, mb)
             vh[:, :, s0:] = Sim.pair_code(value.float()[:, :, s0:], c, opt["vb"], None, g, mb)
         else:
-            kh[:, :, s0:] = Sim.transform_code(key.float()[:, :, s0:], c, opt["kb"], imp, opt.get("pattern", False))
-            vh[:, :, s0:] = Sim.transform_code(value.float()[:, :, s0:], c, opt["vb"], None, opt.get("pattern", False))
+            kh[:, :, s0:] = Sim.transform_code(key.float()[:, :, s0:], c, opt["kb"], imp)
+            vh[:, :, s0:] = Sim.transform_code(value.float()[:, :, s0:], c, opt["vb"])
         return kh, vh, key.half().float(), value.half().float()
 
     sketch = None  # (signs [B, Hkv, S, D], norms [B, Hkv, S]) of the current layer's QJL keys
