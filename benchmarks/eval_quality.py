@@ -63,6 +63,11 @@ def _cfg(**kw):
     return c
 
 
+def _mix(layers, sinks, window):
+    """3-bit keys, 4-bit in `layers` (see k4_layers), scale-only metadata, key centring, sinks + window."""
+    return _cfg(k4_layers=layers, scale_only=True, key_center=True, sink_tokens=sinks, fp16_window=window)
+
+
 CONFIGS = {
     "full": None,
     "asym3": _cfg(quantizer="asym"),
@@ -106,32 +111,25 @@ CONFIGS = {
     "K2qjl+V3+kc+sink4+w124": _cfg(k_bits=2, qjl=True, key_center=True, sink_tokens=4, fp16_window=124),
     # mixed key widths inside 3.5 bits: turbo's norm fit needs no offset (it is -mid * scale), so with
     # scale-only metadata (0.25 bit at head_dim 64) half the layers can hold 4-bit keys
-    "K3.5mix(first)+V3+kc+sink4+w124": _cfg(k4_layers="first_half", scale_only=True, key_center=True, sink_tokens=4,
-                                             fp16_window=124),
-    "K3.5mix(even)+V3+kc+sink4+w124": _cfg(k4_layers="even", scale_only=True, key_center=True, sink_tokens=4,
-                                            fp16_window=124),
-    "K3.5mix(last)+V3+kc+sink4+w124": _cfg(k4_layers="last_half", scale_only=True, key_center=True, sink_tokens=4,
-                                            fp16_window=124),
+    "K3.5mix(first)+V3+kc+sink4+w124": _mix("first_half", 4, 124),
+    "K3.5mix(even)+V3+kc+sink4+w124": _mix("even", 4, 124),
+    "K3.5mix(last)+V3+kc+sink4+w124": _mix("last_half", 4, 124),
 }
-# Transform coding (simulation only, no kernel yet): a per-(sequence, kv head) KLT calibrated on the
-# prompt (eigenvectors of the centred keys' covariance; values likewise), then bits per coordinate by
-# greedy reverse water-filling on variance x importance (keys: the queries' energy along the
-# eigenvector), uniform Gaussian-optimal grids per coordinate scaled by one float16 gain a token.
-# "kb"/"vb": average code bits per element. Measured: worse than turbo's random rotation (see the table).
 CONFIGS.update({  # the 128 fp16 tokens split between sinks and the recent window; 4-bit keys in the middle layers
-    "K3.5mix(last)+V3+kc+sink8+w120": _cfg(k4_layers="last_half", scale_only=True, key_center=True, sink_tokens=8,
-                                           fp16_window=120),
-    "K3.5mix(last)+V3+kc+sink16+w112": _cfg(k4_layers="last_half", scale_only=True, key_center=True, sink_tokens=16,
-                                            fp16_window=112),
-    "K3.5mix(middle)+V3+kc+sink4+w124": _cfg(k4_layers="middle", scale_only=True, key_center=True, sink_tokens=4,
-                                             fp16_window=124),
-    "K3.5mix(last)+V3+kc+sink32+w96": _cfg(k4_layers="last_half", scale_only=True, key_center=True, sink_tokens=32,
-                                           fp16_window=96),
+    "K3.5mix(last)+V3+kc+sink8+w120": _mix("last_half", 8, 120),
+    "K3.5mix(last)+V3+kc+sink16+w112": _mix("last_half", 16, 112),
+    "K3.5mix(middle)+V3+kc+sink4+w124": _mix("middle", 4, 124),
+    "K3.5mix(last)+V3+kc+sink32+w96": _mix("last_half", 32, 96),
     "turbo3+kc+pca+vpca+sink16+w112": _cfg(key_center=True, key_pca=True, value_pca=True, fit="mean", sink_tokens=16,
                                            fp16_window=112),
     "turbo3+kc+pca+vpca+sink32+w96": _cfg(key_center=True, key_pca=True, value_pca=True, fit="mean", sink_tokens=32,
                                           fp16_window=96),
 })
+# Transform coding (simulation only, no kernel yet): a per-(sequence, kv head) KLT calibrated on the
+# prompt (eigenvectors of the centred keys' covariance; values likewise), then bits per coordinate by
+# greedy reverse water-filling on variance x importance (keys: the queries' energy along the
+# eigenvector), uniform Gaussian-optimal grids per coordinate scaled by one float16 gain a token.
+# "kb"/"vb": average code bits per element. Measured: worse than turbo's random rotation (see the table).
 _KLT = {"klt": dict(kb=3.5, vb=3.0), "pairs": dict(kb=3.5, vb=3.0, mode="pairs")}
 CONFIGS.update({
     "klt K3.5V3+sink4+w124": _cfg(klt=_KLT["klt"], sink_tokens=4, fp16_window=124),
