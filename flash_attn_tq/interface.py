@@ -319,15 +319,13 @@ def _window_part(q, cache, bidx, lens, softmax_scale, causal, prefix=None):
     with the window's newest key. prefix: (k, v) ``[batch, P, kv_heads, d]`` 16-bit tokens every query
     sees, attended in the same pass. Returns (out, lse) with lse -inf for rows without keys."""
     R, Sq = cache.fp16_window, q.shape[1]
-    order = (lens.long().unsqueeze(1) - R + torch.arange(R, device=q.device)) % R  # ring slots, oldest first
-    idx = order[:, :, None, None].expand(-1, -1, cache.num_kv_heads, cache.head_dim)
     rows = slice(0, q.shape[0]) if bidx is None else bidx.long()  # (a slice: no copy of the whole window)
-    kw = cache.k_window[rows].gather(1, idx)
-    vw = cache.v_window[rows].gather(1, idx)
-    slot = torch.arange(R, device=q.device)
-    visible = (slot >= (R - lens.long()).view(-1, 1, 1))  # [B, 1, R]: slots holding a token
-    if causal and Sq > 1:
-        visible = visible & (slot <= (R - Sq + torch.arange(Sq, device=q.device)).unsqueeze(1))  # [B, Sq, R]
+    kw, vw = cache.k_window[rows], cache.v_window[rows]  # ring order: attention does not care, the mask does
+    n = lens.long().unsqueeze(1)
+    age = (n - 1 - torch.arange(R, device=q.device)) % R  # [B, R]: 0 = the newest token's slot
+    visible = (age < n).unsqueeze(1)  # [B, 1, R]: slots holding a token
+    if causal and Sq > 1:  # query i (of Sq, bottom-right aligned) sees tokens at least Sq - 1 - i old
+        visible = visible & (age.unsqueeze(1) >= (Sq - 1 - torch.arange(Sq, device=q.device)).view(1, Sq, 1))
     if prefix is not None:  # (float32: _dense_part computes in float32 anyway)
         kw, vw = torch.cat([prefix[0].float(), kw.float()], 1), torch.cat([prefix[1].float(), vw.float()], 1)
         visible = F.pad(visible, (prefix[0].shape[1], 0), value=True)
