@@ -277,7 +277,8 @@ class QuantizedKVCache:
 
     @staticmethod
     def _reflect(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return x - 2 * (x * w).sum(-1, keepdim=True) * w
+        """x - 2 (x . w) w (three ops: decode runs it a few times a layer)."""
+        return torch.addcmul(x, (x * w).sum(-1, keepdim=True), w, value=-2.0)
 
     def untransform_output(self, out: torch.Tensor, batch_idx: torch.Tensor | None = None) -> torch.Tensor:
         """value_pca: map attention outputs ``[batch, seqlen_q, heads, d]`` over transformed values back."""
