@@ -253,8 +253,7 @@ class Sim:
         if cache.key_transform:
             k16[:, :, s0:] = cache.untransform_keys(cache.transform_keys(k).half()).transpose(1, 2)
         if cache.value_pca:
-            w = cache.v_house[:, None]
-            v16[:, :, s0:] = cache._reflect(cache._reflect(v, w).half().float(), w).transpose(1, 2)
+            v16[:, :, s0:] = cache.transform_values(cache.transform_values(v).half()).transpose(1, 2)
         cache.append(k, v)
         kd, vd = cache.dequantize(use_window=False)
         kh[:, :, s0:] = kd.transpose(1, 2)

@@ -302,6 +302,13 @@ class QuantizedKVCache:
             kt = self._householder(kt, bidx)
         return kt.to(k.dtype)
 
+    def transform_values(self, v: torch.Tensor, batch_idx: torch.Tensor | None = None) -> torch.Tensor:
+        """value_pca: values ``[batch, n, kv_heads, d]`` of rows ``batch_idx`` as stored, reflected (float32;
+        the reflection is its own inverse, so this also maps stored values back). Else ``v`` unchanged."""
+        if not self.value_pca:
+            return v
+        return self._reflect(v.float(), self._per_row(self.v_house, batch_idx, v.shape[0])[:, None])
+
     def untransform_keys(self, kt: torch.Tensor, batch_idx: torch.Tensor | None = None) -> torch.Tensor:
         """Inverse of :meth:`transform_keys` (float32)."""
         if not self.key_transform:
@@ -438,7 +445,7 @@ class QuantizedKVCache:
             if self.key_transform:
                 k = self.transform_keys(k, bidx)
             if self.value_pca:
-                v = self._reflect(v.float(), self.v_house[bidx][:, None]).to(v.dtype)
+                v = self.transform_values(v, bidx).to(v.dtype)
         if fused:  # quantize-on-write kernel: slots, range and value checks on the GPU
             flags = torch.zeros(1, dtype=torch.int32, device=self.device) if error_flags is None else error_flags
             raw_idx = None if batch_idx is None else batch_idx.to(self.device, torch.int32).contiguous()
@@ -502,8 +509,8 @@ class QuantizedKVCache:
                 x = qz.unrotate(x)
             if name == "k" and self.key_transform and not rotated:
                 x = self.untransform_keys(x, bidx)
-            if name == "v" and self.value_pca and not rotated:
-                x = self._reflect(x, self.v_house[bidx][:, None])
+            if name == "v" and not rotated:
+                x = self.transform_values(x, bidx)  # (value_pca: back from the stored reflection)
             out.append(x * (pos < lens)[:, :, None, None])
         return out[0], out[1]
 

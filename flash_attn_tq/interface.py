@@ -424,9 +424,7 @@ def _quantized_kvcache(q, cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
         k_deq, v_deq = cache.dequantize(rows)
         if prefix is not None:  # back to the keys' and values' own domain, ahead of the cache's tokens
             pk = cache.untransform_keys(prefix[0], rows)
-            pv = prefix[1].float()
-            if cache.value_pca:
-                pv = cache._reflect(pv, cache.v_house[rows][:, None])
+            pv = cache.transform_values(prefix[1], rows)  # (the reflection is its own inverse)
             k_deq = torch.cat([pk.to(k_deq.dtype), k_deq], 1)
             v_deq = torch.cat([pv.to(v_deq.dtype), v_deq], 1)
             lens = lens + prefix[0].shape[1]

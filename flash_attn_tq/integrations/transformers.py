@@ -221,11 +221,7 @@ class TQLayer(CacheLayerMixin):
         Recomputed while the cache's calibration may still change the transforms."""
         qc = self.qcache
         if self.sinks_stored is None or ((qc.key_transform or qc.value_pca) and not qc._calibration_done):
-            k = qc.transform_keys(self.sink_k.float())
-            v = self.sink_v.float()
-            if qc.value_pca:
-                v = qc._reflect(v, qc.v_house[:v.shape[0]][:, None])
-            self.sinks_stored = (k, v)
+            self.sinks_stored = (qc.transform_keys(self.sink_k.float()), qc.transform_values(self.sink_v.float()))
         return self.sinks_stored
 
     def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
