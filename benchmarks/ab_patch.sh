@@ -38,7 +38,7 @@ echo "A built and benchmarked: $((SECONDS - t0)) s"
 git apply "$patch" || { echo "the patch does not apply"; exit 1; }
 GIT_COMMIT="$GIT_COMMIT+$(basename "$patch" .patch)"
 build B
-python3 -m pytest tests -m gpu -q -p no:cacheprovider 2>&1 | tail -3 | tee "$OUT/tests_B.log"
+python3 -m pytest tests -m gpu -q -p no:cacheprovider -rf > "$OUT/tests_B.log" 2>&1; grep -E "^FAILED|passed|failed" "$OUT/tests_B.log" | tail -15
 bench B
 git apply -R "$patch"
 echo "A/B done: $((SECONDS - t0)) s"
