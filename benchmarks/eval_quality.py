@@ -242,7 +242,7 @@ class Sim:
         if S - s0 == 0:
             return kh, vh, k16, v16
         opts = {n: cfg[n] for n in ("quantizer", "k_bits", "v_bits", "fit", "key_center", "key_scale", "key_scale_q",
-                                    "key_pca", "value_pca")}
+                                    "key_pca", "value_pca", "scale_only")}
         if opts["quantizer"] == "asym":
             opts.pop("fit")
         cache = QuantizedKVCache(B, S - s0, H, D, dtype=torch.float16, **opts)
@@ -662,7 +662,7 @@ def verify(args) -> bool:
     sim = log_probs(model, ids)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     opts = {k: cfg[k] for k in ("quantizer", "k_bits", "v_bits", "fit", "fp16_window", "sink_tokens", "key_center",
-                                "key_scale", "key_scale_q", "key_pca", "value_pca")}
+                                "key_scale", "key_scale_q", "key_pca", "value_pca", "scale_only")}
     if opts["quantizer"] == "asym":
         opts.pop("fit")
     L = model.config.num_hidden_layers

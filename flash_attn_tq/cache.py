@@ -27,7 +27,9 @@ class QuantizedKVCache:
     """A per-layer K/V cache holding ``k_bits``/``v_bits``-bit codes plus float16 (scale, offset).
 
     Contiguous layout (default): ``k_codes [batch, max_seqlen, kv_heads, code_bytes]`` uint8 and
-    ``k_meta [batch, max_seqlen, kv_heads, 2]`` float16 (same for v). Paged layout (``page_size``
+    ``k_meta [batch, max_seqlen, kv_heads, 2]`` float16 (same for v); ``scale_only=True`` (turbo,
+    uniform grid, ``fit="norm"``: the offset is always ``-mid * scale``) stores ``[..., 1]``, the
+    scale alone, 16 bits a vector less (0.25 bit/element at head_dim 64). Paged layout (``page_size``
     given): ``k_codes [num_blocks, page_size, kv_heads, code_bytes]`` with ``block_table [batch,
     max_blocks_per_seq]`` int32 mapping each sequence's pages to blocks (default: sequence ``b``
     owns blocks ``b * max_blocks_per_seq ...``). In memory the four tensors are head-major (views of
@@ -79,6 +81,7 @@ class QuantizedKVCache:
         key_pca: bool = False,
         value_pca: bool = False,
         calib_min_tokens: int = 16,
+        scale_only: bool = False,
         dtype: torch.dtype = torch.float16,
         device: torch.device | str = "cpu",
     ):
@@ -109,6 +112,10 @@ class QuantizedKVCache:
         if (self.key_pca or self.value_pca) and (quantizer != "turbo" or fit != "mean"):
             raise ValueError("key_pca/value_pca need quantizer='turbo' with fit='mean' (the offset stores the main "
                              "direction)")
+        self.scale_only = bool(scale_only)
+        if self.scale_only and (quantizer != "turbo" or grid != "uniform" or fit != "norm"):
+            raise ValueError("scale_only needs quantizer='turbo', grid='uniform' and fit='norm' (whose offset is "
+                             "-mid * scale, so only the scale is stored)")
         if quantizer == "turbo":
             if streaming:
                 raise ValueError("streaming applies to quantizer='asym' only")
@@ -154,8 +161,9 @@ class QuantizedKVCache:
             rows, cols = nb, page_size
         self.k_codes = _head_major(rows, cols, H, kb, torch.uint8, device)
         self.v_codes = _head_major(rows, cols, H, vb, torch.uint8, device)
-        self.k_meta = _head_major(rows, cols, H, 2, torch.float16, device)
-        self.v_meta = _head_major(rows, cols, H, 2, torch.float16, device)
+        meta_words = 1 if self.scale_only else 2
+        self.k_meta = _head_major(rows, cols, H, meta_words, torch.float16, device)
+        self.v_meta = _head_major(rows, cols, H, meta_words, torch.float16, device)
         self.seqlens = torch.zeros(self.batch_size, dtype=torch.int32, device=device)
         R = self.fp16_window
         self.k_window = torch.zeros(self.batch_size, R, H, head_dim, dtype=dtype, device=device) if R else None
@@ -198,7 +206,8 @@ class QuantizedKVCache:
 
     def bits_per_element(self) -> float:
         """Average bits per stored K/V element (codes + metadata, window excluded)."""
-        return (fmt.bits_per_element(self.head_dim, self.k_bits) + fmt.bits_per_element(self.head_dim, self.v_bits)) / 2
+        mb = 2 if self.scale_only else 4
+        return (fmt.bits_per_element(self.head_dim, self.k_bits, mb) + fmt.bits_per_element(self.head_dim, self.v_bits, mb)) / 2
 
     def compression_ratio(self) -> float:
         """fp16 bytes of a cache of the same capacity divided by :attr:`nbytes`."""
@@ -367,7 +376,7 @@ class QuantizedKVCache:
                 codes, meta = qz.quantize(x)
             bits = self.k_bits if name == "k" else self.v_bits
             out[f"{name}_codes"] = fmt.pack_codes(codes, bits)
-            out[f"{name}_meta"] = meta
+            out[f"{name}_meta"] = meta[..., :1] if self.scale_only else meta  # (the offset is -mid * scale)
         return out
 
     def check_new_kv(self, k: torch.Tensor, v: torch.Tensor, check_values: bool = True) -> None:
@@ -532,7 +541,7 @@ class QuantizedKVCache:
                     grid=self.grid, fp16_window=self.fp16_window, page_size=self.page_size,
                     num_blocks=self.k_codes.shape[0] if self.paged else None, streaming=self.streaming,
                     alpha=self.alpha, seed=self.seed, fit=self.fit, key_center=self.key_center,
-                    key_scale=self.key_scale, key_scale_q=self.key_scale_q, key_pca=self.key_pca, value_pca=self.value_pca, calib_min_tokens=self.calib_min_tokens, dtype=str(self.dtype).replace("torch.", ""))
+                    key_scale=self.key_scale, key_scale_q=self.key_scale_q, key_pca=self.key_pca, value_pca=self.value_pca, calib_min_tokens=self.calib_min_tokens, scale_only=self.scale_only, dtype=str(self.dtype).replace("torch.", ""))
 
     def state_dict(self) -> dict[str, Any]:
         sd = {name: getattr(self, name) for name in self._TENSORS if getattr(self, name) is not None}
@@ -543,7 +552,7 @@ class QuantizedKVCache:
         mine = self.config()
         theirs = dict(state["config"])
         for key, default in (("fit", "norm"), ("key_center", False), ("key_scale", 0.0), ("key_scale_q", False), ("key_pca", False), ("value_pca", False),
-                             ("calib_min_tokens", 16)):
+                             ("calib_min_tokens", 16), ("scale_only", False)):
             theirs.setdefault(key, default)  # saved before the option existed
         if mine != theirs:
             diff = {k: (mine.get(k), theirs.get(k)) for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k)}

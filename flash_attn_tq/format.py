@@ -7,8 +7,11 @@ Every K or V vector of ``head_dim`` elements is stored as
 * ``meta``: two float16 numbers ``(scale, offset)``; the vector's value in the quantizer's domain
   (the Hadamard-rotated space for ``turbo``) is ``scale * level(code) + offset`` where ``level`` is
   the identity for uniform grids and a codebook for Lloyd-Max grids (then ``offset`` is 0).
+  *Scale-only* meta (turbo, uniform grid, norm fit, whose offset is always ``-mid * scale`` with
+  ``mid = (2**bits - 1) / 2``): the one float16 ``scale``; the value is ``scale * (code - mid)``.
 
-Bits per element at 3 bits: (48 + 4) * 8 / 128 = 3.25 at head_dim 128, (24 + 4) * 8 / 64 = 3.5 at 64.
+Bits per element at 3 bits: (48 + 4) * 8 / 128 = 3.25 at head_dim 128, (24 + 4) * 8 / 64 = 3.5 at 64;
+scale-only: 3.125 and 3.25.
 
 **Code order** (:func:`sequence_elements`, the one permutation the kernels and the reference
 share). The codes are laid out as a sequence of 8 *groups*; group ``g`` holds, in order, the
@@ -60,9 +63,10 @@ def code_bytes(head_dim: int, bits: int) -> int:
     return head_dim * bits // 8
 
 
-def bits_per_element(head_dim: int, bits: int) -> float:
-    """Storage per element including the 4 bytes of float16 (scale, offset) metadata."""
-    return (code_bytes(head_dim, bits) + 4) * 8 / head_dim
+def bits_per_element(head_dim: int, bits: int, meta_bytes: int = 4) -> float:
+    """Storage per element including the metadata: 4 bytes of float16 (scale, offset), or 2 for the
+    scale alone (``scale_only``)."""
+    return (code_bytes(head_dim, bits) + meta_bytes) * 8 / head_dim
 
 
 @functools.lru_cache(maxsize=None)

@@ -284,12 +284,15 @@ class TurboQuantizer:
         return codes.long(), torch.cat([a, -a * ((n - 1) / 2)], -1).to(torch.float16)
 
     def dequantize_rotated(self, codes: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
-        """Codes + meta -> float32 values in the rotated domain (what the kernel attends over)."""
+        """Codes + meta -> float32 values in the rotated domain (what the kernel attends over). A meta
+        of one element is the scale alone (uniform grid, norm fit: offset = -mid * scale)."""
         m = meta.float()
         if self.grid == "uniform":
             level = codes.float()
         else:
             level = self.codebook(codes.device)[codes.long()]
+        if m.shape[-1] == 1:
+            return (level - ((1 << self.bits) - 1) / 2) * m
         return level * m[..., :1] + m[..., 1:]
 
     def dequantize(self, codes: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:

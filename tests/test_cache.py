@@ -264,6 +264,7 @@ def assert_same_cache(a, b):
     dict(layout="paged16-shuffled", quantizer="asym", streaming=True, dtype=torch.bfloat16),
     dict(layout="paged32", quantizer="turbo", grid="lloyd_max", k_bits=4, v_bits=2, seed=5),
     dict(layout="paged64-shuffled", quantizer="turbo", seed=3),
+    dict(layout="paged16-shuffled", quantizer="turbo", scale_only=True, k_bits=4),
 ])
 def test_state_dict_roundtrip(kw):
     kw = dict(kw)
@@ -452,3 +453,30 @@ def test_bad_block_table():
     # a valid custom table: num_blocks inferred from its max
     c = QuantizedKVCache(2, 32, 1, 64, page_size=16, block_table=bt)
     assert c.k_codes.shape[:2] == (6, 16)
+
+
+@pytest.mark.parametrize("k_bits,v_bits", [(3, 3), (4, 3), (2, 4)])
+def test_scale_only_metadata(k_bits, v_bits):
+    """scale_only stores turbo's float16 scale alone (its offset is -mid * scale): half the metadata,
+    the same codes, and values equal to the (scale, offset) format's up to that offset's float16
+    rounding."""
+    g = torch.Generator().manual_seed(k_bits * 10 + v_bits)
+    k = (torch.randn(2, 37, 3, 64, generator=g) * 2 + 0.5).half()
+    v = torch.randn(2, 37, 3, 64, generator=g).half()
+    full = QuantizedKVCache(2, 40, 3, 64, k_bits=k_bits, v_bits=v_bits)
+    small = QuantizedKVCache(2, 40, 3, 64, k_bits=k_bits, v_bits=v_bits, scale_only=True)
+    for c in (full, small):
+        c.append(k, v)
+    assert small.k_meta.shape == (2, 40, 3, 1) and small.v_meta.shape == (2, 40, 3, 1)
+    assert torch.equal(small.k_codes, full.k_codes) and torch.equal(small.v_codes, full.v_codes)
+    assert torch.equal(small.k_meta[..., 0], full.k_meta[..., 0])
+    assert small.nbytes < full.nbytes
+    assert small.bits_per_element() == pytest.approx(full.bits_per_element() - 0.25)  # 16 bits less a vector at d=64
+    for a, b, meta, bits in zip(small.dequantize(), full.dequantize(), (full.k_meta, full.v_meta), (k_bits, v_bits)):
+        # the stored offset's float16 rounding (2^-11 relative), common to a rotated vector's elements,
+        # lands on one element after the inverse Hadamard transform (x sqrt(64))
+        offset = meta[..., 0].float().abs().amax() * ((1 << bits) - 1) / 2
+        torch.testing.assert_close(a, b, rtol=0, atol=float(offset) * 2 ** -11 * 8)
+    for bad in (dict(quantizer="asym"), dict(fit="mean"), dict(grid="lloyd_max")):
+        with pytest.raises(ValueError, match="scale_only"):
+            QuantizedKVCache(1, 8, 1, 64, scale_only=True, **bad)

@@ -24,7 +24,10 @@ pytestmark = [
 
 def _make_cache(batch, seqlens, kv_heads, d, *, quantizer="turbo", k_bits=3, v_bits=3, dtype=torch.float16,
                 page_size=None, window=0, seed=0, max_seqlen=None, shuffle_blocks=False):
-    """A GPU cache filled through the pack kernel with random K/V; returns (cache, k_full, v_full)."""
+    """A GPU cache filled through the pack kernel with random K/V; returns (cache, k_full, v_full).
+    quantizer "turbo-scale": turbo with scale-only metadata."""
+    scale_only = quantizer == "turbo-scale"
+    quantizer = "turbo" if scale_only else quantizer
     gen = torch.Generator(device=DEV).manual_seed(seed)
     max_len = max_seqlen or max(seqlens) + 3
     block_table = None
@@ -34,7 +37,7 @@ def _make_cache(batch, seqlens, kv_heads, d, *, quantizer="turbo", k_bits=3, v_b
         block_table = perm.reshape(batch, per_seq).to(torch.int32)
     cache = QuantizedKVCache(batch, max_len, kv_heads, d, k_bits=k_bits, v_bits=v_bits, quantizer=quantizer,
                              page_size=page_size, block_table=block_table, fp16_window=window, dtype=dtype,
-                             device=DEV, seed=seed)
+                             device=DEV, seed=seed, scale_only=scale_only)
     L = max(seqlens)
     k = (torch.randn(batch, L, kv_heads, d, device=DEV, generator=gen) * 1.5 + 0.3).to(dtype)
     v = torch.randn(batch, L, kv_heads, d, device=DEV, generator=gen).to(dtype)
@@ -78,7 +81,7 @@ def _check_against_reference(q, cache, out, lse, causal, window_size=(-1, -1), *
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("bits", [(3, 3), (4, 3)])
-@pytest.mark.parametrize("quantizer", ["turbo", "asym"])
+@pytest.mark.parametrize("quantizer", ["turbo", "asym", "turbo-scale"])
 @pytest.mark.parametrize("case", DECODE_CASES)
 def test_decode_matches_reference(dtype, d, bits, quantizer, case):
     batch, seqlens, hq, hk, sq = case
@@ -96,7 +99,7 @@ def test_decode_matches_reference(dtype, d, bits, quantizer, case):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("bits", [(3, 3), (4, 3)])
-@pytest.mark.parametrize("quantizer", ["turbo", "asym"])
+@pytest.mark.parametrize("quantizer", ["turbo", "asym", "turbo-scale"])
 @pytest.mark.parametrize("case", PREFILL_CASES)
 def test_prefill_matches_reference(dtype, d, bits, quantizer, case):
     """The prefill kernel (>= ops.PREFILL_MIN_ROWS query rows a kv head) against float32 attention over
@@ -178,9 +181,11 @@ def test_prefill_paged_equals_contiguous(num_splits, page_size):
 
 @pytest.mark.parametrize("num_splits", [1, 3, 0])
 @pytest.mark.parametrize("page_size", [None, 16, 32, 256])
-def test_decode_paged_and_splits(num_splits, page_size):
+@pytest.mark.parametrize("quantizer", ["turbo", "turbo-scale"])
+def test_decode_paged_and_splits(num_splits, page_size, quantizer):
     seqlens = [1, 600, 4097]
-    cache, _, _ = _make_cache(3, seqlens, 4, 128, page_size=page_size, shuffle_blocks=True, seed=num_splits + 7)
+    cache, _, _ = _make_cache(3, seqlens, 4, 128, page_size=page_size, shuffle_blocks=True, seed=num_splits + 7,
+                              quantizer=quantizer)
     q = torch.randn(3, 1, 16, 128, device=DEV, dtype=torch.float16)
     poison_allocator()
     out = fa.flash_attn_with_kvcache(q, cache, num_splits=num_splits)
@@ -235,7 +240,8 @@ def test_decode_with_fp16_window_matches_reference(seqlen_q):
     torch.testing.assert_close(out.float().cpu(), ref, atol=3e-3, rtol=0)
 
 
-@pytest.mark.parametrize("quantizer,grid", [("turbo", "uniform"), ("turbo", "lloyd_max"), ("asym", "uniform")])
+@pytest.mark.parametrize("quantizer,grid", [("turbo", "uniform"), ("turbo", "lloyd_max"), ("asym", "uniform"),
+                                            ("turbo-scale", "uniform")])
 @pytest.mark.parametrize("bits", [2, 3, 4])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -243,7 +249,10 @@ def test_pack_kernel_matches_reference_codes(quantizer, grid, bits, d, dtype):
     n, h = 999, 3
     gen = torch.Generator(device=DEV).manual_seed(bits * 1000 + d)
     x = (torch.randn(1, n, h, d, device=DEV, generator=gen) * 2 - 0.5).to(dtype)
-    cache = QuantizedKVCache(1, n, h, d, k_bits=bits, v_bits=bits, quantizer=quantizer, grid=grid, device=DEV)
+    scale_only = quantizer == "turbo-scale"
+    cache = QuantizedKVCache(1, n, h, d, k_bits=bits, v_bits=bits, quantizer=quantizer.removesuffix("-scale"), grid=grid,
+                             device=DEV, scale_only=scale_only)
+    assert cache.k_meta.shape[-1] == (1 if scale_only else 2)
     cache.k_codes.fill_(0xAB)  # poison: every written byte must be overwritten
     cache.k_meta.fill_(float("nan"))
     cache.append(x, x)  # the pack kernel

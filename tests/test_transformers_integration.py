@@ -137,6 +137,13 @@ def test_layer_options():
     assert [qc.k_bits for qc in cache.quantized_caches()] == [3, 3, 4, 4]
     assert all(qc.v_bits == 3 for qc in cache.quantized_caches())
     assert cache.bits_per_element(64) == pytest.approx((3.5 + 4.5) / 4 + 3.5 / 2)  # K 3.5 / 4.5, V 3.5
+    # the same mix with scale-only metadata (turbo's norm fit): 3.5 bits/element at head_dim 64
+    mixed = TQCache(model.config, fp16_window=0, fit="norm", key_pca=False, value_pca=False, scale_only=True,
+                    layer_options={i: {"k_bits": 4} for i in (2, 3)})
+    with torch.no_grad():
+        model(torch.randint(3, 96, (1, 20)), past_key_values=mixed)
+    assert all(qc.scale_only and qc.k_meta.shape[-1] == 1 for qc in mixed.quantized_caches())
+    assert mixed.bits_per_element(64) == pytest.approx(3.5)
     with pytest.raises(ValueError, match="k_bits"):
         TQCache(model.config, layer_options={1: {"k_bits": 5}})
     with pytest.raises(ValueError, match="sink_tokens"):

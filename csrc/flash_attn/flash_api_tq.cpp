@@ -49,20 +49,26 @@ constexpr int kPrefillMinRows = 128;
 constexpr int kPrefillRowsPerCta = 128;
 
 template <int kHeadDim, int kKBits, int kVBits, typename Elem>
-void run_packed(bool prefill, const DecodeParams &p, cudaStream_t stream) {
-    prefill ? run_prefill<Elem, kHeadDim, kKBits, kVBits>(p, stream) : run_decode<Elem, kHeadDim, kKBits, kVBits>(p, stream);
+void run_packed(bool prefill, bool scale_only, const DecodeParams &p, cudaStream_t stream) {
+    if (scale_only) {
+        prefill ? run_prefill<Elem, kHeadDim, kKBits, kVBits, true>(p, stream) : run_decode<Elem, kHeadDim, kKBits, kVBits, true>(p, stream);
+    } else {
+        prefill ? run_prefill<Elem, kHeadDim, kKBits, kVBits, false>(p, stream) : run_decode<Elem, kHeadDim, kKBits, kVBits, false>(p, stream);
+    }
 }
 
 template <int kHeadDim>
-void dispatch_decode(const at::ScalarType dtype, int k_bits, int v_bits, bool prefill, const DecodeParams &p,
-                     cudaStream_t stream) {
+void dispatch_decode(const at::ScalarType dtype, int k_bits, int v_bits, bool prefill, bool scale_only,
+                     const DecodeParams &p, cudaStream_t stream) {
     const bool fp16 = dtype == at::kHalf;
     if (k_bits == 16) {  // float16 / bfloat16 cache: the Fp16KV loader
         fp16 ? run_decode_fp16<__half, kHeadDim>(p, stream) : run_decode_fp16<__nv_bfloat16, kHeadDim>(p, stream);
     } else if (k_bits == 3 && v_bits == 3) {
-        fp16 ? run_packed<kHeadDim, 3, 3, __half>(prefill, p, stream) : run_packed<kHeadDim, 3, 3, __nv_bfloat16>(prefill, p, stream);
+        fp16 ? run_packed<kHeadDim, 3, 3, __half>(prefill, scale_only, p, stream)
+             : run_packed<kHeadDim, 3, 3, __nv_bfloat16>(prefill, scale_only, p, stream);
     } else if (k_bits == 4 && v_bits == 3) {
-        fp16 ? run_packed<kHeadDim, 4, 3, __half>(prefill, p, stream) : run_packed<kHeadDim, 4, 3, __nv_bfloat16>(prefill, p, stream);
+        fp16 ? run_packed<kHeadDim, 4, 3, __half>(prefill, scale_only, p, stream)
+             : run_packed<kHeadDim, 4, 3, __nv_bfloat16>(prefill, scale_only, p, stream);
     } else {
         TQ_CHECK(false, "no fused decode kernel for these k_bits/v_bits");
     }
@@ -150,9 +156,9 @@ std::tuple<at::Tensor, at::Tensor> run_decode_op(
     }
     auto stream = c10::cuda::getCurrentCUDAStream().stream();
     if (d == 64) {
-        dispatch_decode<64>(q.scalar_type(), k_bits, v_bits, prefill, p, stream);
+        dispatch_decode<64>(q.scalar_type(), k_bits, v_bits, prefill, p.meta_words == 1, p, stream);
     } else {
-        dispatch_decode<128>(q.scalar_type(), k_bits, v_bits, prefill, p, stream);
+        dispatch_decode<128>(q.scalar_type(), k_bits, v_bits, prefill, p.meta_words == 1, p, stream);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return {out, lse};
@@ -199,7 +205,8 @@ std::tuple<at::Tensor, at::Tensor> decode_kvcache(
     TQ_CHECK(k_bits != 16, "k_bits 16 is the float16 cache (decode_kv16)");
     const int d = q.size(3);
     TQ_CHECK(k_codes.size(3) == d * k_bits / 8 && v_codes.size(3) == d * v_bits / 8, "code bytes do not match head_dim and bits");
-    TQ_CHECK(k_meta.size(3) == 2 && v_meta.size(3) == 2, "meta must end in (scale, offset)");
+    TQ_CHECK(k_meta.size(3) == v_meta.size(3) && (k_meta.size(3) == 2 || k_meta.size(3) == 1),
+             "k_meta/v_meta must both end in (scale, offset) or both in (scale)");
     // cp.async copies of whole code rows need their alignment
     const int chunk = (d * k_bits / 8) % 16 == 0 ? 16 : 8;
     TQ_CHECK(reinterpret_cast<uintptr_t>(k_codes.data_ptr()) % chunk == 0 && reinterpret_cast<uintptr_t>(v_codes.data_ptr()) % 8 == 0,
@@ -215,6 +222,7 @@ std::tuple<at::Tensor, at::Tensor> decode_kvcache(
     p.vc_batch_stride = v_codes.stride(0); p.vc_row_stride = v_codes.stride(1); p.vc_head_stride = v_codes.stride(2);
     p.km_batch_stride = k_meta.stride(0); p.km_row_stride = k_meta.stride(1); p.km_head_stride = k_meta.stride(2);
     p.vm_batch_stride = v_meta.stride(0); p.vm_row_stride = v_meta.stride(1); p.vm_head_stride = v_meta.stride(2);
+    p.meta_words = static_cast<int>(k_meta.size(3));
     return run_decode_op(p, q, k_codes, seqlens_k, cache_batch_idx, block_table, rot_signs, k_bits, v_bits,
                          softmax_scale, is_causal, num_splits, window_left, window_right, cache_leftpad, softcap);
 }
@@ -281,12 +289,17 @@ void pack_kv(const at::Tensor &x,             // [tokens, heads, d] fp16/bf16
     TQ_CHECK(codes.stride(3) == 1 && codes.stride(0) % code_align == 0 && codes.stride(1) % code_align == 0 &&
              codes.stride(2) % code_align == 0 && reinterpret_cast<uintptr_t>(codes.data_ptr()) % code_align == 0,
              "codes rows must be contiguous and aligned");
-    TQ_CHECK(meta.stride(3) == 1 && meta.stride(0) % 2 == 0 && meta.stride(1) % 2 == 0 && meta.stride(2) % 2 == 0 &&
-             reinterpret_cast<uintptr_t>(meta.data_ptr()) % 4 == 0, "meta rows must be contiguous and 4-byte aligned");
+    const int meta_words = meta.dim() == 4 ? static_cast<int>(meta.size(3)) : 0;
+    TQ_CHECK(meta.dim() == 4 && meta.stride(3) == 1 && (meta_words == 1 || (meta.stride(0) % 2 == 0 && meta.stride(1) % 2 == 0 &&
+                                                         meta.stride(2) % 2 == 0 && reinterpret_cast<uintptr_t>(meta.data_ptr()) % 4 == 0)),
+             "meta rows must be contiguous (and 4-byte aligned for (scale, offset))");
     TQ_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 4 && codes.size(2) == x.size(1) && codes.size(3) == d * bits / 8,
              "codes must be uint8 [rows, cols, heads, head_dim * bits / 8]");
     TQ_CHECK(meta.scalar_type() == at::kHalf && meta.dim() == 4 && meta.size(0) == codes.size(0) && meta.size(1) == codes.size(1) &&
-             meta.size(2) == x.size(1) && meta.size(3) == 2, "meta must be float16 [rows, cols, heads, 2]");
+             meta.size(2) == x.size(1) && (meta.size(3) == 2 || meta.size(3) == 1),
+             "meta must be float16 [rows, cols, heads, 2 or 1]");
+    TQ_CHECK(meta_words == 2 || quant == static_cast<int64_t>(Quant::kTurboUniform),
+             "scale-only meta (last dim 1) needs turbo's uniform grid with the norm fit (offset = -mid * scale)");
     TQ_CHECK(quant >= 0 && quant <= 3, "quant must be 0 (turbo uniform), 1 (turbo Lloyd-Max), 2 (asym) or 3 (turbo, fit mean)");
     TQ_CHECK(slot_mapping.has_value() != start.has_value(), "give either slot_mapping or start");
     c10::cuda::CUDAGuard guard(x.device());
@@ -337,6 +350,7 @@ void pack_kv(const at::Tensor &x,             // [tokens, heads, d] fp16/bf16
     p.meta = reinterpret_cast<uint16_t *>(meta.data_ptr());
     p.codes_row_stride = codes.stride(0); p.codes_col_stride = codes.stride(1); p.codes_head_stride = codes.stride(2);
     p.meta_row_stride = meta.stride(0); p.meta_col_stride = meta.stride(1); p.meta_head_stride = meta.stride(2);
+    p.meta_words = meta_words;
     if (quant != 2) {
         TQ_CHECK(signs.has_value() && signs->scalar_type() == at::kFloat && signs->numel() == d && signs->is_cuda(),
                  "turbo needs signs: float32 CUDA [head_dim]");

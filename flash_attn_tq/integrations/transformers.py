@@ -314,8 +314,9 @@ class TQCache(Cache):
         total = 0.0
         for i in range(L):
             o = self.layer_cache_kwargs(i)
-            total += 16.0 if i in self.protected_layers else (_format_bits(head_dim, o["k_bits"]) +
-                                                              _format_bits(head_dim, o["v_bits"])) / 2
+            mb = 2 if o.get("scale_only") else 4  # metadata bytes a vector
+            total += 16.0 if i in self.protected_layers else (_format_bits(head_dim, o["k_bits"], mb) +
+                                                              _format_bits(head_dim, o["v_bits"], mb)) / 2
         return total / L
 
     def quantized_caches(self) -> list[QuantizedKVCache | None]:

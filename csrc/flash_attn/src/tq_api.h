@@ -9,11 +9,12 @@
 
 namespace flash_tq {
 
-template <typename Elem, int kHeadDim, int kKBits, int kVBits>
+// kScaleOnly: per-token metadata is the float16 scale alone (see PackedKV).
+template <typename Elem, int kHeadDim, int kKBits, int kVBits, bool kScaleOnly>
 void run_decode(const DecodeParams &p, cudaStream_t stream);
 
 // Many query rows a kv head (chunked prefill): 128-row CTAs over tiles expanded once into shared memory.
-template <typename Elem, int kHeadDim, int kKBits, int kVBits>
+template <typename Elem, int kHeadDim, int kKBits, int kVBits, bool kScaleOnly>
 void run_prefill(const DecodeParams &p, cudaStream_t stream);
 
 template <typename Elem, int kHeadDim>

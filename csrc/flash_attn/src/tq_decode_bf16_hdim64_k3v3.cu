@@ -2,5 +2,5 @@
 #include "tq_decode_launch.h"
 
 namespace flash_tq {
-template void run_decode<__nv_bfloat16, 64, 3, 3>(const DecodeParams &, cudaStream_t);
+template void run_decode<__nv_bfloat16, 64, 3, 3, false>(const DecodeParams &, cudaStream_t);
 }  // namespace flash_tq

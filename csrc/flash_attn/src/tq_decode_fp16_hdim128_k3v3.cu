@@ -2,5 +2,5 @@
 #include "tq_decode_launch.h"
 
 namespace flash_tq {
-template void run_decode<__half, 128, 3, 3>(const DecodeParams &, cudaStream_t);
+template void run_decode<__half, 128, 3, 3, false>(const DecodeParams &, cudaStream_t);
 }  // namespace flash_tq

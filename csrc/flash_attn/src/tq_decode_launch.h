@@ -64,9 +64,9 @@ void run_decode_with(const DecodeParams &p, cudaStream_t stream) {
     launch_combine<Elem, kHeadDim>(p, stream);
 }
 
-template <typename Elem, int kHeadDim, int kKBits, int kVBits>
+template <typename Elem, int kHeadDim, int kKBits, int kVBits, bool kScaleOnly>
 void run_decode(const DecodeParams &p, cudaStream_t stream) {
-    run_decode_with<Elem, kHeadDim, PackedKV<kKBits, kVBits, kHeadDim, Elem>>(p, stream);
+    run_decode_with<Elem, kHeadDim, PackedKV<kKBits, kVBits, kHeadDim, Elem, kScaleOnly>>(p, stream);
 }
 
 template <typename Elem, int kHeadDim>

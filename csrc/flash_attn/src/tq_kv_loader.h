@@ -63,9 +63,11 @@ struct TilePages {
     }
 };
 
-template <int kKBits_, int kVBits_, int kHeadDim, typename Elem>
+// kScaleOnly: the metadata is the float16 scale alone (turbo's norm fit, offset = -mid * scale).
+template <int kKBits_, int kVBits_, int kHeadDim, typename Elem, bool kScaleOnly = false>
 struct PackedKV {
     static constexpr int kKBits = kKBits_, kVBits = kVBits_;
+    static constexpr int kMetaBytes = kScaleOnly ? 2 : 4;  // a token's metadata
     static constexpr bool kAffine = true;
     static constexpr int kTileN = 32;   // tokens per warp tile: one token a lane for the copies (64: 3-12% slower)
     static constexpr int kStages = 3;   // per-warp cp.async stages: two tiles in flight while one computes
@@ -75,8 +77,8 @@ struct PackedKV {
     static constexpr int kKOff = 0;
     static constexpr int kVOff = kKOff + kTileN * KL::kBytes;
     static constexpr int kKMetaOff = kVOff + kTileN * VL::kBytes;
-    static constexpr int kVMetaOff = kKMetaOff + kTileN * 4;
-    static constexpr int kStageBytes = kVMetaOff + kTileN * 4;
+    static constexpr int kVMetaOff = kKMetaOff + kTileN * kMetaBytes;
+    static constexpr int kStageBytes = kVMetaOff + kTileN * kMetaBytes;
     static_assert(kKMetaOff % 16 == 0, "stage layout keeps 16-byte alignment");
     static constexpr uint32_t kMagic = Magic<Elem>::kBits2;
     static constexpr float kMagicValue = Magic<Elem>::kValue;
@@ -111,8 +113,8 @@ struct PackedKV {
                    p.k_meta + row * p.km_batch_stride + hk * p.km_head_stride,
                    p.v_meta + row * p.vm_batch_stride + hk * p.vm_head_stride, false};
         auto aligned = [](const void *ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; };
-        base.dense = p.kc_row_stride == KL::kBytes && p.vc_row_stride == VL::kBytes && p.km_row_stride == 2 &&
-                     p.vm_row_stride == 2 && aligned(base.kc) && aligned(base.vc) && aligned(base.km) && aligned(base.vm) &&
+        base.dense = p.kc_row_stride == KL::kBytes && p.vc_row_stride == VL::kBytes && p.km_row_stride == kMetaBytes / 2 &&
+                     p.vm_row_stride == kMetaBytes / 2 && aligned(base.kc) && aligned(base.vc) && aligned(base.km) && aligned(base.vm) &&
                      (p.block_table == nullptr ||
                       (p.page_block_size >= kSegment && p.kc_batch_stride % 16 == 0 && p.vc_batch_stride % 16 == 0 &&
                        p.km_batch_stride % 8 == 0 && p.vm_batch_stride % 8 == 0));
@@ -159,8 +161,9 @@ struct PackedKV {
                 const int64_t r = row;
                 copy_region<kN * KL::kBytes>(stage + kKOff + first * KL::kBytes, base.kc + r * p.kc_batch_stride + col * KL::kBytes, lane);
                 copy_region<kN * VL::kBytes>(stage + kVOff + first * VL::kBytes, base.vc + r * p.vc_batch_stride + col * VL::kBytes, lane);
-                copy_region<kN * 4>(stage + kKMetaOff + first * 4, base.km + r * p.km_batch_stride + 2 * col, lane);
-                copy_region<kN * 4>(stage + kVMetaOff + first * 4, base.vm + r * p.vm_batch_stride + 2 * col, lane);
+                constexpr int kW = kMetaBytes / 2;  // halves a token
+                copy_region<kN * kMetaBytes>(stage + kKMetaOff + first * kMetaBytes, base.km + r * p.km_batch_stride + kW * col, lane);
+                copy_region<kN * kMetaBytes>(stage + kVMetaOff + first * kMetaBytes, base.vm + r * p.vm_batch_stride + kW * col, lane);
             };
             if (!paged || p.page_block_size >= kTileN) {
                 copy_run(std::integral_constant<int, kTileN>{}, 0);
@@ -182,8 +185,13 @@ struct PackedKV {
         };
         copy_row<KL::kBytes>(stage + kKOff + lane * KL::kBytes, base.kc + off(p.kc_batch_stride, p.kc_row_stride), valid);
         copy_row<VL::kBytes>(stage + kVOff + lane * VL::kBytes, base.vc + off(p.vc_batch_stride, p.vc_row_stride), valid);
-        cp_async<4>(stage + kKMetaOff + lane * 4, base.km + off(p.km_batch_stride, p.km_row_stride), valid);
-        cp_async<4>(stage + kVMetaOff + lane * 4, base.vm + off(p.vm_batch_stride, p.vm_row_stride), valid);
+        if constexpr (kScaleOnly) {  // 2 bytes: below cp.async's smallest copy, a plain load (partial tiles, odd layouts)
+            reinterpret_cast<uint16_t *>(stage + kKMetaOff)[lane] = valid ? base.km[off(p.km_batch_stride, p.km_row_stride)] : 0;
+            reinterpret_cast<uint16_t *>(stage + kVMetaOff)[lane] = valid ? base.vm[off(p.vm_batch_stride, p.vm_row_stride)] : 0;
+        } else {
+            cp_async<4>(stage + kKMetaOff + lane * 4, base.km + off(p.km_batch_stride, p.km_row_stride), valid);
+            cp_async<4>(stage + kVMetaOff + lane * 4, base.vm + off(p.vm_batch_stride, p.vm_row_stride), valid);
+        }
     }
 
     // Raw K values of token `tok` (in the tile) at thread c's kSlotsK pair slots.
@@ -251,14 +259,21 @@ struct PackedKV {
         }
     }
 
-    // (scale, offset) of token `tok`: value = scale * code + offset.
+    // (scale, offset) of token `tok`: value = scale * code + offset (scale-only: offset = -mid * scale,
+    // mid = (2^bits - 1) / 2, the middle of the code range).
+    template <int kBits>
     __device__ static float2 affine(const char *stage, int meta_off, int tok) {
-        const uint32_t bits = *reinterpret_cast<const uint32_t *>(stage + meta_off + tok * 4);
-        return make_float2(half_bits_to_float(static_cast<uint16_t>(bits & 0xffffu)),
-                           half_bits_to_float(static_cast<uint16_t>(bits >> 16)));
+        if constexpr (kScaleOnly) {
+            const float scale = half_bits_to_float(*reinterpret_cast<const uint16_t *>(stage + meta_off + tok * 2));
+            return make_float2(scale, -0.5f * ((1 << kBits) - 1) * scale);
+        } else {
+            const uint32_t bits = *reinterpret_cast<const uint32_t *>(stage + meta_off + tok * 4);
+            return make_float2(half_bits_to_float(static_cast<uint16_t>(bits & 0xffffu)),
+                               half_bits_to_float(static_cast<uint16_t>(bits >> 16)));
+        }
     }
-    __device__ static float2 k_affine(const char *stage, int tok) { return affine(stage, kKMetaOff, tok); }
-    __device__ static float2 v_affine(const char *stage, int tok) { return affine(stage, kVMetaOff, tok); }
+    __device__ static float2 k_affine(const char *stage, int tok) { return affine<kKBits>(stage, kKMetaOff, tok); }
+    __device__ static float2 v_affine(const char *stage, int tok) { return affine<kVBits>(stage, kVMetaOff, tok); }
 };
 
 // A float16/bfloat16 cache [rows, cols, h_k, d] (DecodeParams' k_codes / v_codes point at it; the

@@ -328,10 +328,14 @@ __global__ void __launch_bounds__(128) pack_kv_kernel(const PackParams p) {
             }
         }
         if (store && s == 0) {
-            const uint32_t meta = static_cast<uint32_t>(__half_as_ushort(__float2half_rn(scale_out))) |
-                                  (static_cast<uint32_t>(__half_as_ushort(__float2half_rn(offset_out))) << 16);
-            *reinterpret_cast<uint32_t *>(p.meta + slot_row * p.meta_row_stride + slot_col * p.meta_col_stride +
-                                          head * p.meta_head_stride) = meta;
+            uint16_t *dst = p.meta + slot_row * p.meta_row_stride + slot_col * p.meta_col_stride + head * p.meta_head_stride;
+            const uint16_t scale_bits = __half_as_ushort(__float2half_rn(scale_out));
+            if (p.meta_words == 1) {  // the offset is -mid * scale by construction: not stored
+                *dst = scale_bits;
+            } else {
+                *reinterpret_cast<uint32_t *>(dst) =
+                    scale_bits | (static_cast<uint32_t>(__half_as_ushort(__float2half_rn(offset_out))) << 16);
+            }
         }
     }
 }

@@ -25,6 +25,7 @@ struct DecodeParams {
     int64_t vc_batch_stride, vc_row_stride, vc_head_stride;  // bytes
     int64_t km_batch_stride, km_row_stride, km_head_stride;  // halves
     int64_t vm_batch_stride, vm_row_stride, vm_head_stride;  // halves
+    int meta_words;  // halves a token's metadata: 2 (scale, offset) or 1 (the scale; PackedKV<..., kScaleOnly>)
 
     const int *seqlens_k;        // [batch]: attend over keys [0, min(seqlens_k[b], max_seqlen_k))
     int max_seqlen_k;            // cache capacity a sequence (cols, or max_blocks * page size)
@@ -71,7 +72,8 @@ struct PackParams {
     int batch_rows;                  // sequences (codes rows, or block_table rows when paged)
     int *error_flags;                // [1] or nullptr: PackError bits
     uint8_t *codes;                  // [rows, cols, heads, code_bytes], any strides (bytes) with a contiguous last dim
-    uint16_t *meta;                  // [rows, cols, heads, 2], strides in halves
+    uint16_t *meta;                  // [rows, cols, heads, meta_words], strides in halves
+    int meta_words;                  // 2: (scale, offset); 1: the scale alone (turbo norm fit: offset = -mid * scale)
     int64_t codes_row_stride, codes_col_stride, codes_head_stride;
     int64_t meta_row_stride, meta_col_stride, meta_head_stride;
     const float *signs;              // [d] turbo sign vector

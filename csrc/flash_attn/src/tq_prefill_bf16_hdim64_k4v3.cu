@@ -2,5 +2,5 @@
 #include "tq_prefill_launch.h"
 
 namespace flash_tq {
-template void run_prefill<__nv_bfloat16, 64, 4, 3>(const DecodeParams &, cudaStream_t);
+template void run_prefill<__nv_bfloat16, 64, 4, 3, false>(const DecodeParams &, cudaStream_t);
 }  // namespace flash_tq

@@ -25,10 +25,10 @@
 
 namespace flash_tq {
 
-template <typename Elem_, int kHeadDim_, int kKBits, int kVBits, int kNWarps_>
+template <typename Elem_, int kHeadDim_, int kKBits, int kVBits, int kNWarps_, bool kScaleOnly = false>
 struct PrefillTraits {
     using Elem = Elem_;
-    using KV = PackedKV<kKBits, kVBits, kHeadDim_, Elem_>;
+    using KV = PackedKV<kKBits, kVBits, kHeadDim_, Elem_, kScaleOnly>;
     static constexpr int kHeadDim = kHeadDim_;
     static constexpr float kKMid = (1 << (kKBits - 1)) - 0.5f;  // middle of K's code range
     static constexpr int kNWarps = kNWarps_;
