@@ -30,8 +30,10 @@ from flash_attn_tq.baseline import attention_reference  # noqa: E402
 CONFIGS = {
     "turbo3": dict(),
     "turbo3+kc+w124": dict(key_center=True, fp16_window=124),
-    # the TQCache default (its 4 sink tokens aside)
-    "default": dict(key_center=True, key_pca=True, value_pca=True, fit="mean", fp16_window=124),
+    # the TQCache default (its 4 sink tokens aside): 3-bit keys in the first layers, 4-bit in the last
+    "default(K3 layers)": dict(key_center=True, scale_only=True, fp16_window=124),
+    "default(K4 layers)": dict(k_bits=4, key_center=True, scale_only=True, fp16_window=124),
+    "kc+pca+vpca+w124": dict(key_center=True, key_pca=True, value_pca=True, fit="mean", fp16_window=124),
     "asym3": dict(quantizer="asym"),
     "K4V3+kc": dict(k_bits=4, key_center=True),
 }
@@ -105,9 +107,9 @@ def bench_generate(data, device, dtype, prompt, new, repeats):
     for name, impl, make in (
             ("DynamicCache (sdpa)", "sdpa", lambda: None),
             ("TQCache (default)", ATTN_IMPLEMENTATION, lambda: TQCache(config, max_cache_len=cap)),
-            # fit="norm" without the pca options: appends use the quantize-on-write kernel
-            ("TQCache (pack kernel)", ATTN_IMPLEMENTATION,
-             lambda: TQCache(config, max_cache_len=cap, fit="norm", key_pca=False, value_pca=False))):
+            # the previous default: fit="mean" with the pca reflections in PyTorch before the pack kernel
+            ("TQCache (pca, fit=mean)", ATTN_IMPLEMENTATION,
+             lambda: TQCache(config, max_cache_len=cap, fit="mean", key_pca=True, value_pca=True, late_k_bits=None))):
         t1 = timed(impl, make, 1)
         tn = timed(impl, make, new)
         rows.append((name, (new - 1) / max(tn - t1, 1e-9), t1))

@@ -120,6 +120,7 @@ CONFIGS.update({  # the 128 fp16 tokens split between sinks and the recent windo
     "K3.5mix(last)+V3+kc+sink16+w112": _mix("last_half", 16, 112),
     "K3.5mix(middle)+V3+kc+sink4+w124": _mix("middle", 4, 124),
     "K3.5mix(last)+V3+kc+sink32+w96": _mix("last_half", 32, 96),
+    "K3.5mix(last)+V3+kc+sink4": _mix("last_half", 4, 0),
     "turbo3+kc+pca+vpca+sink16+w112": _cfg(key_center=True, key_pca=True, value_pca=True, fit="mean", sink_tokens=16,
                                            fp16_window=112),
     "turbo3+kc+pca+vpca+sink32+w96": _cfg(key_center=True, key_pca=True, value_pca=True, fit="mean", sink_tokens=32,
@@ -142,8 +143,8 @@ CONFIGS.update({
     "pairs K3V3+sink4": _cfg(klt=dict(kb=3.0, vb=3.0, mode="pairs"), sink_tokens=4),
 })
 
-DEFAULT = "turbo3+kc+pca+vpca+sink4+w124"  # = flash_attn_tq.integrations.transformers.DEFAULTS
-NO_WINDOW_DEFAULT = "turbo3+kc+pca+vpca+sink4"
+DEFAULT = "K3.5mix(last)+V3+kc+sink4+w124"  # = flash_attn_tq.integrations.transformers.DEFAULTS
+NO_WINDOW_DEFAULT = "K3.5mix(last)+V3+kc+sink4"
 QUICK = ["full", "asym3", "turbo3", "turbo3+w128", "turbo3+kc+sink4", "turbo3+kc+sink4+w124", NO_WINDOW_DEFAULT, DEFAULT,
          "K4V3"]
 LONG = ["full", "turbo3", "turbo3+kc+pca+vpca+sink4", "turbo3+kc+sink4+w124", "turbo3+kc+pca+vpca+sink4+w124",

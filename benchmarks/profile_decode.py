@@ -1,6 +1,8 @@
-"""One decode shape (and, with --pack, quantize-on-write) for Nsight Compute:
+"""One decode shape (with --q-len > 1 a causal prefill chunk; with --pack, quantize-on-write) for Nsight Compute:
     ncu --clock-control none --kernel-name regex:decode_split --launch-skip 5 --launch-count 1 \
         --section SpeedOfLight --section Occupancy --section WarpStateStats python benchmarks/profile_decode.py
+    ncu --clock-control none --kernel-name regex:prefill_split --launch-skip 5 --launch-count 1 --set full \
+        python benchmarks/profile_decode.py --batch 1 --q-len 2048
 """
 import argparse
 
@@ -15,6 +17,7 @@ ap.add_argument("--seqlen", type=int, default=32768)
 ap.add_argument("--kv-heads", type=int, default=8)
 ap.add_argument("--q-heads", type=int, default=32)
 ap.add_argument("--head-dim", type=int, default=128)
+ap.add_argument("--q-len", type=int, default=1, help="queries a sequence (the last q-len tokens, causal)")
 ap.add_argument("--pack", action="store_true", help="also run the pack kernel on a 32K-token prompt")
 args = ap.parse_args()
 B, S, Hk, d = args.batch, args.seqlen, args.kv_heads, args.head_dim
@@ -23,9 +26,9 @@ for s0 in range(0, S, 8192):
     n = min(8192, S - s0)
     cache.append(torch.randn(B, n, Hk, d, device="cuda", dtype=torch.float16),
                  torch.randn(B, n, Hk, d, device="cuda", dtype=torch.float16))
-q = torch.randn(B, 1, args.q_heads, d, device="cuda", dtype=torch.float16)
+q = torch.randn(B, args.q_len, args.q_heads, d, device="cuda", dtype=torch.float16)
 for _ in range(10):
-    ops.decode(q, cache, cache.seqlens, None, d ** -0.5, False, 0)
+    ops.decode(q, cache, cache.seqlens, None, d ** -0.5, args.q_len > 1, 0)
 torch.cuda.synchronize()
 print("done")
 if args.pack:  # quantize-on-write of a 32K-token prompt (ncu --kernel-name regex:pack_kv)

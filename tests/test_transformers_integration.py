@@ -84,6 +84,7 @@ CASES = [
          value_pca=True, fit="mean"),
     dict(fp16_window=16, sink_tokens=0, k_bits=4, v_bits=3, protected_layers=(0,)),
     dict(fp16_window=4, sink_tokens=2, key_center=True, layer_options={1: dict(k_bits=4), 2: dict(k_bits=4)}),
+    dict(fp16_window=4, sink_tokens=2, scale_only=False, late_k_bits=None),  # (scale, offset), 3-bit keys everywhere
 ]
 
 
@@ -123,27 +124,45 @@ def test_cache_bookkeeping():
     assert qc.fp16_window == 4 and qc.k_bits == 3 and qc.key_center
     assert cache.layers[1].get_seq_length() == 35 and not isinstance(cache.layers[1], TQLayer)
     assert cache.quantized_caches()[1] is None
-    assert cache.bits_per_element(64) == pytest.approx((3.5 + 16) / 2)
-    assert TQCache(model.config).bits_per_element(128) == pytest.approx(3.25)
+    assert qc.scale_only and qc.k_meta.shape[-1] == 1  # (one quantized layer pays for no 4-bit keys)
+    assert cache.bits_per_element(64) == pytest.approx((3.25 + 16) / 2)
 
 
 def test_layer_options():
     """Per-layer overrides: 4-bit keys in the last layers (the best 3.5-bit mix of the quality study)."""
     model = tiny_model(layers=4)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    cache = TQCache(model.config, fp16_window=0, layer_options={i: {"k_bits": 4} for i in (2, 3)})
+    cache = TQCache(model.config, fp16_window=0, scale_only=False, late_k_bits=None,
+                    layer_options={i: {"k_bits": 4} for i in (2, 3)})
     with torch.no_grad():
         model(torch.randint(3, 96, (1, 20)), past_key_values=cache)
     assert [qc.k_bits for qc in cache.quantized_caches()] == [3, 3, 4, 4]
     assert all(qc.v_bits == 3 for qc in cache.quantized_caches())
     assert cache.bits_per_element(64) == pytest.approx((3.5 + 4.5) / 4 + 3.5 / 2)  # K 3.5 / 4.5, V 3.5
     # the same mix with scale-only metadata (turbo's norm fit): 3.5 bits/element at head_dim 64
-    mixed = TQCache(model.config, fp16_window=0, fit="norm", key_pca=False, value_pca=False, scale_only=True,
-                    layer_options={i: {"k_bits": 4} for i in (2, 3)})
+    mixed = TQCache(model.config, fp16_window=0, late_k_bits=None, layer_options={i: {"k_bits": 4} for i in (2, 3)})
     with torch.no_grad():
         model(torch.randint(3, 96, (1, 20)), past_key_values=mixed)
     assert all(qc.scale_only and qc.k_meta.shape[-1] == 1 for qc in mixed.quantized_caches())
     assert mixed.bits_per_element(64) == pytest.approx(3.5)
+    # the default: 4-bit keys in as many last layers as scale-only metadata pays for, 3 + 32 / head_dim bits
+    default = TQCache(model.config)
+    assert [default.layer_cache_kwargs(i)["k_bits"] for i in range(4)] == [3, 3, 4, 4]
+    assert default.bits_per_element(64) == pytest.approx(3.5)
+    assert [TQCache(model.config, protected_layers=(0,)).layer_cache_kwargs(i)["k_bits"] for i in range(4)] == [3, 3, 3, 4]
+    assert TQCache(model.config, layer_options={3: {"k_bits": 3}}).layer_cache_kwargs(3)["k_bits"] == 3
+    assert all(TQCache(model.config, **o).layer_cache_kwargs(3)["k_bits"] == 3
+               for o in (dict(late_k_bits=None), dict(scale_only=False), dict(quantizer="asym"), dict(fit="mean")))
+    model.config.head_dim = 128  # a quarter of the layers at head_dim 128: 3.25 bits/element
+    wide = TQCache(model.config)
+    assert [wide.layer_cache_kwargs(i)["k_bits"] for i in range(4)] == [3, 3, 3, 4]
+    assert wide.bits_per_element(128) == pytest.approx(3.25)
+    with pytest.raises(ValueError, match="late_k_bits"):
+        TQCache(None, late_k_bits=4)
+    with pytest.raises(ValueError, match="late_k_bits"):
+        TQCache(model.config, late_k_bits=5)
+    with pytest.raises(ValueError, match="late_k_bits"):
+        TQCache(model.config, layer_options={1: {"late_k_bits": 4}})
     with pytest.raises(ValueError, match="k_bits"):
         TQCache(model.config, layer_options={1: {"k_bits": 5}})
     with pytest.raises(ValueError, match="sink_tokens"):

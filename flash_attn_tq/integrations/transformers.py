@@ -16,11 +16,14 @@ Per layer, the cache holds
 
 * the first ``sink_tokens`` tokens of each sequence in 16-bit (attention sinks: the tokens most
   heads put a large share of their weight on), outside the quantized cache;
-* every later token as ``k_bits``/``v_bits`` codes + float16 (scale, offset), with the most recent
-  ``fp16_window`` of them also kept in 16-bit (handled by QuantizedKVCache);
-* keys centred and reflected so that their main direction is stored exactly (``key_center``,
-  ``key_pca``; optional per-channel scaling ``key_scale``/``key_scale_q``); values' main direction
-  likewise (``value_pca``); all exact for attention (see QuantizedKVCache), calibrated on the prompt.
+* every later token as ``k_bits``/``v_bits`` codes + a float16 scale (``scale_only``; or scale and
+  offset), with the most recent ``fp16_window`` of them also kept in 16-bit (handled by
+  QuantizedKVCache); 4-bit keys in the last layers (``late_k_bits``), paid for by the scale-only
+  metadata;
+* keys centred (``key_center``); optionally reflected so that their main direction is stored exactly
+  (``key_pca``, with ``fit="mean"``), values likewise (``value_pca``), per-channel key scaling
+  (``key_scale``/``key_scale_q``); all exact for attention (see QuantizedKVCache), calibrated on the
+  prompt.
 
 The prompt (the first forward) attends in full precision over its own keys (``prefill="full"``,
 the usual practice; its K/V are quantized into the cache as they are written); later tokens attend
@@ -51,13 +54,26 @@ from ..interface import _attend_quantized, _dense_part, _merge_lse
 ATTN_IMPLEMENTATION = "tq_kvcache"  # (a name containing "flash" would make transformers look for flash-attn)
 
 # The default configuration (chosen by benchmarks/eval_quality.py; see benchmarks/results/quality.md).
-DEFAULTS = dict(k_bits=3, v_bits=3, quantizer="turbo", grid="uniform", fit="mean", fp16_window=124,
-                sink_tokens=4, key_center=True, key_scale=0.0, key_scale_q=False, key_pca=True, value_pca=True)
-# Per sequence and layer: 4 sink tokens + the last 124 tokens in 16-bit; every other token 3-bit codes +
-# float16 (scale, offset) = 3.5 bits/element at head_dim 64, 3.25 at 128. Keys centred and their main
-# direction stored exactly in the offset; values likewise for their main direction. (Per-channel key
-# scaling calibrated on the prompt helps at 1K tokens but hurts at 4K: off by default.) On the GPU,
-# appends quantize in the pack kernel (fit="mean" included) after the key/value transforms in PyTorch.
+DEFAULTS = dict(k_bits=3, v_bits=3, quantizer="turbo", grid="uniform", fit="norm", scale_only=True, late_k_bits=4,
+                fp16_window=124, sink_tokens=4, key_center=True, key_scale=0.0, key_scale_q=False, key_pca=False,
+                value_pca=False)
+# Per sequence and layer: 4 sink tokens + the last 124 tokens in 16-bit; every other token as 3-bit
+# codes + one float16 scale (turbo's norm fit: the offset is -mid * scale, not stored), keys centred.
+# The 16 bits a vector that the scale-only metadata saves pay for 4-bit keys (late_k_bits) in the last
+# layers: 32 / head_dim of them (half at head_dim 64, a quarter at 128), so the cache stays at
+# 3 + 32 / head_dim bits/element (3.5 at 64, 3.25 at 128), what 3-bit codes + (scale, offset) cost.
+# Measured on SmolLM2 (head_dim 64, news text): +0.12% PPL, 96.7% top-1 agreement vs +0.52% / 95.8%
+# for the previous 3-bit-everywhere default; the later layers gain most from 4-bit keys.
+
+
+def _late_layers(quantized: list[int], head_dim: int, k_bits: int, late_k_bits: int | None,
+                 scale_only: bool) -> set[int]:
+    """The layers (the last of ``quantized``) whose keys get ``late_k_bits``: as many as the 16 bits a
+    vector that scale-only metadata saves pay for (none without it)."""
+    if late_k_bits is None or late_k_bits <= k_bits or not scale_only:
+        return set()
+    n = min(len(quantized), (len(quantized) * 32) // (head_dim * (late_k_bits - k_bits)))
+    return set(quantized[len(quantized) - n:])
 
 
 def _check_no_padding(attention_mask) -> None:
@@ -247,17 +263,21 @@ class TQCache(Cache):
     """A transformers ``Cache`` whose layers hold 3-bit quantized K/V (see the module docstring).
 
     Args:
-        config: the model config (optional; gives the layer count for :meth:`bits_per_element`).
+        config: the model config (optional; its layer count and head_dim place ``late_k_bits``).
         max_cache_len: initial capacity in tokens per layer (grows by doubling when exceeded).
         protected_layers: layer indices kept in a plain 16-bit cache.
         sink_tokens: leading tokens kept in 16-bit outside the quantized cache.
         prefill: ``"full"`` (the first forward attends over its own full-precision K/V) or
             ``"quantized"`` (it attends over the quantized cache, as token-by-token decoding would).
+        late_k_bits: key bits of the last layers, as many as scale-only metadata pays for (see
+            :data:`DEFAULTS`; needs ``config`` for the layer count and head_dim; None: ``k_bits`` in
+            every layer).
         layer_options: per-layer QuantizedKVCache option overrides, ``{layer index: {option: value}}``,
-            e.g. 4-bit keys in the last half of the layers (the best 3.5-bit mix measured,
-            ``benchmarks/results/quality.md``): ``{i: {"k_bits": 4} for i in range(15, 30)}``.
-        **cache_kwargs: QuantizedKVCache options (k_bits, v_bits, quantizer, grid, fit,
-            fp16_window, key_center, key_scale, seed, ...). Missing ones come from :data:`DEFAULTS`.
+            applied after ``late_k_bits``.
+        **cache_kwargs: QuantizedKVCache options (k_bits, v_bits, quantizer, grid, fit, scale_only,
+            fp16_window, key_center, key_scale, seed, ...). Missing ones come from :data:`DEFAULTS`;
+            ``scale_only`` defaults to False where the options do not allow it (asym, Lloyd-Max grid,
+            ``fit="mean"``).
     """
 
     def __init__(self, config=None, *, max_cache_len: int | None = None, protected_layers: Iterable[int] = (),
@@ -266,20 +286,36 @@ class TQCache(Cache):
         if prefill not in ("full", "quantized"):
             raise ValueError(f"prefill must be 'full' or 'quantized', got {prefill!r}")
         opts = dict(DEFAULTS)
-        if cache_kwargs.get("quantizer", opts["quantizer"]) != "turbo":  # turbo-only defaults do not carry over
-            opts.update(fit="norm", key_pca=False, value_pca=False)
         opts.update(cache_kwargs)
+        if "scale_only" not in cache_kwargs and (opts["quantizer"] != "turbo" or opts["grid"] != "uniform"
+                                                 or opts["fit"] != "norm"):
+            opts["scale_only"] = False  # (the scale-only format needs turbo's uniform norm fit)
         self.sink_tokens = int(opts.pop("sink_tokens"))
+        late_k_bits = opts.pop("late_k_bits")
         self.cache_kwargs = opts
         self.initial_capacity = max_cache_len
         self.protected_layers = frozenset(int(i) for i in protected_layers)
         self.prefill = prefill
         self.num_layers = getattr(config, "num_hidden_layers", None)
-        self.layer_options = {int(i): dict(o) for i, o in (layer_options or {}).items()}
+        head_dim = getattr(config, "head_dim", None)
+        if head_dim is None and config is not None and getattr(config, "num_attention_heads", None):
+            head_dim = config.hidden_size // config.num_attention_heads
+        if late_k_bits is not None and not 2 <= int(late_k_bits) <= 4:
+            raise ValueError(f"late_k_bits must be 2, 3, 4 or None, got {late_k_bits}")
+        late = set()
+        if self.num_layers is not None and head_dim is not None:
+            quantized = [i for i in range(self.num_layers) if i not in self.protected_layers]
+            late = _late_layers(quantized, head_dim, opts["k_bits"], late_k_bits, opts["scale_only"])
+        elif "late_k_bits" in cache_kwargs and late_k_bits is not None:
+            raise ValueError("late_k_bits needs the model config (layer count and head_dim): TQCache(config, ...)")
+        self.layer_options = {i: {"k_bits": int(late_k_bits)} for i in sorted(late)}
+        for i, o in (layer_options or {}).items():
+            self.layer_options.setdefault(int(i), {}).update(o)
         self.pack_errors = PackErrors()
         for i, o in self.layer_options.items():
-            if "sink_tokens" in o:
-                raise ValueError(f"layer_options[{i}]: sink_tokens is a TQCache-wide option")
+            if "sink_tokens" in o or "late_k_bits" in o:
+                raise ValueError(f"layer_options[{i}]: {'sink_tokens' if 'sink_tokens' in o else 'late_k_bits'} "
+                                 f"is a TQCache-wide option")
         QuantizedKVCache(1, 1, 1, 64, **opts)  # validate the options early
         for i, o in self.layer_options.items():
             try:
