@@ -42,11 +42,11 @@ int choose_num_splits(int ctas, int max_seqlen_k, int num_sms) {
     return fewest;
 }
 
-// Query rows a kv head (GQA group x seqlen_q) from which the prefill kernel (128-row CTAs, each tile
+// Query rows a kv head (GQA group x seqlen_q) from which the prefill kernel (256-row CTAs, each tile
 // expanded once into shared memory) replaces the decode kernel (16-row CTAs, each expanding every
 // tile in registers itself); mirrored by flash_attn_tq.ops.PREFILL_MIN_ROWS.
 constexpr int kPrefillMinRows = 128;
-constexpr int kPrefillRowsPerCta = 128;
+constexpr int kPrefillRowsPerCta = 256;
 
 template <int kHeadDim, int kKBits, int kVBits, typename Elem>
 void run_packed(bool prefill, bool scale_only, const DecodeParams &p, cudaStream_t stream) {

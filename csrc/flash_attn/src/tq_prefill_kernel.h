@@ -1,7 +1,8 @@
 // Prefill / chunked-prefill attention over a packed K/V cache: many query rows a (batch, kv head).
 //
-// One CTA = (split, batch * kv_head, 16 query rows a warp); rows as in tq_rows.h (a GQA group's
-// heads share every tile). The CTA streams the cache in 64-token tiles:
+// One CTA = (split, batch * kv_head, 32 query rows a warp: two 16-row MMA tiles share each K/V
+// fragment the warp reads); rows as in tq_rows.h (a GQA group's heads share every tile). Q waits in
+// shared memory as A fragments (each lane its own: no barrier), read back every tile. The CTA streams the cache in 64-token tiles:
 //   1. two warps copy the packed tile (codes + fp16 metadata, ~6.6 KB at 3 bits, d=128) into a
 //      3-stage cp.async ring, as two PackedKV stages of 32 tokens;
 //   2. all threads expand it once into shared memory as tensor-core B fragments (256 K (token,
@@ -11,8 +12,8 @@
 //      rounding error on a whole score); V as (code - mid) * scale, whose scale rounding then
 //      multiplies a zero-mean factor (see the decode kernel on why a common-mode error must be
 //      avoided), with offset + mid * scale a float32 term times p;
-//   3. each warp runs FA2's loop on its rows: S = Q K^T (Q: A fragments in registers, in the
-//      loader's slot order), online softmax, O += P V, the V term summed per row.
+//   3. each warp runs FA2's loop on its rows: S = Q K^T (Q: A fragments in the loader's slot
+//      order), online softmax, O += P V, the V term summed per row.
 // One barrier a tile: tile i + 1 is expanded while tile i is multiplied (warps interleave both).
 #pragma once
 
@@ -25,7 +26,7 @@
 
 namespace flash_tq {
 
-template <typename Elem_, int kHeadDim_, int kKBits, int kVBits, int kNWarps_, bool kScaleOnly = false>
+template <typename Elem_, int kHeadDim_, int kKBits, int kVBits, int kNWarps_, int kMTiles_, bool kScaleOnly = false>
 struct PrefillTraits {
     using Elem = Elem_;
     using KV = PackedKV<kKBits, kVBits, kHeadDim_, Elem_, kScaleOnly>;
@@ -33,7 +34,9 @@ struct PrefillTraits {
     static constexpr float kKMid = (1 << (kKBits - 1)) - 0.5f;  // middle of K's code range
     static constexpr int kNWarps = kNWarps_;
     static constexpr int kNThreads = 32 * kNWarps;
-    static constexpr int kRows = 16 * kNWarps;     // query rows a CTA share each expanded tile
+    static constexpr int kMTiles = kMTiles_;       // 16-row MMA tiles a warp (2: half the fragment reads an MMA)
+    static constexpr int kWarpRows = 16 * kMTiles;
+    static constexpr int kRows = kWarpRows * kNWarps;  // query rows a CTA share each expanded tile
     static constexpr int kTileN = 2 * KV::kTileN;  // 64 tokens: 256 K and 256 V expansion units
     static constexpr int kPackedStages = 3;        // packed tiles in flight: i + 1 expanding, i + 2 arriving
     static constexpr int kPackedBytes = 2 * KV::kStageBytes;
@@ -45,8 +48,10 @@ struct PrefillTraits {
     static constexpr int kVTermOff = kKTermOff + kTileN * 8;                  // float a token: V term
     static constexpr int kFragBytes = kVTermOff + kTileN * 4;
     static constexpr int kPipeBytes = kPackedStages * kPackedBytes + 2 * kFragBytes;
-    static constexpr int kQBytes = kRows * kHeadDim * 4;  // turbo q rotation, and the output rows at the end
-    static constexpr int kSmemBytes = kPipeBytes > kQBytes ? kPipeBytes : kQBytes;
+    static constexpr int kQFragBytes = kRows * kHeadDim * 2;  // Q's A fragments, for the whole kernel
+    static constexpr int kQBytes = kRows * kHeadDim * 4;      // turbo q rotation (then the pipeline's), output rows
+    static constexpr int kWorkBytes = kPipeBytes > kQBytes ? kPipeBytes : kQBytes;
+    static constexpr int kSmemBytes = kQFragBytes + kWorkBytes > kQBytes ? kQFragBytes + kWorkBytes : kQBytes;
     static constexpr int kUnits = kTileN * 4;      // K units (token, lane quad) = V units (token pair, group)
     static_assert(kUnits % kNThreads == 0 && kTileN / 2 * 8 == kUnits, "whole expansion passes");
 
@@ -129,116 +134,135 @@ __device__ __forceinline__ void expand_tile(const char *packed, char *frag, floa
 }
 
 // One warp's rows over fragment buffer `frag` (tile at key tile_start): S = Q K^T, the online
-// softmax, O += P V. masked: some key of the tile lies outside a row's keys [first[h], lim[h]).
+// softmax, O += P V, for each of its kMTiles 16-row tiles (index m), the tile's two 32-token halves
+// one after the other (the scores of both m tiles and the 64-token tile would not fit the registers
+// beside the accumulators). masked: some key of the tile lies outside a row's keys
+// [first[m][h], lim[m][h]). qfrag: the lane's Q A fragments, [m][k-block] 16 bytes, 512 bytes apart.
 template <typename T, bool kLocal>
-__device__ __forceinline__ void attend_tile(const char *frag, int tile_start, bool masked, const int (&lim)[2],
-                                            const int (&first)[2], float softcap_log2,
-                                            const uint32_t (&qa)[T::kHeadDim / 16][4], const float (&sumq)[2],
-                                            float (&row_max)[2], float (&row_sum)[2], float (&row_corr)[2],
-                                            float (&acc)[T::kHeadDim / 8][4], int lane) {
+__device__ __forceinline__ void attend_tile(const char *frag, const char *qfrag, int tile_start, bool masked,
+                                            const int (&lim)[T::kMTiles][2], const int (&first)[T::kMTiles][2],
+                                            float softcap_log2, const float (&sumq)[T::kMTiles][2],
+                                            float (&row_max)[T::kMTiles][2], float (&row_sum)[T::kMTiles][2],
+                                            float (&row_corr)[T::kMTiles][2], float (&acc)[T::kMTiles][T::kHeadDim / 8][4],
+                                            int lane) {
     using Elem = typename T::Elem;
-    constexpr int D = T::kHeadDim, KB = D / 16, NJ = T::kTileN / 8, DJ = D / 8;
+    constexpr int D = T::kHeadDim, KB = D / 16, NH = T::kTileN / 16, DJ = D / 8, MT = T::kMTiles;
     constexpr float kNegInf = -INFINITY;
     const int g = lane / 4, c = lane % 4;
-    // per-token factors of tokens (8j + 2c, 8j + 2c + 1): K (scale, term, scale, term), V (term, term)
-    const float4 *k_terms = reinterpret_cast<const float4 *>(frag + T::kKTermOff);
-    const float2 *v_terms = reinterpret_cast<const float2 *>(frag + T::kVTermOff);
+    #pragma unroll 1
+    for (int half = 0; half < 2; ++half) {
+        const int t0 = half * (T::kTileN / 2);
+        // per-token factors of tokens (t0 + 8j + 2c, + 1): K (scale, term, scale, term), V (term, term)
+        const float4 *k_terms = reinterpret_cast<const float4 *>(frag + T::kKTermOff) + t0 / 2;
+        const float2 *v_terms = reinterpret_cast<const float2 *>(frag + T::kVTermOff) + t0 / 2;
 
-    // ---- S = Q K^T: n8 tile j = tokens 8j..8j+7; lane (g, c) reads token 8j + g, quad c
-    float s[NJ][4];
-    #pragma unroll
-    for (int j = 0; j < NJ; ++j) {
+        // ---- S = Q K^T: n8 tile j = tokens t0 + 8j..+7; lane (g, c) reads token t0 + 8j + g, quad c;
+        // each K fragment serves every m tile
+        float s[MT][NH][4];
         #pragma unroll
-        for (int e = 0; e < 4; ++e) { s[j][e] = 0.f; }
-    }
-    #pragma unroll
-    for (int q = 0; q < KB / 2; ++q) {  // chunk q: k-blocks 2q, 2q + 1; consecutive MMAs are independent
-        uint4 w[NJ];
-        #pragma unroll
-        for (int j = 0; j < NJ; ++j) { w[j] = lds128(frag + T::kKFragOff, T::k_chunk(8 * j + g, c * (KB / 2) + q)); }
-        #pragma unroll
-        for (int j = 0; j < NJ; ++j) { mma_16816<Elem>(s[j], qa[2 * q], w[j].x, w[j].y); }
-        #pragma unroll
-        for (int j = 0; j < NJ; ++j) { mma_16816<Elem>(s[j], qa[2 * q + 1], w[j].z, w[j].w); }
-    }
-    // scores (base 2): s[j][e] is row g + 8 (e / 2), token 8j + 2c + e % 2
-    float tile_max[2] = {kNegInf, kNegInf};
-    #pragma unroll
-    for (int j = 0; j < NJ; ++j) {
-        #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int h = e / 2, tok = 8 * j + 2 * c + e % 2;
-            const float4 m = k_terms[4 * j + c];
-            float v = e % 2 ? fmaf(s[j][e], m.z, m.w * sumq[h]) : fmaf(s[j][e], m.x, m.y * sumq[h]);
-            if (masked && (tile_start + tok >= lim[h] || (kLocal && tile_start + tok < first[h]))) v = kNegInf;
-            s[j][e] = v;
-        }
-    }
-    if (kLocal && softcap_log2 > 0.f) {  // warp-uniform; masked scores stay -inf
-        #pragma unroll
-        for (int j = 0; j < NJ; ++j) {
+        for (int m = 0; m < MT; ++m) {
             #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                if (s[j][e] != kNegInf) s[j][e] = softcap_score(s[j][e], softcap_log2);
+            for (int j = 0; j < NH; ++j) {
+                #pragma unroll
+                for (int e = 0; e < 4; ++e) { s[m][j][e] = 0.f; }
             }
         }
-    }
-    #pragma unroll
-    for (int j = 0; j < NJ; ++j) {
         #pragma unroll
-        for (int e = 0; e < 4; ++e) { tile_max[e / 2] = fmaxf(tile_max[e / 2], s[j][e]); }
-    }
-    // online softmax with lazy rescaling (as in the decode kernel: the reference max moves only
-    // when a row's tile max exceeds it by more than 2^8)
-    constexpr float kRescaleSlack = 8.f;
-    bool moved = false;
-    #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 1));
-        tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 2));
-        moved |= tile_max[h] > row_max[h] + kRescaleSlack;
-    }
-    if (__any_sync(0xffffffffu, moved)) {
-        #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const float mx = fmaxf(row_max[h], tile_max[h]);
-            const float rescale = mx == kNegInf ? 1.f : exp2f(row_max[h] - mx);
-            row_max[h] = mx;
-            row_sum[h] *= rescale;
-            row_corr[h] *= rescale;
+        for (int q = 0; q < KB / 2; ++q) {  // chunk q: k-blocks 2q, 2q + 1
+            uint4 w[NH];
             #pragma unroll
-            for (int j = 0; j < DJ; ++j) { acc[j][2 * h] *= rescale; acc[j][2 * h + 1] *= rescale; }
+            for (int j = 0; j < NH; ++j) { w[j] = lds128(frag + T::kKFragOff, T::k_chunk(t0 + 8 * j + g, c * (KB / 2) + q)); }
+            #pragma unroll
+            for (int m = 0; m < MT; ++m) {
+                const uint4 a0 = lds128(qfrag, 32 * (m * KB + 2 * q)), a1 = lds128(qfrag, 32 * (m * KB + 2 * q + 1));
+                const uint32_t qa0[4] = {a0.x, a0.y, a0.z, a0.w}, qa1[4] = {a1.x, a1.y, a1.z, a1.w};
+                #pragma unroll
+                for (int j = 0; j < NH; ++j) { mma_16816<Elem>(s[m][j], qa0, w[j].x, w[j].y); }
+                #pragma unroll
+                for (int j = 0; j < NH; ++j) { mma_16816<Elem>(s[m][j], qa1, w[j].z, w[j].w); }
+            }
         }
-    }
-    const float use_max[2] = {row_max[0] == kNegInf ? 0.f : row_max[0], row_max[1] == kNegInf ? 0.f : row_max[1]};
-    // P as A fragments: k-block kb = n8 tiles 2kb, 2kb + 1
-    uint32_t pa[NJ / 2][4];
-    #pragma unroll
-    for (int j = 0; j < NJ; ++j) {
-        float pr[4];
+        // scores (base 2): s[m][j][e] is row 16m + g + 8 (e / 2), token t0 + 8j + 2c + e % 2
+        float tile_max[MT][2];
+        bool moved = false;
         #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int h = e / 2;
-            const float2 m = v_terms[4 * j + c];
-            const float prob = exp2f(s[j][e] - use_max[h]);
-            row_sum[h] += prob;
-            row_corr[h] += prob * (e % 2 ? m.y : m.x);
-            pr[e] = prob;
+        for (int m = 0; m < MT; ++m) {
+            tile_max[m][0] = tile_max[m][1] = kNegInf;
+            #pragma unroll
+            for (int j = 0; j < NH; ++j) {
+                #pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int h = e / 2, tok = tile_start + t0 + 8 * j + 2 * c + e % 2;
+                    const float4 f = k_terms[4 * j + c];
+                    float v = e % 2 ? fmaf(s[m][j][e], f.z, f.w * sumq[m][h]) : fmaf(s[m][j][e], f.x, f.y * sumq[m][h]);
+                    if (masked && (tok >= lim[m][h] || (kLocal && tok < first[m][h]))) v = kNegInf;
+                    if (kLocal && softcap_log2 > 0.f && v != kNegInf) v = softcap_score(v, softcap_log2);
+                    s[m][j][e] = v;
+                    tile_max[m][h] = fmaxf(tile_max[m][h], v);
+                }
+            }
+            // online softmax with lazy rescaling (as in the decode kernel: the reference max moves
+            // only when a row's tile max exceeds it by more than 2^8)
+            constexpr float kRescaleSlack = 8.f;
+            #pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                tile_max[m][h] = fmaxf(tile_max[m][h], __shfl_xor_sync(0xffffffffu, tile_max[m][h], 1));
+                tile_max[m][h] = fmaxf(tile_max[m][h], __shfl_xor_sync(0xffffffffu, tile_max[m][h], 2));
+                moved |= tile_max[m][h] > row_max[m][h] + kRescaleSlack;
+            }
         }
-        pa[j / 2][2 * (j % 2)] = pack2<Elem>(pr[0], pr[1]);
-        pa[j / 2][2 * (j % 2) + 1] = pack2<Elem>(pr[2], pr[3]);
-    }
-    // ---- O += P V: lane (g, c) reads token pairs 8kb + c (b0) and 8kb + c + 4 (b1), group g
-    #pragma unroll
-    for (int kb = 0; kb < NJ / 2; ++kb) {
+        if (__any_sync(0xffffffffu, moved)) {
+            #pragma unroll
+            for (int m = 0; m < MT; ++m) {
+                #pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const float mx = fmaxf(row_max[m][h], tile_max[m][h]);
+                    const float rescale = mx == kNegInf ? 1.f : exp2f(row_max[m][h] - mx);
+                    row_max[m][h] = mx;
+                    row_sum[m][h] *= rescale;
+                    row_corr[m][h] *= rescale;
+                    #pragma unroll
+                    for (int j = 0; j < DJ; ++j) { acc[m][j][2 * h] *= rescale; acc[m][j][2 * h + 1] *= rescale; }
+                }
+            }
+        }
+        // P as A fragments: k-block kb = n8 tiles 2kb, 2kb + 1
+        uint32_t pa[MT][NH / 2][4];
         #pragma unroll
-        for (int q = 0; q < D / 32; ++q) {
-            const uint4 b0 = lds128(frag + T::kVFragOff, T::v_chunk(8 * kb + c, g * (D / 32) + q));
-            const uint4 b1 = lds128(frag + T::kVFragOff, T::v_chunk(8 * kb + c + 4, g * (D / 32) + q));
-            mma_16816<Elem>(acc[4 * q + 0], pa[kb], b0.x, b1.x);
-            mma_16816<Elem>(acc[4 * q + 1], pa[kb], b0.y, b1.y);
-            mma_16816<Elem>(acc[4 * q + 2], pa[kb], b0.z, b1.z);
-            mma_16816<Elem>(acc[4 * q + 3], pa[kb], b0.w, b1.w);
+        for (int m = 0; m < MT; ++m) {
+            const float use_max[2] = {row_max[m][0] == kNegInf ? 0.f : row_max[m][0],
+                                      row_max[m][1] == kNegInf ? 0.f : row_max[m][1]};
+            #pragma unroll
+            for (int j = 0; j < NH; ++j) {
+                float pr[4];
+                #pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int h = e / 2;
+                    const float2 f = v_terms[4 * j + c];
+                    const float prob = exp2f(s[m][j][e] - use_max[h]);
+                    row_sum[m][h] += prob;
+                    row_corr[m][h] += prob * (e % 2 ? f.y : f.x);
+                    pr[e] = prob;
+                }
+                pa[m][j / 2][2 * (j % 2)] = pack2<Elem>(pr[0], pr[1]);
+                pa[m][j / 2][2 * (j % 2) + 1] = pack2<Elem>(pr[2], pr[3]);
+            }
+        }
+        // ---- O += P V: lane (g, c) reads token pairs t0 / 2 + 8kb + c (b0) and + 4 (b1), group g
+        #pragma unroll
+        for (int kb = 0; kb < NH / 2; ++kb) {
+            #pragma unroll
+            for (int q = 0; q < D / 32; ++q) {
+                const uint4 b0 = lds128(frag + T::kVFragOff, T::v_chunk(t0 / 2 + 8 * kb + c, g * (D / 32) + q));
+                const uint4 b1 = lds128(frag + T::kVFragOff, T::v_chunk(t0 / 2 + 8 * kb + c + 4, g * (D / 32) + q));
+                #pragma unroll
+                for (int m = 0; m < MT; ++m) {
+                    mma_16816<Elem>(acc[m][4 * q + 0], pa[m][kb], b0.x, b1.x);
+                    mma_16816<Elem>(acc[m][4 * q + 1], pa[m][kb], b0.y, b1.y);
+                    mma_16816<Elem>(acc[m][4 * q + 2], pa[m][kb], b0.z, b1.z);
+                    mma_16816<Elem>(acc[m][4 * q + 3], pa[m][kb], b0.w, b1.w);
+                }
+            }
         }
     }
 }
@@ -247,22 +271,29 @@ template <typename T, bool kLocal>
 __global__ void __launch_bounds__(T::kNThreads, 256 / T::kNThreads) prefill_split_kernel(const DecodeParams p) {
     using Elem = typename T::Elem;
     using KV = typename T::KV;
-    constexpr int D = T::kHeadDim, KB = D / 16, NJ = T::kTileN / 8, DJ = D / 8, kV = RowMath<D>::kV;
+    constexpr int D = T::kHeadDim, KB = D / 16, DJ = D / 8, MT = T::kMTiles, WR = T::kWarpRows, kV = RowMath<D>::kV;
     constexpr float kNegInf = -INFINITY;
     extern __shared__ __align__(16) char smem[];
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, c = lane % 4;
     const int split = blockIdx.x, b = blockIdx.y / p.h_k, hk = blockIdx.y % p.h_k, row0 = blockIdx.z * T::kRows;
-    const int total_rows = p.h_h_k_ratio * p.seqlen_q, wrow0 = row0 + 16 * warp;
+    const int total_rows = p.h_h_k_ratio * p.seqlen_q, wrow0 = row0 + WR * warp;
     const int bc = p.cache_batch_idx != nullptr ? p.cache_batch_idx[b] : b;
     const int seqlen_k = max(0, min(p.seqlens_k[b], p.max_seqlen_k));
     const int key_start = kLocal && p.leftpad_k != nullptr ? max(0, p.leftpad_k[b]) : 0;
 
-    // keys [first, lim) of rows wrow0 + g (h = 0) and + 8 (h = 1); limits and firsts grow with the row
-    const int lim[2] = {key_limit(p, seqlen_k, total_rows, wrow0 + g), key_limit(p, seqlen_k, total_rows, wrow0 + g + 8)};
-    const int first[2] = {key_first<kLocal>(p, seqlen_k, total_rows, wrow0 + g, key_start), key_first<kLocal>(p, seqlen_k, total_rows, wrow0 + g + 8, key_start)};
+    // keys [first, lim) of rows wrow0 + 16m + g (h = 0) and + 8 (h = 1); limits and firsts grow with the row
+    int lim[MT][2], first[MT][2];
+    #pragma unroll
+    for (int m = 0; m < MT; ++m) {
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            lim[m][h] = key_limit(p, seqlen_k, total_rows, wrow0 + 16 * m + g + 8 * h);
+            first[m][h] = key_first<kLocal>(p, seqlen_k, total_rows, wrow0 + 16 * m + g + 8 * h, key_start);
+        }
+    }
     const int cta_limit = key_limit(p, seqlen_k, total_rows, min(row0 + T::kRows, total_rows) - 1);
-    const int warp_last = min(wrow0 + 16, total_rows) - 1;
+    const int warp_last = min(wrow0 + WR, total_rows) - 1;
     const int warp_limit = wrow0 < total_rows ? key_limit(p, seqlen_k, total_rows, warp_last) : 0;
     const int warp_first = wrow0 < total_rows ? key_first<kLocal>(p, seqlen_k, total_rows, wrow0, key_start) : 0;
     // tiles within [the last row's first key, the first row's limit) need no mask
@@ -274,34 +305,41 @@ __global__ void __launch_bounds__(T::kNThreads, 256 / T::kNThreads) prefill_spli
     const int tile_begin = tile_first + split * tiles_per_split;
     const int n_mine = max(0, min(n_tiles, tile_begin + tiles_per_split) - tile_begin);
 
-    // ---- Q: A fragments of rows wrow0 + g (a0, a2) and + g + 8 (a1, a3) in the loader's slot order
+    // ---- Q: A fragments of rows wrow0 + 16m + g (a0, a2) and + 8 (a1, a3) in the loader's slot
+    // order, to the lane's own 16-byte slots of shared memory (read back by the same lane only)
     const bool rotate = p.rot_signs != nullptr;
-    float *sm_q = reinterpret_cast<float *>(smem);  // [kRows][D]
+    char *qfrag = smem + 16 * (warp * MT * KB * 32 + lane);
+    char *work = smem + T::kQFragBytes;  // the rotation's rows, then the pipeline
+    float *sm_q = reinterpret_cast<float *>(work);  // [kRows][D]
     if (rotate) {
         rotate_q_rows<Elem, D, T::kRows, T::kNWarps>(p, b, hk, row0, total_rows, sm_q, warp, lane);
         __syncthreads();
     }
-    uint32_t qa[KB][4];
-    float sumq[2], unused_magic;
+    float sumq[MT][2], unused_magic;
     #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int n = 16 * warp + g + 8 * h, r = row0 + n;
-        const bool valid = r < total_rows;
-        const Elem *qrow = q_row_ptr<Elem>(p, b, hk, valid ? r : 0);
-        auto q_at = [&](int e) {
-            if (rotate) return sm_q[n * D + e] * RowMath<D>::kInvSqrtD;
-            return valid ? to_float(qrow[e]) : 0.f;
-        };
-        uint32_t f[KB][2];
-        q_row_slots<KV, Elem, KB, false>(q_at, c, f, sumq[h], unused_magic);
+    for (int m = 0; m < MT; ++m) {
+        uint32_t f[2][KB][2];
         #pragma unroll
-        for (int kb = 0; kb < KB; ++kb) { qa[kb][h] = f[kb][0]; qa[kb][h + 2] = f[kb][1]; }
+        for (int h = 0; h < 2; ++h) {
+            const int n = WR * warp + 16 * m + g + 8 * h, r = row0 + n;
+            const bool valid = r < total_rows;
+            const Elem *qrow = q_row_ptr<Elem>(p, b, hk, valid ? r : 0);
+            auto q_at = [&](int e) {
+                if (rotate) return sm_q[n * D + e] * RowMath<D>::kInvSqrtD;
+                return valid ? to_float(qrow[e]) : 0.f;
+            };
+            q_row_slots<KV, Elem, KB, false>(q_at, c, f[h], sumq[m][h], unused_magic);
+        }
+        #pragma unroll
+        for (int kb = 0; kb < KB; ++kb) {
+            *reinterpret_cast<uint4 *>(qfrag + 512 * (m * KB + kb)) = make_uint4(f[0][kb][0], f[1][kb][0], f[0][kb][1], f[1][kb][1]);
+        }
     }
     if (rotate) { __syncthreads(); }  // sm_q is the pipeline's memory from here on
 
     const typename KV::Bases bases = KV::bases(p, bc, hk);
-    char *packed = smem;
-    char *frags = smem + T::kPackedStages * T::kPackedBytes;
+    char *packed = work;
+    char *frags = work + T::kPackedStages * T::kPackedBytes;
     auto load = [&](int i) {  // packed tile i of this split, by warps 0 and 1 (32 tokens each)
         if (warp < 2 && i < n_mine) {
             KV::load_tile(p, bases, packed + (i % T::kPackedStages) * T::kPackedBytes + warp * KV::kStageBytes, b,
@@ -310,14 +348,17 @@ __global__ void __launch_bounds__(T::kNThreads, 256 / T::kNThreads) prefill_spli
         cp_async_commit();
     };
 
-    float acc[DJ][4], row_max[2], row_sum[2], row_corr[2];
+    float acc[MT][DJ][4], row_max[MT][2], row_sum[MT][2], row_corr[MT][2];
     #pragma unroll
-    for (int j = 0; j < DJ; ++j) {
+    for (int m = 0; m < MT; ++m) {
         #pragma unroll
-        for (int e = 0; e < 4; ++e) { acc[j][e] = 0.f; }
+        for (int j = 0; j < DJ; ++j) {
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) { acc[m][j][e] = 0.f; }
+        }
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) { row_max[m][h] = kNegInf; row_sum[m][h] = 0.f; row_corr[m][h] = 0.f; }
     }
-    #pragma unroll
-    for (int h = 0; h < 2; ++h) { row_max[h] = kNegInf; row_sum[h] = 0.f; row_corr[h] = 0.f; }
 
     load(0);
     load(1);
@@ -341,44 +382,53 @@ __global__ void __launch_bounds__(T::kNThreads, 256 / T::kNThreads) prefill_spli
         const int tile_start = (tile_begin + it) * T::kTileN;
         if (tile_start < warp_limit && tile_start + T::kTileN > warp_first) {  // warp-uniform: a row sees the tile
             const bool masked = tile_start + T::kTileN > warp_unmasked || (kLocal && tile_start < warp_first_max);
-            attend_tile<T, kLocal>(frags + (it % 2) * T::kFragBytes, tile_start, masked, lim, first, p.softcap_log2, qa,
-                           sumq, row_max, row_sum, row_corr, acc, lane);
+            attend_tile<T, kLocal>(frags + (it % 2) * T::kFragBytes, qfrag, tile_start, masked, lim, first,
+                                   p.softcap_log2, sumq, row_max, row_sum, row_corr, acc, lane);
         }
         if (!expand_first) { expand_next(); }
     }
     cp_async_wait<0>();
 
-    // ---- rows to shared memory (a warp's 16 rows), then a warp a row: normalize, store
+    // ---- rows to shared memory (a warp's WR rows), then a warp a row: normalize, store
     #pragma unroll
-    for (int h = 0; h < 2; ++h) {
+    for (int m = 0; m < MT; ++m) {
         #pragma unroll
-        for (int o = 1; o <= 2; o *= 2) {
-            row_sum[h] += __shfl_xor_sync(0xffffffffu, row_sum[h], o);
-            row_corr[h] += __shfl_xor_sync(0xffffffffu, row_corr[h], o);
+        for (int h = 0; h < 2; ++h) {
+            #pragma unroll
+            for (int o = 1; o <= 2; o *= 2) {
+                row_sum[m][h] += __shfl_xor_sync(0xffffffffu, row_sum[m][h], o);
+                row_corr[m][h] += __shfl_xor_sync(0xffffffffu, row_corr[m][h], o);
+            }
         }
     }
     __syncthreads();  // every warp is done with the fragment buffers
-    float *sm_o = reinterpret_cast<float *>(smem) + warp * 16 * D;  // [16][D]
+    float *sm_o = reinterpret_cast<float *>(smem) + warp * WR * D;  // [WR][D]
     #pragma unroll
-    for (int j = 0; j < DJ; ++j) {
+    for (int m = 0; m < MT; ++m) {
         #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int h = e / 2;
-            sm_o[(g + 8 * h) * D + 8 * j + 2 * c + e % 2] = acc[j][e] + row_corr[h];
+        for (int j = 0; j < DJ; ++j) {
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int h = e / 2;
+                sm_o[(16 * m + g + 8 * h) * D + 8 * j + 2 * c + e % 2] = acc[m][j][e] + row_corr[m][h];
+            }
         }
     }
     __syncwarp();
-    #pragma unroll 1
-    for (int n = 0; n < 16; ++n) {
-        const int r = wrow0 + n;
-        if (r >= total_rows) break;  // warp-uniform
-        const int src = (n % 8) * 4;  // a lane holding row n's statistics: g = n % 8
-        const float total = __shfl_sync(0xffffffffu, n < 8 ? row_sum[0] : row_sum[1], src);
-        const float mx = __shfl_sync(0xffffffffu, n < 8 ? row_max[0] : row_max[1], src);
-        float o[kV];
-        #pragma unroll
-        for (int k = 0; k < kV; ++k) { o[k] = total > 0.f ? sm_o[n * D + lane * kV + k] / total : 0.f; }
-        store_row<Elem, D>(p, b, hk, split, r, o, mx == kNegInf ? 0.f : mx, total, lane);
+    #pragma unroll
+    for (int m = 0; m < MT; ++m) {
+        #pragma unroll 1
+        for (int n = 0; n < 16; ++n) {
+            const int r = wrow0 + 16 * m + n;
+            if (r >= total_rows) break;  // warp-uniform
+            const int src = (n % 8) * 4;  // a lane holding row n's statistics: g = n % 8
+            const float total = __shfl_sync(0xffffffffu, n < 8 ? row_sum[m][0] : row_sum[m][1], src);
+            const float mx = __shfl_sync(0xffffffffu, n < 8 ? row_max[m][0] : row_max[m][1], src);
+            float o[kV];
+            #pragma unroll
+            for (int k = 0; k < kV; ++k) { o[k] = total > 0.f ? sm_o[(16 * m + n) * D + lane * kV + k] / total : 0.f; }
+            store_row<Elem, D>(p, b, hk, split, r, o, mx == kNegInf ? 0.f : mx, total, lane);
+        }
     }
 }
 

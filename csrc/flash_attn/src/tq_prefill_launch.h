@@ -10,8 +10,9 @@ namespace flash_tq {
 
 template <typename Elem, int kHeadDim, int kKBits, int kVBits, bool kScaleOnly>
 void run_prefill(const DecodeParams &p, cudaStream_t stream) {
-    // 8 warps, one CTA an SM (4 warps with two CTAs an SM: 153-166 TFLOP/s against 171-188, H200)
-    using Traits = PrefillTraits<Elem, kHeadDim, kKBits, kVBits, 8, kScaleOnly>;
+    // 8 warps of 32 rows, one CTA an SM (4 warps with two CTAs an SM: 153-166 TFLOP/s against 171-188 at
+    // 16 rows a warp, H200)
+    using Traits = PrefillTraits<Elem, kHeadDim, kKBits, kVBits, 8, 2, kScaleOnly>;
     if (p.local()) {  // a lower key bound or softcap (tq_decode_launch.h)
         launch_split<Traits>(&prefill_split_kernel<Traits, true>, p, stream);
     } else {
