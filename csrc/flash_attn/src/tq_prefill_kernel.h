@@ -149,7 +149,7 @@ __device__ __forceinline__ void attend_tile(const char *frag, const char *qfrag,
     constexpr int D = T::kHeadDim, KB = D / 16, NH = T::kTileN / 16, DJ = D / 8, MT = T::kMTiles;
     constexpr float kNegInf = -INFINITY;
     const int g = lane / 4, c = lane % 4;
-    #pragma unroll 1
+    #pragma unroll 1  // (unrolled, the two halves' registers spill)
     for (int half = 0; half < 2; ++half) {
         const int t0 = half * (T::kTileN / 2);
         // per-token factors of tokens (t0 + 8j + 2c, + 1): K (scale, term, scale, term), V (term, term)
@@ -365,9 +365,9 @@ __global__ void __launch_bounds__(T::kNThreads, 256 / T::kNThreads) prefill_spli
     cp_async_wait<1>();
     __syncthreads();
     if (n_mine > 0) { expand_tile<T>(packed, frags, p.scale_softmax_log2, tid); }
-    // Odd warps expand after their tile's MMAs, even warps before: half the warps run integer
-    // work while the other half keeps the tensor cores busy.
-    const bool expand_first = warp % 2 == 0;
+    // Warps 0-3 expand before their tile's MMAs, warps 4-7 after: each scheduler (warp % 4) holds
+    // one of each, so one runs integer work while the other keeps its tensor core busy.
+    const bool expand_first = warp < T::kNWarps / 2;
     for (int it = 0; it < n_mine; ++it) {
         load(it + 2);
         cp_async_wait<1>();
