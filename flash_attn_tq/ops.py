@@ -26,7 +26,7 @@ from .quantizers import uniform_step
 FUSED_HEAD_DIMS = (64, 128)
 FUSED_DECODE_BITS = ((3, 3), (4, 3))  # (k_bits, v_bits) with a fused decode kernel
 # Query rows a kv head (GQA group size * seqlen_q) from which decode_kvcache runs its prefill kernel
-# (128-row CTAs, each packed tile expanded once into shared memory) instead of the decode kernel
+# (256-row CTAs, each packed tile expanded once into shared memory) instead of the decode kernel
 # (16-row CTAs, each expanding every tile itself); mirrors kPrefillMinRows in flash_api_tq.cpp.
 PREFILL_MIN_ROWS = 128
 # Rows a kv head decode_kv16 (the fp16 cache, decode kernel only) takes; more take the reference path.

@@ -25,7 +25,7 @@ commit "csrc: fused split-KV decode and chunked prefill over a 3-bit packed KV c
 packed 3/4-bit loader that stages tiles with cp.async and expands them straight into m16n8k16
 fragments, and an fp16/bf16 loader (cp.async + ldmatrix) (tq_kv_loader.h); the split-KV decode kernel
 with its combine pass (tq_decode_kernel.h); a prefill kernel for many query rows that expands each
-packed tile once into shared-memory fragments for 128 rows (tq_prefill_kernel.h); the query/output
+packed tile once into shared-memory fragments for 256 rows (tq_prefill_kernel.h); the query/output
 row helpers both share (tq_rows.h); quantize-on-write with in-kernel slot resolution and checks
 (tq_pack_kernel.h), launch templates and one instantiation file per (dtype, head dim, loader).
 Nothing upstream changes."

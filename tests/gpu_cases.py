@@ -19,7 +19,7 @@ DECODE_CASES = [
 # chunked prefill: GQA group * seqlen_q >= ops.PREFILL_MIN_ROWS query rows a kv head (the prefill kernel)
 PREFILL_CASES = [
     # batch, seqlens, q heads, kv heads, seqlen_q, causal
-    (2, [700, 1500], 8, 2, 40, True),      # 160 rows: a full 128-row CTA and a partial one
+    (2, [700, 1500], 8, 2, 40, True),      # 160 rows: a partial 256-row CTA (five of its eight warps)
     (1, [129], 4, 4, 128, True),           # MHA, first query sees 2 keys, tile edges inside the chunk
     (2, [300, 65], 9, 3, 64, True),        # group of 3, a cache barely longer than the chunk
     (1, [4097], 32, 8, 33, False),         # 132 rows, long cache (splits), non-causal

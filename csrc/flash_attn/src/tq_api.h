@@ -13,7 +13,7 @@ namespace flash_tq {
 template <typename Elem, int kHeadDim, int kKBits, int kVBits, bool kScaleOnly>
 void run_decode(const DecodeParams &p, cudaStream_t stream);
 
-// Many query rows a kv head (chunked prefill): 128-row CTAs over tiles expanded once into shared memory.
+// Many query rows a kv head (chunked prefill): 256-row CTAs over tiles expanded once into shared memory.
 template <typename Elem, int kHeadDim, int kKBits, int kVBits, bool kScaleOnly>
 void run_prefill(const DecodeParams &p, cudaStream_t stream);
 
