@@ -54,7 +54,7 @@ SIM_NAME = "tq_sim"
 # key_center, key_scale, protect ("boundary" = first and last layer in 16-bit). None = full precision.
 BASE = dict(quantizer="turbo", k_bits=3, v_bits=3, fit="norm", fp16_window=0, sink_tokens=0,
             key_center=False, key_scale=0.0, key_scale_q=False, key_pca=False, value_pca=False, protect=None,
-            qjl=False, k4_layers=None, scale_only=False, klt=None)
+            qjl=False, k4_layers=None, v2_layers=None, scale_only=False, klt=None)
 
 
 def _cfg(**kw):
@@ -121,6 +121,11 @@ CONFIGS.update({  # the 128 fp16 tokens split between sinks and the recent windo
     "K3.5mix(middle)+V3+kc+sink4+w124": _mix("middle", 4, 124),
     "K3.5mix(last)+V3+kc+sink32+w96": _mix("last_half", 32, 96),
     "K3.5mix(last)+V3+kc+sink4": _mix("last_half", 4, 0),
+    # 4-bit keys in every layer, paid for by 2-bit values in the first half (scale-only metadata)
+    "K4+V2.5mix(first)+kc+sink4+w124": _cfg(k_bits=4, v2_layers="first_half", scale_only=True, key_center=True,
+                                            sink_tokens=4, fp16_window=124),
+    "K4+V2.5mix(last)+kc+sink4+w124": _cfg(k_bits=4, v2_layers="last_half", scale_only=True, key_center=True,
+                                           sink_tokens=4, fp16_window=124),
     "turbo3+kc+pca+vpca+sink16+w112": _cfg(key_center=True, key_pca=True, value_pca=True, fit="mean", sink_tokens=16,
                                            fp16_window=112),
     "turbo3+kc+pca+vpca+sink32+w96": _cfg(key_center=True, key_pca=True, value_pca=True, fit="mean", sink_tokens=32,
@@ -149,12 +154,11 @@ QUICK = ["full", "asym3", "turbo3", "turbo3+w128", "turbo3+kc+sink4", "turbo3+kc
          "K4V3"]
 LONG = ["full", "turbo3", "turbo3+kc+pca+vpca+sink4", "turbo3+kc+sink4+w124", "turbo3+kc+pca+vpca+sink4+w124",
         "turbo3+kc+ksq.5+pca+vpca+sink4", "turbo3+kc+ksq.5+pca+vpca+sink4+w124", "K3.5mix(last)+V3+kc+sink4+w124",
-        "K3.5mix(last)+V3+kc+sink16+w112", "K3.5mix(last)+V3+kc+sink32+w96", "turbo3+kc+pca+vpca+sink32+w96"]
+        "K3.5mix(last)+V3+kc+sink16+w112", "K3.5mix(last)+V3+kc+sink32+w96", "turbo3+kc+pca+vpca+sink32+w96",
+        "K4+V2.5mix(first)+kc+sink4+w124", "K4+V2.5mix(last)+kc+sink4+w124"]
 
 
-def k4_layers(cfg, num_layers):
-    """Layers whose keys get 4 bits in the mixed-width configs."""
-    which = cfg.get("k4_layers") if cfg else None
+def _layer_set(which, num_layers):
     if which == "first_half":
         return set(range(num_layers // 2))
     if which == "even":
@@ -166,6 +170,16 @@ def k4_layers(cfg, num_layers):
     return set()
 
 
+def k4_layers(cfg, num_layers):
+    """Layers whose keys get 4 bits in the mixed-width configs."""
+    return _layer_set(cfg.get("k4_layers") if cfg else None, num_layers)
+
+
+def v2_layers(cfg, num_layers):
+    """Layers whose values get 2 bits in the mixed-width configs."""
+    return _layer_set(cfg.get("v2_layers") if cfg else None, num_layers)
+
+
 def config_bits(cfg, head_dim, num_layers):
     if cfg is None:
         return 16.0
@@ -175,7 +189,8 @@ def config_bits(cfg, head_dim, num_layers):
     k_codes = cfg["k_bits"] + len(k4_layers(cfg, num_layers)) * (4 - cfg["k_bits"]) / num_layers
     k_bits = bits_per_element(head_dim, cfg["k_bits"]) + (k_codes - cfg["k_bits"]) + meta
     k_bits += 1.0 if cfg.get("qjl") else 0.0  # the sign sketch
-    q = (k_bits + bits_per_element(head_dim, cfg["v_bits"]) + meta) / 2
+    v_bits = bits_per_element(head_dim, cfg["v_bits"]) - len(v2_layers(cfg, num_layers)) * (cfg["v_bits"] - 2) / num_layers
+    q = (k_bits + v_bits + meta) / 2
     prot = len(protected_layers(cfg, num_layers))
     return (q * (num_layers - prot) + 16.0 * prot) / num_layers
 
@@ -401,6 +416,8 @@ class Sim:
             return out.transpose(1, 2).contiguous(), None
         if module.layer_idx in k4_layers(cfg, Sim.num_layers):
             cfg = dict(cfg, k_bits=4)
+        if module.layer_idx in v2_layers(cfg, Sim.num_layers):
+            cfg = dict(cfg, v_bits=2)
         if cfg.get("klt"):
             Sim.sketch = None
             kh, vh, kf, vf = Sim.roundtrip_klt(key, value, cfg, Sim.calib, query)
@@ -668,7 +685,10 @@ def verify(args) -> bool:
         opts.pop("fit")
     L = model.config.num_hidden_layers
     cache = TQCache(model.config, prefill="quantized", protected_layers=protected_layers(cfg, L),
-                    layer_options={i: {"k_bits": 4} for i in k4_layers(cfg, L)}, **opts)
+                    layer_options={i: dict({"k_bits": 4} if i in k4_layers(cfg, L) else {},
+                                           **({"v_bits": 2} if i in v2_layers(cfg, L) else {}))
+                                   for i in k4_layers(cfg, L) | v2_layers(cfg, L)},
+                    late_k_bits=None, **opts)
     outs = [model(ids[None, :prompt], past_key_values=cache).logits[0]]
     for t in range(prompt, len(ids)):
         outs.append(model(ids[None, t:t + 1], past_key_values=cache).logits[0])
