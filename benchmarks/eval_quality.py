@@ -126,6 +126,12 @@ CONFIGS.update({  # the 128 fp16 tokens split between sinks and the recent windo
                                             sink_tokens=4, fp16_window=124),
     "K4+V2.5mix(last)+kc+sink4+w124": _cfg(k_bits=4, v2_layers="last_half", scale_only=True, key_center=True,
                                            sink_tokens=4, fp16_window=124),
+    "K4+V2.5mix(even)+kc+sink4+w124": _cfg(k_bits=4, v2_layers="even", scale_only=True, key_center=True,
+                                           sink_tokens=4, fp16_window=124),
+    # the first quarter of the layers K3V2, the rest K4V3
+    "K3.75mix(last3q)+V2.75mix(firstq)+kc+sink4+w124": _cfg(k4_layers="last_3q", v2_layers="first_quarter",
+                                                            scale_only=True, key_center=True, sink_tokens=4,
+                                                            fp16_window=124),
     "turbo3+kc+pca+vpca+sink16+w112": _cfg(key_center=True, key_pca=True, value_pca=True, fit="mean", sink_tokens=16,
                                            fp16_window=112),
     "turbo3+kc+pca+vpca+sink32+w96": _cfg(key_center=True, key_pca=True, value_pca=True, fit="mean", sink_tokens=32,
@@ -167,6 +173,10 @@ def _layer_set(which, num_layers):
         return set(range(num_layers // 2, num_layers))
     if which == "middle":
         return set(range(num_layers // 4, num_layers // 4 + num_layers // 2))
+    if which == "first_quarter":
+        return set(range(-(-num_layers // 4)))  # (rounded up: 8 of 30)
+    if which == "last_3q":
+        return set(range(num_layers // 4, num_layers))
     return set()
 
 
