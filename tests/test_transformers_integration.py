@@ -5,6 +5,8 @@ The oracle recomputes every layer's attention in float64 from what the cache hol
 give the same tokens and (to float32 rounding) the same scores.
 """
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -258,3 +260,23 @@ def test_pack_errors_surface_in_the_same_forward_on_the_gpu():
             model(ids[:, :1], past_key_values=cache)
         hook.remove()
     assert int(cache.pack_errors.flags.item()) == 0
+
+
+def test_defaults_are_the_quality_study_default():
+    """TQCache(config)'s per-layer options are the configuration eval_quality.py reports as the default."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import eval_quality
+
+    cfg = eval_quality.CONFIGS[eval_quality.DEFAULT]
+    layers = 30
+    cache = TQCache(LlamaConfig(num_hidden_layers=layers, head_dim=64, hidden_size=576, num_attention_heads=9,
+                                num_key_value_heads=3))  # SmolLM2's shape
+    assert cache.sink_tokens == cfg["sink_tokens"]
+    for i in range(layers):
+        opts = cache.layer_cache_kwargs(i)
+        assert opts["k_bits"] == (4 if i in eval_quality.k4_layers(cfg, layers) else cfg["k_bits"]), i
+        assert opts["v_bits"] == (2 if i in eval_quality.v2_layers(cfg, layers) else cfg["v_bits"]), i
+        for name in ("quantizer", "fit", "fp16_window", "key_center", "key_scale", "key_scale_q", "key_pca",
+                     "value_pca", "scale_only"):
+            assert opts[name] == cfg[name], (i, name)
+    assert cache.bits_per_element(64) == pytest.approx(eval_quality.config_bits(cfg, 64, layers))
