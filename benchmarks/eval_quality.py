@@ -128,6 +128,9 @@ CONFIGS.update({  # the 128 fp16 tokens split between sinks and the recent windo
                                            sink_tokens=4, fp16_window=124),
     "K4+V2.5mix(even)+kc+sink4+w124": _cfg(k_bits=4, v2_layers="even", scale_only=True, key_center=True,
                                            sink_tokens=4, fp16_window=124),
+    # the default with query-aware per-channel key scaling (calibrated on the prompt)
+    "K3.5mix(last)+V3+kc+ksq.5+sink4+w124": _cfg(k4_layers="last_half", scale_only=True, key_center=True,
+                                                 key_scale=0.5, key_scale_q=True, sink_tokens=4, fp16_window=124),
     # the first quarter of the layers K3V2, the rest K4V3
     "K3.75mix(last3q)+V2.75mix(firstq)+kc+sink4+w124": _cfg(k4_layers="last_3q", v2_layers="first_quarter",
                                                             scale_only=True, key_center=True, sink_tokens=4,
@@ -161,7 +164,7 @@ QUICK = ["full", "asym3", "turbo3", "turbo3+w128", "turbo3+kc+sink4", "turbo3+kc
 LONG = ["full", "turbo3", "turbo3+kc+pca+vpca+sink4", "turbo3+kc+sink4+w124", "turbo3+kc+pca+vpca+sink4+w124",
         "turbo3+kc+ksq.5+pca+vpca+sink4", "turbo3+kc+ksq.5+pca+vpca+sink4+w124", "K3.5mix(last)+V3+kc+sink4+w124",
         "K3.5mix(last)+V3+kc+sink16+w112", "K3.5mix(last)+V3+kc+sink32+w96", "turbo3+kc+pca+vpca+sink32+w96",
-        "K4+V2.5mix(first)+kc+sink4+w124", "K4+V2.5mix(last)+kc+sink4+w124"]
+        "K4+V2.5mix(first)+kc+sink4+w124", "K4+V2.5mix(last)+kc+sink4+w124", "K3.5mix(last)+V3+kc+ksq.5+sink4+w124"]
 
 
 def _layer_set(which, num_layers):
