@@ -81,8 +81,8 @@ def upstream_fa2():
         return None
 
 
-def fill_cache(B, S, Hk, d, dtype, chunk=8192):
-    cache = QuantizedKVCache(B, S, Hk, d, device="cuda", dtype=dtype)
+def fill_cache(B, S, Hk, d, dtype, chunk=8192, **cache_kwargs):
+    cache = QuantizedKVCache(B, S, Hk, d, device="cuda", dtype=dtype, **cache_kwargs)
     k = torch.empty(B, S, Hk, d, device="cuda", dtype=dtype)
     v = torch.empty_like(k)
     for s0 in range(0, S, chunk):
