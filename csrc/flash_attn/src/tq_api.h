@@ -14,6 +14,7 @@ template <typename Elem, int kHeadDim, int kKBits, int kVBits, bool kScaleOnly>
 void run_decode(const DecodeParams &p, cudaStream_t stream);
 
 // Many query rows a kv head (chunked prefill): 256-row CTAs over tiles expanded once into shared memory.
+// Devices that give a CTA less shared memory than kPrefillSmemBudget (tq_params.h) run the decode kernel.
 template <typename Elem, int kHeadDim, int kKBits, int kVBits, bool kScaleOnly>
 void run_prefill(const DecodeParams &p, cudaStream_t stream);
 
