@@ -52,7 +52,7 @@ struct PrefillTraits {
     static constexpr int kQBytes = kRows * kHeadDim * 4;      // turbo q rotation (then the pipeline's), output rows
     static constexpr int kWorkBytes = kPipeBytes > kQBytes ? kPipeBytes : kQBytes;
     static constexpr int kSmemBytes = kQFragBytes + kWorkBytes > kQBytes ? kQFragBytes + kWorkBytes : kQBytes;
-    static_assert(kSmemBytes <= kPrefillSmemBudget, "within the budget the host checks (tq_api.h)");
+    static_assert(kSmemBytes <= kPrefillSmemBudget, "within the budget the host checks (tq_params.h)");
     static constexpr int kUnits = kTileN * 4;      // K units (token, lane quad) = V units (token pair, group)
     static_assert(kUnits % kNThreads == 0 && kTileN / 2 * 8 == kUnits, "whole expansion passes");
 
