@@ -138,9 +138,12 @@ std::tuple<at::Tensor, at::Tensor> run_decode_op(
     p.window_right = is_causal ? 0 : (window_right >= max_seqlen_k ? -1 : static_cast<int>(std::max<int64_t>(window_right, -1)));
 
     const int rows = p.h_h_k_ratio * seqlen_q;
-    int smem_optin = 0;  // a CTA's shared memory on this device (the prefill kernel needs kPrefillSmemBudget)
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, q.get_device()));
-    const bool prefill = k_bits != 16 && rows >= kPrefillMinRows && smem_optin >= kPrefillSmemBudget;
+    auto prefill_fits = [&]() {  // a CTA's shared memory on this device (asked only for prefill-sized calls)
+        int smem_optin = 0;
+        C10_CUDA_CHECK(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, q.get_device()));
+        return smem_optin >= kPrefillSmemBudget;
+    };
+    const bool prefill = k_bits != 16 && rows >= kPrefillMinRows && prefill_fits();
     const int rows_per_cta = prefill ? kPrefillRowsPerCta : (rows <= 8 ? 8 : 16);
     // a prefill CTA (8 warps, one an SM) counts as two 4-warp decode CTAs in the split heuristic
     const int ctas = b * h_k * ((rows + rows_per_cta - 1) / rows_per_cta) * (prefill ? 2 : 1);
