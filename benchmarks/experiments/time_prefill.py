@@ -1,4 +1,5 @@
-"""Prefill kernel times (ops.decode, 3-bit turbo cache) for a few chunk shapes: an A/B helper."""
+"""Prefill kernel times (ops.decode, 3-bit turbo cache, with and without scale-only metadata) for a
+few chunk shapes: a quick A/B helper. Usage: python3 benchmarks/experiments/time_prefill.py LABEL"""
 import sys
 
 import torch
@@ -12,9 +13,13 @@ from bench_decode import fill_cache  # noqa: E402
 torch.manual_seed(0)
 res = []
 for S, q_len in [(8192, 64), (32768, 64), (8192, 512), (32768, 2048)]:
-    cache, k, v = fill_cache(1, S, 8, 128, torch.float16)
     q = torch.randn(1, q_len, 32, 128, device="cuda", dtype=torch.float16)
-    t = triton.testing.do_bench(lambda: ops.decode(q, cache, cache.seqlens, None, 128 ** -0.5, True, 0), warmup=50, rep=200)
-    res.append(f"S={S} q={q_len}: {t * 1000:.1f} us")
-    del cache, k, v
-print(sys.argv[1], "; ".join(res), flush=True)
+    times = []
+    for scale_only in (False, True):
+        cache, _, _ = fill_cache(1, S, 8, 128, torch.float16, scale_only=scale_only)
+        t = triton.testing.do_bench(lambda: ops.decode(q, cache, cache.seqlens, None, 128 ** -0.5, True, 0),
+                                    warmup=50, rep=200)
+        times.append(f"{t * 1000:.1f}")
+        del cache
+    res.append(f"S={S} q={q_len}: {'/'.join(times)} us")
+print(sys.argv[1], "(plain/scale-only)", "; ".join(res), flush=True)
