@@ -49,9 +49,10 @@ struct PrefillTraits {
     static constexpr int kFragBytes = kVTermOff + kTileN * 4;
     static constexpr int kPipeBytes = kPackedStages * kPackedBytes + 2 * kFragBytes;
     static constexpr int kQFragBytes = kRows * kHeadDim * 2;  // Q's A fragments, for the whole kernel
-    static constexpr int kQBytes = kRows * kHeadDim * 4;      // turbo q rotation (then the pipeline's), output rows
-    static constexpr int kWorkBytes = kPipeBytes > kQBytes ? kPipeBytes : kQBytes;
-    static constexpr int kSmemBytes = kQFragBytes + kWorkBytes > kQBytes ? kQFragBytes + kWorkBytes : kQBytes;
+    static constexpr int kQBytes = kRows / 2 * kHeadDim * 4;  // turbo q rotation, half the rows at a time
+    static constexpr int kOBytes = kRows * kHeadDim * 4;      // output rows at the end
+    static constexpr int kWorkBytes = kPipeBytes > kQBytes ? kPipeBytes : kQBytes;  // rotation, then the pipeline
+    static constexpr int kSmemBytes = kQFragBytes + kWorkBytes > kOBytes ? kQFragBytes + kWorkBytes : kOBytes;
     static_assert(kSmemBytes <= kPrefillSmemBudget, "within the budget the host checks (tq_params.h)");
     static constexpr int kUnits = kTileN * 4;      // K units (token, lane quad) = V units (token pair, group)
     static_assert(kUnits % kNThreads == 0 && kTileN / 2 * 8 == kUnits, "whole expansion passes");
@@ -311,32 +312,41 @@ __global__ void __launch_bounds__(T::kNThreads, 256 / T::kNThreads) prefill_spli
     const bool rotate = p.rot_signs != nullptr;
     char *qfrag = smem + 16 * (warp * MT * KB * 32 + lane);
     char *work = smem + T::kQFragBytes;  // the rotation's rows, then the pipeline
-    float *sm_q = reinterpret_cast<float *>(work);  // [kRows][D]
-    if (rotate) {
-        rotate_q_rows<Elem, D, T::kRows, T::kNWarps>(p, b, hk, row0, total_rows, sm_q, warp, lane);
-        __syncthreads();
-    }
+    float *sm_q = reinterpret_cast<float *>(work);  // [kRows / 2][D]
     float sumq[MT][2], unused_magic;
-    #pragma unroll
-    for (int m = 0; m < MT; ++m) {
-        uint32_t f[2][KB][2];
+    auto build_frags = [&](int first_row) {  // rows of this warp; rotated rows from sm_q, which starts at first_row
         #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int n = WR * warp + 16 * m + g + 8 * h, r = row0 + n;
-            const bool valid = r < total_rows;
-            const Elem *qrow = q_row_ptr<Elem>(p, b, hk, valid ? r : 0);
-            auto q_at = [&](int e) {
-                if (rotate) return sm_q[n * D + e] * RowMath<D>::kInvSqrtD;
-                return valid ? to_float(qrow[e]) : 0.f;
-            };
-            q_row_slots<KV, Elem, KB, false>(q_at, c, f[h], sumq[m][h], unused_magic);
+        for (int m = 0; m < MT; ++m) {
+            uint32_t f[2][KB][2];
+            #pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int n = WR * warp + 16 * m + g + 8 * h, r = row0 + n;
+                const bool valid = r < total_rows;
+                const Elem *qrow = q_row_ptr<Elem>(p, b, hk, valid ? r : 0);
+                auto q_at = [&](int e) {
+                    if (rotate) return sm_q[(n - first_row) * D + e] * RowMath<D>::kInvSqrtD;
+                    return valid ? to_float(qrow[e]) : 0.f;
+                };
+                q_row_slots<KV, Elem, KB, false>(q_at, c, f[h], sumq[m][h], unused_magic);
+            }
+            #pragma unroll
+            for (int kb = 0; kb < KB; ++kb) {
+                *reinterpret_cast<uint4 *>(qfrag + 512 * (m * KB + kb)) = make_uint4(f[0][kb][0], f[1][kb][0], f[0][kb][1], f[1][kb][1]);
+            }
         }
-        #pragma unroll
-        for (int kb = 0; kb < KB; ++kb) {
-            *reinterpret_cast<uint4 *>(qfrag + 512 * (m * KB + kb)) = make_uint4(f[0][kb][0], f[1][kb][0], f[0][kb][1], f[1][kb][1]);
+    };
+    if (rotate) {  // half the rows at a time (the shared memory of sm_80): warps 0-3's rows, then 4-7's
+        #pragma unroll 1
+        for (int half = 0; half < 2; ++half) {
+            rotate_q_rows<Elem, D, T::kRows / 2, T::kNWarps>(p, b, hk, row0 + half * (T::kRows / 2), total_rows, sm_q,
+                                                            warp, lane);
+            __syncthreads();
+            if (warp / (T::kNWarps / 2) == half) { build_frags(half * (T::kRows / 2)); }
+            __syncthreads();  // sm_q: the next half's rows, then the pipeline's memory
         }
+    } else {
+        build_frags(0);
     }
-    if (rotate) { __syncthreads(); }  // sm_q is the pipeline's memory from here on
 
     const typename KV::Bases bases = KV::bases(p, bc, hk);
     char *packed = work;
