@@ -32,6 +32,8 @@ struct PrefillTraits {
     using KV = PackedKV<kKBits, kVBits, kHeadDim_, Elem_, kScaleOnly>;
     static constexpr int kHeadDim = kHeadDim_;
     static constexpr float kKMid = (1 << (kKBits - 1)) - 0.5f;  // middle of K's code range
+    // scale-only metadata (turbo's norm fit, offset = -mid * scale): the K and V terms are zero
+    static constexpr bool kTerms = !kScaleOnly;
     static constexpr int kNWarps = kNWarps_;
     static constexpr int kNThreads = 32 * kNWarps;
     static constexpr int kMTiles = kMTiles_;       // 16-row MMA tiles a warp (2: half the fragment reads an MMA)
@@ -196,7 +198,12 @@ __device__ __forceinline__ void attend_tile(const char *frag, const char *qfrag,
                 for (int e = 0; e < 4; ++e) {
                     const int h = e / 2, tok = tile_start + t0 + 8 * j + 2 * c + e % 2;
                     const float4 f = k_terms[4 * j + c];
-                    float v = e % 2 ? fmaf(s[m][j][e], f.z, f.w * sumq[m][h]) : fmaf(s[m][j][e], f.x, f.y * sumq[m][h]);
+                    float v;
+                    if constexpr (T::kTerms) {
+                        v = e % 2 ? fmaf(s[m][j][e], f.z, f.w * sumq[m][h]) : fmaf(s[m][j][e], f.x, f.y * sumq[m][h]);
+                    } else {
+                        v = s[m][j][e] * (e % 2 ? f.z : f.x);
+                    }
                     if (masked && (tok >= lim[m][h] || (kLocal && tok < first[m][h]))) v = kNegInf;
                     if (kLocal && softcap_log2 > 0.f && v != kNegInf) v = softcap_score(v, softcap_log2);
                     s[m][j][e] = v;
@@ -222,7 +229,7 @@ __device__ __forceinline__ void attend_tile(const char *frag, const char *qfrag,
                     const float rescale = mx == kNegInf ? 1.f : exp2f(row_max[m][h] - mx);
                     row_max[m][h] = mx;
                     row_sum[m][h] *= rescale;
-                    row_corr[m][h] *= rescale;
+                    if constexpr (T::kTerms) { row_corr[m][h] *= rescale; }
                     #pragma unroll
                     for (int j = 0; j < DJ; ++j) { acc[m][j][2 * h] *= rescale; acc[m][j][2 * h + 1] *= rescale; }
                 }
@@ -243,7 +250,7 @@ __device__ __forceinline__ void attend_tile(const char *frag, const char *qfrag,
                     const float2 f = v_terms[4 * j + c];
                     const float prob = exp2f(s[m][j][e] - use_max[h]);
                     row_sum[m][h] += prob;
-                    row_corr[m][h] += prob * (e % 2 ? f.y : f.x);
+                    if constexpr (T::kTerms) { row_corr[m][h] += prob * (e % 2 ? f.y : f.x); }
                     pr[e] = prob;
                 }
                 pa[m][j / 2][2 * (j % 2)] = pack2<Elem>(pr[0], pr[1]);
@@ -408,7 +415,7 @@ __global__ void __launch_bounds__(T::kNThreads, 256 / T::kNThreads) prefill_spli
             #pragma unroll
             for (int o = 1; o <= 2; o *= 2) {
                 row_sum[m][h] += __shfl_xor_sync(0xffffffffu, row_sum[m][h], o);
-                row_corr[m][h] += __shfl_xor_sync(0xffffffffu, row_corr[m][h], o);
+                if constexpr (T::kTerms) { row_corr[m][h] += __shfl_xor_sync(0xffffffffu, row_corr[m][h], o); }
             }
         }
     }
@@ -421,7 +428,7 @@ __global__ void __launch_bounds__(T::kNThreads, 256 / T::kNThreads) prefill_spli
             #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int h = e / 2;
-                sm_o[(16 * m + g + 8 * h) * D + 8 * j + 2 * c + e % 2] = acc[m][j][e] + row_corr[m][h];
+                sm_o[(16 * m + g + 8 * h) * D + 8 * j + 2 * c + e % 2] = T::kTerms ? acc[m][j][e] + row_corr[m][h] : acc[m][j][e];
             }
         }
     }
