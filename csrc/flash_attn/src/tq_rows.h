@@ -51,23 +51,47 @@ __device__ __forceinline__ const Elem *q_row_ptr(const DecodeParams &p, int b, i
 }
 
 // turbo: rows [row0, row0 + kRows) of q, sign-flipped and Walsh-Hadamard transformed (unnormalized),
-// a warp a row, into sm_q[kRows][D] (rows past total_rows: zeros). The caller synchronizes.
+// a warp a row, into sm_q[kRows][D] (rows past total_rows: zeros). The caller synchronizes. A warp
+// loads up to 4 of its rows before transforming them: one global-load latency per 4 rows, not per
+// row for the prefill kernel's warps (32 rows each; the decode kernel's 2-4 rows a warp go one at a
+// time, which keeps its registers).
 template <typename Elem, int D, int kRows, int kWarps>
 __device__ void rotate_q_rows(const DecodeParams &p, int b, int hk, int row0, int total_rows, float *sm_q,
                               int warp, int lane) {
     constexpr int kV = RowMath<D>::kV;
+    constexpr int kPerWarp = kRows / kWarps, kBatch = kPerWarp >= 8 ? 4 : 1;
+    static_assert(kRows % kWarps == 0 && kPerWarp % kBatch == 0, "whole batches of rows a warp");
     #pragma unroll 1
-    for (int n = warp; n < kRows; n += kWarps) {
-        const int r = row0 + n;
-        float x[kV] = {};
-        if (r < total_rows) {
-            load_row_part<Elem, kV>(q_row_ptr<Elem>(p, b, hk, r) + lane * kV, x);
+    for (int n0 = warp; n0 < kRows; n0 += kBatch * kWarps) {
+        float x[kBatch][kV];
+        if constexpr (kBatch == 1) {
+            const int r = row0 + n0;
             #pragma unroll
-            for (int k = 0; k < kV; ++k) { x[k] *= p.rot_signs[lane * kV + k]; }
+            for (int k = 0; k < kV; ++k) { x[0][k] = 0.f; }
+            if (r < total_rows) {
+                load_row_part<Elem, kV>(q_row_ptr<Elem>(p, b, hk, r) + lane * kV, x[0]);
+                #pragma unroll
+                for (int k = 0; k < kV; ++k) { x[0][k] *= p.rot_signs[lane * kV + k]; }
+            }
+        } else {  // rows n0 + kWarps * u: every load issued before any is used (rows past the end read row 0)
+            #pragma unroll
+            for (int u = 0; u < kBatch; ++u) {
+                const int r = row0 + n0 + kWarps * u;
+                load_row_part<Elem, kV>(q_row_ptr<Elem>(p, b, hk, r < total_rows ? r : 0) + lane * kV, x[u]);
+            }
+            #pragma unroll
+            for (int u = 0; u < kBatch; ++u) {
+                const bool valid = row0 + n0 + kWarps * u < total_rows;
+                #pragma unroll
+                for (int k = 0; k < kV; ++k) { x[u][k] = valid ? x[u][k] * p.rot_signs[lane * kV + k] : 0.f; }
+            }
         }
-        fwht_warp<D>(x, lane);
         #pragma unroll
-        for (int k = 0; k < kV; ++k) { sm_q[n * D + lane * kV + k] = x[k]; }
+        for (int u = 0; u < kBatch; ++u) {
+            fwht_warp<D>(x[u], lane);
+            #pragma unroll
+            for (int k = 0; k < kV; ++k) { sm_q[(n0 + kWarps * u) * D + lane * kV + k] = x[u][k]; }
+        }
     }
 }
 
