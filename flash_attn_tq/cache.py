@@ -27,9 +27,10 @@ class QuantizedKVCache:
     """A per-layer K/V cache holding ``k_bits``/``v_bits``-bit codes plus float16 (scale, offset).
 
     Contiguous layout (default): ``k_codes [batch, max_seqlen, kv_heads, code_bytes]`` uint8 and
-    ``k_meta [batch, max_seqlen, kv_heads, 2]`` float16 (same for v); ``scale_only=True`` (turbo,
-    uniform grid, ``fit="norm"``: the offset is always ``-mid * scale``) stores ``[..., 1]``, the
-    scale alone, 16 bits a vector less (0.25 bit/element at head_dim 64). Paged layout (``page_size``
+    ``k_meta [batch, max_seqlen, kv_heads, 2]`` float16 (scale, offset) (same for v). ``scale_only``
+    (default: on where the offset is always ``-mid * scale``, i.e. turbo with the uniform grid and
+    ``fit="norm"``) stores ``[..., 1]``, the scale alone: the same values, 16 bits a vector less
+    (3-bit codes: 3.25 bits/element at head_dim 64, 3.125 at 128), and a faster prefill kernel. Paged layout (``page_size``
     given): ``k_codes [num_blocks, page_size, kv_heads, code_bytes]`` with ``block_table [batch,
     max_blocks_per_seq]`` int32 mapping each sequence's pages to blocks (default: sequence ``b``
     owns blocks ``b * max_blocks_per_seq ...``). In memory the four tensors are head-major (views of
@@ -81,7 +82,7 @@ class QuantizedKVCache:
         key_pca: bool = False,
         value_pca: bool = False,
         calib_min_tokens: int = 16,
-        scale_only: bool = False,
+        scale_only: bool | None = None,
         dtype: torch.dtype = torch.float16,
         device: torch.device | str = "cpu",
     ):
@@ -112,7 +113,8 @@ class QuantizedKVCache:
         if (self.key_pca or self.value_pca) and (quantizer != "turbo" or fit != "mean"):
             raise ValueError("key_pca/value_pca need quantizer='turbo' with fit='mean' (the offset stores the main "
                              "direction)")
-        self.scale_only = bool(scale_only)
+        norm_fit = quantizer == "turbo" and grid == "uniform" and fit == "norm"
+        self.scale_only = norm_fit if scale_only is None else bool(scale_only)
         if self.scale_only and (quantizer != "turbo" or grid != "uniform" or fit != "norm"):
             raise ValueError("scale_only needs quantizer='turbo', grid='uniform' and fit='norm' (whose offset is "
                              "-mid * scale, so only the scale is stored)")

@@ -91,6 +91,7 @@ def test_append_stores_quantizer_output(layout, quantizer):
     assert cache.seqlens.dtype == torch.int32
     assert cache.seqlens.tolist() == t.lens
     assert len(set(t.lens)) > 1  # rows really differ
+    assert cache.scale_only == (quantizer == "turbo")  # the default: scale alone where the offset is implied
     d = cache.head_dim
     for name, qz, bits, x in (("k", cache.k_quantizer, kbits, t.k), ("v", cache.v_quantizer, vbits, t.v)):
         codes_store, meta_store = getattr(cache, f"{name}_codes"), getattr(cache, f"{name}_meta")
@@ -103,7 +104,7 @@ def test_append_stores_quantizer_output(layout, quantizer):
             got = codes_store[rows, cols]  # [L, H, bytes]
             assert torch.equal(unpack_codes(got, bits, d), exp_codes)
             assert torch.equal(got, pack_codes(exp_codes, bits))
-            assert torch.equal(meta_store[rows, cols], exp_meta)
+            assert torch.equal(meta_store[rows, cols], exp_meta[..., :meta_store.shape[-1]])
         # gather() gives the same thing in a contiguous view, zeros beyond seqlens
         gth = cache.gather()
         for b, L in enumerate(t.lens):
@@ -148,6 +149,7 @@ def test_dequantize_matches_quantizer(layout, quantizer, grid):
     for b, L in enumerate(t.lens):
         for x, got, gotr, qz in ((t.k, k, kr, cache.k_quantizer), (t.v, v, vr, cache.v_quantizer)):
             codes, meta = qz.quantize(x[b, :L])
+            meta = meta[..., :cache.k_meta.shape[-1]]  # (scale-only: the offset is implied)
             torch.testing.assert_close(got[b, :L], qz.dequantize(codes, meta), rtol=0, atol=1e-6)
             torch.testing.assert_close(gotr[b, :L], qz.dequantize_rotated(codes, meta), rtol=0, atol=1e-6)
             assert torch.equal(got[b, L:], torch.zeros_like(got[b, L:]))
@@ -194,6 +196,7 @@ def test_fp16_window(layout, quantizer):
         assert torch.equal(k[b, :lo], kq[b, :lo]) and torch.equal(v[b, :lo], vq[b, :lo])
         # the quantized copy of the window tokens was written too, and differs from the window
         codes, meta = cache.k_quantizer.quantize(t.k[b, :L])
+        meta = meta[..., :cache.k_meta.shape[-1]]
         torch.testing.assert_close(kq[b, :L], cache.k_quantizer.dequantize(codes, meta), rtol=0, atol=1e-6)
         assert (kq[b, lo:L] - t.k[b, lo:L]).abs().max() > 1e-3
         assert torch.equal(k[b, L:], torch.zeros_like(k[b, L:]))
@@ -230,19 +233,23 @@ def test_nbytes_and_compression(d, kb, vb, R, layout):
     slots = B * S if layout == "contiguous" else cache.k_codes.shape[0] * cache.k_codes.shape[1]
     if layout == "paged16":
         assert slots == B * math.ceil(S / 16) * 16
-    per_token = H * (d * kb // 8 + d * vb // 8 + 2 * 2 * 2)
+    mb = 2 if cache.scale_only else 4  # float16 scale (+ offset) a vector
+    per_token = H * (d * kb // 8 + d * vb // 8 + 2 * mb)
     expected = slots * per_token + 2 * B * R * H * d * 2
     assert cache.nbytes == expected
     assert cache.compression_ratio() == pytest.approx(2 * slots * H * d * 2 / expected)
-    assert cache.bits_per_element() == pytest.approx(((d * kb // 8 + 4) + (d * vb // 8 + 4)) * 4 / d)
+    assert cache.bits_per_element() == pytest.approx(((d * kb // 8 + mb) + (d * vb // 8 + mb)) * 4 / d)
 
 
 def test_compression_ratio_3bit_128():
-    cache = QuantizedKVCache(2, 256, 4, 128)
-    assert cache.compression_ratio() >= 4.9
+    cache = QuantizedKVCache(2, 256, 4, 128)  # default: scale-only metadata
+    assert cache.compression_ratio() == pytest.approx(512 / 100)
+    assert cache.bits_per_element() == pytest.approx(3.125)
+    cache = QuantizedKVCache(2, 256, 4, 128, scale_only=False)
     assert cache.compression_ratio() == pytest.approx(512 / 104)
     assert cache.bits_per_element() == pytest.approx(3.25)
-    assert QuantizedKVCache(2, 256, 4, 64).bits_per_element() == pytest.approx(3.5)
+    assert QuantizedKVCache(1, 8, 1, 64).bits_per_element() == pytest.approx(3.25)  # the budget at head_dim 64
+    assert QuantizedKVCache(2, 256, 4, 64, scale_only=False).bits_per_element() == pytest.approx(3.5)
 
 
 # ----------------------------------------------------------------------------- state_dict / to
@@ -463,7 +470,7 @@ def test_scale_only_metadata(k_bits, v_bits):
     g = torch.Generator().manual_seed(k_bits * 10 + v_bits)
     k = (torch.randn(2, 37, 3, 64, generator=g) * 2 + 0.5).half()
     v = torch.randn(2, 37, 3, 64, generator=g).half()
-    full = QuantizedKVCache(2, 40, 3, 64, k_bits=k_bits, v_bits=v_bits)
+    full = QuantizedKVCache(2, 40, 3, 64, k_bits=k_bits, v_bits=v_bits, scale_only=False)
     small = QuantizedKVCache(2, 40, 3, 64, k_bits=k_bits, v_bits=v_bits, scale_only=True)
     for c in (full, small):
         c.append(k, v)
