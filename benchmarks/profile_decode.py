@@ -18,10 +18,14 @@ ap.add_argument("--kv-heads", type=int, default=8)
 ap.add_argument("--q-heads", type=int, default=32)
 ap.add_argument("--head-dim", type=int, default=128)
 ap.add_argument("--q-len", type=int, default=1, help="queries a sequence (the last q-len tokens, causal)")
+ap.add_argument("--page-size", type=int, default=None, help="paged cache, pages of this many tokens (shuffled)")
 ap.add_argument("--pack", action="store_true", help="also run the pack kernel on a 32K-token prompt")
 args = ap.parse_args()
 B, S, Hk, d = args.batch, args.seqlen, args.kv_heads, args.head_dim
-cache = QuantizedKVCache(B, S, Hk, d, device="cuda")
+table = None
+if args.page_size:  # a shuffled block table, as an engine's allocator leaves it
+    table = torch.randperm(B * (S // args.page_size), dtype=torch.int32).reshape(B, -1)
+cache = QuantizedKVCache(B, S, Hk, d, page_size=args.page_size, block_table=table, device="cuda")
 for s0 in range(0, S, 8192):
     n = min(8192, S - s0)
     cache.append(torch.randn(B, n, Hk, d, device="cuda", dtype=torch.float16),
