@@ -212,6 +212,29 @@ def test_decode_paged_equals_contiguous_long(page_size, window):
     _check_against_reference(q, contiguous, out_c, lse_c, False, window_size=window)
 
 
+@pytest.mark.parametrize("page_size", [16, 64])
+@pytest.mark.parametrize("seqlen_q", [1, 70])
+def test_paged_token_major_layout(page_size, seqlen_q):
+    """The kernels address a head-major paged pool by one slot index (block x slots + column) in all
+    four tensors; a token-major pool ([blocks, page, heads, bytes] contiguous) has no common slot
+    stride and takes the per-token copies: both give the same bits, decode and prefill."""
+    seqlens = [700, 1500]
+    cache, _, _ = _make_cache(2, seqlens, 2, 128, page_size=page_size, shuffle_blocks=True, seed=13,
+                              quantizer="turbo-scale", max_seqlen=1536)
+    q = torch.randn(2, seqlen_q, 8, 128, device=DEV, dtype=torch.float16)
+    signs = cache.k_quantizer.signs_on(q.device)
+    tensors = (cache.k_codes, cache.k_meta, cache.v_codes, cache.v_meta)
+    assert cache.k_codes.stride(0) == cache.k_codes.stride(2) * 2  # head-major: [blocks, heads, page, bytes]
+    outs = []
+    for k_codes, k_meta, v_codes, v_meta in (tensors, tuple(t.contiguous() for t in tensors)):
+        poison_allocator()
+        outs.append(torch.ops.flash_attn_tq.decode_kvcache(
+            q, k_codes, k_meta, v_codes, v_meta, cache.seqlens, None, cache.block_table, signs, 3, 3,
+            128 ** -0.5, True, 0, -1, -1, None, 0.0))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    _check_against_reference(q, cache, outs[0][0], outs[0][1], True)
+
+
 def test_decode_cache_batch_idx_and_append():
     cache, _, _ = _make_cache(4, [50, 90, 10, 300], 2, 64, seed=3, max_seqlen=400)
     q = torch.randn(2, 1, 6, 64, device=DEV, dtype=torch.float16)
