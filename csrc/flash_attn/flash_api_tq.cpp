@@ -228,14 +228,6 @@ std::tuple<at::Tensor, at::Tensor> decode_kvcache(
     p.km_batch_stride = k_meta.stride(0); p.km_row_stride = k_meta.stride(1); p.km_head_stride = k_meta.stride(2);
     p.vm_batch_stride = v_meta.stride(0); p.vm_row_stride = v_meta.stride(1); p.vm_head_stride = v_meta.stride(2);
     p.meta_words = static_cast<int>(k_meta.size(3));
-    if (block_table.has_value()) {  // one slot index for the four tensors (tq_params.h), when their layout allows it
-        const int64_t slots = k_codes.stride(0) / k_codes.size(3);
-        bool uniform = k_codes.size(0) * slots <= std::numeric_limits<int>::max();
-        for (const at::Tensor *t : {&k_codes, &v_codes, &k_meta, &v_meta}) {
-            uniform = uniform && t->stride(0) == slots * t->size(3) && t->stride(1) == t->size(3);
-        }
-        p.page_slots = uniform ? static_cast<int>(slots) : 0;
-    }
     return run_decode_op(p, q, k_codes, seqlens_k, cache_batch_idx, block_table, rot_signs, k_bits, v_bits,
                          softmax_scale, is_causal, num_splits, window_left, window_right, cache_leftpad, softcap);
 }

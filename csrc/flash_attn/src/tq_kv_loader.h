@@ -30,12 +30,10 @@ enum class Paging { kRuntime, kNone, kRows };
 // two): lane l holds the rows of the warp's tile 32 k + l for chunk k, and chunk k + 1 is read when
 // chunk k comes into use, 32 tiles early, so a tile's copies wait on a shuffle instead of a
 // dependent global load (16-token pages read inside the copy path were +18% over contiguous).
-// rows_of gives slot indices (row x p.page_slots, tq_params.h): a tile's copies add the column. (The
-// multiply waits for the row, so it comes after the shuffle, 32 tiles after the load was issued.)
 template <int kTileN, int kSegment>
 struct TilePages {
     const int *table;                 // this sequence's block-table row
-    int first, stride, count, seqlen, shift, page, slots;
+    int first, stride, count, seqlen, shift, page;
     int chunk, cur[2], nxt[2];
 
     __device__ void read(int k, int (&out)[2], int lane) const {
@@ -49,7 +47,7 @@ struct TilePages {
     __device__ void start(const DecodeParams &p, int b, int first_, int stride_, int count_, int seqlen_, int lane) {
         table = p.block_table + b * p.block_table_batch_stride;
         first = first_, stride = stride_, count = count_, seqlen = seqlen_;
-        shift = p.page_block_shift, page = p.page_block_size, slots = p.page_slots, chunk = 0;
+        shift = p.page_block_shift, page = p.page_block_size, chunk = 0;
         read(0, cur, lane);
         read(1, nxt, lane);
     }
@@ -60,8 +58,8 @@ struct TilePages {
             cur[1] = nxt[1];
             read(++chunk + 1, nxt, lane);
         }
-        rows[0] = __shfl_sync(0xffffffffu, cur[0], i & 31) * slots;
-        rows[1] = __shfl_sync(0xffffffffu, cur[1], i & 31) * slots;
+        rows[0] = __shfl_sync(0xffffffffu, cur[0], i & 31);
+        rows[1] = __shfl_sync(0xffffffffu, cur[1], i & 31);
     }
 };
 
@@ -102,8 +100,7 @@ struct PackedKV {
 
     // Per-lane global addresses of this (kv head, cache row); load_tile adds the token's offset.
     // dense: a tile's rows are adjacent and 16-byte aligned in memory (the head-major cache; pages
-    // of at least kSegment tokens, one slot index for the four tensors), so tiles are copied as
-    // contiguous regions of kSegment tokens or more, addressed by slot: base + slot x token size.
+    // of at least kSegment tokens), so tiles are copied as contiguous regions of kSegment tokens or more.
     struct Bases {
         const uint8_t *kc, *vc;
         const uint16_t *km, *vm;
@@ -119,7 +116,7 @@ struct PackedKV {
         base.dense = p.kc_row_stride == KL::kBytes && p.vc_row_stride == VL::kBytes && p.km_row_stride == kMetaBytes / 2 &&
                      p.vm_row_stride == kMetaBytes / 2 && aligned(base.kc) && aligned(base.vc) && aligned(base.km) && aligned(base.vm) &&
                      (p.block_table == nullptr ||
-                      (p.page_slots > 0 && p.page_block_size >= kSegment && p.kc_batch_stride % 16 == 0 && p.vc_batch_stride % 16 == 0 &&
+                      (p.page_block_size >= kSegment && p.kc_batch_stride % 16 == 0 && p.vc_batch_stride % 16 == 0 &&
                        p.km_batch_stride % 8 == 0 && p.vm_batch_stride % 8 == 0));
         return base;
     }
@@ -135,18 +132,6 @@ struct PackedKV {
         }
     }
 
-    // Two regions of kBytes (a multiple of 16 each, 16-byte aligned) to 2 x kBytes adjacent bytes of
-    // dst, as one lane-consecutive job: a lane picks its chunk's source, no half-empty passes.
-    template <int kBytes>
-    __device__ static void copy_region_pair(char *dst, const char *src0, const char *src1, int lane) {
-        constexpr int kChunks = kBytes / 16;
-        static_assert(kBytes % 16 == 0, "whole 16-byte chunks");
-        #pragma unroll
-        for (int c = lane; c < 2 * kChunks; c += 32) {
-            cp_async<16>(dst + 16 * c, c < kChunks ? src0 + 16 * c : src1 + 16 * (c - kChunks), true);
-        }
-    }
-
     template <int kBytes>
     __host__ __device__ static constexpr int chunk() { return kBytes % 16 == 0 ? 16 : (kBytes % 8 == 0 ? 8 : 4); }
 
@@ -159,40 +144,32 @@ struct PackedKV {
 
     // Lane l copies token tile_start + l (codes and meta of K and V); tokens >= seqlen_k are zero-filled.
     // Offsets are 32 x 32 -> 64-bit products: row and block strides fit in 32 bits (checked on the host).
-    // With Paging::kRows, page_rows are the slot indices (row x p.page_slots) of the pages of the
-    // tile's first and second kSegment tokens.
+    // With Paging::kRows, page_rows are the rows of the tile's first and second kSegment tokens.
     template <Paging kPaging = Paging::kRuntime>
     __device__ static void load_tile(const DecodeParams &p, const Bases &base, char *stage, int b, int tile_start,
                                      int seqlen_k, int lane, const int (&page_rows)[2] = {0, 0}) {
         const bool paged = kPaging == Paging::kRows || (kPaging == Paging::kRuntime && p.block_table != nullptr);
         if (base.dense && tile_start + kTileN <= seqlen_k) {  // a whole tile of adjacent rows (or two halves)
-            // a token is slot index `slot` in each tensor: one 32 x 32 -> 64-bit multiply-add a pointer
-            auto slot_of = [&](int first) -> uint32_t {  // tile token `first` (a page's first, when paged)
-                const int col = tile_start + first;
-                if (!paged) return col;  // contiguous: the base is the sequence's row
-                const int page_slot = kPaging == Paging::kRows
-                    ? page_rows[first / kSegment]
-                    : p.block_table[b * p.block_table_batch_stride + (col >> p.page_block_shift)] * p.page_slots;
-                return page_slot + (col & (p.page_block_size - 1));
+            auto copy_run = [&](auto tokens, int first) {  // `tokens` adjacent rows from tile token `first`
+                constexpr int kN = decltype(tokens)::value;
+                int row = 0, col = tile_start + first;
+                if (paged) {
+                    row = kPaging == Paging::kRows ? page_rows[first / kSegment]
+                                                   : p.block_table[b * p.block_table_batch_stride + (col >> p.page_block_shift)];
+                    col &= p.page_block_size - 1;
+                }
+                const int64_t r = row;
+                copy_region<kN * KL::kBytes>(stage + kKOff + first * KL::kBytes, base.kc + r * p.kc_batch_stride + col * KL::kBytes, lane);
+                copy_region<kN * VL::kBytes>(stage + kVOff + first * VL::kBytes, base.vc + r * p.vc_batch_stride + col * VL::kBytes, lane);
+                constexpr int kW = kMetaBytes / 2;  // halves a token
+                copy_region<kN * kMetaBytes>(stage + kKMetaOff + first * kMetaBytes, base.km + r * p.km_batch_stride + kW * col, lane);
+                copy_region<kN * kMetaBytes>(stage + kVMetaOff + first * kMetaBytes, base.vm + r * p.vm_batch_stride + kW * col, lane);
             };
-            constexpr int kW = kMetaBytes / 2;  // halves a token
-            const uint32_t s0 = slot_of(0);
-            if (!paged || p.page_block_size >= kTileN) {  // the tile's rows are adjacent
-                copy_region<kTileN * KL::kBytes>(stage + kKOff, base.kc + static_cast<uint64_t>(s0) * KL::kBytes, lane);
-                copy_region<kTileN * VL::kBytes>(stage + kVOff, base.vc + static_cast<uint64_t>(s0) * VL::kBytes, lane);
-                copy_region<kTileN * kMetaBytes>(stage + kKMetaOff, base.km + static_cast<uint64_t>(s0) * kW, lane);
-                copy_region<kTileN * kMetaBytes>(stage + kVMetaOff, base.vm + static_cast<uint64_t>(s0) * kW, lane);
-            } else {  // two pages of kSegment tokens (16-token pages)
-                const uint32_t s1 = slot_of(kSegment);
-                auto pair = [&](auto bytes, int off, const auto *src, int size) {
-                    constexpr int kB = decltype(bytes)::value;
-                    copy_region_pair<kB>(stage + off, reinterpret_cast<const char *>(src + static_cast<uint64_t>(s0) * size),
-                                         reinterpret_cast<const char *>(src + static_cast<uint64_t>(s1) * size), lane);
-                };
-                pair(std::integral_constant<int, kSegment * KL::kBytes>{}, kKOff, base.kc, KL::kBytes);
-                pair(std::integral_constant<int, kSegment * VL::kBytes>{}, kVOff, base.vc, VL::kBytes);
-                pair(std::integral_constant<int, kSegment * kMetaBytes>{}, kKMetaOff, base.km, kW);
-                pair(std::integral_constant<int, kSegment * kMetaBytes>{}, kVMetaOff, base.vm, kW);
+            if (!paged || p.page_block_size >= kTileN) {
+                copy_run(std::integral_constant<int, kTileN>{}, 0);
+            } else {
+                copy_run(std::integral_constant<int, kSegment>{}, 0);
+                copy_run(std::integral_constant<int, kSegment>{}, kSegment);
             }
             return;
         }

@@ -37,10 +37,6 @@ struct DecodeParams {
     const int *block_table;      // [batch, max_blocks] or nullptr
     int64_t block_table_batch_stride;
     int page_block_size, page_block_shift;  // a power of two and its log2
-    // Paged packed caches whose four tensors all hold a block as page_slots token slots of one token
-    // each (batch stride = page_slots x the token's size; the cache's head-major pool): a token is
-    // then one 32-bit slot index (block x page_slots + col) in every tensor. 0: any other layout.
-    int page_slots;
 
     // turbo: the sign vector of the randomized Hadamard rotation [d] (float); the kernel rotates q on
     // load and rotates the output back. nullptr: q and the codes share a domain (asym).
