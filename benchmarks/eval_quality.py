@@ -54,7 +54,7 @@ SIM_NAME = "tq_sim"
 # key_center, key_scale, protect ("boundary" = first and last layer in 16-bit). None = full precision.
 BASE = dict(quantizer="turbo", k_bits=3, v_bits=3, fit="norm", fp16_window=0, sink_tokens=0,
             key_center=False, key_scale=0.0, key_scale_q=False, key_pca=False, value_pca=False, protect=None,
-            qjl=False, k4_layers=None, v2_layers=None, scale_only=False, klt=None)
+            qjl=False, k4_layers=None, v2_layers=None, scale_only=False, klt=None, k_cal=None)
 
 
 def _cfg(**kw):
@@ -157,6 +157,18 @@ CONFIGS.update({
     "pairs K3V3+sink4": _cfg(klt=dict(kb=3.0, vb=3.0, mode="pairs"), sink_tokens=4),
 })
 
+# Key bits per layer measured on the model itself (calibrate_key_bits: a synthetic random-token
+# sequence with a repeated span; KL from full precision with one layer quantized at a time), within
+# the same budget as the 4-bit late layers; "34": 3- and 4-bit keys only, else 2-bit keys in the
+# least sensitive layers pay for 4-bit keys in more of the sensitive ones.
+_CAL = dict(scale_only=True, key_center=True, sink_tokens=4)
+CONFIGS.update({
+    "Kcal+V3+kc+sink4+w124": _cfg(k_cal=(2, 3, 4), fp16_window=124, **_CAL),
+    "Kcal34+V3+kc+sink4+w124": _cfg(k_cal=(3, 4), fp16_window=124, **_CAL),
+    "Kcal+V3+kc+sink4": _cfg(k_cal=(2, 3, 4), **_CAL),
+    "Kcal34+V3+kc+sink4": _cfg(k_cal=(3, 4), **_CAL),
+})
+
 DEFAULT = "K3.5mix(last)+V3+kc+sink4+w124"  # = flash_attn_tq.integrations.transformers.DEFAULTS
 NO_WINDOW_DEFAULT = "K3.5mix(last)+V3+kc+sink4"
 QUICK = ["full", "asym3", "turbo3", "turbo3+w128", "turbo3+kc+sink4", "turbo3+kc+sink4+w124", NO_WINDOW_DEFAULT, DEFAULT,
@@ -164,7 +176,8 @@ QUICK = ["full", "asym3", "turbo3", "turbo3+w128", "turbo3+kc+sink4", "turbo3+kc
 LONG = ["full", "turbo3", "turbo3+kc+pca+vpca+sink4", "turbo3+kc+sink4+w124", "turbo3+kc+pca+vpca+sink4+w124",
         "turbo3+kc+ksq.5+pca+vpca+sink4", "turbo3+kc+ksq.5+pca+vpca+sink4+w124", "K3.5mix(last)+V3+kc+sink4+w124",
         "K3.5mix(last)+V3+kc+sink16+w112", "K3.5mix(last)+V3+kc+sink32+w96", "turbo3+kc+pca+vpca+sink32+w96",
-        "K4+V2.5mix(first)+kc+sink4+w124", "K4+V2.5mix(last)+kc+sink4+w124", "K3.5mix(last)+V3+kc+ksq.5+sink4+w124"]
+        "K4+V2.5mix(first)+kc+sink4+w124", "K4+V2.5mix(last)+kc+sink4+w124", "K3.5mix(last)+V3+kc+ksq.5+sink4+w124",
+        "Kcal34+V3+kc+sink4+w124"]
 
 
 def _layer_set(which, num_layers):
@@ -188,6 +201,44 @@ def k4_layers(cfg, num_layers):
     return _layer_set(cfg.get("k4_layers") if cfg else None, num_layers)
 
 
+def key_bits_of(cfg, layer, num_layers):
+    """Key bits of `layer`: calibrated per layer (k_cal, resolved into k_layer_bits), 4 in
+    k4_layers, else k_bits."""
+    if cfg.get("k_layer_bits") is not None:
+        return cfg["k_layer_bits"].get(layer, cfg["k_bits"])
+    return 4 if layer in k4_layers(cfg, num_layers) else cfg["k_bits"]
+
+
+def tq_options(cfg):
+    """TQCache keyword options of a config (besides its per-layer ones)."""
+    opts = {k: cfg[k] for k in ("quantizer", "k_bits", "v_bits", "fit", "fp16_window", "sink_tokens", "key_center",
+                                "key_scale", "key_scale_q", "key_pca", "value_pca", "scale_only")}
+    if opts["quantizer"] == "asym":
+        opts.pop("fit")
+    return opts
+
+
+_SENSITIVITY: dict = {}  # measured key-bit sensitivities, by the cache options they were measured with
+
+
+def resolve(cfg, model):
+    """A config with its calibrated key bits measured on `model` (k_cal: the bit choices; see
+    flash_attn_tq.integrations.transformers.calibrate_key_bits)."""
+    if not cfg or not cfg.get("k_cal") or cfg.get("k_layer_bits") is not None:
+        return cfg
+    from flash_attn_tq.integrations.transformers import calibrate_key_bits, key_bit_sensitivity
+    L = model.config.num_hidden_layers
+    opts = tq_options(cfg)
+    opts.pop("k_bits")
+    prot = protected_layers(cfg, L)
+    key = (tuple(sorted(opts.items())), tuple(sorted(prot)))
+    if key not in _SENSITIVITY:
+        _SENSITIVITY[key] = key_bit_sensitivity(model, bits=(2, 3, 4), protected_layers=prot, k_bits=3, **opts)
+    chosen = calibrate_key_bits(model, bits=cfg["k_cal"], protected_layers=prot, sensitivity=_SENSITIVITY[key],
+                                k_bits=cfg["k_bits"], **opts)
+    return dict(cfg, k_layer_bits={i: o["k_bits"] for i, o in chosen.items()})
+
+
 def v2_layers(cfg, num_layers):
     """Layers whose values get 2 bits in the mixed-width configs."""
     return _layer_set(cfg.get("v2_layers") if cfg else None, num_layers)
@@ -199,7 +250,7 @@ def config_bits(cfg, head_dim, num_layers):
     if cfg.get("klt"):  # codes + one float16 gain a token for K and for V
         return (cfg["klt"]["kb"] + cfg["klt"]["vb"]) / 2 + 16.0 / head_dim
     meta = -16.0 / head_dim if cfg.get("scale_only") else 0.0  # bits_per_element counts fp16 scale + offset
-    k_codes = cfg["k_bits"] + len(k4_layers(cfg, num_layers)) * (4 - cfg["k_bits"]) / num_layers
+    k_codes = sum(key_bits_of(cfg, i, num_layers) for i in range(num_layers)) / num_layers
     k_bits = bits_per_element(head_dim, cfg["k_bits"]) + (k_codes - cfg["k_bits"]) + meta
     k_bits += 1.0 if cfg.get("qjl") else 0.0  # the sign sketch
     v_bits = bits_per_element(head_dim, cfg["v_bits"]) - len(v2_layers(cfg, num_layers)) * (cfg["v_bits"] - 2) / num_layers
@@ -427,8 +478,8 @@ class Sim:
             out = F.scaled_dot_product_attention(query, key.repeat_interleave(G, 1), value.repeat_interleave(G, 1),
                                                  is_causal=True, scale=scaling)
             return out.transpose(1, 2).contiguous(), None
-        if module.layer_idx in k4_layers(cfg, Sim.num_layers):
-            cfg = dict(cfg, k_bits=4)
+        if key_bits_of(cfg, module.layer_idx, Sim.num_layers) != cfg["k_bits"]:
+            cfg = dict(cfg, k_bits=key_bits_of(cfg, module.layer_idx, Sim.num_layers))
         if module.layer_idx in v2_layers(cfg, Sim.num_layers):
             cfg = dict(cfg, v_bits=2)
         if cfg.get("klt"):
@@ -532,7 +583,7 @@ def run(args):
     total = sum(len(w1k) + len(c1k) + (len(w4k) + len(c4k) if n in long_names else 0) for n in names)
     bar = tqdm(total=total, desc="configs")
     for name in names:
-        cfg = CONFIGS[name]
+        cfg = resolve(CONFIGS[name], model)
         Sim.cfg = cfg
         t0 = time.time()
         nll = n_tok = agree = kl = 0.0
@@ -683,7 +734,7 @@ def verify(args) -> bool:
     install_sim(model)
     ids = tok(Path(args.text or default_text).read_text(errors="replace"), return_tensors="pt").input_ids[0][:256]
     name = args.configs.split(",")[0] if args.configs else DEFAULT
-    cfg = dict(CONFIGS[name])
+    cfg = resolve(dict(CONFIGS[name]), model)
     prompt = 24
     caps = []
     hook = model.model.layers[0].self_attn.register_forward_hook(lambda m, a, o: caps.append(o[0].detach().clone()))
@@ -692,16 +743,13 @@ def verify(args) -> bool:
     Sim.cfg = cfg
     sim = log_probs(model, ids)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    opts = {k: cfg[k] for k in ("quantizer", "k_bits", "v_bits", "fit", "fp16_window", "sink_tokens", "key_center",
-                                "key_scale", "key_scale_q", "key_pca", "value_pca", "scale_only")}
-    if opts["quantizer"] == "asym":
-        opts.pop("fit")
+    opts = tq_options(cfg)
     L = model.config.num_hidden_layers
+    per_layer = {i: {"k_bits": key_bits_of(cfg, i, L)} for i in range(L) if key_bits_of(cfg, i, L) != cfg["k_bits"]}
+    for i in v2_layers(cfg, L):
+        per_layer.setdefault(i, {})["v_bits"] = 2
     cache = TQCache(model.config, prefill="quantized", protected_layers=protected_layers(cfg, L),
-                    layer_options={i: dict({"k_bits": 4} if i in k4_layers(cfg, L) else {},
-                                           **({"v_bits": 2} if i in v2_layers(cfg, L) else {}))
-                                   for i in k4_layers(cfg, L) | v2_layers(cfg, L)},
-                    late_k_bits=None, **opts)
+                    layer_options=per_layer, late_k_bits=None, **opts)
     outs = [model(ids[None, :prompt], past_key_values=cache).logits[0]]
     for t in range(prompt, len(ids)):
         outs.append(model(ids[None, t:t + 1], past_key_values=cache).logits[0])

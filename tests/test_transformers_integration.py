@@ -19,7 +19,8 @@ from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM  # no
 
 from flash_attn_tq import QuantizedKVCache  # noqa: E402
 from flash_attn_tq.integrations.transformers import (  # noqa: E402
-    ATTN_IMPLEMENTATION, DEFAULTS, TQCache, TQLayer, tq_attention_forward)
+    ATTN_IMPLEMENTATION, DEFAULTS, TQCache, TQLayer, allocate_key_bits, calibrate_key_bits, key_bit_sensitivity,
+    tq_attention_forward)
 
 ORACLE = "tq_oracle_test"
 
@@ -280,3 +281,52 @@ def test_defaults_are_the_quality_study_default():
                      "value_pca", "scale_only"):
             assert opts[name] == cfg[name], (i, name)
     assert cache.bits_per_element(64) == pytest.approx(eval_quality.config_bits(cfg, 64, layers))
+
+
+def test_allocate_key_bits_spends_the_budget_where_it_gains_most():
+    kl = {(0, 2): 5.0, (0, 3): 1.0, (0, 4): 0.5,   # layer 0: a raise gains 0.5, a lowering costs 4
+          (1, 2): 1.1, (1, 3): 1.0, (1, 4): 0.1,   # layer 1: gains 0.9
+          (2, 2): 1.01, (2, 3): 1.0, (2, 4): 0.99}  # layer 2: gains 0.01, costs 0.01
+    assert allocate_key_bits(kl, [0, 1, 2], 1) == {0: 4, 1: 4, 2: 2}  # + a raise paid by lowering layer 2
+    assert allocate_key_bits(kl, [0, 1, 2], 0) == {0: 3, 1: 4, 2: 2}
+    assert allocate_key_bits(kl, [0, 1, 2], 3) == {0: 4, 1: 4, 2: 4}
+    no_two = {k: v for k, v in kl.items() if k[1] != 2}
+    assert allocate_key_bits(no_two, [0, 1, 2], 1) == {0: 3, 1: 4, 2: 3}
+    # a layer is never raised and lowered at once; a raise that gains nothing is not taken
+    assert allocate_key_bits({(0, 2): 1.001, (0, 3): 1.0, (0, 4): 0.1, (1, 2): 1.1, (1, 3): 1.0, (1, 4): 0.9},
+                             [0, 1], 0) == {0: 4, 1: 2}
+    assert allocate_key_bits({(0, 3): 1.0, (0, 4): 1.0}, [0], 1) == {0: 3}
+
+
+def test_calibrated_cache_places_the_key_bits_by_measured_sensitivity():
+    model = tiny_model(layers=4)
+    with torch.no_grad():  # peaked attention, so key precision matters (random weights attend almost uniformly)
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(4)
+            layer.self_attn.k_proj.weight.mul_(4)
+    opts = dict(fp16_window=8, sink_tokens=2, v_bits=4)  # (4-bit values: less of their error in the measure)
+    sens = key_bit_sensitivity(model, tokens=200, span=32, bits=(2, 3, 4), **opts)
+    assert set(sens) == {(i, b) for i in range(4) for b in (2, 3, 4)}
+    assert all(math.isfinite(v) and v >= 0 for v in sens.values())
+    for i in range(4):  # finer keys move the model less
+        assert sens[(i, 2)] > sens[(i, 4)], (i, sens)
+    total = [sum(sens[(i, b)] for i in range(4)) for b in (2, 3, 4)]
+    assert total[0] > total[1] > total[2], total
+    cache = TQCache.calibrated(model, sensitivity=sens, **opts)
+    # head_dim 64: the 0.25 bit/element scale-only metadata saves pays for 4-bit keys in half the layers
+    four = {i for i in range(4) if cache.layer_cache_kwargs(i)["k_bits"] == 4}
+    gains = sorted(range(4), key=lambda i: sens[(i, 4)] - sens[(i, 3)])
+    assert four == set(gains[:2])
+    assert cache.bits_per_element(64) == pytest.approx(TQCache(model.config, **opts).bits_per_element(64))
+    assert cache.layer_cache_kwargs(0)["fp16_window"] == 8 and cache.sink_tokens == 2
+    # a full measurement (no sensitivity given) restores the model's attention implementation
+    model.set_attn_implementation("sdpa")
+    again = TQCache.calibrated(model, protected_layers=(0,), fp16_window=8, sink_tokens=2,
+                               layer_options={3: dict(v_bits=4)})  # (measures 3 layers x 2 widths)
+    assert model.config._attn_implementation == "sdpa"
+    assert again.protected_layers == {0} and again.layer_cache_kwargs(3)["v_bits"] == 4
+    assert sum(again.layer_cache_kwargs(i)["k_bits"] == 4 for i in (1, 2, 3)) == 1  # 3 quantized layers: 1 raise
+    with pytest.raises(ValueError, match="late_k_bits"):
+        TQCache.calibrated(model, sensitivity=sens, late_k_bits=4)
+    with pytest.raises(ValueError, match="k_bits"):
+        calibrate_key_bits(model, bits=(4,), sensitivity=sens)

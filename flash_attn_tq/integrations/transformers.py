@@ -66,6 +66,16 @@ DEFAULTS = dict(k_bits=3, v_bits=3, quantizer="turbo", grid="uniform", fit="norm
 # for the previous 3-bit-everywhere default; the later layers gain most from 4-bit keys.
 
 
+def _with_defaults(cache_kwargs: Mapping) -> dict:
+    """TQCache options: ``cache_kwargs`` over :data:`DEFAULTS`; ``scale_only`` off where the options
+    do not allow it (the scale-only format needs turbo's uniform norm fit)."""
+    opts = dict(DEFAULTS, **cache_kwargs)
+    if "scale_only" not in cache_kwargs and (opts["quantizer"] != "turbo" or opts["grid"] != "uniform"
+                                             or opts["fit"] != "norm"):
+        opts["scale_only"] = False
+    return opts
+
+
 def _late_layers(quantized: list[int], head_dim: int, k_bits: int, late_k_bits: int | None,
                  scale_only: bool) -> set[int]:
     """The layers (the last of ``quantized``) whose keys get ``late_k_bits``: as many as the 16 bits a
@@ -74,6 +84,101 @@ def _late_layers(quantized: list[int], head_dim: int, k_bits: int, late_k_bits: 
         return set()
     n = min(len(quantized), (len(quantized) * 32) // (head_dim * (late_k_bits - k_bits)))
     return set(quantized[len(quantized) - n:])
+
+
+def allocate_key_bits(kl: Mapping[tuple[int, int], float], layers: Iterable[int], extra: int,
+                      base: int = 3) -> dict[int, int]:
+    """Key bits a layer that minimise the summed sensitivity ``kl[(layer, bits)]`` (bits in base - 1,
+    base, base + 1 where measured) with at most ``extra`` more bits than ``base`` in total over the
+    layers: the ``extra`` best raises are free, and each further raise is paid for by a lowering while
+    its gain exceeds the lowering's loss."""
+    layers = list(layers)
+    gain = {i: kl[(i, base)] - kl[(i, base + 1)] for i in layers if (i, base + 1) in kl}
+    loss = {i: kl[(i, base - 1)] - kl[(i, base)] for i in layers if (i, base - 1) in kl}
+    ups = sorted((i for i in gain if gain[i] > 0), key=lambda i: -gain[i])
+    downs = sorted(loss, key=lambda i: loss[i])
+    raised = ups[:extra]
+    lowered: list[int] = []
+    rest = [i for i in downs if i not in raised]
+    for i in ups[extra:]:  # a further raise, paid for by the cheapest lowering left
+        cheapest = next((j for j in rest if j != i), None)
+        if cheapest is None or gain[i] <= loss[cheapest]:
+            break
+        raised.append(i)
+        lowered.append(cheapest)
+        rest = [j for j in rest if j not in (i, cheapest)]
+    bits = {i: base for i in layers}
+    bits.update({i: base + 1 for i in raised})
+    bits.update({i: base - 1 for i in lowered})
+    return bits
+
+
+@torch.no_grad()
+def key_bit_sensitivity(model, *, tokens: int = 1024, span: int = 64, seed: int = 0, bits: Iterable[int] = (2, 3, 4),
+                        protected_layers: Iterable[int] = (), **cache_kwargs) -> dict[tuple[int, int], float]:
+    """How much quantizing one layer's keys moves the model: ``{(layer, key bits): KL}``.
+
+    A synthetic sequence (``tokens`` random token ids, a ``span``-token stretch of them repeated at
+    the end: the copying that key precision decides; no text needed) runs once in full precision and
+    then once per layer and key width with only that layer quantized through :class:`TQCache`
+    (``cache_kwargs``, ``prefill="quantized"``: attending as a token-by-token decode would). The value
+    is the mean KL divergence of the next-token distributions from full precision. Costs
+    ``len(bits) x layers`` forwards of the sequence.
+    """
+    cfg = model.config
+    protected = frozenset(int(i) for i in protected_layers)
+    device = next(model.parameters()).device
+    g = torch.Generator().manual_seed(seed)
+    body = torch.randint(0, cfg.vocab_size, (tokens,), generator=g)
+    ids = torch.cat([body, body[tokens // 3: tokens // 3 + span]])[None].to(device)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    try:
+        ref = torch.log_softmax(model(ids).logits[0].float(), -1)
+        kl = {}
+        for i in range(cfg.num_hidden_layers):
+            if i in protected:
+                continue
+            others = [j for j in range(cfg.num_hidden_layers) if j != i]
+            for b in sorted(set(int(b) for b in bits)):
+                cache = TQCache(cfg, protected_layers=others, prefill="quantized", late_k_bits=None,
+                                **dict(cache_kwargs, k_bits=b))
+                lp = torch.log_softmax(model(ids, past_key_values=cache).logits[0].float(), -1)
+                kl[(i, b)] = (ref.exp() * (ref - lp)).sum(-1).mean().item()
+    finally:
+        model.set_attn_implementation(previous)
+    return kl
+
+
+def calibrate_key_bits(model, *, bits: Iterable[int] = (3, 4), protected_layers: Iterable[int] = (),
+                       sensitivity: Mapping[tuple[int, int], float] | None = None, **cache_kwargs) -> dict[int, dict]:
+    """Per-layer key bits for :class:`TQCache`, measured on the model itself.
+
+    The extra key bits TQCache's default spends on the last layers (``late_k_bits``: as many as the
+    scale-only metadata saves) go where :func:`key_bit_sensitivity` finds the model most sensitive
+    instead (:func:`allocate_key_bits`; with ``k_bits - 1`` among ``bits``, lowering insensitive
+    layers pays for more raises, but K2V3 has no fused kernel and measured no better on SmolLM2).
+    ``sensitivity``: reuse an earlier :func:`key_bit_sensitivity` measurement.
+
+    Returns ``layer_options`` for ``TQCache(config, late_k_bits=None, layer_options=...)``: ``{layer:
+    {"k_bits": b}}`` for the layers whose bits differ from ``k_bits``. On SmolLM2 the synthetic
+    sequence ranks the layers as real text does (13 of the top 15 shared with a license text).
+    """
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    opts = _with_defaults(cache_kwargs)
+    base = int(opts["k_bits"])
+    choices = set(int(b) for b in bits) & {base - 1, base, base + 1}
+    if base not in choices:
+        raise ValueError(f"bits must include k_bits ({base})")
+    protected = frozenset(int(i) for i in protected_layers)
+    layers = [i for i in range(cfg.num_hidden_layers) if i not in protected]
+    if sensitivity is None:
+        sensitivity = key_bit_sensitivity(model, bits=choices, protected_layers=protected, **cache_kwargs)
+    kl = {k: v for k, v in sensitivity.items() if k[1] in choices}
+    extra = len(_late_layers(layers, head_dim, base, base + 1, opts["scale_only"]))
+    chosen = allocate_key_bits(kl, layers, extra, base)
+    return {i: {"k_bits": b} for i, b in chosen.items() if b != base}
 
 
 def _check_no_padding(attention_mask) -> None:
@@ -285,11 +390,7 @@ class TQCache(Cache):
         super().__init__(layers=[])
         if prefill not in ("full", "quantized"):
             raise ValueError(f"prefill must be 'full' or 'quantized', got {prefill!r}")
-        opts = dict(DEFAULTS)
-        opts.update(cache_kwargs)
-        if "scale_only" not in cache_kwargs and (opts["quantizer"] != "turbo" or opts["grid"] != "uniform"
-                                                 or opts["fit"] != "norm"):
-            opts["scale_only"] = False  # (the scale-only format needs turbo's uniform norm fit)
+        opts = _with_defaults(cache_kwargs)
         self.sink_tokens = int(opts.pop("sink_tokens"))
         late_k_bits = opts.pop("late_k_bits")
         self.cache_kwargs = opts
@@ -322,6 +423,26 @@ class TQCache(Cache):
                 QuantizedKVCache(1, 1, 1, 64, **dict(opts, **o))
             except (TypeError, ValueError) as e:
                 raise type(e)(f"layer_options[{i}]: {e}") from None
+
+    @classmethod
+    def calibrated(cls, model, *, bits: Iterable[int] = (3, 4),
+                   sensitivity: Mapping[tuple[int, int], float] | None = None, **kwargs) -> "TQCache":
+        """A TQCache for ``model`` with its key bits per layer measured on the model itself
+        (:func:`calibrate_key_bits`: ``len(bits) x layers`` forwards of a 1K-token synthetic sequence,
+        once per model; keep ``cache.layer_options`` to reuse them). The bits budget is the default's
+        (3.5 bits/element at head_dim 64, 3.25 at 128); on SmolLM2 this is the best configuration
+        measured (``benchmarks/results/quality.md``). ``kwargs``: TQCache options, used for the
+        measurement too; ``layer_options`` are applied on top of the calibrated bits."""
+        if "late_k_bits" in kwargs:
+            raise ValueError("late_k_bits: the calibrated cache places its key bits itself")
+        tq_only = {k: kwargs.pop(k) for k in ("max_cache_len", "prefill", "layer_options") if k in kwargs}
+        protected = tuple(kwargs.pop("protected_layers", ()))
+        layer_options = {i: dict(o) for i, o in calibrate_key_bits(model, bits=bits, protected_layers=protected,
+                                                                   sensitivity=sensitivity, **kwargs).items()}
+        for i, o in (tq_only.pop("layer_options", None) or {}).items():
+            layer_options.setdefault(int(i), {}).update(o)
+        return cls(model.config, protected_layers=protected, late_k_bits=None, layer_options=layer_options,
+                   **tq_only, **kwargs)
 
     def layer_cache_kwargs(self, idx: int) -> dict:
         """The QuantizedKVCache options of layer ``idx`` (the TQCache's, with its layer_options)."""
@@ -390,4 +511,6 @@ def register() -> None:
 
 register()
 
-__all__ = ["TQCache", "TQLayer", "tq_attention_forward", "register", "ATTN_IMPLEMENTATION", "DEFAULTS"]
+__all__ = ["TQCache", "TQLayer", "tq_attention_forward", "register", "calibrate_key_bits", "allocate_key_bits",
+           "key_bit_sensitivity",
+           "ATTN_IMPLEMENTATION", "DEFAULTS"]
