@@ -169,10 +169,11 @@ CONFIGS.update({
     "Kcal34+V3+kc+sink4": _cfg(k_cal=(3, 4), **_CAL),
 })
 
-DEFAULT = "K3.5mix(last)+V3+kc+sink4+w124"  # = flash_attn_tq.integrations.transformers.DEFAULTS
-NO_WINDOW_DEFAULT = "K3.5mix(last)+V3+kc+sink4"
+DEFAULT = "Kcal34+V3+kc+sink4+w124"  # = TQCache.calibrated(model) (flash_attn_tq.integrations.transformers)
+NO_WINDOW_DEFAULT = "Kcal34+V3+kc+sink4"
+UNCALIBRATED_DEFAULT = "K3.5mix(last)+V3+kc+sink4+w124"  # = TQCache(config): 4-bit keys in the last layers
 QUICK = ["full", "asym3", "turbo3", "turbo3+w128", "turbo3+kc+sink4", "turbo3+kc+sink4+w124", NO_WINDOW_DEFAULT, DEFAULT,
-         "K4V3"]
+         UNCALIBRATED_DEFAULT, "K4V3"]
 LONG = ["full", "turbo3", "turbo3+kc+pca+vpca+sink4", "turbo3+kc+sink4+w124", "turbo3+kc+pca+vpca+sink4+w124",
         "turbo3+kc+ksq.5+pca+vpca+sink4", "turbo3+kc+ksq.5+pca+vpca+sink4+w124", "K3.5mix(last)+V3+kc+sink4+w124",
         "K3.5mix(last)+V3+kc+sink16+w112", "K3.5mix(last)+V3+kc+sink32+w96", "turbo3+kc+pca+vpca+sink32+w96",

@@ -264,23 +264,40 @@ def test_pack_errors_surface_in_the_same_forward_on_the_gpu():
 
 
 def test_defaults_are_the_quality_study_default():
-    """TQCache(config)'s per-layer options are the configuration eval_quality.py reports as the default."""
+    """TQCache.calibrated(model) is the configuration eval_quality.py reports as the default, and
+    TQCache(config) (no model to measure) its uncalibrated one: the same options, the same bits."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import eval_quality
 
-    cfg = eval_quality.CONFIGS[eval_quality.DEFAULT]
     layers = 30
-    cache = TQCache(LlamaConfig(num_hidden_layers=layers, head_dim=64, hidden_size=576, num_attention_heads=9,
-                                num_key_value_heads=3))  # SmolLM2's shape
-    assert cache.sink_tokens == cfg["sink_tokens"]
-    for i in range(layers):
-        opts = cache.layer_cache_kwargs(i)
-        assert opts["k_bits"] == (4 if i in eval_quality.k4_layers(cfg, layers) else cfg["k_bits"]), i
-        assert opts["v_bits"] == (2 if i in eval_quality.v2_layers(cfg, layers) else cfg["v_bits"]), i
-        for name in ("quantizer", "fit", "fp16_window", "key_center", "key_scale", "key_scale_q", "key_pca",
-                     "value_pca", "scale_only"):
-            assert opts[name] == cfg[name], (i, name)
-    assert cache.bits_per_element(64) == pytest.approx(eval_quality.config_bits(cfg, 64, layers))
+    config = LlamaConfig(num_hidden_layers=layers, head_dim=64, hidden_size=576, num_attention_heads=9,
+                         num_key_value_heads=3)  # SmolLM2's shape
+
+    class Shape:  # calibrate_key_bits needs only the config when given a sensitivity
+        pass
+
+    model = Shape()
+    model.config = config
+    sensitivity = {(i, b): (1.0 + (i * 7) % 11) / b ** 2 for i in range(layers) for b in (3, 4)}
+    cal = TQCache.calibrated(model, sensitivity=sensitivity)
+    for name, cache in ((eval_quality.UNCALIBRATED_DEFAULT, TQCache(config)), (eval_quality.DEFAULT, cal)):
+        cfg = eval_quality.CONFIGS[name]
+        if cfg.get("k_cal"):
+            assert tuple(cfg["k_cal"]) == (3, 4)  # calibrated's default bit choices
+            cfg = dict(cfg, k_layer_bits={i: cal.layer_cache_kwargs(i)["k_bits"] for i in range(layers)})
+        assert cache.sink_tokens == cfg["sink_tokens"]
+        for i in range(layers):
+            opts = cache.layer_cache_kwargs(i)
+            assert opts["k_bits"] == eval_quality.key_bits_of(cfg, i, layers), (name, i)
+            assert opts["v_bits"] == (2 if i in eval_quality.v2_layers(cfg, layers) else cfg["v_bits"]), i
+            for o in ("quantizer", "fit", "fp16_window", "key_center", "key_scale", "key_scale_q", "key_pca",
+                      "value_pca", "scale_only"):
+                assert opts[o] == cfg[o], (name, i, o)
+        assert cache.bits_per_element(64) == pytest.approx(eval_quality.config_bits(cfg, 64, layers))
+    assert cache.bits_per_element(64) == pytest.approx(3.5)  # the budget at head_dim 64
+    # the calibrated bits go to the layers with the largest measured gains
+    gains = sorted(range(layers), key=lambda i: sensitivity[(i, 4)] - sensitivity[(i, 3)])
+    assert {i for i in range(layers) if cal.layer_cache_kwargs(i)["k_bits"] == 4} == set(gains[:15])
 
 
 def test_allocate_key_bits_spends_the_budget_where_it_gains_most():
