@@ -6,8 +6,8 @@ Usage::
     model = AutoModelForCausalLM.from_pretrained(..., attn_implementation="tq_kvcache")
     # (or model.set_attn_implementation("tq_kvcache") on a loaded model)
     out = model.generate(ids, past_key_values=TQCache.calibrated(model), max_new_tokens=...)
-    # TQCache.calibrated measures where the model needs 4-bit keys once (a few seconds on a GPU);
-    # TQCache(model.config) puts them in the last layers without measuring
+    # TQCache.calibrated measures once where the model needs 4-bit keys (2 x layers forwards of a
+    # 1K-token sequence); TQCache(model.config) puts them in the last layers without measuring
 
 :class:`TQCache` keeps one :class:`~flash_attn_tq.QuantizedKVCache` per decoder layer. The
 attention function registered as ``"tq_kvcache"`` attends over it with
@@ -125,9 +125,11 @@ def key_bit_sensitivity(model, *, tokens: int = 1024, span: int = 64, seed: int 
     A synthetic sequence (``tokens`` random token ids, a ``span``-token stretch of them repeated at
     the end: the copying that key precision decides; no text needed) runs once in full precision and
     then once per layer and key width with only that layer quantized through :class:`TQCache`
-    (``cache_kwargs``, ``prefill="quantized"``: attending as a token-by-token decode would). The value
-    is the mean KL divergence of the next-token distributions from full precision. Costs
-    ``len(bits) x layers`` forwards of the sequence.
+    (``cache_kwargs``, ``prefill="quantized"``: the sequence attends over its quantized cache in one
+    forward, so the fp16 window holds only its last ``fp16_window`` tokens and most queries see
+    quantized keys where decoding would show them their recent tokens in 16-bit: a harsher measure
+    than decoding). The value is the mean KL divergence of the next-token distributions from full
+    precision. Costs ``len(bits) x layers`` forwards of the sequence.
     """
     cfg = model.config
     protected = frozenset(int(i) for i in protected_layers)
