@@ -215,9 +215,9 @@ def test_decode_paged_equals_contiguous_long(page_size, window):
 @pytest.mark.parametrize("page_size", [16, 64])
 @pytest.mark.parametrize("seqlen_q", [1, 70])
 def test_paged_token_major_layout(page_size, seqlen_q):
-    """The kernels address a head-major paged pool by one slot index (block x slots + column) in all
-    four tensors; a token-major pool ([blocks, page, heads, bytes] contiguous) has no common slot
-    stride and takes the per-token copies: both give the same bits, decode and prefill."""
+    """The kernels copy a head-major paged pool a page run at a time as contiguous regions; a
+    token-major pool ([blocks, page, heads, bytes] contiguous: a head's tokens are not adjacent)
+    takes the per-token copies: both give the same bits, decode and prefill."""
     seqlens = [700, 1500]
     cache, _, _ = _make_cache(2, seqlens, 2, 128, page_size=page_size, shuffle_blocks=True, seed=13,
                               quantizer="turbo-scale", max_seqlen=1536)
