@@ -50,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     print("codec")
     codes = torch.randint(0, 8, (64, 128), generator=gen, device=dev)
     ok &= _check("3-bit pack/unpack round trip", torch.equal(fa.unpack_codes(fa.pack_codes(codes, 3), 3, 128), codes),
-                 f"{fa.code_bytes(128, 3)} B/vector, {fa.bits_per_element(128, 3)} bits/element at head_dim 128")
+                 f"{fa.code_bytes(128, 3)} B/vector, {fa.bits_per_element(128, 3, 2)} bits/element at head_dim 128 "
+                 f"(turbo's scale-only default; {fa.bits_per_element(128, 3)} with (scale, offset))")
     x = torch.randn(4096, 128, generator=gen, device=dev)
     for grid, published in (("uniform", 0.0375), ("lloyd_max", 0.0345)):
         qz = fa.TurboQuantizer(128, 3, grid)
