@@ -115,7 +115,7 @@ class QuantizedKVCache:
                              "direction)")
         norm_fit = quantizer == "turbo" and grid == "uniform" and fit == "norm"
         self.scale_only = norm_fit if scale_only is None else bool(scale_only)
-        if self.scale_only and (quantizer != "turbo" or grid != "uniform" or fit != "norm"):
+        if self.scale_only and not norm_fit:
             raise ValueError("scale_only needs quantizer='turbo', grid='uniform' and fit='norm' (whose offset is "
                              "-mid * scale, so only the scale is stored)")
         if quantizer == "turbo":
