@@ -219,7 +219,7 @@ def tq_options(cfg):
     return opts
 
 
-_SENSITIVITY: dict = {}  # measured key-bit sensitivities, by the cache options they were measured with
+_SENSITIVITY: dict = {}  # measured key-bit sensitivities, by the cache options and bit widths measured
 
 
 def resolve(cfg, model):
@@ -232,9 +232,9 @@ def resolve(cfg, model):
     opts = tq_options(cfg)
     opts.pop("k_bits")
     prot = protected_layers(cfg, L)
-    key = (tuple(sorted(opts.items())), tuple(sorted(prot)))
+    key = (tuple(sorted(opts.items())), tuple(sorted(prot)), tuple(cfg["k_cal"]))
     if key not in _SENSITIVITY:
-        _SENSITIVITY[key] = key_bit_sensitivity(model, bits=(2, 3, 4), protected_layers=prot, k_bits=3, **opts)
+        _SENSITIVITY[key] = key_bit_sensitivity(model, bits=cfg["k_cal"], protected_layers=prot, **opts)
     chosen = calibrate_key_bits(model, bits=cfg["k_cal"], protected_layers=prot, sensitivity=_SENSITIVITY[key],
                                 k_bits=cfg["k_bits"], **opts)
     return dict(cfg, k_layer_bits={i: o["k_bits"] for i, o in chosen.items()})
