@@ -39,7 +39,7 @@ from setuptools import find_packages, setup
 VERSION = "0.1.0"
 PACKAGE_NAME = "flash_attn_tq"
 EXT_NAME = "flash_attn_tq_cuda"
-DEFAULT_ARCHS = "80;90"
+DEFAULT_ARCHS = "80;90a"
 
 THIS_DIR = os.path.dirname(os.path.abspath(__file__))
 # Source paths below are relative to the project root (setuptools expects
@@ -134,6 +134,7 @@ def _extension_plan():
     from torch.utils.cpp_extension import BuildExtension, CUDAExtension, include_paths
 
     std = _cxx_standard(include_paths())
+    archs = os.environ.get("FLASH_ATTN_TQ_CUDA_ARCHS", DEFAULT_ARCHS)
     nvcc_flags = [
         "-O3",
         "-std=" + std,
@@ -144,13 +145,16 @@ def _extension_plan():
         "-U__CUDA_NO_HALF_CONVERSIONS__",
         "-U__CUDA_NO_HALF2_OPERATORS__",
         "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
-    ] + _parse_archs(os.environ.get("FLASH_ATTN_TQ_CUDA_ARCHS", DEFAULT_ARCHS))
+    ] + _parse_archs(archs)
+    # sm_90a code holds the prefill kernel's wgmma variant; the host launches it only then
+    defines = ["-DFLASH_TQ_SM90A"] if "arch=compute_90a,code=sm_90a" in nvcc_flags else []
+    nvcc_flags += defines
 
     ext = CUDAExtension(
         name=EXT_NAME,
         sources=cpp_sources + cu_sources,
         include_dirs=[os.path.join(THIS_DIR, CSRC_DIR), os.path.join(THIS_DIR, KERNEL_DIR)],
-        extra_compile_args={"cxx": ["-O3", "-std=" + std], "nvcc": nvcc_flags},
+        extra_compile_args={"cxx": ["-O3", "-std=" + std] + defines, "nvcc": nvcc_flags},
     )
     cmdclass = {"build_ext": BuildExtension.with_options(use_ninja=True)}
     return [ext], cmdclass, None

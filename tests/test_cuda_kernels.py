@@ -101,9 +101,12 @@ def test_decode_matches_reference(dtype, d, bits, quantizer, case):
 @pytest.mark.parametrize("bits", [(3, 3), (4, 3)])
 @pytest.mark.parametrize("quantizer", ["turbo", "asym", "turbo-scale"])
 @pytest.mark.parametrize("case", PREFILL_CASES)
-def test_prefill_matches_reference(dtype, d, bits, quantizer, case):
+@pytest.mark.parametrize("wgmma", ["1", "0"], ids=["wgmma", "mma_sync"])
+def test_prefill_matches_reference(dtype, d, bits, quantizer, case, wgmma, monkeypatch):
     """The prefill kernel (>= ops.PREFILL_MIN_ROWS query rows a kv head) against float32 attention over
-    the dequantized cache, through flash_attn_with_kvcache."""
+    the dequantized cache, through flash_attn_with_kvcache; both of its variants on Hopper (wgmma, and
+    the mma.sync one other GPUs run; FLASH_ATTN_TQ_PREFILL_WGMMA=0 picks it there)."""
+    monkeypatch.setenv("FLASH_ATTN_TQ_PREFILL_WGMMA", wgmma)
     batch, seqlens, hq, hk, sq, causal = case
     assert (hq // hk) * sq >= ops.PREFILL_MIN_ROWS
     seed = zlib.crc32(repr(("prefill", str(dtype), d, bits, quantizer, seqlens, sq)).encode()) % 10000

@@ -1,5 +1,5 @@
 """Prefill kernel times (ops.decode, 3-bit turbo cache, with and without scale-only metadata) for a
-few chunk shapes: a quick A/B helper. Usage: python3 benchmarks/experiments/time_prefill.py LABEL"""
+few chunk shapes: a quick A/B helper. Usage: python3 benchmarks/experiments/time_prefill.py LABEL [S:q_len,...]"""
 import sys
 
 import torch
@@ -12,7 +12,10 @@ from bench_decode import fill_cache  # noqa: E402
 
 torch.manual_seed(0)
 res = []
-for S, q_len in [(8192, 64), (32768, 64), (8192, 512), (32768, 2048)]:
+shapes = [(8192, 64), (32768, 64), (8192, 512), (32768, 2048)]
+if len(sys.argv) > 2:
+    shapes = [tuple(int(x) for x in item.split(":")) for item in sys.argv[2].split(",")]
+for S, q_len in shapes:
     q = torch.randn(1, q_len, 32, 128, device="cuda", dtype=torch.float16)
     times = []
     for scale_only in (False, True):

@@ -47,6 +47,9 @@ int choose_num_splits(int ctas, int max_seqlen_k, int num_sms) {
 // tile in registers itself); mirrored by flash_attn_tq.ops.PREFILL_MIN_ROWS.
 constexpr int kPrefillMinRows = 128;
 constexpr int kPrefillRowsPerCta = 256;
+// ... and from which its wgmma variant (H200: the same time at 1024 rows, 8-16% less from 2048; at
+// 256-512 rows the mma.sync one is 4-30% faster)
+constexpr int kWgmmaMinRows = 1024;
 
 template <int kHeadDim, int kKBits, int kVBits, typename Elem>
 void run_packed(bool prefill, bool scale_only, const DecodeParams &p, cudaStream_t stream) {
@@ -144,6 +147,15 @@ std::tuple<at::Tensor, at::Tensor> run_decode_op(
         return smem_optin >= kPrefillSmemBudget;
     };
     const bool prefill = k_bits != 16 && rows >= kPrefillMinRows && prefill_fits();
+#ifdef FLASH_TQ_SM90A
+    if (prefill) {  // Hopper's wgmma variant of the prefill kernel (FLASH_ATTN_TQ_PREFILL_WGMMA=0: the mma.sync one)
+        int major = 0, minor = 0;
+        C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, q.get_device()));
+        C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, q.get_device()));
+        const char *env = std::getenv("FLASH_ATTN_TQ_PREFILL_WGMMA");
+        p.use_wgmma = major == 9 && minor == 0 && rows >= kWgmmaMinRows && !(env != nullptr && env[0] == '0');
+    }
+#endif
     const int rows_per_cta = prefill ? kPrefillRowsPerCta : (rows <= 8 ? 8 : 16);
     // a prefill CTA (8 warps, one an SM) counts as two 4-warp decode CTAs in the split heuristic
     const int ctas = b * h_k * ((rows + rows_per_cta - 1) / rows_per_cta) * (prefill ? 2 : 1);

@@ -131,10 +131,10 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_split_kernel(const D
     const int my_count = my_first < tile_end ? (tile_end - my_first + kWarps - 1) / kWarps : 0;
     // the warp's tile i (i = 0, 1, 2, ...) into stage `st`
     TilePages<kTileN, KV::kSegment> pages;
-    if constexpr (kPaging == Paging::kRows) { pages.start(p, b, my_first, kWarps, my_count, seqlen_k, lane); }
+    if constexpr (rows_given(kPaging)) { pages.start(p, b, my_first, kWarps, my_count, seqlen_k, lane); }
     auto load = [&](int i, int st) {
         int rows[2] = {0, 0};
-        if constexpr (kPaging == Paging::kRows) { pages.rows_of(i, rows, lane); }
+        if constexpr (rows_given(kPaging)) { pages.rows_of(i, rows, lane); }
         KV::template load_tile<kPaging>(p, bases, pipe + st * KV::kStageBytes, b, (my_first + i * kWarps) * kTileN, seqlen_k, lane, rows);
     };
     #pragma unroll

@@ -39,12 +39,15 @@ void launch_decode_split(const DecodeParams &p, cudaStream_t stream) {
         launch_split<Traits>(&decode_split_kernel<Traits, decltype(paging)::value, decltype(local)::value>, p, stream);
     };
     using Rows = std::integral_constant<Paging, Paging::kRows>;
+    using Rows16 = std::integral_constant<Paging, Paging::kRows16>;
     using NoPages = std::integral_constant<Paging, Paging::kNone>;
     using Runtime = std::integral_constant<Paging, Paging::kRuntime>;
     using Local = std::true_type;
     using Plain = std::false_type;
     if constexpr (Traits::KV::kAffine) {
-        if (p.block_table != nullptr) {
+        if (p.block_table != nullptr && p.page_block_size < Traits::KV::kTileN) {  // 16-token pages
+            p.local() ? go(Rows16{}, Local{}) : go(Rows16{}, Plain{});
+        } else if (p.block_table != nullptr) {
             p.local() ? go(Rows{}, Local{}) : go(Rows{}, Plain{});
         } else {
             p.local() ? go(NoPages{}, Local{}) : go(NoPages{}, Plain{});

@@ -23,8 +23,10 @@ namespace flash_tq {
 
 // How a loader finds a tile's cache rows: kRuntime looks at p.block_table (the prefill kernel),
 // kNone has no block table (contiguous cache), kRows takes whole dense tiles' page rows from the
-// caller (TilePages below) and looks pages up itself only for the partial last tile.
-enum class Paging { kRuntime, kNone, kRows };
+// caller (TilePages below) and looks pages up itself only for the partial last tile; kRows16 is
+// kRows for 16-token pages (two a tile), a kernel of its own so that pages of 32+ keep theirs.
+enum class Paging { kRuntime, kNone, kRows, kRows16 };
+__host__ __device__ constexpr bool rows_given(Paging p) { return p == Paging::kRows || p == Paging::kRows16; }
 
 // Block-table rows of one warp's whole tiles (pages of kSegment tokens or more; a tile spans at most
 // two): lane l holds the rows of the warp's tile 32 k + l for chunk k, and chunk k + 1 is read when
@@ -132,6 +134,16 @@ struct PackedKV {
         }
     }
 
+    // copy_region over kLanes lanes (part = the lane's index among them)
+    template <int kBytes, int kLanes>
+    __device__ static void copy_part(char *dst, const void *src, int part) {
+        static_assert(kBytes % 16 == 0, "whole 16-byte chunks");
+        #pragma unroll
+        for (int c = part; c < kBytes / 16; c += kLanes) {
+            cp_async<16>(dst + 16 * c, reinterpret_cast<const char *>(src) + 16 * c, true);
+        }
+    }
+
     template <int kBytes>
     __host__ __device__ static constexpr int chunk() { return kBytes % 16 == 0 ? 16 : (kBytes % 8 == 0 ? 8 : 4); }
 
@@ -144,11 +156,11 @@ struct PackedKV {
 
     // Lane l copies token tile_start + l (codes and meta of K and V); tokens >= seqlen_k are zero-filled.
     // Offsets are 32 x 32 -> 64-bit products: row and block strides fit in 32 bits (checked on the host).
-    // With Paging::kRows, page_rows are the rows of the tile's first and second kSegment tokens.
+    // With Paging::kRows / kRows16, page_rows are the rows of the tile's first and second kSegment tokens.
     template <Paging kPaging = Paging::kRuntime>
     __device__ static void load_tile(const DecodeParams &p, const Bases &base, char *stage, int b, int tile_start,
                                      int seqlen_k, int lane, const int (&page_rows)[2] = {0, 0}) {
-        const bool paged = kPaging == Paging::kRows || (kPaging == Paging::kRuntime && p.block_table != nullptr);
+        const bool paged = rows_given(kPaging) || (kPaging == Paging::kRuntime && p.block_table != nullptr);
         if (base.dense && tile_start + kTileN <= seqlen_k) {  // a whole tile of adjacent rows (or two halves)
             auto copy_run = [&](auto tokens, int first) {  // `tokens` adjacent rows from tile token `first`
                 constexpr int kN = decltype(tokens)::value;
@@ -165,7 +177,16 @@ struct PackedKV {
                 copy_region<kN * kMetaBytes>(stage + kKMetaOff + first * kMetaBytes, base.km + r * p.km_batch_stride + kW * col, lane);
                 copy_region<kN * kMetaBytes>(stage + kVMetaOff + first * kMetaBytes, base.vm + r * p.vm_batch_stride + kW * col, lane);
             };
-            if (!paged || p.page_block_size >= kTileN) {
+            if constexpr (kPaging == Paging::kRows16) {
+                // 16-token pages: half-warp h copies page h (the tile's tokens 16h..): one row and
+                // one set of addresses a lane, the same 16-byte copies a lane as a whole tile
+                const int h = lane / kSegment, hl = lane % kSegment;
+                const int64_t r = page_rows[h];
+                copy_part<kSegment * KL::kBytes, kSegment>(stage + kKOff + h * kSegment * KL::kBytes, base.kc + r * p.kc_batch_stride, hl);
+                copy_part<kSegment * VL::kBytes, kSegment>(stage + kVOff + h * kSegment * VL::kBytes, base.vc + r * p.vc_batch_stride, hl);
+                copy_part<kSegment * kMetaBytes, kSegment>(stage + kKMetaOff + h * kSegment * kMetaBytes, base.km + r * p.km_batch_stride, hl);
+                copy_part<kSegment * kMetaBytes, kSegment>(stage + kVMetaOff + h * kSegment * kMetaBytes, base.vm + r * p.vm_batch_stride, hl);
+            } else if (!paged || p.page_block_size >= kTileN) {
                 copy_run(std::integral_constant<int, kTileN>{}, 0);
             } else {
                 copy_run(std::integral_constant<int, kSegment>{}, 0);
@@ -199,6 +220,15 @@ struct PackedKV {
         const uint32_t *vec = reinterpret_cast<const uint32_t *>(stage + kKOff + tok * KL::kBytes);
         extract_slots<kKBits, kSlotsK, kMagic, false>(vec, c * kSlotsK, out);
     }
+
+    // Raw V values of token `tok` at thread c's kSlotsK pair slots, as k_slots (the prefill kernel's
+    // wgmma path stores V token-major): slot s holds elements v_slot_element(s, 0 / 1).
+    __device__ static void v_slots(const char *stage, int tok, int c, uint32_t (&out)[kSlotsK]) {
+        const uint32_t *vec = reinterpret_cast<const uint32_t *>(stage + kVOff + tok * VL::kBytes);
+        extract_slots<kVBits, kSlotsK, kMagic, false>(vec, c * kSlotsK, out);
+    }
+    __device__ static constexpr int v_slot_element(int slot, int hi) { return k_pair_element<kVBits, kHeadDim>(slot, hi); }
+    __device__ static constexpr int v_slot_scale_exp(int slot) { return slot_scale_exp<kVBits, kSlotsK, kMagic>(slot % kSlotsK); }
 
     // Raw V values of tokens `tok` and `tok + 1` for thread group g: out[2m] holds element 16m + g
     // of both tokens (low half: `tok`), out[2m + 1] element 16m + g + 8. The group's lanes of the
@@ -326,7 +356,7 @@ struct Fp16KV {
         const int t = tile_start + lane % kTileN;
         const bool valid = t < seqlen_k;
         int row = 0, col = valid ? t : 0;
-        if (kPaging == Paging::kRows || (kPaging == Paging::kRuntime && p.block_table != nullptr)) {
+        if (rows_given(kPaging) || (kPaging == Paging::kRuntime && p.block_table != nullptr)) {
             row = valid ? p.block_table[b * p.block_table_batch_stride + (t >> p.page_block_shift)] : 0;
             col = valid ? (t & (p.page_block_size - 1)) : 0;
         }

@@ -46,6 +46,7 @@ struct DecodeParams {
     float scale_softmax_log2;  // softmax_scale * log2(e)
     int num_splits;
     bool is_causal;
+    bool use_wgmma;  // the prefill kernel's Hopper variant (an sm_90 device, sm_90a code built)
     // local attention: row i (bottom-right position pos = seqlen_k - seqlen_q + i) sees keys
     // [pos - window_left, pos + window_right]; -1: unbounded (the host sets window_right = 0 when causal)
     int window_left, window_right;

@@ -23,10 +23,12 @@
 #include "tq_params.h"
 #include "tq_rows.h"
 #include "tq_utils.h"
+#include "tq_wgmma.h"
 
 namespace flash_tq {
 
-template <typename Elem_, int kHeadDim_, int kKBits, int kVBits, int kNWarps_, int kMTiles_, bool kScaleOnly = false>
+template <typename Elem_, int kHeadDim_, int kKBits, int kVBits, int kNWarps_, int kMTiles_, bool kScaleOnly = false,
+          bool kWgmma_ = false>
 struct PrefillTraits {
     using Elem = Elem_;
     using KV = PackedKV<kKBits, kVBits, kHeadDim_, Elem_, kScaleOnly>;
@@ -35,6 +37,9 @@ struct PrefillTraits {
     // scale-only metadata (turbo's norm fit, offset = -mid * scale): the K and V terms are zero
     static constexpr bool kTerms = !kScaleOnly;
     static constexpr int kNWarps = kNWarps_;
+    // Hopper: S and O through wgmma (a warpgroup's 4 warps x kMTiles m16 tiles = kMTiles m64 tiles),
+    // Q and the expanded K / V tiles in the swizzled layout of tq_wgmma.h; else mma.sync fragments.
+    static constexpr bool kWgmma = kWgmma_;
     static constexpr int kNThreads = 32 * kNWarps;
     static constexpr int kMTiles = kMTiles_;       // 16-row MMA tiles a warp (2: half the fragment reads an MMA)
     static constexpr int kWarpRows = 16 * kMTiles;
@@ -45,20 +50,44 @@ struct PrefillTraits {
     static constexpr int kKChunks = kHeadDim / 8;  // 16-byte chunks of a token's K fragments (4 lanes x kSlotsK words)
     static constexpr int kVChunks = kHeadDim / 4;  // of a token pair's V fragments (8 groups x kHeadDim / 8 words)
     static constexpr int kKFragOff = 0;
-    static constexpr int kVFragOff = kKFragOff + kTileN * kKChunks * 16;
+    static constexpr int kVFragOff = kKFragOff + kTileN * kKChunks * 16;  // (= kTileN * kHeadDim * 2 either way)
     static constexpr int kKTermOff = kVFragOff + kTileN / 2 * kVChunks * 16;  // float2 a token: K scale, K term
     static constexpr int kVTermOff = kKTermOff + kTileN * 8;                  // float a token: V term
-    static constexpr int kFragBytes = kVTermOff + kTileN * 4;
-    static constexpr int kPipeBytes = kPackedStages * kPackedBytes + 2 * kFragBytes;
-    static constexpr int kQFragBytes = kRows * kHeadDim * 2;  // Q's A fragments, for the whole kernel
+    // wgmma: whole 1 KB blocks, so both buffers' tiles stay 1024-byte aligned (the swizzle's period)
+    static constexpr int kFragBytes = kWgmma ? (kVTermOff + kTileN * 4 + 1023) / 1024 * 1024 : kVTermOff + kTileN * 4;
+    // expanded tiles: i + 1 being written while i is read (wgmma: and i - 1's last P V still running)
+    static constexpr int kFragBuffers = kWgmma ? 3 : 2;
+    static constexpr int kPipeBytes = kPackedStages * kPackedBytes + kFragBuffers * kFragBytes;
+    // offsets in the pipeline's memory (wgmma: the fragment buffers first, for their alignment)
+    static constexpr int kPackedOff = kWgmma ? kFragBuffers * kFragBytes : 0;
+    static constexpr int kFragsOff = kWgmma ? 0 : kPackedStages * kPackedBytes;
+    static constexpr int kQFragBytes = kRows * kHeadDim * 2;  // Q's A fragments (wgmma: Q tile), for the whole kernel
     static constexpr int kQBytes = kRows / 2 * kHeadDim * 4;  // turbo q rotation, half the rows at a time
     static constexpr int kOBytes = kRows * kHeadDim * 4;      // output rows at the end
     static constexpr int kWorkBytes = kPipeBytes > kQBytes ? kPipeBytes : kQBytes;  // rotation, then the pipeline
-    static constexpr int kSmemBytes = kQFragBytes + kWorkBytes > kOBytes ? kQFragBytes + kWorkBytes : kOBytes;
-    static_assert(kSmemBytes <= kPrefillSmemBudget, "within the budget the host checks (tq_params.h)");
+    static constexpr int kAlignSlack = kWgmma ? 1024 : 0;  // the dynamic shared memory is aligned up to 1 KB
+    static constexpr int kSmemBytes = (kQFragBytes + kWorkBytes > kOBytes ? kQFragBytes + kWorkBytes : kOBytes) + kAlignSlack;
+    // sm_80's budget (tq_params.h); the wgmma variant runs on sm_90 only (227 KB a CTA)
+    static_assert(kSmemBytes <= (kWgmma ? 227 * 1024 : kPrefillSmemBudget), "within the budget the host checks");
     static constexpr int kUnits = kTileN * 4;      // K units (token, lane quad) = V units (token pair, group)
     static_assert(kUnits % kNThreads == 0 && kTileN / 2 * 8 == kUnits, "whole expansion passes");
+    static_assert(!kWgmma || (kNWarps % 4 == 0 && kMTiles == 2 && kQFragBytes % 1024 == 0), "whole warpgroups, m64 tiles");
 
+    // wgmma: token t and lane quad c of expansion unit `unit`. At d = 128 an 8-lane phase of the
+    // 16-byte stores covers 4 tokens x 2 quads of one 64-element column block: 8 distinct chunk
+    // positions after the swizzle (natural order would put two lanes on each).
+    __device__ static void unit_token_quad(int unit, int &t, int &c) {
+        if constexpr (kHeadDim == 128) {
+            t = 4 * (unit / 16) + unit % 4;
+            c = 2 * ((unit / 8) % 2) + (unit % 8) / 4;
+        } else {
+            t = unit / 4;
+            c = unit % 4;
+        }
+    }
+    // wgmma: Q tile row of local row n (= kWarpRows x warp + 16 m + i): warp w % 4 of its warpgroup
+    // holds rows 16 (w % 4) + i of m64 tile m.
+    __device__ static int q_tile_row(int warp, int m, int i) { return (warp / 4) * (4 * kWarpRows) + 64 * m + 16 * (warp % 4) + i; }
     // Swizzled 16-byte chunk of K chunk `l` of token t: every 8-lane phase of the fragment reads
     // (tokens t, t + 1 x lane quads 0..3) and of the expansion writes lands in 8 bank groups.
     __device__ static int k_chunk(int t, int l) { return t * kKChunks + (l ^ (((l >> 3) << 1) | (t & 1))); }
@@ -97,34 +126,58 @@ __device__ __forceinline__ void expand_tile(const char *packed, char *frag, floa
     constexpr int D = T::kHeadDim, kSlots = KV::kSlotsK, kCodes = KV::kGroupCodes;
     #pragma unroll
     for (int unit = tid; unit < T::kUnits; unit += T::kNThreads) {
-        {   // K: token t, lane quad c: its pair slots as kSlots / 4 chunks of code - mid
-            const int t = unit / 4, c = unit % 4;
-            uint32_t w[kSlots];
-            KV::k_slots(packed + (t / KV::kTileN) * KV::kStageBytes, t % KV::kTileN, c, w);
-            const uint32_t neg_mid = pack2<Elem>(-T::kKMid, -T::kKMid);
+        if constexpr (T::kWgmma) {  // token t, quad c: K and V pair slots c * kSlots.. as code - mid (V: times its scale)
+            int t, c;
+            T::unit_token_quad(unit, t, c);
+            const char *stage = packed + (t / KV::kTileN) * KV::kStageBytes;
+            const int tok = t % KV::kTileN;
+            uint32_t wk[kSlots], wv[kSlots];
+            KV::k_slots(stage, tok, c, wk);
+            KV::v_slots(stage, tok, c, wv);
+            const float vscale = KV::v_affine(stage, tok).x;
+            const uint32_t neg_kmid = pack2<Elem>(-T::kKMid, -T::kKMid), neg_vmid = pack2<Elem>(-KV::kVMid, -KV::kVMid);
+            const uint32_t one = pow2_pair<Elem>(0, false), scale = pack2<Elem>(vscale, vscale);
             #pragma unroll
-            for (int i = 0; i < kSlots; ++i) { w[i] = fma2<Elem>(code_pair<Elem>(w[i], KV::q_scale_exp(i)), pow2_pair<Elem>(0, false), neg_mid); }
+            for (int i = 0; i < kSlots; ++i) {
+                wk[i] = fma2<Elem>(code_pair<Elem>(wk[i], KV::q_scale_exp(i)), one, neg_kmid);
+                wv[i] = fma2<Elem>(fma2<Elem>(code_pair<Elem>(wv[i], KV::v_slot_scale_exp(i)), one, neg_vmid), scale, 0u);
+            }
             #pragma unroll
             for (int q = 0; q < kSlots / 4; ++q) {
-                *reinterpret_cast<uint4 *>(frag + T::kKFragOff + 16 * T::k_chunk(t, c * (kSlots / 4) + q)) =
-                    make_uint4(w[4 * q], w[4 * q + 1], w[4 * q + 2], w[4 * q + 3]);
+                const int chunk = tile_chunk<T::kTileN>(t, c * (kSlots / 4) + q);
+                *reinterpret_cast<uint4 *>(frag + T::kKFragOff + chunk) = make_uint4(wk[4 * q], wk[4 * q + 1], wk[4 * q + 2], wk[4 * q + 3]);
+                *reinterpret_cast<uint4 *>(frag + T::kVFragOff + chunk) = make_uint4(wv[4 * q], wv[4 * q + 1], wv[4 * q + 2], wv[4 * q + 3]);
             }
-        }
-        {   // V: token pair u, lane group g: element 8j + g of both tokens (low half: token 2u), each d tile j
-            const int u = unit % 32, g = unit / 32, t = 2 * u;
-            const char *stage = packed + (t / KV::kTileN) * KV::kStageBytes;
-            uint32_t w[kCodes];
-            KV::v_pair_slots(stage, t % KV::kTileN, g, w);
-            const float2 f0 = KV::v_affine(stage, t % KV::kTileN), f1 = KV::v_affine(stage, t % KV::kTileN + 1);
-            const uint32_t scale = pack2<Elem>(f0.x, f1.x), neg_mid = pack2<Elem>(-KV::kVMid, -KV::kVMid);
-            #pragma unroll
-            for (int j = 0; j < kCodes; ++j) {
-                w[j] = fma2<Elem>(fma2<Elem>(code_pair<Elem>(w[j], KV::v_scale_exp(j)), pow2_pair<Elem>(0, false), neg_mid), scale, 0u);
+        } else {
+            {   // K: token t, lane quad c: its pair slots as kSlots / 4 chunks of code - mid
+                const int t = unit / 4, c = unit % 4;
+                uint32_t w[kSlots];
+                KV::k_slots(packed + (t / KV::kTileN) * KV::kStageBytes, t % KV::kTileN, c, w);
+                const uint32_t neg_mid = pack2<Elem>(-T::kKMid, -T::kKMid);
+                #pragma unroll
+                for (int i = 0; i < kSlots; ++i) { w[i] = fma2<Elem>(code_pair<Elem>(w[i], KV::q_scale_exp(i)), pow2_pair<Elem>(0, false), neg_mid); }
+                #pragma unroll
+                for (int q = 0; q < kSlots / 4; ++q) {
+                    *reinterpret_cast<uint4 *>(frag + T::kKFragOff + 16 * T::k_chunk(t, c * (kSlots / 4) + q)) =
+                        make_uint4(w[4 * q], w[4 * q + 1], w[4 * q + 2], w[4 * q + 3]);
+                }
             }
-            #pragma unroll
-            for (int q = 0; q < kCodes / 4; ++q) {
-                *reinterpret_cast<uint4 *>(frag + T::kVFragOff + 16 * T::v_chunk(u, g * (D / 32) + q)) =
-                    make_uint4(w[4 * q], w[4 * q + 1], w[4 * q + 2], w[4 * q + 3]);
+            {   // V: token pair u, lane group g: element 8j + g of both tokens (low half: token 2u), each d tile j
+                const int u = unit % 32, g = unit / 32, t = 2 * u;
+                const char *stage = packed + (t / KV::kTileN) * KV::kStageBytes;
+                uint32_t w[kCodes];
+                KV::v_pair_slots(stage, t % KV::kTileN, g, w);
+                const float2 f0 = KV::v_affine(stage, t % KV::kTileN), f1 = KV::v_affine(stage, t % KV::kTileN + 1);
+                const uint32_t scale = pack2<Elem>(f0.x, f1.x), neg_mid = pack2<Elem>(-KV::kVMid, -KV::kVMid);
+                #pragma unroll
+                for (int j = 0; j < kCodes; ++j) {
+                    w[j] = fma2<Elem>(fma2<Elem>(code_pair<Elem>(w[j], KV::v_scale_exp(j)), pow2_pair<Elem>(0, false), neg_mid), scale, 0u);
+                }
+                #pragma unroll
+                for (int q = 0; q < kCodes / 4; ++q) {
+                    *reinterpret_cast<uint4 *>(frag + T::kVFragOff + 16 * T::v_chunk(u, g * (D / 32) + q)) =
+                        make_uint4(w[4 * q], w[4 * q + 1], w[4 * q + 2], w[4 * q + 3]);
+                }
             }
         }
     }
@@ -135,13 +188,135 @@ __device__ __forceinline__ void expand_tile(const char *packed, char *frag, floa
             make_float2(kf.x * softmax_scale_log2, (kf.y + T::kKMid * kf.x) * softmax_scale_log2);
         *reinterpret_cast<float *>(frag + T::kVTermOff + 4 * t) = vf.y + KV::kVMid * vf.x;
     }
+    if constexpr (T::kWgmma) { fence_proxy_async(); }  // the tiles are read by wgmma after the next barrier
 }
 
-// One warp's rows over fragment buffer `frag` (tile at key tile_start): S = Q K^T, the online
-// softmax, O += P V, for each of its kMTiles 16-row tiles (index m), the tile's two 32-token halves
-// one after the other (the scores of both m tiles and the 64-token tile would not fit the registers
-// beside the accumulators). masked: some key of the tile lies outside a row's keys
-// [first[m][h], lim[m][h]). qfrag: the lane's Q A fragments, [m][k-block] 16 bytes, 512 bytes apart.
+// The online softmax of one 32-token half for a warp's rows: s holds S = Q K^T (s[m][j][e]: row
+// 16m + g + 8 (e / 2), token t0 + 8j + 2c + e % 2); the K factors, mask and softcap make the scores
+// (base 2), the row statistics move (lazily: a row's reference max moves only when the tile's max
+// exceeds it by more than 2^8, as in the decode kernel), and P comes out as A fragments in pa
+// (k-block kb = n8 tiles 2kb, 2kb + 1). acc_ready() runs before acc and pa are written (wgmma:
+// the P V still reading them completes), after the exponentials.
+template <typename T, bool kLocal, typename AccReady>
+__device__ __forceinline__ void softmax_half(float (&s)[T::kMTiles][T::kTileN / 16][4], const char *frag, int t0, int tile_start,
+                                             bool masked, const int (&lim)[T::kMTiles][2], const int (&first)[T::kMTiles][2],
+                                             float softcap_log2, const float (&sumq)[T::kMTiles][2],
+                                             float (&row_max)[T::kMTiles][2], float (&row_sum)[T::kMTiles][2],
+                                             float (&row_corr)[T::kMTiles][2], float (&acc)[T::kMTiles][T::kHeadDim / 8][4],
+                                             uint32_t (&pa)[T::kMTiles][T::kTileN / 32][4], int c, AccReady acc_ready) {
+    using Elem = typename T::Elem;
+    constexpr int NH = T::kTileN / 16, DJ = T::kHeadDim / 8, MT = T::kMTiles;
+    constexpr float kNegInf = -INFINITY, kRescaleSlack = 8.f;
+    // per-token factors of tokens (t0 + 8j + 2c, + 1): K (scale, term, scale, term), V (term, term)
+    const float4 *k_terms = reinterpret_cast<const float4 *>(frag + T::kKTermOff) + t0 / 2;
+    const float2 *v_terms = reinterpret_cast<const float2 *>(frag + T::kVTermOff) + t0 / 2;
+    float tile_max[MT][2];
+    bool moved = false;
+    #pragma unroll
+    for (int m = 0; m < MT; ++m) {
+        tile_max[m][0] = tile_max[m][1] = kNegInf;
+        #pragma unroll
+        for (int j = 0; j < NH; ++j) {
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int h = e / 2, tok = tile_start + t0 + 8 * j + 2 * c + e % 2;
+                const float4 f = k_terms[4 * j + c];
+                float v;
+                if constexpr (T::kTerms) {
+                    v = e % 2 ? fmaf(s[m][j][e], f.z, f.w * sumq[m][h]) : fmaf(s[m][j][e], f.x, f.y * sumq[m][h]);
+                } else {
+                    v = s[m][j][e] * (e % 2 ? f.z : f.x);
+                }
+                // (wgmma: the mask below, on masked tiles only; here predicated on every tile)
+                if (!T::kWgmma && masked && (tok >= lim[m][h] || (kLocal && tok < first[m][h]))) v = kNegInf;
+                if (kLocal && softcap_log2 > 0.f && v != kNegInf) v = softcap_score(v, softcap_log2);
+                s[m][j][e] = v;
+                if constexpr (!T::kWgmma) { tile_max[m][h] = fmaxf(tile_max[m][h], v); }
+            }
+        }
+        if constexpr (T::kWgmma) {
+            if (masked) {  // warp-uniform
+                #pragma unroll
+                for (int j = 0; j < NH; ++j) {
+                    #pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int h = e / 2, tok = tile_start + t0 + 8 * j + 2 * c + e % 2;
+                        if (tok >= lim[m][h] || (kLocal && tok < first[m][h])) s[m][j][e] = kNegInf;
+                    }
+                }
+            }
+            #pragma unroll
+            for (int j = 0; j < NH; ++j) {
+                #pragma unroll
+                for (int e = 0; e < 4; ++e) { tile_max[m][e / 2] = fmaxf(tile_max[m][e / 2], s[m][j][e]); }
+            }
+        }
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            tile_max[m][h] = fmaxf(tile_max[m][h], __shfl_xor_sync(0xffffffffu, tile_max[m][h], 1));
+            tile_max[m][h] = fmaxf(tile_max[m][h], __shfl_xor_sync(0xffffffffu, tile_max[m][h], 2));
+            moved |= tile_max[m][h] > row_max[m][h] + kRescaleSlack;
+        }
+    }
+    const bool rescale_rows = __any_sync(0xffffffffu, moved);
+    float rescale[MT][2];
+    #pragma unroll
+    for (int m = 0; m < MT; ++m) {
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            rescale[m][h] = 1.f;
+            if (rescale_rows) {
+                const float mx = fmaxf(row_max[m][h], tile_max[m][h]);
+                rescale[m][h] = mx == kNegInf ? 1.f : exp2f(row_max[m][h] - mx);
+                row_max[m][h] = mx;
+                row_sum[m][h] *= rescale[m][h];
+                if constexpr (T::kTerms) { row_corr[m][h] *= rescale[m][h]; }
+            }
+        }
+    }
+    #pragma unroll
+    for (int m = 0; m < MT; ++m) {  // probabilities, in place
+        const float use_max[2] = {row_max[m][0] == kNegInf ? 0.f : row_max[m][0],
+                                  row_max[m][1] == kNegInf ? 0.f : row_max[m][1]};
+        #pragma unroll
+        for (int j = 0; j < NH; ++j) {
+            #pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int h = e / 2;
+                const float2 f = v_terms[4 * j + c];
+                const float prob = exp2f(s[m][j][e] - use_max[h]);
+                row_sum[m][h] += prob;
+                if constexpr (T::kTerms) { row_corr[m][h] += prob * (e % 2 ? f.y : f.x); }
+                s[m][j][e] = prob;
+            }
+        }
+    }
+    acc_ready();
+    if (rescale_rows) {
+        #pragma unroll
+        for (int m = 0; m < MT; ++m) {
+            #pragma unroll
+            for (int j = 0; j < DJ; ++j) {
+                #pragma unroll
+                for (int e = 0; e < 4; ++e) { acc[m][j][e] *= rescale[m][e / 2]; }
+            }
+        }
+    }
+    #pragma unroll
+    for (int m = 0; m < MT; ++m) {
+        #pragma unroll
+        for (int j = 0; j < NH; ++j) {
+            pa[m][j / 2][2 * (j % 2)] = pack2<Elem>(s[m][j][0], s[m][j][1]);
+            pa[m][j / 2][2 * (j % 2) + 1] = pack2<Elem>(s[m][j][2], s[m][j][3]);
+        }
+    }
+}
+
+// One warp's rows over fragment buffer `frag` (tile at key tile_start) with mma.sync: S = Q K^T,
+// the online softmax, O += P V, for each of its kMTiles 16-row tiles (index m), the tile's two
+// 32-token halves one after the other (the scores of both m tiles and the 64-token tile would not
+// fit the registers beside the accumulators). masked: some key of the tile lies outside a row's
+// keys [first[m][h], lim[m][h]). qfrag: the lane's Q A fragments, [m][k-block] 16 bytes, 512 bytes apart.
 template <typename T, bool kLocal>
 __device__ __forceinline__ void attend_tile(const char *frag, const char *qfrag, int tile_start, bool masked,
                                             const int (&lim)[T::kMTiles][2], const int (&first)[T::kMTiles][2],
@@ -150,16 +325,11 @@ __device__ __forceinline__ void attend_tile(const char *frag, const char *qfrag,
                                             float (&row_corr)[T::kMTiles][2], float (&acc)[T::kMTiles][T::kHeadDim / 8][4],
                                             int lane) {
     using Elem = typename T::Elem;
-    constexpr int D = T::kHeadDim, KB = D / 16, NH = T::kTileN / 16, DJ = D / 8, MT = T::kMTiles;
-    constexpr float kNegInf = -INFINITY;
+    constexpr int D = T::kHeadDim, KB = D / 16, NH = T::kTileN / 16, MT = T::kMTiles;
     const int g = lane / 4, c = lane % 4;
     #pragma unroll 1  // (unrolled, the two halves' registers spill)
     for (int half = 0; half < 2; ++half) {
         const int t0 = half * (T::kTileN / 2);
-        // per-token factors of tokens (t0 + 8j + 2c, + 1): K (scale, term, scale, term), V (term, term)
-        const float4 *k_terms = reinterpret_cast<const float4 *>(frag + T::kKTermOff) + t0 / 2;
-        const float2 *v_terms = reinterpret_cast<const float2 *>(frag + T::kVTermOff) + t0 / 2;
-
         // ---- S = Q K^T: n8 tile j = tokens t0 + 8j..+7; lane (g, c) reads token t0 + 8j + g, quad c;
         // each K fragment serves every m tile
         float s[MT][NH][4];
@@ -186,77 +356,9 @@ __device__ __forceinline__ void attend_tile(const char *frag, const char *qfrag,
                 for (int j = 0; j < NH; ++j) { mma_16816<Elem>(s[m][j], qa1, w[j].z, w[j].w); }
             }
         }
-        // scores (base 2): s[m][j][e] is row 16m + g + 8 (e / 2), token t0 + 8j + 2c + e % 2
-        float tile_max[MT][2];
-        bool moved = false;
-        #pragma unroll
-        for (int m = 0; m < MT; ++m) {
-            tile_max[m][0] = tile_max[m][1] = kNegInf;
-            #pragma unroll
-            for (int j = 0; j < NH; ++j) {
-                #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int h = e / 2, tok = tile_start + t0 + 8 * j + 2 * c + e % 2;
-                    const float4 f = k_terms[4 * j + c];
-                    float v;
-                    if constexpr (T::kTerms) {
-                        v = e % 2 ? fmaf(s[m][j][e], f.z, f.w * sumq[m][h]) : fmaf(s[m][j][e], f.x, f.y * sumq[m][h]);
-                    } else {
-                        v = s[m][j][e] * (e % 2 ? f.z : f.x);
-                    }
-                    if (masked && (tok >= lim[m][h] || (kLocal && tok < first[m][h]))) v = kNegInf;
-                    if (kLocal && softcap_log2 > 0.f && v != kNegInf) v = softcap_score(v, softcap_log2);
-                    s[m][j][e] = v;
-                    tile_max[m][h] = fmaxf(tile_max[m][h], v);
-                }
-            }
-            // online softmax with lazy rescaling (as in the decode kernel: the reference max moves
-            // only when a row's tile max exceeds it by more than 2^8)
-            constexpr float kRescaleSlack = 8.f;
-            #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                tile_max[m][h] = fmaxf(tile_max[m][h], __shfl_xor_sync(0xffffffffu, tile_max[m][h], 1));
-                tile_max[m][h] = fmaxf(tile_max[m][h], __shfl_xor_sync(0xffffffffu, tile_max[m][h], 2));
-                moved |= tile_max[m][h] > row_max[m][h] + kRescaleSlack;
-            }
-        }
-        if (__any_sync(0xffffffffu, moved)) {
-            #pragma unroll
-            for (int m = 0; m < MT; ++m) {
-                #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const float mx = fmaxf(row_max[m][h], tile_max[m][h]);
-                    const float rescale = mx == kNegInf ? 1.f : exp2f(row_max[m][h] - mx);
-                    row_max[m][h] = mx;
-                    row_sum[m][h] *= rescale;
-                    if constexpr (T::kTerms) { row_corr[m][h] *= rescale; }
-                    #pragma unroll
-                    for (int j = 0; j < DJ; ++j) { acc[m][j][2 * h] *= rescale; acc[m][j][2 * h + 1] *= rescale; }
-                }
-            }
-        }
-        // P as A fragments: k-block kb = n8 tiles 2kb, 2kb + 1
         uint32_t pa[MT][NH / 2][4];
-        #pragma unroll
-        for (int m = 0; m < MT; ++m) {
-            const float use_max[2] = {row_max[m][0] == kNegInf ? 0.f : row_max[m][0],
-                                      row_max[m][1] == kNegInf ? 0.f : row_max[m][1]};
-            #pragma unroll
-            for (int j = 0; j < NH; ++j) {
-                float pr[4];
-                #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int h = e / 2;
-                    const float2 f = v_terms[4 * j + c];
-                    const float prob = exp2f(s[m][j][e] - use_max[h]);
-                    row_sum[m][h] += prob;
-                    if constexpr (T::kTerms) { row_corr[m][h] += prob * (e % 2 ? f.y : f.x); }
-                    pr[e] = prob;
-                }
-                pa[m][j / 2][2 * (j % 2)] = pack2<Elem>(pr[0], pr[1]);
-                pa[m][j / 2][2 * (j % 2) + 1] = pack2<Elem>(pr[2], pr[3]);
-            }
-        }
+        softmax_half<T, kLocal>(s, frag, t0, tile_start, masked, lim, first, softcap_log2, sumq, row_max, row_sum,
+                                row_corr, acc, pa, c, [] {});
         // ---- O += P V: lane (g, c) reads token pairs t0 / 2 + 8kb + c (b0) and + 4 (b1), group g
         #pragma unroll
         for (int kb = 0; kb < NH / 2; ++kb) {
@@ -276,13 +378,92 @@ __device__ __forceinline__ void attend_tile(const char *frag, const char *qfrag,
     }
 }
 
+// The wgmma variant, called by a whole warpgroup for every tile (q_tile: its Q rows, kMTiles m64
+// tiles). The tensor cores run in issue order, so each half's S is issued before the previous
+// half's P V: the P V then runs while this half's softmax does. The P V of a tile's last half is
+// left for the next call (pa, pv_addr: its P and V; a zero P over finite memory before the first
+// tile), and finished by wgmma_flush_pv after the last: its V buffer must stay intact until then.
+template <typename T>
+__device__ __forceinline__ void wgmma_issue_pv(float (&acc)[T::kMTiles][T::kHeadDim / 8][4],
+                                               const uint32_t (&pa)[T::kMTiles][T::kTileN / 32][4], uint64_t pv_desc) {
+    wgmma_fence();
+    #pragma unroll
+    for (int kb = 0; kb < T::kTileN / 32; ++kb) {  // V tokens 16 kb.. of the half (MN-major: d contiguous)
+        #pragma unroll
+        for (int m = 0; m < T::kMTiles; ++m) {
+            wgmma_rs_m64k16<typename T::Elem, T::kHeadDim>(acc[m], pa[m][kb], desc_at(pv_desc, kb * 16 * 128));
+        }
+    }
+    wgmma_commit();
+}
+
 template <typename T, bool kLocal>
-__global__ void __launch_bounds__(T::kNThreads, 256 / T::kNThreads) prefill_split_kernel(const DecodeParams p) {
+__device__ __forceinline__ void attend_tile_wgmma(const char *frag, const char *q_tile, int tile_start, bool masked,
+                                                  const int (&lim)[T::kMTiles][2], const int (&first)[T::kMTiles][2],
+                                                  float softcap_log2, const float (&sumq)[T::kMTiles][2],
+                                                  float (&row_max)[T::kMTiles][2], float (&row_sum)[T::kMTiles][2],
+                                                  float (&row_corr)[T::kMTiles][2], float (&acc)[T::kMTiles][T::kHeadDim / 8][4],
+                                                  uint32_t (&pa)[T::kMTiles][T::kTileN / 32][4], uint64_t &pv_desc, int lane) {
+    using Elem = typename T::Elem;
+    constexpr int KB = T::kHeadDim / 16, NH = T::kTileN / 16, MT = T::kMTiles;
+    // K-major Q and K (8-row groups 1 KB apart), MN-major V (64-element column blocks a tile apart)
+    const uint64_t q_desc = smem_desc(static_cast<uint32_t>(__cvta_generic_to_shared(q_tile)), 16, 1024);
+    const uint64_t k_desc = smem_desc(static_cast<uint32_t>(__cvta_generic_to_shared(frag + T::kKFragOff)), 16, 1024);
+    const uint64_t v_desc = smem_desc(static_cast<uint32_t>(__cvta_generic_to_shared(frag + T::kVFragOff)), T::kTileN * 128, 1024);
+    #pragma unroll 1
+    for (int half = 0; half < 2; ++half) {
+        const int t0 = half * (T::kTileN / 2);
+        float s[MT][NH][4];  // written by the first k-block's wgmma
+        // ---- S = Q K^T: Q rows of m64 tile m (K-major), K tokens t0.. (K-major), 64-element column blocks
+        wgmma_fence();
+        #pragma unroll
+        for (int m = 0; m < MT; ++m) {
+            #pragma unroll
+            for (int kb = 0; kb < KB; ++kb) {
+                const int col = 32 * (kb % 4);  // byte column inside a 64-element block
+                const uint64_t da = desc_at(q_desc, (kb / 4) * T::kRows * 128 + 64 * m * 128 + col);
+                const uint64_t db = desc_at(k_desc, (kb / 4) * T::kTileN * 128 + t0 * 128 + col);
+                if (kb == 0) {
+                    wgmma_ss_m64n32k16<Elem, false>(s[m], da, db);
+                } else {
+                    wgmma_ss_m64n32k16<Elem, true>(s[m], da, db);
+                }
+            }
+        }
+        wgmma_commit();
+        wgmma_issue_pv<T>(acc, pa, pv_desc);  // the previous half's P V
+        wgmma_wait<1>();                      // S is in
+        fence_operands(s[0]);
+        fence_operands(s[1]);
+        softmax_half<T, kLocal>(s, frag, t0, tile_start, masked, lim, first, softcap_log2, sumq, row_max, row_sum,
+                                row_corr, acc, pa, lane % 4, [&] {  // the exponentials before the wait, acc's uses after
+                                    fence_operands(s[0]);
+                                    fence_operands(s[1]);
+                                    wgmma_wait<0>();
+                                    fence_operands(acc[0]);
+                                    fence_operands(acc[1]);
+                                });
+        pv_desc = desc_at(v_desc, t0 * 128);
+    }
+}
+
+template <typename T>
+__device__ __forceinline__ void wgmma_flush_pv(float (&acc)[T::kMTiles][T::kHeadDim / 8][4],
+                                               const uint32_t (&pa)[T::kMTiles][T::kTileN / 32][4], uint64_t pv_desc) {
+    wgmma_issue_pv<T>(acc, pa, pv_desc);
+    wgmma_wait<0>();
+}
+
+template <typename T, bool kLocal>
+__device__ __forceinline__ void prefill_split_body(const DecodeParams &p) {
     using Elem = typename T::Elem;
     using KV = typename T::KV;
     constexpr int D = T::kHeadDim, KB = D / 16, DJ = D / 8, MT = T::kMTiles, WR = T::kWarpRows, kV = RowMath<D>::kV;
     constexpr float kNegInf = -INFINITY;
-    extern __shared__ __align__(16) char smem[];
+    extern __shared__ __align__(16) char smem_raw[];
+    // wgmma tiles need 1024-byte alignment (the swizzle's period): the base is aligned up (kAlignSlack)
+    char *smem = smem_raw;
+    if constexpr (T::kWgmma) { smem += (1024u - (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) & 1023u)) & 1023u; }
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, c = lane % 4;
     const int split = blockIdx.x, b = blockIdx.y / p.h_k, hk = blockIdx.y % p.h_k, row0 = blockIdx.z * T::kRows;
@@ -317,7 +498,8 @@ __global__ void __launch_bounds__(T::kNThreads, 256 / T::kNThreads) prefill_spli
     // ---- Q: A fragments of rows wrow0 + 16m + g (a0, a2) and + 8 (a1, a3) in the loader's slot
     // order, to the lane's own 16-byte slots of shared memory (read back by the same lane only)
     const bool rotate = p.rot_signs != nullptr;
-    char *qfrag = smem + 16 * (warp * MT * KB * 32 + lane);
+    // (wgmma: the warpgroup's Q rows; the shuffle tells the compiler the index is warp-uniform)
+    char *qfrag = T::kWgmma ? smem + __shfl_sync(0xffffffffu, warp / 4, 0) * (4 * WR) * 128 : smem + 16 * (warp * MT * KB * 32 + lane);
     char *work = smem + T::kQFragBytes;  // the rotation's rows, then the pipeline
     float *sm_q = reinterpret_cast<float *>(work);  // [kRows / 2][D]
     float sumq[MT][2], unused_magic;
@@ -336,9 +518,20 @@ __global__ void __launch_bounds__(T::kNThreads, 256 / T::kNThreads) prefill_spli
                 };
                 q_row_slots<KV, Elem, KB, false>(q_at, c, f[h], sumq[m][h], unused_magic);
             }
-            #pragma unroll
-            for (int kb = 0; kb < KB; ++kb) {
-                *reinterpret_cast<uint4 *>(qfrag + 512 * (m * KB + kb)) = make_uint4(f[0][kb][0], f[1][kb][0], f[0][kb][1], f[1][kb][1]);
+            if constexpr (T::kWgmma) {  // rows to the Q tile: thread c's slots are 16-byte chunks c * KB / 2..
+                #pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    #pragma unroll
+                    for (int q = 0; q < KB / 2; ++q) {
+                        *reinterpret_cast<uint4 *>(smem + tile_chunk<T::kRows>(T::q_tile_row(warp, m, g + 8 * h), c * (KB / 2) + q)) =
+                            make_uint4(f[h][2 * q][0], f[h][2 * q][1], f[h][2 * q + 1][0], f[h][2 * q + 1][1]);
+                    }
+                }
+            } else {
+                #pragma unroll
+                for (int kb = 0; kb < KB; ++kb) {
+                    *reinterpret_cast<uint4 *>(qfrag + 512 * (m * KB + kb)) = make_uint4(f[0][kb][0], f[1][kb][0], f[0][kb][1], f[1][kb][1]);
+                }
             }
         }
     };
@@ -354,10 +547,11 @@ __global__ void __launch_bounds__(T::kNThreads, 256 / T::kNThreads) prefill_spli
     } else {
         build_frags(0);
     }
+    if constexpr (T::kWgmma) { fence_proxy_async(); }  // the Q tile is published by the pipeline's first barrier
 
     const typename KV::Bases bases = KV::bases(p, bc, hk);
-    char *packed = work;
-    char *frags = work + T::kPackedStages * T::kPackedBytes;
+    char *packed = work + T::kPackedOff;
+    char *frags = work + T::kFragsOff;
     auto load = [&](int i) {  // packed tile i of this split, by warps 0 and 1 (32 tokens each)
         if (warp < 2 && i < n_mine) {
             KV::load_tile(p, bases, packed + (i % T::kPackedStages) * T::kPackedBytes + warp * KV::kStageBytes, b,
@@ -378,6 +572,11 @@ __global__ void __launch_bounds__(T::kNThreads, 256 / T::kNThreads) prefill_spli
         for (int h = 0; h < 2; ++h) { row_max[m][h] = kNegInf; row_sum[m][h] = 0.f; row_corr[m][h] = 0.f; }
     }
 
+    // wgmma: the P V of each tile's last half runs during the next tile (attend_tile_wgmma); before the
+    // first, a zero P over the Q tile (finite values)
+    uint32_t pa[MT][T::kTileN / 32][4] = {};
+    uint64_t pv_desc = smem_desc(static_cast<uint32_t>(__cvta_generic_to_shared(smem)), T::kTileN * 128, 1024);
+
     load(0);
     load(1);
     cp_async_wait<1>();
@@ -393,18 +592,27 @@ __global__ void __launch_bounds__(T::kNThreads, 256 / T::kNThreads) prefill_spli
         auto expand_next = [&]() {
             if (it + 1 < n_mine) {
                 expand_tile<T>(packed + ((it + 1) % T::kPackedStages) * T::kPackedBytes,
-                               frags + ((it + 1) % 2) * T::kFragBytes, p.scale_softmax_log2, tid);
+                               frags + ((it + 1) % T::kFragBuffers) * T::kFragBytes, p.scale_softmax_log2, tid);
             }
         };
         if (expand_first) { expand_next(); }
         const int tile_start = (tile_begin + it) * T::kTileN;
-        if (tile_start < warp_limit && tile_start + T::kTileN > warp_first) {  // warp-uniform: a row sees the tile
+        // warp-uniform: a row sees the tile. wgmma: every tile of the CTA's range (at most one more
+        // than a warpgroup's rows see); a warp-dependent branch around wgmma serializes its MMAs.
+        if (T::kWgmma || (tile_start < warp_limit && tile_start + T::kTileN > warp_first)) {
             const bool masked = tile_start + T::kTileN > warp_unmasked || (kLocal && tile_start < warp_first_max);
-            attend_tile<T, kLocal>(frags + (it % 2) * T::kFragBytes, qfrag, tile_start, masked, lim, first,
-                                   p.softcap_log2, sumq, row_max, row_sum, row_corr, acc, lane);
+            const char *frag = frags + (it % T::kFragBuffers) * T::kFragBytes;
+            if constexpr (T::kWgmma) {
+                attend_tile_wgmma<T, kLocal>(frag, qfrag, tile_start, masked, lim, first, p.softcap_log2, sumq, row_max,
+                                             row_sum, row_corr, acc, pa, pv_desc, lane);
+            } else {
+                attend_tile<T, kLocal>(frag, qfrag, tile_start, masked, lim, first, p.softcap_log2, sumq, row_max, row_sum,
+                                       row_corr, acc, lane);
+            }
         }
         if (!expand_first) { expand_next(); }
     }
+    if constexpr (T::kWgmma) { wgmma_flush_pv<T>(acc, pa, pv_desc); }
     cp_async_wait<0>();
 
     // ---- rows to shared memory (a warp's WR rows), then a warp a row: normalize, store
@@ -428,7 +636,9 @@ __global__ void __launch_bounds__(T::kNThreads, 256 / T::kNThreads) prefill_spli
             #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int h = e / 2;
-                sm_o[(16 * m + g + 8 * h) * D + 8 * j + 2 * c + e % 2] = T::kTerms ? acc[m][j][e] + row_corr[m][h] : acc[m][j][e];
+                // column 8j + 2c + e % 2: that d, or (wgmma) V's pair-slot position, whose element it holds
+                const int col = T::kWgmma ? KV::v_slot_element(4 * j + c, e % 2) : 8 * j + 2 * c + e % 2;
+                sm_o[(16 * m + g + 8 * h) * D + col] = T::kTerms ? acc[m][j][e] + row_corr[m][h] : acc[m][j][e];
             }
         }
     }
@@ -447,6 +657,18 @@ __global__ void __launch_bounds__(T::kNThreads, 256 / T::kNThreads) prefill_spli
             for (int k = 0; k < kV; ++k) { o[k] = total > 0.f ? sm_o[(16 * m + n) * D + lane * kV + k] / total : 0.f; }
             store_row<Elem, D>(p, b, hk, split, r, o, mx == kNegInf ? 0.f : mx, total, lane);
         }
+    }
+}
+
+template <typename T, bool kLocal>
+__global__ void __launch_bounds__(T::kNThreads, 256 / T::kNThreads) prefill_split_kernel(const DecodeParams p) {
+#ifndef TQ_WGMMA_ENABLED
+    if constexpr (T::kWgmma) {  // wgmma code exists in sm_90a builds only; the host launches it there only
+        __trap();
+    } else
+#endif
+    {
+        prefill_split_body<T, kLocal>(p);
     }
 }
 
