@@ -50,6 +50,11 @@ def run_prefill(S: int, q_len: int, dtype=torch.float16) -> dict:
     lens = cache.seqlens
     row = {"S": S, "q_len": q_len}
     row["tq3_kernel"] = bench(lambda: ops.decode(q, cache, lens, None, D ** -0.5, True, 0))
+    os.environ["FLASH_ATTN_TQ_PREFILL_WGMMA"] = "0"  # the prefill kernel's mma.sync variant (other GPUs')
+    try:
+        row["tq3_sync_kernel"] = bench(lambda: ops.decode(q, cache, lens, None, D ** -0.5, True, 0))
+    finally:
+        del os.environ["FLASH_ATTN_TQ_PREFILL_WGMMA"]
     cache_o, _, _ = fill_cache(1, S, HK, D, dtype, scale_only=False)
     row["tq3o_kernel"] = bench(lambda: ops.decode(q, cache_o, cache_o.seqlens, None, D ** -0.5, True, 0))
     del cache_o
@@ -72,6 +77,7 @@ def run_prefill(S: int, q_len: int, dtype=torch.float16) -> dict:
         row["fa2_TFLOPs"] = flops / row["fa2"] / 1e6
         row["speedup"] = row["fa2"] / row["tq3_kernel"]
         row["speedup_offset"] = row["fa2"] / row["tq3o_kernel"]
+        row["speedup_sync"] = row["fa2"] / row["tq3_sync_kernel"]
         row["speedup_append"] = row["fa2_append"] / row["tq3_append"]
     del cache, k, v
     torch.cuda.empty_cache()
@@ -109,14 +115,16 @@ def write_results(prefill_rows, paged_rows, page_sizes, meta, out_dir, name):
              "B=1, 32 q / 8 kv heads, head_dim 128, fp16, causal (bottom-right): q_len new queries over a cache "
              "of S tokens that holds them. µs are do_bench medians; speedup = FA2 time / ours. 'append' = the "
              "whole flash_attn_with_kvcache call with k/v: the chunk is written into the cache (quantized for "
-             "ours) and attended.", "",
-             "| S | q_len | tq3 µs | FA2 µs | speedup | tq3 TFLOP/s | FA2 TFLOP/s | tq3 append µs | FA2 append µs | speedup (append) | tq3 (scale, offset) µs | speedup (scale, offset) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "ours) and attended. On Hopper the prefill kernel uses wgmma from 1024 query rows a kv head "
+             "(q_len 256 here); 'mma.sync' = its other variant (FLASH_ATTN_TQ_PREFILL_WGMMA=0), what other GPUs run.", "",
+             "| S | q_len | tq3 µs | FA2 µs | speedup | tq3 TFLOP/s | FA2 TFLOP/s | tq3 append µs | FA2 append µs | speedup (append) | tq3 (scale, offset) µs | speedup (scale, offset) | tq3 mma.sync µs | speedup (mma.sync) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in prefill_rows:
         lines.append(f"| {r['S']} | {r['q_len']} | {fmt(r['tq3_kernel'])} | {fmt(r['fa2'])} | "
                      f"{fmt(r.get('speedup'), '.2f')}x | {fmt(r['tq3_TFLOPs'], '.0f')} | {fmt(r.get('fa2_TFLOPs'), '.0f')} | "
                      f"{fmt(r['tq3_append'])} | {fmt(r['fa2_append'])} | {fmt(r.get('speedup_append'), '.2f')}x | "
-                     f"{fmt(r['tq3o_kernel'])} | {fmt(r.get('speedup_offset'), '.2f')}x |")
+                     f"{fmt(r['tq3o_kernel'])} | {fmt(r.get('speedup_offset'), '.2f')}x | "
+                     f"{fmt(r.get('tq3_sync_kernel'))} | {fmt(r.get('speedup_sync'), '.2f')}x |")
     lines += ["", "## Decode over a paged cache (3-bit turbo, kernel alone)", "",
               "Same tokens, contiguous vs pages of P tokens with a shuffled block table; overhead = paged / contiguous - 1.", "",
               "| B | S | contiguous µs | " + " | ".join(f"P={ps} µs (overhead)" for ps in page_sizes) + " |",
