@@ -19,8 +19,10 @@ Environment variables:
 
 ``FLASH_ATTN_TQ_SKIP_CUDA_BUILD``  ``1``/``TRUE`` installs Python-only.
 ``FLASH_ATTN_TQ_CUDA_ARCHS``       target architectures, ``;`` or ``,``
-                                   separated (default ``80;90``); e.g.
-                                   ``90a`` gives compute_90a/sm_90a and a
+                                   separated (default ``80;90a``); e.g.
+                                   ``90a`` gives compute_90a/sm_90a (Hopper's
+                                   wgmma prefill kernel: only with ``90a``;
+                                   plain ``90`` runs the mma.sync one) and a
                                    ``+PTX`` suffix also embeds PTX.
 ``FLASH_ATTN_TQ_CXX_STD``          override the C++ standard (``c++17`` or
                                    ``c++20``); by default the one the

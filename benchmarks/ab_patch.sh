@@ -11,7 +11,7 @@ what=${2:-both}
 OUT=${OUT:-/tmp/ab}
 mkdir -p "$OUT" /tmp/ab_work
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-} CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} \
-       FLASH_ATTN_TQ_CUDA_ARCHS=${FLASH_ATTN_TQ_CUDA_ARCHS:-90} MAX_JOBS=${MAX_JOBS:-16}
+       FLASH_ATTN_TQ_CUDA_ARCHS=${FLASH_ATTN_TQ_CUDA_ARCHS:-90a} MAX_JOBS=${MAX_JOBS:-16}
 
 build() { python3 setup.py -q build_ext --inplace > "/tmp/ab_work/build_$1.log" 2>&1 || { tail -30 "/tmp/ab_work/build_$1.log"; exit 1; }; }
 bench() {  # $1: A or B; only the Markdown tables come back (the JSON/PNG stay in /tmp/ab_work)

@@ -9,7 +9,7 @@ set -uo pipefail
 OUT=${OUT:-/tmp/ab}
 mkdir -p "$OUT" /tmp/ab_work
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-} CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} \
-       FLASH_ATTN_TQ_CUDA_ARCHS=${FLASH_ATTN_TQ_CUDA_ARCHS:-90} MAX_JOBS=${MAX_JOBS:-16} GIT_COMMIT=${GIT_COMMIT:-unknown}
+       FLASH_ATTN_TQ_CUDA_ARCHS=${FLASH_ATTN_TQ_CUDA_ARCHS:-90a} MAX_JOBS=${MAX_JOBS:-16} GIT_COMMIT=${GIT_COMMIT:-unknown}
 t0=$SECONDS
 build() { python3 setup.py -q build_ext --inplace > "/tmp/ab_work/build_$1.log" 2>&1 || { tail -30 "/tmp/ab_work/build_$1.log"; exit 1; }; }
 table() { python3 benchmarks/bench_prefill.py --quick --out /tmp/ab_work --name "prefill_$1" > /dev/null 2>&1; cp "/tmp/ab_work/prefill_$1.md" "$OUT/"; }

@@ -25,7 +25,8 @@ commit "csrc: fused split-KV decode and chunked prefill over a 3-bit packed KV c
 packed 3/4-bit loader that stages tiles with cp.async and expands them straight into m16n8k16
 fragments, and an fp16/bf16 loader (cp.async + ldmatrix) (tq_kv_loader.h); the split-KV decode kernel
 with its combine pass (tq_decode_kernel.h); a prefill kernel for many query rows that expands each
-packed tile once into shared-memory fragments for 256 rows (tq_prefill_kernel.h); the query/output
+packed tile once into shared memory for 256 rows (tq_prefill_kernel.h; on sm_90a builds a variant
+whose warpgroups multiply through wgmma, tq_wgmma.h); the query/output
 row helpers both share (tq_rows.h); quantize-on-write with in-kernel slot resolution and checks
 (tq_pack_kernel.h), launch templates and one instantiation file per (dtype, head dim, loader).
 Nothing upstream changes."
@@ -53,7 +54,8 @@ grep -q "^import glob" setup.py || sed -i '0,/^import os/s//import glob\nimport 
 git add setup.py
 commit "setup.py: build the 3-bit decode kernels into flash_attn_2_cuda" \
 "Adds flash_api_tq.cpp and the tq_*.cu instantiations to the extension's sources; the module
-itself stays upstream's (FLASH_TQ_NO_PYBIND_MODULE)."
+itself stays upstream's (FLASH_TQ_NO_PYBIND_MODULE). Upstream targets sm_90, not sm_90a, so this
+build runs the mma.sync prefill variant on Hopper (the wgmma one needs FLASH_TQ_SM90A and sm_90a)."
 
 rm -f "$here"/patches/*.patch
 git format-patch -q -o "$here/patches" HEAD~3

@@ -1,7 +1,7 @@
 # ncu counters and stall reasons of decode over a contiguous cache and over 16- and 32-token pages.
 #   bash benchmarks/experiments/profile_paged.sh [PATCH]   (PATCH applied first, reversed at the end)
 set -uo pipefail
-export PYTHONPATH=$PWD CUDA_HOME=/usr/local/cuda FLASH_ATTN_TQ_CUDA_ARCHS=90 MAX_JOBS=16
+export PYTHONPATH=$PWD CUDA_HOME=/usr/local/cuda FLASH_ATTN_TQ_CUDA_ARCHS=90a MAX_JOBS=16
 t0=$SECONDS
 [ -n "${1:-}" ] && git apply "$1"
 python3 setup.py -q build_ext --inplace > /tmp/build.log 2>&1 || { tail -30 /tmp/build.log; exit 1; }

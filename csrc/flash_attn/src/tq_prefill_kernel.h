@@ -15,6 +15,11 @@
 //   3. each warp runs FA2's loop on its rows: S = Q K^T (Q: A fragments in the loader's slot
 //      order), online softmax, O += P V, the V term summed per row.
 // One barrier a tile: tile i + 1 is expanded while tile i is multiplied (warps interleave both).
+//
+// The Hopper variant (PrefillTraits::kWgmma, sm_90a) keeps steps 1-2 and the softmax but expands K
+// and V token-major into wgmma's 128-byte-swizzled tiles (tq_wgmma.h), holds Q as such a tile, and
+// each warpgroup (4 warps, 128 rows) issues S = Q K^T and O += P V (P from registers) as warpgroup
+// MMAs (attend_tile_wgmma).
 #pragma once
 
 #include <cmath>
@@ -436,7 +441,7 @@ __device__ __forceinline__ void attend_tile_wgmma(const char *frag, const char *
         fence_operands(s[0]);
         fence_operands(s[1]);
         softmax_half<T, kLocal>(s, frag, t0, tile_start, masked, lim, first, softcap_log2, sumq, row_max, row_sum,
-                                row_corr, acc, pa, lane % 4, [&] {  // the exponentials before the wait, acc's uses after
+                                row_corr, acc, pa, lane % 4, [&] {  // (the fences order the compiler's code, not ptxas')
                                     fence_operands(s[0]);
                                     fence_operands(s[1]);
                                     wgmma_wait<0>();

@@ -37,8 +37,10 @@ __device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lbo, uint3
 // into the others for offsets inside shared memory).
 __device__ __forceinline__ uint64_t desc_at(uint64_t desc, uint32_t byte_offset) { return desc + (byte_offset >> 4); }
 
-// Pins register values at this point of the program for the compiler: values computed before stay
-// before (e.g. a wait that should overlap them), uses after stay after.
+// Pins register values at this point of the program for the compiler (NVVM): values computed before
+// stay before, uses after stay after. ptxas schedules the SASS on its own (it moved a
+// wgmma.wait_group above exponentials fenced this way); it does keep register uses behind the
+// wgmma that writes them.
 template <int kN>
 __device__ __forceinline__ void fence_operands(float (&x)[kN][4]) {
     #pragma unroll
