@@ -471,7 +471,10 @@ __device__ __forceinline__ void prefill_split_body(const DecodeParams &p) {
     if constexpr (T::kWgmma) { smem += (1024u - (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) & 1023u)) & 1023u; }
 
     const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, c = lane % 4;
-    const int split = blockIdx.x, b = blockIdx.y / p.h_k, hk = blockIdx.y % p.h_k, row0 = blockIdx.z * T::kRows;
+    // the last row blocks first: under causal masking they see the most keys, so the longest CTAs
+    // start in the first wave instead of trailing the last one
+    const int split = blockIdx.x, b = blockIdx.y / p.h_k, hk = blockIdx.y % p.h_k;
+    const int row0 = (gridDim.z - 1 - blockIdx.z) * T::kRows;
     const int total_rows = p.h_h_k_ratio * p.seqlen_q, wrow0 = row0 + WR * warp;
     const int bc = p.cache_batch_idx != nullptr ? p.cache_batch_idx[b] : b;
     const int seqlen_k = max(0, min(p.seqlens_k[b], p.max_seqlen_k));
