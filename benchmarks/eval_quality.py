@@ -54,7 +54,7 @@ SIM_NAME = "tq_sim"
 # key_center, key_scale, protect ("boundary" = first and last layer in 16-bit). None = full precision.
 BASE = dict(quantizer="turbo", k_bits=3, v_bits=3, fit="norm", fp16_window=0, sink_tokens=0,
             key_center=False, key_scale=0.0, key_scale_q=False, key_pca=False, value_pca=False, protect=None,
-            qjl=False, k4_layers=None, v2_layers=None, scale_only=False, klt=None, k_cal=None)
+            qjl=False, k4_layers=None, v2_layers=None, scale_only=False, klt=None, k_cal=None, k_cal_tokens=1024)
 
 
 def _cfg(**kw):
@@ -167,6 +167,9 @@ CONFIGS.update({
     "Kcal34+V3+kc+sink4+w124": _cfg(k_cal=(3, 4), fp16_window=124, **_CAL),
     "Kcal+V3+kc+sink4": _cfg(k_cal=(2, 3, 4), **_CAL),
     "Kcal34+V3+kc+sink4": _cfg(k_cal=(3, 4), **_CAL),
+    # measured on a 4K-token synthetic sequence (the span repeated from a third of the way in)
+    "Kcal34@4K+V3+kc+sink4+w124": _cfg(k_cal=(3, 4), k_cal_tokens=4096, fp16_window=124, **_CAL),
+    "Kcal34@4K+V3+kc+sink4": _cfg(k_cal=(3, 4), k_cal_tokens=4096, **_CAL),
 })
 
 DEFAULT = "Kcal34+V3+kc+sink4+w124"  # = TQCache.calibrated(model) (flash_attn_tq.integrations.transformers)
@@ -178,7 +181,7 @@ LONG = ["full", "turbo3", "turbo3+kc+pca+vpca+sink4", "turbo3+kc+sink4+w124", "t
         "turbo3+kc+ksq.5+pca+vpca+sink4", "turbo3+kc+ksq.5+pca+vpca+sink4+w124", "K3.5mix(last)+V3+kc+sink4+w124",
         "K3.5mix(last)+V3+kc+sink16+w112", "K3.5mix(last)+V3+kc+sink32+w96", "turbo3+kc+pca+vpca+sink32+w96",
         "K4+V2.5mix(first)+kc+sink4+w124", "K4+V2.5mix(last)+kc+sink4+w124", "K3.5mix(last)+V3+kc+ksq.5+sink4+w124",
-        "Kcal34+V3+kc+sink4+w124"]
+        "Kcal34+V3+kc+sink4+w124", "Kcal34@4K+V3+kc+sink4+w124"]
 
 
 def _layer_set(which, num_layers):
@@ -232,9 +235,10 @@ def resolve(cfg, model):
     opts = tq_options(cfg)
     opts.pop("k_bits")
     prot = protected_layers(cfg, L)
-    key = (tuple(sorted(opts.items())), tuple(sorted(prot)), tuple(cfg["k_cal"]))
+    tokens = cfg.get("k_cal_tokens", 1024)
+    key = (tuple(sorted(opts.items())), tuple(sorted(prot)), tuple(cfg["k_cal"]), tokens)
     if key not in _SENSITIVITY:
-        _SENSITIVITY[key] = key_bit_sensitivity(model, bits=cfg["k_cal"], protected_layers=prot, **opts)
+        _SENSITIVITY[key] = key_bit_sensitivity(model, bits=cfg["k_cal"], protected_layers=prot, tokens=tokens, **opts)
     chosen = calibrate_key_bits(model, bits=cfg["k_cal"], protected_layers=prot, sensitivity=_SENSITIVITY[key],
                                 k_bits=cfg["k_bits"], **opts)
     return dict(cfg, k_layer_bits={i: o["k_bits"] for i, o in chosen.items()})

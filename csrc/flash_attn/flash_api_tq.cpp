@@ -8,6 +8,7 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 
 #include "src/tq_api.h"
