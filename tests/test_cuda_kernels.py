@@ -119,10 +119,11 @@ def test_prefill_matches_reference(dtype, d, bits, quantizer, case, wgmma, monke
     _check_against_reference(q, cache, out, lse, causal)
 
 
-@pytest.mark.parametrize("seqlen_q", [1, 64])
+@pytest.mark.parametrize("seqlen_q", [1, 64, 300])
 @pytest.mark.parametrize("page_size", [None, 256])
 def test_long_cache(seqlen_q, page_size):
-    """A 128K-token cache (odd length), decode and a 256-row prefill chunk, contiguous and paged."""
+    """A 128K-token cache (odd length), decode and 256- and 1200-row prefill chunks (on Hopper the
+    latter run the wgmma variant), contiguous and paged."""
     cache, _, _ = _make_cache(1, [131071], 2, 128, page_size=page_size, shuffle_blocks=True, seed=31,
                               max_seqlen=131072)
     q = torch.randn(1, seqlen_q, 8, 128, device=DEV, dtype=torch.float16)
@@ -133,11 +134,12 @@ def test_long_cache(seqlen_q, page_size):
 
 
 @pytest.mark.parametrize("window,causal", [((100, 0), True), ((37, -1), False), ((50, 20), False), ((0, 0), True)])
-@pytest.mark.parametrize("seqlen_q", [1, 4, 64])
+@pytest.mark.parametrize("seqlen_q", [1, 4, 64, 300])
 @pytest.mark.parametrize("num_splits", [1, 3, 0])
 def test_local_window_on_the_fused_kernels(window, causal, seqlen_q, num_splits):
     """window_size (local attention) in the decode kernel (1 and 4 queries) and the prefill kernel
-    (64 queries x 4 heads a kv head = 256 rows), against float32 attention with the same window."""
+    (64 / 300 queries x 4 heads a kv head = 256 / 1200 rows: the mma.sync / wgmma variant on Hopper),
+    against float32 attention with the same window."""
     cache, _, _ = _make_cache(2, [700, 1500], 2, 128, seed=23)
     q = torch.randn(2, seqlen_q, 8, 128, device=DEV, dtype=torch.float16,
                     generator=torch.Generator(device=DEV).manual_seed(seqlen_q))
@@ -149,7 +151,7 @@ def test_local_window_on_the_fused_kernels(window, causal, seqlen_q, num_splits)
 
 
 @pytest.mark.parametrize("extra", ["leftpad", "softcap", "both"])
-@pytest.mark.parametrize("seqlen_q", [1, 4, 64])
+@pytest.mark.parametrize("seqlen_q", [1, 4, 64, 300])
 def test_leftpad_and_softcap_on_the_fused_kernels(extra, seqlen_q):
     """cache_leftpad (keys before it are padding) and softcap in the decode and prefill kernels."""
     cache, _, _ = _make_cache(2, [700, 1500], 2, 128, seed=29)
@@ -167,14 +169,16 @@ def test_leftpad_and_softcap_on_the_fused_kernels(extra, seqlen_q):
 
 @pytest.mark.parametrize("num_splits", [1, 3, 0])
 @pytest.mark.parametrize("page_size", [16, 64, 256])
-def test_prefill_paged_equals_contiguous(num_splits, page_size):
+@pytest.mark.parametrize("seqlen_q", [70, 300])
+def test_prefill_paged_equals_contiguous(num_splits, page_size, seqlen_q):
     """Paged (shuffled pages) and contiguous caches holding the same codes give bit-identical prefill
-    outputs for the same splits, and match the reference."""
+    outputs for the same splits (280 / 1200 rows a kv head: both prefill variants on Hopper), and
+    match the reference."""
     seqlens = [1000, 3000]
     paged, _, _ = _make_cache(2, seqlens, 2, 128, page_size=page_size, shuffle_blocks=True, seed=5, max_seqlen=3072)
     contiguous, _, _ = _make_cache(2, seqlens, 2, 128, seed=5, max_seqlen=3072)
     assert torch.equal(paged.dequantize()[0].cpu(), contiguous.dequantize()[0].cpu())
-    q = torch.randn(2, 70, 8, 128, device=DEV, dtype=torch.float16)
+    q = torch.randn(2, seqlen_q, 8, 128, device=DEV, dtype=torch.float16)
     poison_allocator()
     out_p, lse_p = fa.flash_attn_with_kvcache(q, paged, causal=True, num_splits=num_splits, return_softmax_lse=True)
     out_c, lse_c = fa.flash_attn_with_kvcache(q, contiguous, causal=True, num_splits=num_splits, return_softmax_lse=True)
