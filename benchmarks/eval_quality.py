@@ -54,7 +54,8 @@ SIM_NAME = "tq_sim"
 # key_center, key_scale, protect ("boundary" = first and last layer in 16-bit). None = full precision.
 BASE = dict(quantizer="turbo", k_bits=3, v_bits=3, fit="norm", fp16_window=0, sink_tokens=0,
             key_center=False, key_scale=0.0, key_scale_q=False, key_pca=False, value_pca=False, protect=None,
-            qjl=False, k4_layers=None, v2_layers=None, scale_only=False, klt=None, k_cal=None, k_cal_tokens=1024)
+            qjl=False, k4_layers=None, v2_layers=None, scale_only=False, klt=None, k_cal=None, k_cal_tokens=1024,
+            recent_window=0, recent_bits=(4, 4))
 
 
 def _cfg(**kw):
@@ -170,6 +171,9 @@ CONFIGS.update({
     # measured on a 4K-token synthetic sequence (the span repeated from a third of the way in)
     "Kcal34@4K+V3+kc+sink4+w124": _cfg(k_cal=(3, 4), k_cal_tokens=4096, fp16_window=124, **_CAL),
     "Kcal34@4K+V3+kc+sink4": _cfg(k_cal=(3, 4), k_cal_tokens=4096, **_CAL),
+    # age-based precision instead of the fp16 window: the last 128 tokens at 4-bit keys and values
+    # (simulation only: no kernel holds a second, 4-bit ring)
+    "Kcal34+V3+kc+sink4+r128@K4V4": _cfg(k_cal=(3, 4), recent_window=128, **_CAL),
 })
 
 DEFAULT = "Kcal34+V3+kc+sink4+w124"  # = TQCache.calibrated(model) (flash_attn_tq.integrations.transformers)
@@ -498,6 +502,11 @@ class Sim:
             signs, norms = (t.repeat_interleave(G, 1) for t in Sim.sketch)
             sq = query.float() @ Sim.projection(D).T
             sketch = (signs, norms * math.sqrt(math.pi / 2) / D, sq)
+        recent = cfg.get("recent_window", 0)  # keys R <= age < R + recent at recent_bits (age-based precision)
+        if recent:
+            rk, rv = cfg["recent_bits"]
+            kr, vr, _, _ = Sim.roundtrip(key, value, dict(cfg, k_bits=rk, v_bits=rv), Sim.calib, query)
+            kr, vr = kr.repeat_interleave(G, 1), vr.repeat_interleave(G, 1)
         q = query.float()
         R, s0 = cfg["fp16_window"], cfg["sink_tokens"]
         out = torch.empty(B, Hq, S, D)
@@ -511,10 +520,17 @@ class Sim:
             if sketch is not None:
                 signs, norms, sq = sketch
                 s_quant = s_quant + (sq[:, :, i0:i1] @ signs[:, :, :i1].transpose(-1, -2)) * norms[:, :, None, :i1]
+            if recent:
+                band = ~full & ((ii - jj) < R + recent)
+                s_quant = torch.where(band, qi @ kr[:, :, :i1].transpose(-1, -2), s_quant)
             s = torch.where(full, qi @ kf[:, :, :i1].transpose(-1, -2), s_quant) * scaling
             p = torch.softmax(s.masked_fill(jj > ii, -math.inf), -1)
             pf = p * full
-            out[:, :, i0:i1] = pf @ vf[:, :, :i1] + (p - pf) @ vh[:, :, :i1]
+            if recent:
+                pr = p * band
+                out[:, :, i0:i1] = pf @ vf[:, :, :i1] + pr @ vr[:, :, :i1] + (p - pf - pr) @ vh[:, :, :i1]
+            else:
+                out[:, :, i0:i1] = pf @ vf[:, :, :i1] + (p - pf) @ vh[:, :, :i1]
         return out.transpose(1, 2).contiguous().to(query.dtype), None
 
 
