@@ -13,6 +13,12 @@ from .quantizers import AsymQuantizer, TurboQuantizer
 QUANTIZERS = ("turbo", "asym")
 
 
+def scale_only_fits(quantizer: str, grid: str, fit: str) -> bool:
+    """Whether the scale alone describes a vector: turbo's uniform grid with the norm fit, whose offset
+    is always ``-mid * scale`` (``scale_only``'s default)."""
+    return quantizer == "turbo" and grid == "uniform" and fit == "norm"
+
+
 def _capturing() -> bool:
     """True while a CUDA graph is being captured: value checks that read the GPU are skipped then."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
@@ -113,7 +119,7 @@ class QuantizedKVCache:
         if (self.key_pca or self.value_pca) and (quantizer != "turbo" or fit != "mean"):
             raise ValueError("key_pca/value_pca need quantizer='turbo' with fit='mean' (the offset stores the main "
                              "direction)")
-        norm_fit = quantizer == "turbo" and grid == "uniform" and fit == "norm"
+        norm_fit = scale_only_fits(quantizer, grid, fit)
         self.scale_only = norm_fit if scale_only is None else bool(scale_only)
         if self.scale_only and not norm_fit:
             raise ValueError("scale_only needs quantizer='turbo', grid='uniform' and fit='norm' (whose offset is "

@@ -49,7 +49,7 @@ except ImportError as e:  # pragma: no cover - exercised only without transforme
     raise ImportError("flash_attn_tq.integrations.transformers needs transformers >= 5") from e
 
 from .. import ops
-from ..cache import QuantizedKVCache, _capturing
+from ..cache import QuantizedKVCache, _capturing, scale_only_fits
 from ..format import bits_per_element as _format_bits
 from ..interface import _attend_quantized, _dense_part, _merge_lse
 
@@ -74,8 +74,7 @@ def _with_defaults(cache_kwargs: Mapping) -> dict:
     """TQCache options: ``cache_kwargs`` over :data:`DEFAULTS`; ``scale_only`` off where the options
     do not allow it (the scale-only format needs turbo's uniform norm fit)."""
     opts = dict(DEFAULTS, **cache_kwargs)
-    if "scale_only" not in cache_kwargs and (opts["quantizer"] != "turbo" or opts["grid"] != "uniform"
-                                             or opts["fit"] != "norm"):
+    if "scale_only" not in cache_kwargs and not scale_only_fits(opts["quantizer"], opts["grid"], opts["fit"]):
         opts["scale_only"] = False
     return opts
 
