@@ -172,7 +172,7 @@ CONFIGS.update({
     "Kcal34@4K+V3+kc+sink4+w124": _cfg(k_cal=(3, 4), k_cal_tokens=4096, fp16_window=124, **_CAL),
     "Kcal34@4K+V3+kc+sink4": _cfg(k_cal=(3, 4), k_cal_tokens=4096, **_CAL),
     # age-based precision instead of the fp16 window: the last 128 tokens at 4-bit keys and values
-    # (simulation only: no kernel holds a second, 4-bit ring)
+    # (TQCache: NO_FP16_WINDOW, a 128-token window of 4-bit codes)
     "Kcal34+V3+kc+sink4+r128@K4V4": _cfg(k_cal=(3, 4), recent_window=128, **_CAL),
 })
 
@@ -223,6 +223,11 @@ def tq_options(cfg):
                                 "key_scale", "key_scale_q", "key_pca", "value_pca", "scale_only")}
     if opts["quantizer"] == "asym":
         opts.pop("fit")
+    if cfg.get("recent_window"):  # age-based precision: TQCache's window as codes of recent_bits
+        rk, rv = cfg["recent_bits"]
+        if opts["fp16_window"] or rk != rv:
+            raise ValueError("TQCache holds a recent window of one bit width without a 16-bit window before it")
+        opts.update(fp16_window=cfg["recent_window"], window_bits=rk)
     return opts
 
 

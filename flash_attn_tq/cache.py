@@ -47,7 +47,11 @@ class QuantizedKVCache:
     ``seqlens [batch]`` int32 counts the tokens written per sequence. With ``fp16_window = R > 0``
     the most recent ``R`` tokens of each sequence are also kept unquantized (``k_window [batch, R,
     kv_heads, head_dim]`` in ``dtype``, token ``p`` in slot ``p % R``) and attention reads them in
-    full precision; every token is still quantized when written.
+    full precision; every token is still quantized when written. ``window_bits`` (2, 3 or 4; default 16:
+    the window in ``dtype``) stores the window as codes at that width instead (age-based precision:
+    the recent tokens at 4 bits, the older ones at ``k_bits``/``v_bits``), ``k_window [batch, R,
+    kv_heads, window code bytes]`` uint8 + ``k_window_meta [batch, R, kv_heads, *]`` float16, with the
+    main codes' quantizer; attention dequantizes those ``R`` tokens when it reads them.
 
     For ``quantizer="turbo"`` codes live in the Hadamard-rotated space; :meth:`rotate_query` and
     :meth:`unrotate_output` move queries and attention outputs in and out of it.
@@ -75,6 +79,7 @@ class QuantizedKVCache:
         quantizer: str = "turbo",
         grid: str = "uniform",
         fp16_window: int = 0,
+        window_bits: int = 16,
         page_size: int | None = None,
         num_blocks: int | None = None,
         block_table: torch.Tensor | None = None,
@@ -106,10 +111,13 @@ class QuantizedKVCache:
         for name, val in (("k_bits", k_bits), ("v_bits", v_bits)):
             if val not in fmt.SUPPORTED_BITS:
                 raise ValueError(f"{name} must be one of {fmt.SUPPORTED_BITS}, got {val}")
+        if window_bits not in (*fmt.SUPPORTED_BITS, 16):
+            raise ValueError(f"window_bits must be one of {fmt.SUPPORTED_BITS} or 16, got {window_bits}")
         self.batch_size, self.max_seqlen = int(batch_size), int(max_seqlen)
         self.num_kv_heads, self.head_dim = int(num_kv_heads), int(head_dim)
         self.k_bits, self.v_bits, self.quantizer, self.grid = k_bits, v_bits, quantizer, grid
         self.fp16_window, self.seed, self.dtype = int(fp16_window), seed, dtype
+        self.window_bits = int(window_bits)
         self.streaming, self.alpha, self.fit = streaming, alpha, fit
         if key_scale < 0:
             raise ValueError(f"key_scale must be >= 0, got {key_scale}")
@@ -124,18 +132,21 @@ class QuantizedKVCache:
         if self.scale_only and not norm_fit:
             raise ValueError("scale_only needs quantizer='turbo', grid='uniform' and fit='norm' (whose offset is "
                              "-mid * scale, so only the scale is stored)")
-        if quantizer == "turbo":
-            if streaming:
-                raise ValueError("streaming applies to quantizer='asym' only")
-            self.k_quantizer = TurboQuantizer(head_dim, k_bits, grid, seed, fit)
-            self.v_quantizer = TurboQuantizer(head_dim, v_bits, grid, seed, fit)
-        else:
-            if grid != "uniform":
-                raise ValueError("quantizer='asym' uses the uniform grid only")
-            if fit != "norm":
-                raise ValueError("fit applies to quantizer='turbo' only")
-            self.k_quantizer = AsymQuantizer(k_bits, streaming, alpha)
-            self.v_quantizer = AsymQuantizer(v_bits, streaming, alpha)
+        if quantizer == "turbo" and streaming:
+            raise ValueError("streaming applies to quantizer='asym' only")
+        if quantizer != "turbo" and grid != "uniform":
+            raise ValueError("quantizer='asym' uses the uniform grid only")
+        if quantizer != "turbo" and fit != "norm":
+            raise ValueError("fit applies to quantizer='turbo' only")
+
+        def make_quantizer(bits: int, streams: bool):
+            if quantizer == "turbo":
+                return TurboQuantizer(head_dim, bits, grid, seed, fit)
+            return AsymQuantizer(bits, streams, alpha)
+
+        self.k_quantizer, self.v_quantizer = make_quantizer(k_bits, streaming), make_quantizer(v_bits, streaming)
+        # a quantized recent window: per-token fits (no streaming range), the same rotation as the main codes
+        self.window_quantizer = make_quantizer(self.window_bits, False) if self.window_bits < 16 else None
         device = torch.device(device)
         H = self.num_kv_heads
         kb, vb = fmt.code_bytes(head_dim, k_bits), fmt.code_bytes(head_dim, v_bits)
@@ -174,8 +185,16 @@ class QuantizedKVCache:
         self.v_meta = _head_major(rows, cols, H, meta_words, torch.float16, device)
         self.seqlens = torch.zeros(self.batch_size, dtype=torch.int32, device=device)
         R = self.fp16_window
-        self.k_window = torch.zeros(self.batch_size, R, H, head_dim, dtype=dtype, device=device) if R else None
-        self.v_window = torch.zeros(self.batch_size, R, H, head_dim, dtype=dtype, device=device) if R else None
+        self.k_window = self.v_window = self.k_window_meta = self.v_window_meta = None
+        if R and self.window_quantizer is None:
+            self.k_window = torch.zeros(self.batch_size, R, H, head_dim, dtype=dtype, device=device)
+            self.v_window = torch.zeros_like(self.k_window)
+        elif R:
+            wb = fmt.code_bytes(head_dim, self.window_bits)
+            self.k_window = torch.zeros(self.batch_size, R, H, wb, dtype=torch.uint8, device=device)
+            self.v_window = torch.zeros_like(self.k_window)
+            self.k_window_meta = torch.zeros(self.batch_size, R, H, meta_words, dtype=torch.float16, device=device)
+            self.v_window_meta = torch.zeros_like(self.k_window_meta)
         nan = torch.full((self.batch_size, H), float("nan"), device=device)
         self.k_range = nan.clone() if streaming else None  # asym streaming: per-head EMA of max|x|
         self.v_range = nan.clone() if streaming else None
@@ -208,8 +227,9 @@ class QuantizedKVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the cache storage (codes, metadata and the fp16 window)."""
-        tensors = [self.k_codes, self.v_codes, self.k_meta, self.v_meta, self.k_window, self.v_window]
+        """Bytes of the cache storage (codes, metadata and the recent window)."""
+        tensors = [self.k_codes, self.v_codes, self.k_meta, self.v_meta, self.k_window, self.v_window,
+                   self.k_window_meta, self.v_window_meta]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     def bits_per_element(self) -> float:
@@ -481,8 +501,14 @@ class QuantizedKVCache:
             j0 = max(0, n - R)  # only the last R tokens of this chunk matter (a slice: no sync)
             b2 = bidx.unsqueeze(1).expand(B, n - j0)
             slots = pos[:, j0:] % R
-            self.k_window[b2, slots] = k[:, j0:].to(self.dtype)
-            self.v_window[b2, slots] = v[:, j0:].to(self.dtype)
+            if self.window_quantizer is None:
+                self.k_window[b2, slots] = k[:, j0:].to(self.dtype)
+                self.v_window[b2, slots] = v[:, j0:].to(self.dtype)
+            else:
+                for name, x in (("k", k), ("v", v)):
+                    codes, meta = self.window_quantizer.quantize(x[:, j0:].float())
+                    getattr(self, f"{name}_window")[b2, slots] = fmt.pack_codes(codes, self.window_bits)
+                    getattr(self, f"{name}_window_meta")[b2, slots] = meta[..., :self.k_window_meta.shape[-1]]
         self.seqlens[bidx] = start + n
 
     # ------------------------------------------------------------------ reading
@@ -508,17 +534,15 @@ class QuantizedKVCache:
         g = self.gather(bidx)
         d = self.head_dim
         out = []
-        for name, qz, bits, win in (("k", self.k_quantizer, self.k_bits, self.k_window),
-                                    ("v", self.v_quantizer, self.v_bits, self.v_window)):
+        windows = self.window_kv(bidx, rotated=True) if use_window and self.fp16_window else (None, None)
+        for name, qz, bits, w in (("k", self.k_quantizer, self.k_bits, windows[0]),
+                                  ("v", self.v_quantizer, self.v_bits, windows[1])):
             codes = fmt.unpack_codes(g[f"{name}_codes"], bits, d)
             x = qz.dequantize_rotated(codes, g[f"{name}_meta"])
             lens = self.seqlens[bidx].long().unsqueeze(1)
             pos = torch.arange(self.max_seqlen, device=self.device).unsqueeze(0)
-            if use_window and win is not None:
+            if w is not None:
                 R = self.fp16_window
-                w = win[bidx].float()
-                if self.quantizer == "turbo":
-                    w = qz.rotate(w)
                 idx = (pos % R).expand(len(bidx), -1)[:, :, None, None].expand_as(x)
                 in_win = (pos >= lens - R) & (pos < lens)
                 x = torch.where(in_win[:, :, None, None], w.gather(1, idx), x)
@@ -531,8 +555,26 @@ class QuantizedKVCache:
             out.append(x * (pos < lens)[:, :, None, None])
         return out[0], out[1]
 
+    def window_kv(self, rows: torch.Tensor | slice, rotated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 ``(k, v)`` ``[rows, fp16_window, kv_heads, d]`` of the recent window of cache ``rows``
+        (ring order: token ``p`` in slot ``p % fp16_window``), as stored: transformed keys, reflected
+        values; ``rotated=True``: turbo's rotated domain. A quantized window (``window_bits``) is
+        dequantized here."""
+        out = []
+        for win, meta, qz in ((self.k_window, self.k_window_meta, self.k_quantizer),
+                              (self.v_window, self.v_window_meta, self.v_quantizer)):
+            if self.window_quantizer is None:
+                x = win[rows].float()
+                out.append(qz.rotate(x) if rotated and self.quantizer == "turbo" else x)
+            else:
+                wq = self.window_quantizer
+                x = wq.dequantize_rotated(fmt.unpack_codes(win[rows], self.window_bits, self.head_dim), meta[rows])
+                out.append(wq.unrotate(x) if not rotated and self.quantizer == "turbo" else x)
+        return out[0], out[1]
+
     # ------------------------------------------------------------------ movement / serialization
-    _TENSORS = ("k_codes", "v_codes", "k_meta", "v_meta", "seqlens", "k_window", "v_window",
+    _TENSORS = ("k_codes", "v_codes", "k_meta", "v_meta", "seqlens", "k_window", "v_window", "k_window_meta",
+                "v_window_meta",
                 "block_table", "k_range", "v_range", "k_shift", "k_div", "calibrated", "k_house", "v_house")
 
     def to(self, device: torch.device | str) -> "QuantizedKVCache":
@@ -546,7 +588,7 @@ class QuantizedKVCache:
     def config(self) -> dict[str, Any]:
         return dict(batch_size=self.batch_size, max_seqlen=self.max_seqlen, num_kv_heads=self.num_kv_heads,
                     head_dim=self.head_dim, k_bits=self.k_bits, v_bits=self.v_bits, quantizer=self.quantizer,
-                    grid=self.grid, fp16_window=self.fp16_window, page_size=self.page_size,
+                    grid=self.grid, fp16_window=self.fp16_window, window_bits=self.window_bits, page_size=self.page_size,
                     num_blocks=self.k_codes.shape[0] if self.paged else None, streaming=self.streaming,
                     alpha=self.alpha, seed=self.seed, fit=self.fit, key_center=self.key_center,
                     key_scale=self.key_scale, key_scale_q=self.key_scale_q, key_pca=self.key_pca, value_pca=self.value_pca, calib_min_tokens=self.calib_min_tokens, scale_only=self.scale_only, dtype=str(self.dtype).replace("torch.", ""))
@@ -560,7 +602,8 @@ class QuantizedKVCache:
         mine = self.config()
         theirs = dict(state["config"])
         for key, default in (("fit", "norm"), ("key_center", False), ("key_scale", 0.0), ("key_scale_q", False), ("key_pca", False), ("value_pca", False),
-                             ("calib_min_tokens", 16), ("scale_only", False)):
+                             ("calib_min_tokens", 16), ("scale_only", False),
+                             ("window_bits", 16)):
             theirs.setdefault(key, default)  # saved before the option existed
         if mine != theirs:
             diff = {k: (mine.get(k), theirs.get(k)) for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k)}
@@ -583,4 +626,4 @@ class QuantizedKVCache:
         layout = f"paged(page_size={self.page_size}, num_blocks={self.k_codes.shape[0]})" if self.paged else "contiguous"
         return (f"QuantizedKVCache({self.quantizer}/{self.grid}, K{self.k_bits}V{self.v_bits}, batch={self.batch_size}, "
                 f"max_seqlen={self.max_seqlen}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, {layout}, "
-                f"fp16_window={self.fp16_window}, {self.bits_per_element():.3f} bits/element, device={self.device})")
+                f"fp16_window={self.fp16_window}{'' if self.window_quantizer is None else f' at {self.window_bits} bits'}, {self.bits_per_element():.3f} bits/element, device={self.device})")

@@ -314,20 +314,21 @@ def _quantized_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, cache, 
 
 
 def _window_part(q, cache, bidx, lens, softmax_scale, causal, prefix=None):
-    """Attention of q over the fp16 recent window (positions [lens - R, lens)) of cache rows bidx
+    """Attention of q over the recent window (positions [lens - R, lens); 16-bit, or codes of
+    ``cache.window_bits`` dequantized here) of cache rows bidx
     (None: 0..batch-1). causal: the queries are the last seqlen_q positions, bottom-right aligned
     with the window's newest key. prefix: (k, v) ``[batch, P, kv_heads, d]`` 16-bit tokens every query
     sees, attended in the same pass. Returns (out, lse) with lse -inf for rows without keys."""
     R, Sq = cache.fp16_window, q.shape[1]
     rows = slice(0, q.shape[0]) if bidx is None else bidx.long()  # (a slice: no copy of the whole window)
-    kw, vw = cache.k_window[rows], cache.v_window[rows]  # ring order: attention does not care, the mask does
+    kw, vw = cache.window_kv(rows)  # ring order: attention does not care, the mask does
     n = lens.long().unsqueeze(1)
     age = (n - 1 - torch.arange(R, device=q.device)) % R  # [B, R]: 0 = the newest token's slot
     visible = (age < n).unsqueeze(1)  # [B, 1, R]: slots holding a token
     if causal and Sq > 1:  # query i (of Sq, bottom-right aligned) sees tokens at least Sq - 1 - i old
         visible = visible & (age.unsqueeze(1) >= (Sq - 1 - torch.arange(Sq, device=q.device)).view(1, Sq, 1))
-    if prefix is not None:  # (float32: _dense_part computes in float32 anyway)
-        kw, vw = torch.cat([prefix[0].float(), kw.float()], 1), torch.cat([prefix[1].float(), vw.float()], 1)
+    if prefix is not None:
+        kw, vw = torch.cat([prefix[0].float(), kw], 1), torch.cat([prefix[1].float(), vw], 1)
         visible = F.pad(visible, (prefix[0].shape[1], 0), value=True)
     return _dense_part(q, kw, vw, softmax_scale, visible)
 

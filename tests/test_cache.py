@@ -205,6 +205,49 @@ def test_fp16_window(layout, quantizer):
             assert torch.equal(cache.k_window[b, p % R].float(), t.k[b, p])
 
 
+@pytest.mark.parametrize("quantizer,window_bits", [("turbo", 4), ("asym", 4), ("turbo", 2)])
+@pytest.mark.parametrize("layout", ["contiguous", "paged16-shuffled"])
+def test_quantized_window(layout, quantizer, window_bits):
+    """window_bits < 16: the last R tokens come back as codes of window_bits (the window quantizer's
+    round trip of each token), older ones as the main codes; ring slot p % R holds token p."""
+    R = 8
+    cache = make_cache(layout, B=3, S=50, quantizer=quantizer, fp16_window=R, window_bits=window_bits, table_seed=3)
+    assert cache.k_window.dtype == torch.uint8 and cache.k_window.shape == (3, R, 2, code_bytes(64, window_bits))
+    assert cache.k_window_meta.shape == (3, R, 2, cache.k_meta.shape[-1])
+    g = torch.Generator().manual_seed(9)
+    t = Truth(cache)
+    for r, n in ((0, 3), (1, 21), (2, 13)):
+        k, v = (torch.randn(1, n, 2, 64, generator=g).half() for _ in range(2))
+        cache.append(k, v, batch_idx=torch.tensor([r]))
+        t.k[r, :n], t.v[r, :n], t.lens[r] = k[0].float(), v[0].float(), n
+    for _ in range(5):  # rows 1 and 2 wrap around the ring
+        k, v = (torch.randn(2, 1, 2, 64, generator=g).half() for _ in range(2))
+        cache.append(k, v, batch_idx=torch.tensor([2, 1]))
+        for i, r in enumerate((2, 1)):
+            t.k[r, t.lens[r]], t.v[r, t.lens[r]] = k[i, 0].float(), v[i, 0].float()
+            t.lens[r] += 1
+    k, v = cache.dequantize()
+    kq, vq = cache.dequantize(use_window=False)
+    wq = cache.window_quantizer
+    mw = cache.k_meta.shape[-1]
+    for b, L in enumerate(t.lens):
+        lo = max(0, L - R)
+        for got, main, true in ((k, kq, t.k), (v, vq, t.v)):
+            codes, meta = wq.quantize(true[b, lo:L])
+            torch.testing.assert_close(got[b, lo:L], wq.dequantize(codes, meta[..., :mw]), rtol=0, atol=1e-5)
+            assert torch.equal(got[b, :lo], main[b, :lo]) and not torch.equal(got[b, lo:L], main[b, lo:L])
+            assert torch.equal(got[b, L:], torch.zeros_like(got[b, L:]))
+        for p in range(lo, L):  # ring layout
+            codes, _ = wq.quantize(t.k[b, p])
+            assert torch.equal(cache.k_window[b, p % R], pack_codes(codes, window_bits))
+    n1 = t.lens[1]
+    err = lambda x: (x[1, n1 - R:n1] - t.k[1, n1 - R:n1]).norm()  # noqa: E731
+    assert (err(k) < err(kq)) == (window_bits > cache.k_bits)  # 4 bits: closer than the main 3-bit codes
+    assert cache.nbytes == sum(x.numel() * x.element_size() for x in (
+        cache.k_codes, cache.v_codes, cache.k_meta, cache.v_meta, cache.k_window, cache.v_window,
+        cache.k_window_meta, cache.v_window_meta))
+
+
 @pytest.mark.xfail(strict=True, reason="fp16 window after a rollback (append at cache_seqlens < seqlens): ring "
                    "slots of positions [start + n - R, start) still hold newer, discarded tokens and are "
                    "returned as if they were those positions")
@@ -268,6 +311,7 @@ def assert_same_cache(a, b):
 
 @pytest.mark.parametrize("kw", [
     dict(layout="contiguous", quantizer="turbo", fp16_window=4),
+    dict(layout="paged32", quantizer="asym", fp16_window=5, window_bits=4),
     dict(layout="paged16-shuffled", quantizer="asym", streaming=True, dtype=torch.bfloat16),
     dict(layout="paged32", quantizer="turbo", grid="lloyd_max", k_bits=4, v_bits=2, seed=5),
     dict(layout="paged64-shuffled", quantizer="turbo", seed=3),
@@ -435,6 +479,8 @@ def test_bad_construction():
             QuantizedKVCache(*args)
     with pytest.raises(ValueError, match="fp16_window"):
         QuantizedKVCache(1, 8, 1, 64, fp16_window=-1)
+    with pytest.raises(ValueError, match="window_bits"):
+        QuantizedKVCache(1, 8, 1, 64, fp16_window=4, window_bits=8)
     with pytest.raises(ValueError, match="page_size"):
         QuantizedKVCache(1, 8, 1, 64, page_size=0)
     with pytest.raises(ValueError, match="page_size"):

@@ -23,7 +23,7 @@ pytestmark = [
 
 
 def _make_cache(batch, seqlens, kv_heads, d, *, quantizer="turbo", k_bits=3, v_bits=3, dtype=torch.float16,
-                page_size=None, window=0, seed=0, max_seqlen=None, shuffle_blocks=False):
+                page_size=None, window=0, window_bits=16, seed=0, max_seqlen=None, shuffle_blocks=False):
     """A GPU cache filled through the pack kernel with random K/V; returns (cache, k_full, v_full).
     quantizer "turbo-scale": turbo with scale-only metadata."""
     scale_only = quantizer == "turbo-scale"
@@ -36,7 +36,8 @@ def _make_cache(batch, seqlens, kv_heads, d, *, quantizer="turbo", k_bits=3, v_b
         perm = torch.randperm(batch * per_seq, generator=torch.Generator().manual_seed(seed))
         block_table = perm.reshape(batch, per_seq).to(torch.int32)
     cache = QuantizedKVCache(batch, max_len, kv_heads, d, k_bits=k_bits, v_bits=v_bits, quantizer=quantizer,
-                             page_size=page_size, block_table=block_table, fp16_window=window, dtype=dtype,
+                             page_size=page_size, block_table=block_table, fp16_window=window,
+                             window_bits=window_bits, dtype=dtype,
                              device=DEV, seed=seed, scale_only=scale_only)
     L = max(seqlens)
     k = (torch.randn(batch, L, kv_heads, d, device=DEV, generator=gen) * 1.5 + 0.3).to(dtype)
@@ -259,10 +260,11 @@ def test_decode_cache_batch_idx_and_append():
 
 
 @pytest.mark.parametrize("seqlen_q", [1, 4])
-def test_decode_with_fp16_window_matches_reference(seqlen_q):
-    """The kernel over the quantized tokens merged with the fp16 window (causal for several queries:
-    a query must not see the window's newer tokens)."""
-    cache, _, _ = _make_cache(2, [300, 40], 2, 128, window=64, seed=11)
+@pytest.mark.parametrize("window_bits", [16, 4])
+def test_decode_with_fp16_window_matches_reference(seqlen_q, window_bits):
+    """The kernel over the quantized tokens merged with the recent window (16-bit or 4-bit codes; causal
+    for several queries: a query must not see the window's newer tokens)."""
+    cache, _, _ = _make_cache(2, [300, 40], 2, 128, window=64, window_bits=window_bits, seed=11)
     q = torch.randn(2, seqlen_q, 8, 128, device=DEV, dtype=torch.float16)
     out = fa.flash_attn_with_kvcache(q, cache, causal=seqlen_q > 1)
     assert fa.last_path() == "quantized:fused-cuda"

@@ -248,12 +248,12 @@ def test_block_table_same_object_is_accepted():
 
 # ----------------------------------------------------------------------------- fp16 window
 
-@pytest.mark.parametrize("quantizer", ["turbo", "asym"])
+@pytest.mark.parametrize("quantizer,window_bits", [("turbo", 16), ("asym", 16), ("turbo", 4), ("asym", 4)])
 @pytest.mark.parametrize("seqlen_q,causal", [(1, False), (4, True)])
-def test_fp16_window(quantizer, seqlen_q, causal):
+def test_fp16_window(quantizer, window_bits, seqlen_q, causal):
     R = 8
     gen = torch.Generator().manual_seed(seqlen_q * 3 + causal)
-    cache = QuantizedKVCache(3, 60, 2, 128, quantizer=quantizer, fp16_window=R)
+    cache = QuantizedKVCache(3, 60, 2, 128, quantizer=quantizer, fp16_window=R, window_bits=window_bits)
     ctx = [40, 2, 11]
     fill_rows(cache, ctx, gen)
     q = torch.randn(3, seqlen_q, 4, 128, generator=gen)
@@ -265,8 +265,14 @@ def test_fp16_window(quantizer, seqlen_q, causal):
     exp_out, exp_lse = ref_attention(q, kd, vd, lens, causal)
     torch.testing.assert_close(out.double(), exp_out, rtol=1e-4, atol=2e-5)
     torch.testing.assert_close(lse.double(), exp_lse, rtol=1e-5, atol=1e-5)
-    # the window tokens are attended in full precision: the new tokens' exact values
-    torch.testing.assert_close(kd[:, ctx[0]:lens[0]][0], k[0].float(), rtol=0, atol=3e-5)
+    # the window tokens are attended in full precision (their exact values) or as window_bits codes
+    if window_bits == 16:
+        torch.testing.assert_close(kd[:, ctx[0]:lens[0]][0], k[0].float(), rtol=0, atol=3e-5)
+    else:
+        codes, meta = cache.window_quantizer.quantize(k[0].float())
+        kw = cache.window_quantizer.dequantize(codes, meta[..., :cache.k_meta.shape[-1]])
+        torch.testing.assert_close(kd[0, ctx[0]:lens[0]], kw, rtol=0, atol=3e-5)
+        assert (kw - k[0].float()).abs().max() > 1e-3
     # without the window the answer differs
     kq, vq = cache.dequantize(use_window=False)
     no_win, _ = ref_attention(q, kq, vq, lens, causal)
@@ -275,14 +281,15 @@ def test_fp16_window(quantizer, seqlen_q, causal):
 
 @pytest.mark.parametrize("seqlen_q,causal", [(1, False), (5, True), (5, False)])
 @pytest.mark.parametrize("batch_idx", [None, [2, 0]])
-def test_window_part_of_the_fused_path(seqlen_q, causal, batch_idx):
+@pytest.mark.parametrize("window_bits", [16, 4])
+def test_window_part_of_the_fused_path(seqlen_q, causal, batch_idx, window_bits):
     """The fp16-window attention the fused GPU path merges with the kernel's output (interface._window_part),
     against float64 attention over the window's tokens: causal queries must not see newer window keys,
     rows shorter than the window only their own tokens."""
     from flash_attn_tq.interface import _window_part
     R = 8
     gen = torch.Generator().manual_seed(seqlen_q + 2 * causal)
-    cache = QuantizedKVCache(3, 60, 2, 64, fp16_window=R)
+    cache = QuantizedKVCache(3, 60, 2, 64, fp16_window=R, window_bits=window_bits)
     fill_rows(cache, [40, 3, 11], gen)
     bidx = None if batch_idx is None else torch.tensor(batch_idx, dtype=torch.int32)
     rows = [0, 1] if batch_idx is None else batch_idx
@@ -290,7 +297,7 @@ def test_window_part_of_the_fused_path(seqlen_q, causal, batch_idx):
     lens = cache.seqlens[rows]
     out, lse = _window_part(q, cache, bidx, lens, 0.125, causal)
     lse = lse.masked_fill(lse == -INF, INF)  # (internal parts mark a row without keys -inf, the API +inf)
-    kd, vd = cache.dequantize(torch.tensor(rows))  # window tokens come back exact
+    kd, vd = cache.dequantize(torch.tensor(rows))  # window tokens as stored (exact, or window_bits codes)
     for i, (row, n) in enumerate(zip(rows, lens.tolist())):
         lo = max(0, n - R)
         kw, vw = kd[i:i + 1, lo:n], vd[i:i + 1, lo:n]

@@ -19,8 +19,8 @@ from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM  # no
 
 from flash_attn_tq import QuantizedKVCache  # noqa: E402
 from flash_attn_tq.integrations.transformers import (  # noqa: E402
-    ATTN_IMPLEMENTATION, DEFAULTS, TQCache, TQLayer, allocate_key_bits, calibrate_key_bits, key_bit_sensitivity,
-    tq_attention_forward)
+    ATTN_IMPLEMENTATION, DEFAULTS, NO_FP16_WINDOW, TQCache, TQLayer, allocate_key_bits, calibrate_key_bits,
+    key_bit_sensitivity, tq_attention_forward)
 
 ORACLE = "tq_oracle_test"
 
@@ -88,6 +88,8 @@ CASES = [
     dict(fp16_window=16, sink_tokens=0, k_bits=4, v_bits=3, protected_layers=(0,)),
     dict(fp16_window=4, sink_tokens=2, key_center=True, layer_options={1: dict(k_bits=4), 2: dict(k_bits=4)}),
     dict(fp16_window=4, sink_tokens=2, scale_only=False, late_k_bits=None),  # (scale, offset), 3-bit keys everywhere
+    dict(fp16_window=8, window_bits=4, sink_tokens=2),  # age-based precision (NO_FP16_WINDOW's form)
+    dict(fp16_window=8, window_bits=4, sink_tokens=0, quantizer="asym", prefill="quantized"),
 ]
 
 
@@ -261,6 +263,33 @@ def test_pack_errors_surface_in_the_same_forward_on_the_gpu():
             model(ids[:, :1], past_key_values=cache)
         hook.remove()
     assert int(cache.pack_errors.flags.item()) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU and the built extension")
+@pytest.mark.parametrize("opts", [dict(), NO_FP16_WINDOW], ids=["default", "no_fp16_window"])
+def test_fused_decode_matches_the_oracle_on_the_gpu(opts):
+    """A float16 model on the GPU: the prompt, a 5-token chunk and single tokens through the fused
+    kernel (+ the recent window: 16-bit, or 4-bit codes) against float64 attention over the same
+    dequantized cache; every step's logits agree to float16 rounding."""
+    from flash_attn_tq import last_path, ops
+    if not ops.extension_available():
+        pytest.skip("the CUDA extension is not built")
+    model = tiny_model(layers=3).cuda().half()
+    opts = dict(opts, fp16_window=min(DEFAULTS["fp16_window"], 16), sink_tokens=2)
+    ids = torch.randint(3, 96, (2, 60), generator=torch.Generator().manual_seed(4)).cuda()
+    logits = {}
+    for impl in (ATTN_IMPLEMENTATION, ORACLE):
+        model.set_attn_implementation(impl)
+        cache, steps = TQCache(model.config, max_cache_len=32, **opts), []
+        with torch.no_grad():
+            for a, b in ((0, 40), (40, 45), (45, 46), (46, 47), (47, 48)):
+                steps.append(model(ids[:, a:b], past_key_values=cache).logits[:, -1].float())
+                if impl == ATTN_IMPLEMENTATION and a:
+                    assert last_path() == "quantized:fused-cuda"
+        logits[impl] = torch.stack(steps)
+    got, want = logits[ATTN_IMPLEMENTATION], logits[ORACLE]
+    assert (got - want).abs().max() < 2e-2 * want.abs().max()
 
 
 def test_defaults_are_the_quality_study_default():

@@ -20,7 +20,8 @@ Per layer, the cache holds
   heads put a large share of their weight on), outside the quantized cache;
 * every later token as ``k_bits``/``v_bits`` codes + a float16 scale (``scale_only``; or scale and
   offset), with the most recent ``fp16_window`` of them also kept in 16-bit (handled by
-  QuantizedKVCache); 4-bit keys in the last layers (``late_k_bits``), paid for by the scale-only
+  QuantizedKVCache; ``window_bits=4`` keeps them as 4-bit codes instead: age-based precision, the
+  setting without a 16-bit window, see :data:`NO_FP16_WINDOW`); 4-bit keys in the last layers (``late_k_bits``), paid for by the scale-only
   metadata;
 * keys centred (``key_center``); optionally reflected so that their main direction is stored exactly
   (``key_pca``, with ``fit="mean"``), values likewise (``value_pca``), per-channel key scaling
@@ -57,8 +58,8 @@ ATTN_IMPLEMENTATION = "tq_kvcache"  # (a name containing "flash" would make tran
 
 # The default configuration (chosen by benchmarks/eval_quality.py; see benchmarks/results/quality.md).
 DEFAULTS = dict(k_bits=3, v_bits=3, quantizer="turbo", grid="uniform", fit="norm", scale_only=True, late_k_bits=4,
-                fp16_window=124, sink_tokens=4, key_center=True, key_scale=0.0, key_scale_q=False, key_pca=False,
-                value_pca=False)
+                fp16_window=124, window_bits=16, sink_tokens=4, key_center=True, key_scale=0.0, key_scale_q=False,
+                key_pca=False, value_pca=False)
 # Per sequence and layer: 4 sink tokens + the last 124 tokens in 16-bit; every other token as 3-bit
 # codes + one float16 scale (turbo's norm fit: the offset is -mid * scale, not stored), keys centred.
 # The 16 bits a vector that the scale-only metadata saves pay for 4-bit keys (late_k_bits) in the last
@@ -68,6 +69,12 @@ DEFAULTS = dict(k_bits=3, v_bits=3, quantizer="turbo", grid="uniform", fit="norm
 # for the previous 3-bit-everywhere default. TQCache.calibrated places the same number of 4-bit-key
 # layers where the model measures most sensitive: +0.10% PPL, 97.4% top-1, copy -2.7 / -6.5 points
 # at 1K / 4K (last layers: -5.1 / -8.3; over three copy seeds -2.2 / -7.9 against -4.4 / -6.0).
+
+# The setting without a 16-bit window (TQCache.calibrated(model, **NO_FP16_WINDOW)): the 128 most recent
+# tokens as 4-bit keys and values instead (age-based precision; each token is also in the 3-bit cache,
+# which attention reads once it is older). On SmolLM2: perplexity +2.75% (news) / +4.04% (GPL-3 text)
+# against +7.37% / +7.34% with every token at the default's bits (benchmarks/results/quality.md).
+NO_FP16_WINDOW = dict(fp16_window=128, window_bits=4)
 
 
 def _with_defaults(cache_kwargs: Mapping) -> dict:
@@ -269,8 +276,8 @@ class TQLayer(CacheLayerMixin):
         n = old.max_seqlen
         for name in ("k_codes", "v_codes", "k_meta", "v_meta"):
             getattr(new, name)[:, :n] = getattr(old, name)
-        for name in ("seqlens", "k_window", "v_window", "k_shift", "k_div", "calibrated", "k_house", "v_house", "k_range",
-                     "v_range"):
+        for name in ("seqlens", "k_window", "v_window", "k_window_meta", "v_window_meta", "k_shift", "k_div",
+                     "calibrated", "k_house", "v_house", "k_range", "v_range"):
             if getattr(old, name) is not None:
                 getattr(new, name).copy_(getattr(old, name))
         new._calibration_done = old._calibration_done
@@ -518,4 +525,4 @@ register()
 
 __all__ = ["TQCache", "TQLayer", "tq_attention_forward", "register", "calibrate_key_bits", "allocate_key_bits",
            "key_bit_sensitivity",
-           "ATTN_IMPLEMENTATION", "DEFAULTS"]
+           "ATTN_IMPLEMENTATION", "DEFAULTS", "NO_FP16_WINDOW"]
