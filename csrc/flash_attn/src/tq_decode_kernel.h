@@ -361,8 +361,40 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_split_kernel(const D
     }
 }
 
+// The end of a merged row: o (the lane's kV elements of sum_s w_s o_s, w_s = exp(lse_s - use)) over
+// total = sum_s w_s, rotated back (turbo), to out; lse = use + log(total) (+inf without keys).
+template <typename Elem, int kHeadDim>
+__device__ __forceinline__ void write_merged_row(const DecodeParams &p, int64_t row, float (&o)[kHeadDim / 32],
+                                                 float total, float use, int lane) {
+    constexpr int kV = kHeadDim / 32;
+    #pragma unroll
+    for (int k = 0; k < kV; ++k) { o[k] = total > 0.f ? o[k] / total : 0.f; }
+    if (p.rot_signs != nullptr) {
+        fwht_warp<kHeadDim>(o, lane);
+        const float inv_sqrt_d = kHeadDim == 128 ? 0.08838834764831845f : 0.125f;
+        #pragma unroll
+        for (int k = 0; k < kV; ++k) { o[k] *= p.rot_signs[lane * kV + k] * inv_sqrt_d; }
+    }
+    const int i = row % p.seqlen_q, hq = (row / p.seqlen_q) % p.h, b = row / (static_cast<int64_t>(p.seqlen_q) * p.h);
+    Elem *out = reinterpret_cast<Elem *>(p.out) + b * p.o_batch_stride + i * p.o_row_stride + hq * p.o_head_stride;
+    store_row_part<Elem, kV>(out + lane * kV, o);
+    if (lane == 0) { p.softmax_lse[row] = total > 0.f ? use + logf(total) : INFINITY; }
+}
+
+template <int kV>
+__device__ __forceinline__ void load_accum(const float *src, float (&v)[kV]) {
+    if constexpr (kV == 4) {
+        const float4 t = *reinterpret_cast<const float4 *>(src);
+        v[0] = t.x; v[1] = t.y; v[2] = t.z; v[3] = t.w;
+    } else {
+        const float2 t = *reinterpret_cast<const float2 *>(src);
+        v[0] = t.x; v[1] = t.y;
+    }
+}
+
 // Merge the splits of each (batch, head, query) row: a CTA a row; its 4 warps take every 4th split
-// (lanes: kV consecutive d), then warp 0 sums them, normalizes and rotates back (turbo).
+// (lanes: kV consecutive d), then warp 0 sums them, normalizes and rotates back (turbo). For decode:
+// few rows, many splits.
 template <typename Elem, int kHeadDim>
 __global__ void __launch_bounds__(128) decode_combine_kernel(const DecodeParams p) {
     constexpr int kV = kHeadDim / 32;
@@ -384,15 +416,8 @@ __global__ void __launch_bounds__(128) decode_combine_kernel(const DecodeParams 
     #pragma unroll 4
     for (int s = warp; s < p.num_splits; s += 4) {
         const float w = __expf(p.lse_accum[s * rows + row] - use);
-        const float *src = p.out_accum + (s * rows + row) * kHeadDim + lane * kV;
         float v[kV];
-        if constexpr (kV == 4) {
-            const float4 t = *reinterpret_cast<const float4 *>(src);
-            v[0] = t.x; v[1] = t.y; v[2] = t.z; v[3] = t.w;
-        } else {
-            const float2 t = *reinterpret_cast<const float2 *>(src);
-            v[0] = t.x; v[1] = t.y;
-        }
+        load_accum<kV>(p.out_accum + (s * rows + row) * kHeadDim + lane * kV, v);
         total += w;
         #pragma unroll
         for (int k = 0; k < kV; ++k) { o[k] += w * v[k]; }
@@ -406,19 +431,39 @@ __global__ void __launch_bounds__(128) decode_combine_kernel(const DecodeParams 
     #pragma unroll
     for (int k = 0; k < kV; ++k) {
         const int d = lane * kV + k;
-        const float sum = sm_o[0][d] + sm_o[1][d] + sm_o[2][d] + sm_o[3][d];
-        o[k] = total > 0.f ? sum / total : 0.f;
+        o[k] = sm_o[0][d] + sm_o[1][d] + sm_o[2][d] + sm_o[3][d];
     }
-    if (p.rot_signs != nullptr) {
-        fwht_warp<kHeadDim>(o, lane);
-        const float inv_sqrt_d = kHeadDim == 128 ? 0.08838834764831845f : 0.125f;
+    write_merged_row<Elem, kHeadDim>(p, row, o, total, use, lane);
+}
+
+// The same merge for many rows and at most 32 splits (chunked prefill): a warp a row, 4 rows a CTA,
+// lane s holding split s's lse (a CTA a row took 20 us of an 8K x 512 prefill call, H200).
+template <typename Elem, int kHeadDim>
+__global__ void __launch_bounds__(128) combine_rows_kernel(const DecodeParams p) {
+    constexpr int kV = kHeadDim / 32;
+    const int64_t rows = static_cast<int64_t>(p.b) * p.h * p.seqlen_q;
+    const int64_t row = static_cast<int64_t>(blockIdx.x) * 4 + threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    if (row >= rows) return;  // warp-uniform
+    const float lse = lane < p.num_splits ? p.lse_accum[lane * rows + row] : -INFINITY;
+    float mx = lse;
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) { mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o)); }
+    const float use = mx == -INFINITY ? 0.f : mx;
+    const float w_lane = __expf(lse - use);  // (0 for lanes past the splits)
+    float total = w_lane;
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) { total += __shfl_xor_sync(0xffffffffu, total, o); }
+    float o[kV] = {};
+    #pragma unroll 4
+    for (int s = 0; s < p.num_splits; ++s) {
+        const float w = __shfl_sync(0xffffffffu, w_lane, s);
+        float v[kV];
+        load_accum<kV>(p.out_accum + (s * rows + row) * kHeadDim + lane * kV, v);
         #pragma unroll
-        for (int k = 0; k < kV; ++k) { o[k] *= p.rot_signs[lane * kV + k] * inv_sqrt_d; }
+        for (int k = 0; k < kV; ++k) { o[k] += w * v[k]; }
     }
-    const int i = row % p.seqlen_q, hq = (row / p.seqlen_q) % p.h, b = row / (static_cast<int64_t>(p.seqlen_q) * p.h);
-    Elem *out = reinterpret_cast<Elem *>(p.out) + b * p.o_batch_stride + i * p.o_row_stride + hq * p.o_head_stride;
-    store_row_part<Elem, kV>(out + lane * kV, o);
-    if (lane == 0) { p.softmax_lse[row] = total > 0.f ? use + logf(total) : INFINITY; }
+    write_merged_row<Elem, kHeadDim>(p, row, o, total, use, lane);
 }
 
 }  // namespace flash_tq

@@ -9,12 +9,17 @@
 
 namespace flash_tq {
 
-// Merge the splits (a CTA an output row); nothing to do for one split.
+// Merge the splits; nothing to do for one split. Many rows over at most 32 splits: a warp a row,
+// else a CTA a row.
 template <typename Elem, int kHeadDim>
 void launch_combine(const DecodeParams &p, cudaStream_t stream) {
     if (p.num_splits > 1) {
         const int64_t rows = static_cast<int64_t>(p.b) * p.h * p.seqlen_q;
-        decode_combine_kernel<Elem, kHeadDim><<<static_cast<unsigned>(rows), 128, 0, stream>>>(p);
+        if (rows >= 2048 && p.num_splits <= 32) {
+            combine_rows_kernel<Elem, kHeadDim><<<static_cast<unsigned>((rows + 3) / 4), 128, 0, stream>>>(p);
+        } else {
+            decode_combine_kernel<Elem, kHeadDim><<<static_cast<unsigned>(rows), 128, 0, stream>>>(p);
+        }
     }
 }
 

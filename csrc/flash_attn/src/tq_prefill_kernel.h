@@ -546,8 +546,8 @@ __device__ __forceinline__ void prefill_split_body(const DecodeParams &p) {
     if (rotate) {  // half the rows at a time (the shared memory of sm_80): warps 0-3's rows, then 4-7's
         #pragma unroll 1
         for (int half = 0; half < 2; ++half) {
-            rotate_q_rows<Elem, D, T::kRows / 2, T::kNWarps>(p, b, hk, row0 + half * (T::kRows / 2), total_rows, sm_q,
-                                                            warp, lane);
+            rotate_q_rows<Elem, D, T::kRows / 2, T::kNWarps, T::kWgmma ? 16 : 4>(p, b, hk, row0 + half * (T::kRows / 2),
+                                                                                 total_rows, sm_q, warp, lane);
             __syncthreads();
             if (warp / (T::kNWarps / 2) == half) { build_frags(half * (T::kRows / 2)); }
             __syncthreads();  // sm_q: the next half's rows, then the pipeline's memory
@@ -651,19 +651,24 @@ __device__ __forceinline__ void prefill_split_body(const DecodeParams &p) {
         }
     }
     __syncwarp();
+    // rows a warp stores together (wgmma variant; one at a time: 23 us of an 8K x 1024 call, H200)
+    constexpr int kStoreRows = T::kWgmma ? 4 : 1;
     #pragma unroll
     for (int m = 0; m < MT; ++m) {
         #pragma unroll 1
-        for (int n = 0; n < 16; ++n) {
-            const int r = wrow0 + 16 * m + n;
-            if (r >= total_rows) break;  // warp-uniform
-            const int src = (n % 8) * 4;  // a lane holding row n's statistics: g = n % 8
-            const float total = __shfl_sync(0xffffffffu, n < 8 ? row_sum[m][0] : row_sum[m][1], src);
-            const float mx = __shfl_sync(0xffffffffu, n < 8 ? row_max[m][0] : row_max[m][1], src);
-            float o[kV];
+        for (int n0 = 0; n0 < 16; n0 += kStoreRows) {
+            if (wrow0 + 16 * m + n0 >= total_rows) break;  // warp-uniform
+            float o[kStoreRows][kV], total[kStoreRows], mx[kStoreRows];
             #pragma unroll
-            for (int k = 0; k < kV; ++k) { o[k] = total > 0.f ? sm_o[(16 * m + n) * D + lane * kV + k] / total : 0.f; }
-            store_row<Elem, D>(p, b, hk, split, r, o, mx == kNegInf ? 0.f : mx, total, lane);
+            for (int u = 0; u < kStoreRows; ++u) {
+                const int n = n0 + u, src = (n % 8) * 4;  // a lane holding row n's statistics: g = n % 8
+                total[u] = __shfl_sync(0xffffffffu, n < 8 ? row_sum[m][0] : row_sum[m][1], src);
+                mx[u] = __shfl_sync(0xffffffffu, n < 8 ? row_max[m][0] : row_max[m][1], src);
+                mx[u] = mx[u] == kNegInf ? 0.f : mx[u];
+                #pragma unroll
+                for (int k = 0; k < kV; ++k) { o[u][k] = total[u] > 0.f ? sm_o[(16 * m + n) * D + lane * kV + k] / total[u] : 0.f; }
+            }
+            store_rows<Elem, D, kStoreRows>(p, b, hk, split, wrow0 + 16 * m + n0, total_rows, o, mx, total, lane);
         }
     }
 }

@@ -52,14 +52,15 @@ __device__ __forceinline__ const Elem *q_row_ptr(const DecodeParams &p, int b, i
 
 // turbo: rows [row0, row0 + kRows) of q, sign-flipped and Walsh-Hadamard transformed (unnormalized),
 // a warp a row, into sm_q[kRows][D] (rows past total_rows: zeros). The caller synchronizes. A warp
-// loads up to 4 of its rows before transforming them: one global-load latency per 4 rows, not per
-// row for the prefill kernel's warps (32 rows each; the decode kernel's 2-4 rows a warp go one at a
-// time, which keeps its registers).
-template <typename Elem, int D, int kRows, int kWarps>
+// with 8+ rows loads kMaxBatch of them before transforming them: one global-load latency per batch,
+// not per row (the prefill kernel's wgmma variant: 16, all of them; 4 at a time took 15 us of an
+// 8K x 1024 call on the H200; its mma.sync variant keeps 4, which keeps it free of spills); the
+// decode kernel's 2-4 rows a warp go one at a time, which keeps its registers.
+template <typename Elem, int D, int kRows, int kWarps, int kMaxBatch = 4>
 __device__ void rotate_q_rows(const DecodeParams &p, int b, int hk, int row0, int total_rows, float *sm_q,
                               int warp, int lane) {
     constexpr int kV = RowMath<D>::kV;
-    constexpr int kPerWarp = kRows / kWarps, kBatch = kPerWarp >= 8 ? 4 : 1;
+    constexpr int kPerWarp = kRows / kWarps, kBatch = kPerWarp >= 8 ? (kPerWarp < kMaxBatch ? kPerWarp : kMaxBatch) : 1;
     static_assert(kRows % kWarps == 0 && kPerWarp % kBatch == 0, "whole batches of rows a warp");
     #pragma unroll 1
     for (int n0 = warp; n0 < kRows; n0 += kBatch * kWarps) {
@@ -86,9 +87,9 @@ __device__ void rotate_q_rows(const DecodeParams &p, int b, int hk, int row0, in
                 for (int k = 0; k < kV; ++k) { x[u][k] = valid ? x[u][k] * p.rot_signs[lane * kV + k] : 0.f; }
             }
         }
+        fwht_warp_rows<D, kBatch>(x, lane);
         #pragma unroll
         for (int u = 0; u < kBatch; ++u) {
-            fwht_warp<D>(x[u], lane);
             #pragma unroll
             for (int k = 0; k < kV; ++k) { sm_q[(n0 + kWarps * u) * D + lane * kV + k] = x[u][k]; }
         }
@@ -125,36 +126,53 @@ __device__ __forceinline__ void q_row_slots(QAt q_at, int c, uint32_t (&f)[KB][2
     magic = KV::kMagicValue * ms;
 }
 
-// Store output row r (o: the lane's kV consecutive elements, normalized; max_log2 / total: the
-// row's base-2 max and probability sum). One split: rotate back (turbo), write out and the lse
-// (natural log; +inf for a row with no visible key, as upstream writes). Several splits: the raw
-// row and its lse go to the accumulators, the combine kernel rotates.
+// Store output rows r0 .. r0 + kN - 1 below total_rows (o[u]: the lane's kV consecutive elements of
+// row r0 + u, normalized; max_log2 / total: the row's base-2 max and probability sum). One split:
+// rotate back (turbo; the rows' shuffles interleave), write out and the lse (natural log; +inf for a
+// row with no visible key, as upstream writes). Several splits: the raw rows and their lse go to
+// the accumulators, the combine kernel rotates. store_row: one row.
+template <typename Elem, int D, int kN>
+__device__ __forceinline__ void store_rows(const DecodeParams &p, int b, int hk, int split, int r0, int total_rows,
+                                           float (&o)[kN][D / 32], const float (&max_log2)[kN],
+                                           const float (&total)[kN], int lane) {
+    constexpr int kV = RowMath<D>::kV;
+    constexpr float kLn2 = 0.6931471805599453f;
+    if (p.num_splits == 1 && p.rot_signs != nullptr) {
+        fwht_warp_rows<D, kN>(o, lane);
+        #pragma unroll
+        for (int k = 0; k < kV; ++k) {
+            const float s = p.rot_signs[lane * kV + k] * RowMath<D>::kInvSqrtD;
+            #pragma unroll
+            for (int u = 0; u < kN; ++u) { o[u][k] *= s; }
+        }
+    }
+    #pragma unroll
+    for (int u = 0; u < kN; ++u) {
+        const int r = r0 + u;
+        if (r >= total_rows) break;
+        const int group = p.h_h_k_ratio, i = r / group, hq = hk * group + r % group;
+        const float lse = total[u] > 0.f ? (max_log2[u] + log2f(total[u])) * kLn2 : -INFINITY;
+        if (p.num_splits == 1) {
+            Elem *out = reinterpret_cast<Elem *>(p.out) + b * p.o_batch_stride + i * p.o_row_stride + hq * p.o_head_stride;
+            store_row_part<Elem, kV>(out + lane * kV, o[u]);
+            if (lane == 0) { p.softmax_lse[(static_cast<int64_t>(b) * p.h + hq) * p.seqlen_q + i] = total[u] > 0.f ? lse : INFINITY; }
+        } else {
+            const int64_t row_id = ((static_cast<int64_t>(split) * p.b + b) * p.h + hq) * p.seqlen_q + i;
+            float *acc_out = p.out_accum + row_id * D + lane * kV;
+            if constexpr (kV == 4) {
+                *reinterpret_cast<float4 *>(acc_out) = make_float4(o[u][0], o[u][1], o[u][2], o[u][3]);
+            } else {
+                *reinterpret_cast<float2 *>(acc_out) = make_float2(o[u][0], o[u][1]);
+            }
+            if (lane == 0) { p.lse_accum[row_id] = lse; }
+        }
+    }
+}
 template <typename Elem, int D>
 __device__ __forceinline__ void store_row(const DecodeParams &p, int b, int hk, int split, int r, float (&o)[D / 32],
                                           float max_log2, float total, int lane) {
-    constexpr int kV = RowMath<D>::kV;
-    constexpr float kLn2 = 0.6931471805599453f;
-    const int group = p.h_h_k_ratio, i = r / group, hq = hk * group + r % group;
-    const float lse = total > 0.f ? (max_log2 + log2f(total)) * kLn2 : -INFINITY;
-    if (p.num_splits == 1) {
-        if (p.rot_signs != nullptr) {
-            fwht_warp<D>(o, lane);
-            #pragma unroll
-            for (int k = 0; k < kV; ++k) { o[k] *= p.rot_signs[lane * kV + k] * RowMath<D>::kInvSqrtD; }
-        }
-        Elem *out = reinterpret_cast<Elem *>(p.out) + b * p.o_batch_stride + i * p.o_row_stride + hq * p.o_head_stride;
-        store_row_part<Elem, kV>(out + lane * kV, o);
-        if (lane == 0) { p.softmax_lse[(static_cast<int64_t>(b) * p.h + hq) * p.seqlen_q + i] = total > 0.f ? lse : INFINITY; }
-    } else {
-        const int64_t row_id = ((static_cast<int64_t>(split) * p.b + b) * p.h + hq) * p.seqlen_q + i;
-        float *acc_out = p.out_accum + row_id * D + lane * kV;
-        if constexpr (kV == 4) {
-            *reinterpret_cast<float4 *>(acc_out) = make_float4(o[0], o[1], o[2], o[3]);
-        } else {
-            *reinterpret_cast<float2 *>(acc_out) = make_float2(o[0], o[1]);
-        }
-        if (lane == 0) { p.lse_accum[row_id] = lse; }
-    }
+    const float mx[1] = {max_log2}, tot[1] = {total};
+    store_rows<Elem, D, 1>(p, b, hk, split, r, r + 1, reinterpret_cast<float (&)[1][D / 32]>(o), mx, tot, lane);
 }
 
 }  // namespace flash_tq

@@ -121,20 +121,29 @@ __device__ __forceinline__ void butterflies(float (&x)[kN]) {
     }
 }
 
-// Unnormalized Walsh-Hadamard transform of one row of kD floats held by a warp: lane l holds
-// elements l * kV + k (kV = kD / 32) in x[k]. Low index bits in registers, high bits by shuffles.
-template <int kD>
-__device__ __forceinline__ void fwht_warp(float (&x)[kD / 32], int lane) {
+// Unnormalized Walsh-Hadamard transforms of kN rows of kD floats held by a warp: lane l holds
+// elements l * kV + k (kV = kD / 32) of row u in x[u][k]. Low index bits in registers, high bits by
+// shuffles; the rows' shuffles of a stage issue together (one row alone waits on each one's latency).
+template <int kD, int kN>
+__device__ __forceinline__ void fwht_warp_rows(float (&x)[kN][kD / 32], int lane) {
     constexpr int kV = kD / 32;
-    butterflies<1, kV>(x);
+    #pragma unroll
+    for (int u = 0; u < kN; ++u) { butterflies<1, kV>(x[u]); }
     #pragma unroll
     for (int h = 1; h < 32; h *= 2) {
         #pragma unroll
-        for (int k = 0; k < kV; ++k) {
-            const float other = __shfl_xor_sync(0xffffffffu, x[k], h);
-            x[k] = (lane & h) ? other - x[k] : x[k] + other;
+        for (int u = 0; u < kN; ++u) {
+            #pragma unroll
+            for (int k = 0; k < kV; ++k) {
+                const float other = __shfl_xor_sync(0xffffffffu, x[u][k], h);
+                x[u][k] = (lane & h) ? other - x[u][k] : x[u][k] + other;
+            }
         }
     }
+}
+template <int kD>
+__device__ __forceinline__ void fwht_warp(float (&x)[kD / 32], int lane) {
+    fwht_warp_rows<kD, 1>(reinterpret_cast<float (&)[1][kD / 32]>(x), lane);
 }
 
 // kV consecutive 16-bit values as floats / from floats (one 4- or 8-byte access).
