@@ -50,8 +50,8 @@ def oracle_attention(module, query, key, value, attention_mask, scaling=None, dr
     ks, vs = ks.repeat_interleave(G, 1), vs.repeat_interleave(G, 1)
     S = ks.shape[2]
     s = query.double() @ ks.transpose(-1, -2) * (scaling or D ** -0.5)
-    qpos = torch.arange(S - Sq, S)[:, None]
-    s = s.masked_fill(torch.arange(S)[None, :] > qpos, -math.inf)
+    qpos = torch.arange(S - Sq, S, device=s.device)[:, None]
+    s = s.masked_fill(torch.arange(S, device=s.device)[None, :] > qpos, -math.inf)
     out = torch.softmax(s, -1) @ vs
     return out.transpose(1, 2).to(query.dtype).contiguous(), None
 

@@ -67,8 +67,11 @@ struct PrefillTraits {
     static constexpr int kPackedOff = kWgmma ? kFragBuffers * kFragBytes : 0;
     static constexpr int kFragsOff = kWgmma ? 0 : kPackedStages * kPackedBytes;
     static constexpr int kQFragBytes = kRows * kHeadDim * 2;  // Q's A fragments (wgmma: Q tile), for the whole kernel
-    static constexpr int kQBytes = kRows / 2 * kHeadDim * 4;  // turbo q rotation, half the rows at a time
-    static constexpr int kOBytes = kRows * kHeadDim * 4;      // output rows at the end
+    // float rows of the q rotation and the output: 4 floats of padding a row, so that the 8 rows a
+    // warp's thread groups read / write at once fall in different banks (8-way conflicts without)
+    static constexpr int kRowStride = kHeadDim + 4;
+    static constexpr int kQBytes = kRows / 2 * kRowStride * 4;  // turbo q rotation, half the rows at a time
+    static constexpr int kOBytes = kRows * kRowStride * 4;      // output rows at the end
     static constexpr int kWorkBytes = kPipeBytes > kQBytes ? kPipeBytes : kQBytes;  // rotation, then the pipeline
     static constexpr int kAlignSlack = kWgmma ? 1024 : 0;  // the dynamic shared memory is aligned up to 1 KB
     static constexpr int kSmemBytes = (kQFragBytes + kWorkBytes > kOBytes ? kQFragBytes + kWorkBytes : kOBytes) + kAlignSlack;
@@ -509,7 +512,8 @@ __device__ __forceinline__ void prefill_split_body(const DecodeParams &p) {
     // (wgmma: the warpgroup's Q rows; the shuffle tells the compiler the index is warp-uniform)
     char *qfrag = T::kWgmma ? smem + __shfl_sync(0xffffffffu, warp / 4, 0) * (4 * WR) * 128 : smem + 16 * (warp * MT * KB * 32 + lane);
     char *work = smem + T::kQFragBytes;  // the rotation's rows, then the pipeline
-    float *sm_q = reinterpret_cast<float *>(work);  // [kRows / 2][D]
+    constexpr int RS = T::kRowStride;
+    float *sm_q = reinterpret_cast<float *>(work);  // [kRows / 2][RS]
     float sumq[MT][2], unused_magic;
     auto build_frags = [&](int first_row) {  // rows of this warp; rotated rows from sm_q, which starts at first_row
         #pragma unroll
@@ -521,7 +525,7 @@ __device__ __forceinline__ void prefill_split_body(const DecodeParams &p) {
                 const bool valid = r < total_rows;
                 const Elem *qrow = q_row_ptr<Elem>(p, b, hk, valid ? r : 0);
                 auto q_at = [&](int e) {
-                    if (rotate) return sm_q[(n - first_row) * D + e] * RowMath<D>::kInvSqrtD;
+                    if (rotate) return sm_q[(n - first_row) * RS + e] * RowMath<D>::kInvSqrtD;
                     return valid ? to_float(qrow[e]) : 0.f;
                 };
                 q_row_slots<KV, Elem, KB, false>(q_at, c, f[h], sumq[m][h], unused_magic);
@@ -546,8 +550,8 @@ __device__ __forceinline__ void prefill_split_body(const DecodeParams &p) {
     if (rotate) {  // half the rows at a time (the shared memory of sm_80): warps 0-3's rows, then 4-7's
         #pragma unroll 1
         for (int half = 0; half < 2; ++half) {
-            rotate_q_rows<Elem, D, T::kRows / 2, T::kNWarps, T::kWgmma ? 16 : 4>(p, b, hk, row0 + half * (T::kRows / 2),
-                                                                                 total_rows, sm_q, warp, lane);
+            rotate_q_rows<Elem, D, T::kRows / 2, T::kNWarps, T::kWgmma ? 16 : 4, RS>(
+                p, b, hk, row0 + half * (T::kRows / 2), total_rows, sm_q, warp, lane);
             __syncthreads();
             if (warp / (T::kNWarps / 2) == half) { build_frags(half * (T::kRows / 2)); }
             __syncthreads();  // sm_q: the next half's rows, then the pipeline's memory
@@ -636,7 +640,7 @@ __device__ __forceinline__ void prefill_split_body(const DecodeParams &p) {
         }
     }
     __syncthreads();  // every warp is done with the fragment buffers
-    float *sm_o = reinterpret_cast<float *>(smem) + warp * WR * D;  // [WR][D]
+    float *sm_o = reinterpret_cast<float *>(smem) + warp * WR * RS;  // [WR][RS]
     #pragma unroll
     for (int m = 0; m < MT; ++m) {
         #pragma unroll
@@ -646,7 +650,7 @@ __device__ __forceinline__ void prefill_split_body(const DecodeParams &p) {
                 const int h = e / 2;
                 // column 8j + 2c + e % 2: that d, or (wgmma) V's pair-slot position, whose element it holds
                 const int col = T::kWgmma ? KV::v_slot_element(4 * j + c, e % 2) : 8 * j + 2 * c + e % 2;
-                sm_o[(16 * m + g + 8 * h) * D + col] = T::kTerms ? acc[m][j][e] + row_corr[m][h] : acc[m][j][e];
+                sm_o[(16 * m + g + 8 * h) * RS + col] = T::kTerms ? acc[m][j][e] + row_corr[m][h] : acc[m][j][e];
             }
         }
     }
@@ -666,7 +670,7 @@ __device__ __forceinline__ void prefill_split_body(const DecodeParams &p) {
                 mx[u] = __shfl_sync(0xffffffffu, n < 8 ? row_max[m][0] : row_max[m][1], src);
                 mx[u] = mx[u] == kNegInf ? 0.f : mx[u];
                 #pragma unroll
-                for (int k = 0; k < kV; ++k) { o[u][k] = total[u] > 0.f ? sm_o[(16 * m + n) * D + lane * kV + k] / total[u] : 0.f; }
+                for (int k = 0; k < kV; ++k) { o[u][k] = total[u] > 0.f ? sm_o[(16 * m + n) * RS + lane * kV + k] / total[u] : 0.f; }
             }
             store_rows<Elem, D, kStoreRows>(p, b, hk, split, wrow0 + 16 * m + n0, total_rows, o, mx, total, lane);
         }

@@ -51,12 +51,12 @@ __device__ __forceinline__ const Elem *q_row_ptr(const DecodeParams &p, int b, i
 }
 
 // turbo: rows [row0, row0 + kRows) of q, sign-flipped and Walsh-Hadamard transformed (unnormalized),
-// a warp a row, into sm_q[kRows][D] (rows past total_rows: zeros). The caller synchronizes. A warp
+// a warp a row, into sm_q[kRows][kStride] (rows past total_rows: zeros). The caller synchronizes. A warp
 // with 8+ rows loads kMaxBatch of them before transforming them: one global-load latency per batch,
 // not per row (the prefill kernel's wgmma variant: 16, all of them; 4 at a time took 15 us of an
 // 8K x 1024 call on the H200; its mma.sync variant keeps 4, which keeps it free of spills); the
 // decode kernel's 2-4 rows a warp go one at a time, which keeps its registers.
-template <typename Elem, int D, int kRows, int kWarps, int kMaxBatch = 4>
+template <typename Elem, int D, int kRows, int kWarps, int kMaxBatch = 4, int kStride = D>
 __device__ void rotate_q_rows(const DecodeParams &p, int b, int hk, int row0, int total_rows, float *sm_q,
                               int warp, int lane) {
     constexpr int kV = RowMath<D>::kV;
@@ -91,7 +91,7 @@ __device__ void rotate_q_rows(const DecodeParams &p, int b, int hk, int row0, in
         #pragma unroll
         for (int u = 0; u < kBatch; ++u) {
             #pragma unroll
-            for (int k = 0; k < kV; ++k) { sm_q[(n0 + kWarps * u) * D + lane * kV + k] = x[u][k]; }
+            for (int k = 0; k < kV; ++k) { sm_q[(n0 + kWarps * u) * kStride + lane * kV + k] = x[u][k]; }
         }
     }
 }
