@@ -130,7 +130,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_split_kernel(const D
     const int my_first = tile_begin + warp;
     const int my_count = my_first < tile_end ? (tile_end - my_first + kWarps - 1) / kWarps : 0;
     // the warp's tile i (i = 0, 1, 2, ...) into stage `st`
-    TilePages<kTileN, KV::kSegment> pages;
+    TilePages<kTileN, KV::kSegment, kPaging == Paging::kRows16> pages;
     if constexpr (rows_given(kPaging)) { pages.start(p, b, my_first, kWarps, my_count, seqlen_k, lane); }
     auto load = [&](int i, int st) {
         int rows[2] = {0, 0};

@@ -32,18 +32,26 @@ __host__ __device__ constexpr bool rows_given(Paging p) { return p == Paging::kR
 // two): lane l holds the rows of the warp's tile 32 k + l for chunk k, and chunk k + 1 is read when
 // chunk k comes into use, 32 tiles early, so a tile's copies wait on a shuffle instead of a
 // dependent global load (16-token pages read inside the copy path were +18% over contiguous).
-template <int kTileN, int kSegment>
+// kHalves (16-token pages, Paging::kRows16, where half-warp h copies the tile's page h): lane l holds
+// the row of half l % 2 of tile 16 k + l / 2, so one shuffle hands every lane its half's row.
+template <int kTileN, int kSegment, bool kHalves = false>
 struct TilePages {
+    static constexpr int kChunkTiles = kHalves ? 16 : 32;
+    static constexpr int kPer = kHalves ? 1 : 2;  // rows a lane holds a chunk
     const int *table;                 // this sequence's block-table row
     int first, stride, count, seqlen, shift, page;
-    int chunk, cur[2], nxt[2];
+    int chunk, cur[kPer], nxt[kPer];
 
-    __device__ void read(int k, int (&out)[2], int lane) const {
-        const int i = 32 * k + lane;
+    __device__ void read(int k, int (&out)[kPer], int lane) const {
+        const int i = kChunkTiles * k + (kHalves ? lane / 2 : lane);
         const int t = (first + i * stride) * kTileN;
         const bool whole = i < count && t + kTileN <= seqlen;
-        out[0] = whole ? __ldg(table + (t >> shift)) : 0;
-        out[1] = whole && page < kTileN ? __ldg(table + ((t + kSegment) >> shift)) : out[0];
+        if constexpr (kHalves) {
+            out[0] = whole ? __ldg(table + ((t + (lane & 1) * kSegment) >> shift)) : 0;
+        } else {
+            out[0] = whole ? __ldg(table + (t >> shift)) : 0;
+            out[1] = whole && page < kTileN ? __ldg(table + ((t + kSegment) >> shift)) : out[0];
+        }
     }
     // tiles first + i * stride (i < count) of sequence b, seqlen tokens
     __device__ void start(const DecodeParams &p, int b, int first_, int stride_, int count_, int seqlen_, int lane) {
@@ -53,15 +61,20 @@ struct TilePages {
         read(0, cur, lane);
         read(1, nxt, lane);
     }
-    // Rows of the warp's tile i; calls come for i = 0, 1, 2, ... (warp-uniform).
+    // Rows of the warp's tile i (kHalves: rows[0] = the lane's half's); calls come for i = 0, 1, 2, ...
+    // (warp-uniform).
     __device__ void rows_of(int i, int (&rows)[2], int lane) {
-        if ((i >> 5) != chunk) {
-            cur[0] = nxt[0];
-            cur[1] = nxt[1];
+        if (i / kChunkTiles != chunk) {
+            #pragma unroll
+            for (int j = 0; j < kPer; ++j) { cur[j] = nxt[j]; }
             read(++chunk + 1, nxt, lane);
         }
-        rows[0] = __shfl_sync(0xffffffffu, cur[0], i & 31);
-        rows[1] = __shfl_sync(0xffffffffu, cur[1], i & 31);
+        if constexpr (kHalves) {
+            rows[0] = __shfl_sync(0xffffffffu, cur[0], 2 * (i % kChunkTiles) + lane / kSegment);
+        } else {
+            rows[0] = __shfl_sync(0xffffffffu, cur[0], i & 31);
+            rows[1] = __shfl_sync(0xffffffffu, cur[1], i & 31);
+        }
     }
 };
 
@@ -156,7 +169,8 @@ struct PackedKV {
 
     // Lane l copies token tile_start + l (codes and meta of K and V); tokens >= seqlen_k are zero-filled.
     // Offsets are 32 x 32 -> 64-bit products: row and block strides fit in 32 bits (checked on the host).
-    // With Paging::kRows / kRows16, page_rows are the rows of the tile's first and second kSegment tokens.
+    // With Paging::kRows, page_rows are the rows of the tile's first and second kSegment tokens; with
+    // kRows16, page_rows[0] is the row of the lane's half's page.
     template <Paging kPaging = Paging::kRuntime>
     __device__ static void load_tile(const DecodeParams &p, const Bases &base, char *stage, int b, int tile_start,
                                      int seqlen_k, int lane, const int (&page_rows)[2] = {0, 0}) {
@@ -181,7 +195,7 @@ struct PackedKV {
                 // 16-token pages: half-warp h copies page h (the tile's tokens 16h..): one row and
                 // one set of addresses a lane, the same 16-byte copies a lane as a whole tile
                 const int h = lane / kSegment, hl = lane % kSegment;
-                const int64_t r = page_rows[h];
+                const int64_t r = page_rows[0];  // half h's row (TilePages<..., true>)
                 copy_part<kSegment * KL::kBytes, kSegment>(stage + kKOff + h * kSegment * KL::kBytes, base.kc + r * p.kc_batch_stride, hl);
                 copy_part<kSegment * VL::kBytes, kSegment>(stage + kVOff + h * kSegment * VL::kBytes, base.vc + r * p.vc_batch_stride, hl);
                 copy_part<kSegment * kMetaBytes, kSegment>(stage + kKMetaOff + h * kSegment * kMetaBytes, base.km + r * p.km_batch_stride, hl);
