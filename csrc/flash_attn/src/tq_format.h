@@ -45,6 +45,32 @@ __host__ __device__ constexpr int k_pair_element(int s, int hi) {
     return seq_element<kHeadDim>(lane_code_seq<kBits>(2 * (s / kPerLane) + hi, s % kPerLane));
 }
 
+// k_pair_element repeats along the slots: element(s + kPeriod, hi) = element(s, hi) + kShift for
+// every format (found here at compile time; kPeriod = kSlots and kShift = 0 would mean none). Kernels
+// take a thread's elements as a few compile-time values plus a runtime shift instead of computing
+// each from scratch (divisions by 3 and 5 a slot: ~2500 integer instructions a warp in the prefill
+// epilogue, and the registers that spilled).
+template <int kBits, int kHeadDim>
+struct PairPeriod {
+    static constexpr int kSlots = kHeadDim / 2;  // pair slots of a token (4 threads x kHeadDim / 8)
+    __host__ __device__ static constexpr int find() {
+        for (int period = 4; period < kSlots; period *= 2) {
+            const int shift = k_pair_element<kBits, kHeadDim>(period, 0) - k_pair_element<kBits, kHeadDim>(0, 0);
+            bool same = true;
+            for (int s = 0; s + period < kSlots; ++s) {
+                for (int hi = 0; hi < 2; ++hi) {
+                    same = same && k_pair_element<kBits, kHeadDim>(s + period, hi) - k_pair_element<kBits, kHeadDim>(s, hi) == shift;
+                }
+            }
+            if (same) return period;
+        }
+        return kSlots;
+    }
+    static constexpr int kPeriod = find();
+    static constexpr int kShift =
+        kPeriod < kSlots ? k_pair_element<kBits, kHeadDim>(kPeriod, 0) - k_pair_element<kBits, kHeadDim>(0, 0) : 0;
+};
+
 template <int kBits, int kHeadDim>
 struct CodeLayout {
     static_assert(kBits == 2 || kBits == 3 || kBits == 4, "2, 3 or 4 bits");

@@ -108,6 +108,18 @@ struct PackedKV {
     // Q is gathered with the same map (q_element), so q . k needs no permutation anywhere else.
     __device__ static constexpr int q_slot(int c, int kb, int half) { return c * kSlotsK + 2 * kb + half; }
     __device__ static constexpr int q_element(int slot, int hi) { return k_pair_element<kKBits, kHeadDim>(slot, hi); }
+    // q_element(q_slot(c, kb, half), hi) with t = 2 kb + half: compile-time values and c's shift (PairPeriod)
+    __device__ static constexpr int q_element_at(int c, int t, int hi) {
+        using P = PairPeriod<kKBits, kHeadDim>;
+        if constexpr (kSlotsK % P::kPeriod == 0) {
+            return k_pair_element<kKBits, kHeadDim>(t, hi) + c * (kSlotsK / P::kPeriod) * P::kShift;
+        } else {  // a period spans n threads' slots: thread c's are slots (c % n) kSlotsK + t of one
+            constexpr int n = P::kPeriod / kSlotsK;
+            int e = k_pair_element<kKBits, kHeadDim>(t, hi);
+            for (int i = 1; i < n; ++i) { e = c % n == i ? k_pair_element<kKBits, kHeadDim>(i * kSlotsK + t, hi) : e; }
+            return e + (c / n) * P::kShift;
+        }
+    }
     // K slot values come scaled by 8^q_scale_exp(slot): Q is multiplied by 8^-q_scale_exp(slot).
     __device__ static constexpr int q_scale_exp(int slot) { return slot_scale_exp<kKBits, kSlotsK, kMagic>(slot % kSlotsK); }
     // V code k of a thread group comes scaled by 8^v_scale_exp(k).
@@ -242,6 +254,7 @@ struct PackedKV {
         extract_slots<kVBits, kSlotsK, kMagic, false>(vec, c * kSlotsK, out);
     }
     __device__ static constexpr int v_slot_element(int slot, int hi) { return k_pair_element<kVBits, kHeadDim>(slot, hi); }
+    using VPeriod = PairPeriod<kVBits, kHeadDim>;  // (the prefill epilogue's columns)
     __device__ static constexpr int v_slot_scale_exp(int slot) { return slot_scale_exp<kVBits, kSlotsK, kMagic>(slot % kSlotsK); }
 
     // Raw V values of tokens `tok` and `tok + 1` for thread group g: out[2m] holds element 16m + g
@@ -345,6 +358,7 @@ struct Fp16KV {
         const int r = slot % kSlotsK;
         return 16 * (r / 2) + 8 * (r % 2) + 2 * (slot / kSlotsK) + hi;
     }
+    __device__ static constexpr int q_element_at(int c, int t, int hi) { return q_element(c * kSlotsK + t, hi); }
     __device__ static constexpr int q_scale_exp(int) { return 0; }
 
     // Physical chunk of logical chunk `chunk` of token `tok`: a bijection of tok % 8 XOR-ed into the

@@ -641,6 +641,15 @@ __device__ __forceinline__ void prefill_split_body(const DecodeParams &p) {
     }
     __syncthreads();  // every warp is done with the fragment buffers
     float *sm_o = reinterpret_cast<float *>(smem) + warp * WR * RS;  // [WR][RS]
+    // accumulator column 8j + 2c + e % 2: that d, or (wgmma) V's pair slot 4j + c, whose element
+    // e % 2 it holds: vcol[j % kJP][e % 2] + (j / kJP) * shift (PairPeriod)
+    constexpr int kJP = T::kWgmma ? KV::VPeriod::kPeriod / 4 : 1;
+    int vcol[kJP][2];
+    #pragma unroll
+    for (int jj = 0; jj < kJP; ++jj) {
+        #pragma unroll
+        for (int hi = 0; hi < 2; ++hi) { vcol[jj][hi] = KV::v_slot_element(4 * jj + c, hi); }
+    }
     #pragma unroll
     for (int m = 0; m < MT; ++m) {
         #pragma unroll
@@ -648,8 +657,7 @@ __device__ __forceinline__ void prefill_split_body(const DecodeParams &p) {
             #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int h = e / 2;
-                // column 8j + 2c + e % 2: that d, or (wgmma) V's pair-slot position, whose element it holds
-                const int col = T::kWgmma ? KV::v_slot_element(4 * j + c, e % 2) : 8 * j + 2 * c + e % 2;
+                const int col = T::kWgmma ? vcol[j % kJP][e % 2] + (j / kJP) * KV::VPeriod::kShift : 8 * j + 2 * c + e % 2;
                 sm_o[(16 * m + g + 8 * h) * RS + col] = T::kTerms ? acc[m][j][e] + row_corr[m][h] : acc[m][j][e];
             }
         }

@@ -111,7 +111,8 @@ __device__ __forceinline__ void q_row_slots(QAt q_at, int c, uint32_t (&f)[KB][2
             const int slot = KV::q_slot(c, kb, half);
             const int e = kRawK ? KV::q_scale_exp(slot) : 0;
             const float down = exp2f(-3.f * e);
-            f[kb][half] = pack2<Elem>(q_at(KV::q_element(slot, 0)) * down, q_at(KV::q_element(slot, 1)) * down);
+            const int t = 2 * kb + half;
+            f[kb][half] = pack2<Elem>(q_at(KV::q_element_at(c, t, 0)) * down, q_at(KV::q_element_at(c, t, 1)) * down);
             const float2 used = unpack2<Elem>(f[kb][half]);
             s += (used.x + used.y) * exp2f(3.f * e);
             ms += used.x + used.y;
