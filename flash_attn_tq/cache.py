@@ -507,7 +507,7 @@ class QuantizedKVCache:
             else:
                 for name, x in (("k", k), ("v", v)):
                     codes, meta = self.window_quantizer.quantize(x[:, j0:].float())
-                    getattr(self, f"{name}_window")[b2, slots] = fmt.pack_codes(codes, self.window_bits)
+                    getattr(self, f"{name}_window")[b2, slots] = fmt.pack_codes(codes, self.window_bits, check=False)
                     getattr(self, f"{name}_window_meta")[b2, slots] = meta[..., :self.k_window_meta.shape[-1]]
         self.seqlens[bidx] = start + n
 
@@ -569,7 +569,9 @@ class QuantizedKVCache:
             else:
                 wq = self.window_quantizer
                 x = wq.dequantize_rotated(fmt.unpack_codes(win[rows], self.window_bits, self.head_dim), meta[rows])
-                out.append(wq.unrotate(x) if not rotated and self.quantizer == "turbo" else x)
+                if not rotated and self.quantizer == "turbo":  # rotate(x) = x @ M, M orthonormal: one GEMM back
+                    x = x @ wq.rotation_matrix(x.device).T
+                out.append(x)
         return out[0], out[1]
 
     # ------------------------------------------------------------------ movement / serialization

@@ -100,25 +100,36 @@ def _lane_positions(head_dim: int, bits: int) -> tuple[tuple[int, ...], tuple[in
     return tuple(lanes), tuple(shifts)
 
 
-def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack integer codes ``[..., head_dim]`` (values in ``[0, 2**bits)``) into ``uint8 [..., code_bytes]``."""
+@functools.lru_cache(maxsize=None)
+def _packing_indices(head_dim: int, bits: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The index tensors of packing on ``device`` (cached: no host-to-device copy a call, so packing
+    and unpacking also run inside CUDA-graph capture once warmed up): sequence elements, each
+    regular position's lane and shift, the spare codes' lanes (3 bits)."""
+    lane_idx, shift = (torch.tensor(t, device=device) for t in _lane_positions(head_dim, bits))
+    regular = shift >= 0
+    blocks = head_dim // 16
+    spare_lanes = 3 * torch.arange(blocks, device=device)
+    return (sequence_elements(head_dim, device), lane_idx, shift, regular.nonzero().squeeze(1), spare_lanes)
+
+
+def pack_codes(codes: torch.Tensor, bits: int, check: bool = True) -> torch.Tensor:
+    """Pack integer codes ``[..., head_dim]`` (values in ``[0, 2**bits)``) into ``uint8 [..., code_bytes]``.
+    ``check=False`` skips the range check (a host sync), for codes a quantizer just made."""
     head_dim = codes.shape[-1]
     _check(head_dim, bits)
     lead = codes.shape[:-1]
-    dev = codes.device
+    seq_el, lane_idx, shift, regular, spare_lanes = _packing_indices(head_dim, bits, codes.device)
     c = codes.to(torch.int64).reshape(-1, head_dim)
-    if c.numel() and (int(c.min()) < 0 or int(c.max()) >= (1 << bits)):
+    if check and c.numel() and (int(c.min()) < 0 or int(c.max()) >= (1 << bits)):
         raise ValueError(f"codes must lie in [0, {1 << bits}) for {bits}-bit packing")
-    seq = c[:, sequence_elements(head_dim, dev)]  # [n, head_dim] in sequence order
+    seq = c[:, seq_el]  # [n, head_dim] in sequence order
     n_lanes = code_bytes(head_dim, bits) // 2
-    lane_idx, shift = (torch.tensor(t, device=dev) for t in _lane_positions(head_dim, bits))
-    regular = shift >= 0
-    lanes = torch.zeros(c.shape[0], n_lanes, dtype=torch.int64, device=dev)
+    lanes = torch.zeros(c.shape[0], n_lanes, dtype=torch.int64, device=codes.device)
     lanes.index_add_(1, lane_idx[regular], seq[:, regular] << shift[regular])
     if bits == 3:  # spare codes: bit i -> bit 15 of lane 3b + i
         spare = seq[:, 15::16]  # [n, blocks]
         for i in range(3):
-            lanes[:, 3 * torch.arange(spare.shape[1], device=dev) + i] |= ((spare >> i) & 1) << 15
+            lanes[:, spare_lanes + i] |= ((spare >> i) & 1) << 15
     out = torch.stack((lanes & 0xFF, lanes >> 8), -1).to(torch.uint8)
     return out.reshape(*lead, code_bytes(head_dim, bits))
 
@@ -130,17 +141,15 @@ def unpack_codes(packed: torch.Tensor, bits: int, head_dim: int) -> torch.Tensor
     if packed.dtype != torch.uint8 or packed.shape[-1] != nbytes:
         raise ValueError(f"packed codes must be uint8 [..., {nbytes}], got {packed.dtype} {tuple(packed.shape)}")
     lead = packed.shape[:-1]
-    dev = packed.device
+    seq_el, lane_idx, shift, _, spare_lanes = _packing_indices(head_dim, bits, packed.device)
     b = packed.reshape(-1, nbytes // 2, 2).to(torch.int64)
     lanes = b[..., 0] | (b[..., 1] << 8)  # [n, lanes]
-    lane_idx, shift = (torch.tensor(t, device=dev) for t in _lane_positions(head_dim, bits))
     seq = (lanes[:, lane_idx] >> shift.clamp(min=0)) & ((1 << bits) - 1)
     if bits == 3:
-        blocks = head_dim // 16
-        spare = torch.zeros(lanes.shape[0], blocks, dtype=torch.int64, device=dev)
-        for i in range(3):
-            spare |= ((lanes[:, 3 * torch.arange(blocks, device=dev) + i] >> 15) & 1) << i
+        spare = (lanes[:, spare_lanes] >> 15) & 1
+        for i in range(1, 3):
+            spare |= ((lanes[:, spare_lanes + i] >> 15) & 1) << i
         seq[:, 15::16] = spare
-    codes = torch.empty(lanes.shape[0], head_dim, dtype=torch.int64, device=dev)
-    codes[:, sequence_elements(head_dim, dev)] = seq
+    codes = torch.empty(lanes.shape[0], head_dim, dtype=torch.int64, device=packed.device)
+    codes[:, seq_el] = seq
     return codes.reshape(*lead, head_dim)
