@@ -369,12 +369,7 @@ __device__ __forceinline__ void write_merged_row(const DecodeParams &p, int64_t 
     constexpr int kV = kHeadDim / 32;
     #pragma unroll
     for (int k = 0; k < kV; ++k) { o[k] = total > 0.f ? o[k] / total : 0.f; }
-    if (p.rot_signs != nullptr) {
-        fwht_warp<kHeadDim>(o, lane);
-        const float inv_sqrt_d = kHeadDim == 128 ? 0.08838834764831845f : 0.125f;
-        #pragma unroll
-        for (int k = 0; k < kV; ++k) { o[k] *= p.rot_signs[lane * kV + k] * inv_sqrt_d; }
-    }
+    if (p.rot_signs != nullptr) { unrotate_rows<kHeadDim, 1>(p.rot_signs, reinterpret_cast<float (&)[1][kV]>(o), lane); }
     const int i = row % p.seqlen_q, hq = (row / p.seqlen_q) % p.h, b = row / (static_cast<int64_t>(p.seqlen_q) * p.h);
     Elem *out = reinterpret_cast<Elem *>(p.out) + b * p.o_batch_stride + i * p.o_row_stride + hq * p.o_head_stride;
     store_row_part<Elem, kV>(out + lane * kV, o);

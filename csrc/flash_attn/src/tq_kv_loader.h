@@ -105,10 +105,10 @@ struct PackedKV {
     static constexpr int kGroupCodes = kHeadDim / 8;  // V codes per (thread group, token)
 
     // Pair slot that virtual MMA columns (2c, 2c+1) + 8 * half of k-block kb map to, for thread c:
-    // Q is gathered with the same map (q_element), so q . k needs no permutation anywhere else.
+    // Q is gathered with the same map (q_element_at), so q . k needs no permutation anywhere else.
     __device__ static constexpr int q_slot(int c, int kb, int half) { return c * kSlotsK + 2 * kb + half; }
-    __device__ static constexpr int q_element(int slot, int hi) { return k_pair_element<kKBits, kHeadDim>(slot, hi); }
-    // q_element(q_slot(c, kb, half), hi) with t = 2 kb + half: compile-time values and c's shift (PairPeriod)
+    // element hi of slot q_slot(c, kb, half), t = 2 kb + half (k_pair_element): compile-time values
+    // and c's shift (PairPeriod)
     __device__ static constexpr int q_element_at(int c, int t, int hi) {
         using P = PairPeriod<kKBits, kHeadDim>;
         if constexpr (kSlotsK % P::kPeriod == 0) {
@@ -354,11 +354,7 @@ struct Fp16KV {
     // Natural d order: pair slot (c, kb, half) holds elements 16 kb + 8 half + 2c (+1), the A
     // fragment's columns, so Q is gathered in the same order as for PackedKV.
     __device__ static constexpr int q_slot(int c, int kb, int half) { return c * kSlotsK + 2 * kb + half; }
-    __device__ static constexpr int q_element(int slot, int hi) {
-        const int r = slot % kSlotsK;
-        return 16 * (r / 2) + 8 * (r % 2) + 2 * (slot / kSlotsK) + hi;
-    }
-    __device__ static constexpr int q_element_at(int c, int t, int hi) { return q_element(c * kSlotsK + t, hi); }
+    __device__ static constexpr int q_element_at(int c, int t, int hi) { return 16 * (t / 2) + 8 * (t % 2) + 2 * c + hi; }
     __device__ static constexpr int q_scale_exp(int) { return 0; }
 
     // Physical chunk of logical chunk `chunk` of token `tok`: a bijection of tok % 8 XOR-ed into the

@@ -127,9 +127,23 @@ __device__ __forceinline__ void q_row_slots(QAt q_at, int c, uint32_t (&f)[KB][2
     magic = KV::kMagicValue * ms;
 }
 
+// kN rows (the lane's kV elements each) back from turbo's rotated domain: the transform, then the
+// sign flips and 1 / sqrt(D); the rows' shuffles interleave.
+template <int D, int kN>
+__device__ __forceinline__ void unrotate_rows(const float *rot_signs, float (&o)[kN][D / 32], int lane) {
+    constexpr int kV = RowMath<D>::kV;
+    fwht_warp_rows<D, kN>(o, lane);
+    #pragma unroll
+    for (int k = 0; k < kV; ++k) {
+        const float s = rot_signs[lane * kV + k] * RowMath<D>::kInvSqrtD;
+        #pragma unroll
+        for (int u = 0; u < kN; ++u) { o[u][k] *= s; }
+    }
+}
+
 // Store output rows r0 .. r0 + kN - 1 below total_rows (o[u]: the lane's kV consecutive elements of
 // row r0 + u, normalized; max_log2 / total: the row's base-2 max and probability sum). One split:
-// rotate back (turbo; the rows' shuffles interleave), write out and the lse (natural log; +inf for a
+// rotate back (turbo), write out and the lse (natural log; +inf for a
 // row with no visible key, as upstream writes). Several splits: the raw rows and their lse go to
 // the accumulators, the combine kernel rotates. store_row: one row.
 template <typename Elem, int D, int kN>
@@ -138,15 +152,7 @@ __device__ __forceinline__ void store_rows(const DecodeParams &p, int b, int hk,
                                            const float (&total)[kN], int lane) {
     constexpr int kV = RowMath<D>::kV;
     constexpr float kLn2 = 0.6931471805599453f;
-    if (p.num_splits == 1 && p.rot_signs != nullptr) {
-        fwht_warp_rows<D, kN>(o, lane);
-        #pragma unroll
-        for (int k = 0; k < kV; ++k) {
-            const float s = p.rot_signs[lane * kV + k] * RowMath<D>::kInvSqrtD;
-            #pragma unroll
-            for (int u = 0; u < kN; ++u) { o[u][k] *= s; }
-        }
-    }
+    if (p.num_splits == 1 && p.rot_signs != nullptr) { unrotate_rows<D, kN>(p.rot_signs, o, lane); }
     #pragma unroll
     for (int u = 0; u < kN; ++u) {
         const int r = r0 + u;
