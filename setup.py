@@ -136,7 +136,6 @@ def _extension_plan():
     from torch.utils.cpp_extension import BuildExtension, CUDAExtension, include_paths
 
     std = _cxx_standard(include_paths())
-    archs = os.environ.get("FLASH_ATTN_TQ_CUDA_ARCHS", DEFAULT_ARCHS)
     nvcc_flags = [
         "-O3",
         "-std=" + std,
@@ -147,7 +146,7 @@ def _extension_plan():
         "-U__CUDA_NO_HALF_CONVERSIONS__",
         "-U__CUDA_NO_HALF2_OPERATORS__",
         "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
-    ] + _parse_archs(archs)
+    ] + _parse_archs(os.environ.get("FLASH_ATTN_TQ_CUDA_ARCHS", DEFAULT_ARCHS))
     # sm_90a code holds the prefill kernel's wgmma variant; the host launches it only then
     defines = ["-DFLASH_TQ_SM90A"] if "arch=compute_90a,code=sm_90a" in nvcc_flags else []
     nvcc_flags += defines

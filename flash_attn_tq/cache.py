@@ -576,8 +576,7 @@ class QuantizedKVCache:
 
     # ------------------------------------------------------------------ movement / serialization
     _TENSORS = ("k_codes", "v_codes", "k_meta", "v_meta", "seqlens", "k_window", "v_window", "k_window_meta",
-                "v_window_meta",
-                "block_table", "k_range", "v_range", "k_shift", "k_div", "calibrated", "k_house", "v_house")
+                "v_window_meta", "block_table", "k_range", "v_range", "k_shift", "k_div", "calibrated", "k_house", "v_house")
 
     def to(self, device: torch.device | str) -> "QuantizedKVCache":
         """Move every tensor of the cache to ``device`` (in place); returns self."""
@@ -628,4 +627,5 @@ class QuantizedKVCache:
         layout = f"paged(page_size={self.page_size}, num_blocks={self.k_codes.shape[0]})" if self.paged else "contiguous"
         return (f"QuantizedKVCache({self.quantizer}/{self.grid}, K{self.k_bits}V{self.v_bits}, batch={self.batch_size}, "
                 f"max_seqlen={self.max_seqlen}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, {layout}, "
-                f"fp16_window={self.fp16_window}{'' if self.window_quantizer is None else f' at {self.window_bits} bits'}, {self.bits_per_element():.3f} bits/element, device={self.device})")
+                f"fp16_window={self.fp16_window}{'' if self.window_quantizer is None else f' at {self.window_bits} bits'}, "
+                f"{self.bits_per_element():.3f} bits/element, device={self.device})")

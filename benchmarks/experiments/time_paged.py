@@ -9,6 +9,6 @@ from bench_prefill import run_paged  # noqa: E402
 res = []
 for B, S in [(1, 131072), (8, 32768), (32, 8192)]:
     r = run_paged(B, S, [16, 32])
-    res.append(f"B={B} S={S}: {r['contiguous'] * 1000:.1f} us, 16: {r['page16_overhead_pct']:+.1f}%, "
+    res.append(f"B={B} S={S}: {r['contiguous']:.1f} us, 16: {r['page16_overhead_pct']:+.1f}%, "
                f"32: {r['page32_overhead_pct']:+.1f}%")
 print(sys.argv[1], "; ".join(res), flush=True)

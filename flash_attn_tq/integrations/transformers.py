@@ -21,8 +21,8 @@ Per layer, the cache holds
 * every later token as ``k_bits``/``v_bits`` codes + a float16 scale (``scale_only``; or scale and
   offset), with the most recent ``fp16_window`` of them also kept in 16-bit (handled by
   QuantizedKVCache; ``window_bits=4`` keeps them as 4-bit codes instead: age-based precision, the
-  setting without a 16-bit window, see :data:`NO_FP16_WINDOW`); 4-bit keys in the last layers (``late_k_bits``), paid for by the scale-only
-  metadata;
+  setting without a 16-bit window, see :data:`NO_FP16_WINDOW`); 4-bit keys in the last layers
+  (``late_k_bits``), paid for by the scale-only metadata;
 * keys centred (``key_center``); optionally reflected so that their main direction is stored exactly
   (``key_pca``, with ``fit="mean"``), values likewise (``value_pca``), per-channel key scaling
   (``key_scale``/``key_scale_q``); all exact for attention (see QuantizedKVCache), calibrated on the
@@ -273,12 +273,13 @@ class TQLayer(CacheLayerMixin):
         if needed <= old.max_seqlen:
             return
         new = self._new_qcache(max(needed, 2 * old.max_seqlen))
-        n = old.max_seqlen
-        for name in ("k_codes", "v_codes", "k_meta", "v_meta"):
-            getattr(new, name)[:, :n] = getattr(old, name)
-        for name in ("seqlens", "k_window", "v_window", "k_window_meta", "v_window_meta", "k_shift", "k_div",
-                     "calibrated", "k_house", "v_house", "k_range", "v_range"):
-            if getattr(old, name) is not None:
+        per_token = ("k_codes", "v_codes", "k_meta", "v_meta")  # [batch, max_seqlen, ...]: the old tokens
+        for name in QuantizedKVCache._TENSORS:  # (contiguous layers: no block_table)
+            if getattr(old, name) is None:
+                continue
+            if name in per_token:
+                getattr(new, name)[:, :old.max_seqlen] = getattr(old, name)
+            else:
                 getattr(new, name).copy_(getattr(old, name))
         new._calibration_done = old._calibration_done
         self.qcache = new
@@ -524,5 +525,4 @@ def register() -> None:
 register()
 
 __all__ = ["TQCache", "TQLayer", "tq_attention_forward", "register", "calibrate_key_bits", "allocate_key_bits",
-           "key_bit_sensitivity",
-           "ATTN_IMPLEMENTATION", "DEFAULTS", "NO_FP16_WINDOW"]
+           "key_bit_sensitivity", "ATTN_IMPLEMENTATION", "DEFAULTS", "NO_FP16_WINDOW"]
