@@ -62,16 +62,19 @@ struct PrefillTraits {
     static constexpr int kFragBytes = kWgmma ? (kVTermOff + kTileN * 4 + 1023) / 1024 * 1024 : kVTermOff + kTileN * 4;
     // expanded tiles: i + 1 being written while i is read (wgmma: and i - 1's last P V still running)
     static constexpr int kFragBuffers = kWgmma ? 3 : 2;
-    static constexpr int kPipeBytes = kPackedStages * kPackedBytes + kFragBuffers * kFragBytes;
-    // offsets in the pipeline's memory (wgmma: the fragment buffers first, for their alignment)
-    static constexpr int kPackedOff = kWgmma ? kFragBuffers * kFragBytes : 0;
-    static constexpr int kFragsOff = kWgmma ? 0 : kPackedStages * kPackedBytes;
     static constexpr int kQFragBytes = kRows * kHeadDim * 2;  // Q's A fragments (wgmma: Q tile), for the whole kernel
     // float rows of the q rotation and the output: 4 floats of padding a row, so that the 8 rows a
     // warp's thread groups read / write at once fall in different banks (8-way conflicts without)
     static constexpr int kRowStride = kHeadDim + 4;
-    static constexpr int kQBytes = kRows / 2 * kRowStride * 4;  // turbo q rotation, half the rows at a time
-    static constexpr int kOBytes = kRows * kRowStride * 4;      // output rows at the end
+    // turbo q rotation: all rows in one pass (wgmma: sm_90's 227 KB), else half at a time (sm_80's budget)
+    static constexpr int kQPasses = kWgmma ? 1 : 2;
+    static constexpr int kQBytes = kRows / kQPasses * kRowStride * 4;
+    static constexpr int kOBytes = kRows * kRowStride * 4;  // output rows at the end
+    // offsets in the pipeline's memory. wgmma: the fragment buffers first (their alignment), the packed
+    // ring past the rotation's rows too, so the first tiles' loads are issued before the rotation
+    static constexpr int kFragsOff = kWgmma ? 0 : kPackedStages * kPackedBytes;
+    static constexpr int kPackedOff = !kWgmma ? 0 : (kFragBuffers * kFragBytes > kQBytes ? kFragBuffers * kFragBytes : (kQBytes + 127) / 128 * 128);
+    static constexpr int kPipeBytes = kWgmma ? kPackedOff + kPackedStages * kPackedBytes : kPackedStages * kPackedBytes + kFragBuffers * kFragBytes;
     static constexpr int kWorkBytes = kPipeBytes > kQBytes ? kPipeBytes : kQBytes;  // rotation, then the pipeline
     static constexpr int kAlignSlack = kWgmma ? 1024 : 0;  // the dynamic shared memory is aligned up to 1 KB
     static constexpr int kSmemBytes = (kQFragBytes + kWorkBytes > kOBytes ? kQFragBytes + kWorkBytes : kOBytes) + kAlignSlack;
@@ -466,14 +469,16 @@ template <typename T, bool kLocal>
 __device__ __forceinline__ void prefill_split_body(const DecodeParams &p) {
     using Elem = typename T::Elem;
     using KV = typename T::KV;
-    constexpr int D = T::kHeadDim, KB = D / 16, DJ = D / 8, MT = T::kMTiles, WR = T::kWarpRows, kV = RowMath<D>::kV;
+    constexpr int D = T::kHeadDim, KB = D / 16, DJ = D / 8, MT = T::kMTiles, WR = T::kWarpRows;
     constexpr float kNegInf = -INFINITY;
     extern __shared__ __align__(16) char smem_raw[];
     // wgmma tiles need 1024-byte alignment (the swizzle's period): the base is aligned up (kAlignSlack)
     char *smem = smem_raw;
     if constexpr (T::kWgmma) { smem += (1024u - (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) & 1023u)) & 1023u; }
 
-    const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, c = lane % 4;
+    // (warp through a shuffle: the compiler then knows it, and the branches on it, to be warp-uniform,
+    // and the shuffles under those branches need no divergence handling)
+    const int tid = threadIdx.x, warp = __shfl_sync(0xffffffffu, tid / 32, 0), lane = tid % 32, g = lane / 4, c = lane % 4;
     // the last row blocks first: under causal masking they see the most keys, so the longest CTAs
     // start in the first wave instead of trailing the last one
     const int split = blockIdx.x, b = blockIdx.y / p.h_k, hk = blockIdx.y % p.h_k;
@@ -509,11 +514,11 @@ __device__ __forceinline__ void prefill_split_body(const DecodeParams &p) {
     // ---- Q: A fragments of rows wrow0 + 16m + g (a0, a2) and + 8 (a1, a3) in the loader's slot
     // order, to the lane's own 16-byte slots of shared memory (read back by the same lane only)
     const bool rotate = p.rot_signs != nullptr;
-    // (wgmma: the warpgroup's Q rows; the shuffle tells the compiler the index is warp-uniform)
-    char *qfrag = T::kWgmma ? smem + __shfl_sync(0xffffffffu, warp / 4, 0) * (4 * WR) * 128 : smem + 16 * (warp * MT * KB * 32 + lane);
+    // (wgmma: the warpgroup's Q rows)
+    char *qfrag = T::kWgmma ? smem + (warp / 4) * (4 * WR) * 128 : smem + 16 * (warp * MT * KB * 32 + lane);
     char *work = smem + T::kQFragBytes;  // the rotation's rows, then the pipeline
     constexpr int RS = T::kRowStride;
-    float *sm_q = reinterpret_cast<float *>(work);  // [kRows / 2][RS]
+    float *sm_q = reinterpret_cast<float *>(work);  // [kRows / kQPasses][RS]
     float sumq[MT][2], unused_magic;
     auto build_frags = [&](int first_row) {  // rows of this warp; rotated rows from sm_q, which starts at first_row
         #pragma unroll
@@ -547,20 +552,6 @@ __device__ __forceinline__ void prefill_split_body(const DecodeParams &p) {
             }
         }
     };
-    if (rotate) {  // half the rows at a time (the shared memory of sm_80): warps 0-3's rows, then 4-7's
-        #pragma unroll 1
-        for (int half = 0; half < 2; ++half) {
-            rotate_q_rows<Elem, D, T::kRows / 2, T::kNWarps, T::kWgmma ? 16 : 4, RS>(
-                p, b, hk, row0 + half * (T::kRows / 2), total_rows, sm_q, warp, lane);
-            __syncthreads();
-            if (warp / (T::kNWarps / 2) == half) { build_frags(half * (T::kRows / 2)); }
-            __syncthreads();  // sm_q: the next half's rows, then the pipeline's memory
-        }
-    } else {
-        build_frags(0);
-    }
-    if constexpr (T::kWgmma) { fence_proxy_async(); }  // the Q tile is published by the pipeline's first barrier
-
     const typename KV::Bases bases = KV::bases(p, bc, hk);
     char *packed = work + T::kPackedOff;
     char *frags = work + T::kFragsOff;
@@ -571,6 +562,25 @@ __device__ __forceinline__ void prefill_split_body(const DecodeParams &p) {
         }
         cp_async_commit();
     };
+    // wgmma: the first two tiles arrive while q is rotated (their ring lies past the rotation's rows)
+    if constexpr (T::kWgmma) {
+        load(0);
+        load(1);
+    }
+    if (rotate) {  // all rows (wgmma) or half at a time: warps 0-3's rows, then 4-7's
+        constexpr int kPassRows = T::kRows / T::kQPasses;
+        #pragma unroll 1
+        for (int pass = 0; pass < T::kQPasses; ++pass) {
+            rotate_q_quads<Elem, D, kPassRows, T::kNWarps, 2, RS>(p, b, hk, row0 + pass * kPassRows, total_rows, sm_q, warp, lane);
+            __syncthreads();
+            if (warp / (T::kNWarps / T::kQPasses) == pass) { build_frags(pass * kPassRows); }
+            // sm_q: the next pass's rows, then the pipeline's memory (wgmma: the pipeline's first barrier)
+            if (!T::kWgmma || pass + 1 < T::kQPasses) { __syncthreads(); }
+        }
+    } else {
+        build_frags(0);
+    }
+    if constexpr (T::kWgmma) { fence_proxy_async(); }  // the Q tile is published by the pipeline's first barrier
 
     float acc[MT][DJ][4], row_max[MT][2], row_sum[MT][2], row_corr[MT][2];
     #pragma unroll
@@ -589,8 +599,10 @@ __device__ __forceinline__ void prefill_split_body(const DecodeParams &p) {
     uint32_t pa[MT][T::kTileN / 32][4] = {};
     uint64_t pv_desc = smem_desc(static_cast<uint32_t>(__cvta_generic_to_shared(smem)), T::kTileN * 128, 1024);
 
-    load(0);
-    load(1);
+    if constexpr (!T::kWgmma) {
+        load(0);
+        load(1);
+    }
     cp_async_wait<1>();
     __syncthreads();
     if (n_mine > 0) { expand_tile<T>(packed, frags, p.scale_softmax_log2, tid); }
@@ -640,48 +652,98 @@ __device__ __forceinline__ void prefill_split_body(const DecodeParams &p) {
         }
     }
     __syncthreads();  // every warp is done with the fragment buffers
+    // ---- output, 8 rows a warp at a time: lane quad g holds row 16m + 8h + g of the warp (pass m, h),
+    // columns 8j + 2c + e as the mma.sync accumulators do (wgmma: its pair-slot columns are put back
+    // in order through shared memory first), rotated back in registers (fwht_quad_rows), normalized
+    // and stored through shared memory as 16-byte chunks; several splits: the raw rows and their lse
+    // to the accumulators (the combine kernel rotates). A warp a row with 5 shuffle stages took ~11 us
+    // of an 8K x 1024 call (H200).
     float *sm_o = reinterpret_cast<float *>(smem) + warp * WR * RS;  // [WR][RS]
-    // accumulator column 8j + 2c + e % 2: that d, or (wgmma) V's pair slot 4j + c, whose element
-    // e % 2 it holds: vcol[j % kJP][e % 2] + (j / kJP) * shift (PairPeriod)
-    constexpr int kJP = T::kWgmma ? KV::VPeriod::kPeriod / 4 : 1;
-    int vcol[kJP][2];
-    #pragma unroll
-    for (int jj = 0; jj < kJP; ++jj) {
+    if constexpr (T::kWgmma) {
+        // accumulator column 8j + 2c + e % 2: V's pair slot 4j + c, whose element e % 2 it holds:
+        // vcol[j % kJP][e % 2] + (j / kJP) * shift (PairPeriod)
+        constexpr int kJP = KV::VPeriod::kPeriod / 4;
+        int vcol[kJP][2];
         #pragma unroll
-        for (int hi = 0; hi < 2; ++hi) { vcol[jj][hi] = KV::v_slot_element(4 * jj + c, hi); }
-    }
-    #pragma unroll
-    for (int m = 0; m < MT; ++m) {
-        #pragma unroll
-        for (int j = 0; j < DJ; ++j) {
+        for (int jj = 0; jj < kJP; ++jj) {
             #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int h = e / 2;
-                const int col = T::kWgmma ? vcol[j % kJP][e % 2] + (j / kJP) * KV::VPeriod::kShift : 8 * j + 2 * c + e % 2;
-                sm_o[(16 * m + g + 8 * h) * RS + col] = T::kTerms ? acc[m][j][e] + row_corr[m][h] : acc[m][j][e];
+            for (int hi = 0; hi < 2; ++hi) { vcol[jj][hi] = KV::v_slot_element(4 * jj + c, hi); }
+        }
+        #pragma unroll
+        for (int m = 0; m < MT; ++m) {
+            #pragma unroll
+            for (int j = 0; j < DJ; ++j) {
+                #pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int col = vcol[j % kJP][e % 2] + (j / kJP) * KV::VPeriod::kShift;
+                    sm_o[(16 * m + g + 8 * (e / 2)) * RS + col] = T::kTerms ? acc[m][j][e] + row_corr[m][e / 2] : acc[m][j][e];
+                }
             }
         }
+        __syncwarp();
     }
-    __syncwarp();
-    // rows a warp stores together, their un-rotation shuffles interleaved (wgmma variant; the mma.sync
-    // one spills with 4): the epilogue storing one at a time took 23 us of an 8K x 1024 call (H200)
-    constexpr int kStoreRows = T::kWgmma ? 4 : 1;
+    constexpr float kLn2 = 0.6931471805599453f;
+    const bool unrotate = rotate && p.num_splits == 1;
+    float sign[DJ][2];  // of the lane's columns, times 1 / sqrt(d)
+    #pragma unroll
+    for (int j = 0; j < DJ; ++j) {
+        const float2 s = unrotate ? *reinterpret_cast<const float2 *>(p.rot_signs + 8 * j + 2 * c) : make_float2(1.f, 1.f);
+        sign[j][0] = s.x * RowMath<D>::kInvSqrtD;
+        sign[j][1] = s.y * RowMath<D>::kInvSqrtD;
+    }
+    const int group = p.h_h_k_ratio;
     #pragma unroll
     for (int m = 0; m < MT; ++m) {
-        #pragma unroll 1
-        for (int n0 = 0; n0 < 16; n0 += kStoreRows) {
-            if (wrow0 + 16 * m + n0 >= total_rows) break;  // warp-uniform
-            float o[kStoreRows][kV], total[kStoreRows], mx[kStoreRows];
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int n0 = 16 * m + 8 * h, n = n0 + g, r = wrow0 + n;
+            if (wrow0 + n0 >= total_rows) continue;  // warp-uniform
+            float x[1][DJ][2];
             #pragma unroll
-            for (int u = 0; u < kStoreRows; ++u) {
-                const int n = n0 + u, src = (n % 8) * 4;  // a lane holding row n's statistics: g = n % 8
-                total[u] = __shfl_sync(0xffffffffu, n < 8 ? row_sum[m][0] : row_sum[m][1], src);
-                mx[u] = __shfl_sync(0xffffffffu, n < 8 ? row_max[m][0] : row_max[m][1], src);
-                mx[u] = mx[u] == kNegInf ? 0.f : mx[u];
-                #pragma unroll
-                for (int k = 0; k < kV; ++k) { o[u][k] = total[u] > 0.f ? sm_o[(16 * m + n) * RS + lane * kV + k] / total[u] : 0.f; }
+            for (int j = 0; j < DJ; ++j) {
+                if constexpr (T::kWgmma) {
+                    const float2 v = *reinterpret_cast<const float2 *>(sm_o + n * RS + 8 * j + 2 * c);
+                    x[0][j][0] = v.x;
+                    x[0][j][1] = v.y;
+                } else {
+                    #pragma unroll
+                    for (int e = 0; e < 2; ++e) { x[0][j][e] = T::kTerms ? acc[m][j][2 * h + e] + row_corr[m][h] : acc[m][j][2 * h + e]; }
+                }
             }
-            store_rows<Elem, D, kStoreRows>(p, b, hk, split, wrow0 + 16 * m + n0, total_rows, o, mx, total, lane);
+            const float total = row_sum[m][h], inv = total > 0.f ? 1.f / total : 0.f;
+            if (unrotate) { fwht_quad_rows<D, 1>(x, lane); }
+            #pragma unroll
+            for (int j = 0; j < DJ; ++j) {
+                #pragma unroll
+                for (int e = 0; e < 2; ++e) { x[0][j][e] *= unrotate ? sign[j][e] * inv : inv; }
+            }
+            const float lse = total > 0.f ? ((row_max[m][h] == kNegInf ? 0.f : row_max[m][h]) + log2f(total)) * kLn2 : -INFINITY;
+            const int i = r / group, hq = hk * group + r % group;
+            if (p.num_splits == 1) {
+                __syncwarp();  // the quad's reads of its row are done: stage it there as Elem
+                uint32_t *staged = reinterpret_cast<uint32_t *>(sm_o + n * RS);
+                #pragma unroll
+                for (int j = 0; j < DJ; ++j) { staged[4 * j + c] = pack2<Elem>(x[0][j][0], x[0][j][1]); }
+                __syncwarp();
+                #pragma unroll
+                for (int k = lane; k < 8 * DJ; k += 32) {  // 16-byte chunk k % DJ of the pass's row k / DJ
+                    const int u = k / DJ, ru = wrow0 + n0 + u;
+                    if (ru < total_rows) {
+                        Elem *out = reinterpret_cast<Elem *>(p.out) + b * p.o_batch_stride + (ru / group) * p.o_row_stride +
+                                    (hk * group + ru % group) * p.o_head_stride;
+                        *reinterpret_cast<uint4 *>(out + 8 * (k % DJ)) =
+                            *reinterpret_cast<const uint4 *>(reinterpret_cast<const char *>(sm_o + (n0 + u) * RS) + 16 * (k % DJ));
+                    }
+                }
+                if (c == 0 && r < total_rows) { p.softmax_lse[(static_cast<int64_t>(b) * p.h + hq) * p.seqlen_q + i] = total > 0.f ? lse : INFINITY; }
+            } else if (r < total_rows) {
+                const int64_t row_id = ((static_cast<int64_t>(split) * p.b + b) * p.h + hq) * p.seqlen_q + i;
+                #pragma unroll
+                for (int j = 0; j < DJ; ++j) {
+                    *reinterpret_cast<float2 *>(p.out_accum + row_id * D + 8 * j + 2 * c) = make_float2(x[0][j][0], x[0][j][1]);
+                }
+                if (c == 0) { p.lse_accum[row_id] = lse; }
+            }
         }
     }
 }

@@ -51,47 +51,75 @@ __device__ __forceinline__ const Elem *q_row_ptr(const DecodeParams &p, int b, i
 }
 
 // turbo: rows [row0, row0 + kRows) of q, sign-flipped and Walsh-Hadamard transformed (unnormalized),
-// a warp a row, into sm_q[kRows][kStride] (rows past total_rows: zeros). The caller synchronizes. A warp
-// with 8+ rows loads kMaxBatch of them before transforming them: one global-load latency per batch,
-// not per row (the prefill kernel's wgmma variant: 16, all of them; 4 at a time took 15 us of an
-// 8K x 1024 call on the H200; its mma.sync variant keeps 4, which keeps it free of spills); the
-// decode kernel's 2-4 rows a warp go one at a time, which keeps its registers.
-template <typename Elem, int D, int kRows, int kWarps, int kMaxBatch = 4, int kStride = D>
+// a warp a row, into sm_q[kRows][kStride] (rows past total_rows: zeros). The caller synchronizes.
+// (The decode kernel: a few rows a warp.)
+template <typename Elem, int D, int kRows, int kWarps, int kStride = D>
 __device__ void rotate_q_rows(const DecodeParams &p, int b, int hk, int row0, int total_rows, float *sm_q,
                               int warp, int lane) {
     constexpr int kV = RowMath<D>::kV;
-    constexpr int kPerWarp = kRows / kWarps, kBatch = kPerWarp >= 8 ? (kPerWarp < kMaxBatch ? kPerWarp : kMaxBatch) : 1;
-    static_assert(kRows % kWarps == 0 && kPerWarp % kBatch == 0, "whole batches of rows a warp");
     #pragma unroll 1
-    for (int n0 = warp; n0 < kRows; n0 += kBatch * kWarps) {
-        float x[kBatch][kV];
-        if constexpr (kBatch == 1) {
-            const int r = row0 + n0;
+    for (int n = warp; n < kRows; n += kWarps) {
+        float x[kV];
+        const int r = row0 + n;
+        #pragma unroll
+        for (int k = 0; k < kV; ++k) { x[k] = 0.f; }
+        if (r < total_rows) {
+            load_row_part<Elem, kV>(q_row_ptr<Elem>(p, b, hk, r) + lane * kV, x);
             #pragma unroll
-            for (int k = 0; k < kV; ++k) { x[0][k] = 0.f; }
-            if (r < total_rows) {
-                load_row_part<Elem, kV>(q_row_ptr<Elem>(p, b, hk, r) + lane * kV, x[0]);
-                #pragma unroll
-                for (int k = 0; k < kV; ++k) { x[0][k] *= p.rot_signs[lane * kV + k]; }
-            }
-        } else {  // rows n0 + kWarps * u: every load issued before any is used (rows past the end read row 0)
+            for (int k = 0; k < kV; ++k) { x[k] *= p.rot_signs[lane * kV + k]; }
+        }
+        fwht_warp<D>(x, lane);
+        #pragma unroll
+        for (int k = 0; k < kV; ++k) { sm_q[n * kStride + lane * kV + k] = x[k]; }
+    }
+}
+
+// The prefill kernel's rotation: the same rows, a lane quad a row (fwht_quad_rows), 8 x kBatch rows
+// a warp at a time, every row's loads issued before any is transformed (a warp a row, 16 rows
+// at once, took 12 us of an 8K x 1024 call on the H200).
+template <typename Elem, int D, int kRows, int kWarps, int kBatch, int kStride>
+__device__ void rotate_q_quads(const DecodeParams &p, int b, int hk, int row0, int total_rows, float *sm_q,
+                               int warp, int lane) {
+    constexpr int J = D / 8;
+    static_assert(kRows % (8 * kBatch * kWarps) == 0, "whole batches of rows a warp");
+    const int g = lane / 4, c = lane % 4;
+    float sign[J][2];  // of the lane's elements 8j + 2c + e
+    #pragma unroll
+    for (int j = 0; j < J; ++j) {
+        const float2 s = *reinterpret_cast<const float2 *>(p.rot_signs + 8 * j + 2 * c);
+        sign[j][0] = s.x;
+        sign[j][1] = s.y;
+    }
+    #pragma unroll 1
+    for (int n0 = 8 * kBatch * warp; n0 < kRows; n0 += 8 * kBatch * kWarps) {
+        float x[kBatch][J][2];
+        #pragma unroll
+        for (int u = 0; u < kBatch; ++u) {  // rows past the end read row 0
+            const int r = row0 + n0 + 8 * u + g;
+            const Elem *q = q_row_ptr<Elem>(p, b, hk, r < total_rows ? r : 0) + 2 * c;
             #pragma unroll
-            for (int u = 0; u < kBatch; ++u) {
-                const int r = row0 + n0 + kWarps * u;
-                load_row_part<Elem, kV>(q_row_ptr<Elem>(p, b, hk, r < total_rows ? r : 0) + lane * kV, x[u]);
-            }
-            #pragma unroll
-            for (int u = 0; u < kBatch; ++u) {
-                const bool valid = row0 + n0 + kWarps * u < total_rows;
-                #pragma unroll
-                for (int k = 0; k < kV; ++k) { x[u][k] = valid ? x[u][k] * p.rot_signs[lane * kV + k] : 0.f; }
+            for (int j = 0; j < J; ++j) {
+                const float2 v = unpack2<Elem>(*reinterpret_cast<const uint32_t *>(q + 8 * j));
+                x[u][j][0] = v.x;
+                x[u][j][1] = v.y;
             }
         }
-        fwht_warp_rows<D, kBatch>(x, lane);
+        #pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+            const bool valid = row0 + n0 + 8 * u + g < total_rows;
+            #pragma unroll
+            for (int j = 0; j < J; ++j) {
+                #pragma unroll
+                for (int e = 0; e < 2; ++e) { x[u][j][e] = valid ? x[u][j][e] * sign[j][e] : 0.f; }
+            }
+        }
+        fwht_quad_rows<D, kBatch>(x, lane);
         #pragma unroll
         for (int u = 0; u < kBatch; ++u) {
             #pragma unroll
-            for (int k = 0; k < kV; ++k) { sm_q[(n0 + kWarps * u) * kStride + lane * kV + k] = x[u][k]; }
+            for (int j = 0; j < J; ++j) {
+                *reinterpret_cast<float2 *>(sm_q + (n0 + 8 * u + g) * kStride + 8 * j + 2 * c) = make_float2(x[u][j][0], x[u][j][1]);
+            }
         }
     }
 }
@@ -127,59 +155,42 @@ __device__ __forceinline__ void q_row_slots(QAt q_at, int c, uint32_t (&f)[KB][2
     magic = KV::kMagicValue * ms;
 }
 
-// kN rows (the lane's kV elements each) back from turbo's rotated domain: the transform, then the
-// sign flips and 1 / sqrt(D); the rows' shuffles interleave.
-template <int D, int kN>
-__device__ __forceinline__ void unrotate_rows(const float *rot_signs, float (&o)[kN][D / 32], int lane) {
+// A row (the lane's kV elements) back from turbo's rotated domain: the transform, then the sign
+// flips and 1 / sqrt(D).
+template <int D>
+__device__ __forceinline__ void unrotate_row(const float *rot_signs, float (&o)[D / 32], int lane) {
     constexpr int kV = RowMath<D>::kV;
-    fwht_warp_rows<D, kN>(o, lane);
+    fwht_warp<D>(o, lane);
     #pragma unroll
-    for (int k = 0; k < kV; ++k) {
-        const float s = rot_signs[lane * kV + k] * RowMath<D>::kInvSqrtD;
-        #pragma unroll
-        for (int u = 0; u < kN; ++u) { o[u][k] *= s; }
-    }
+    for (int k = 0; k < kV; ++k) { o[k] *= rot_signs[lane * kV + k] * RowMath<D>::kInvSqrtD; }
 }
 
-// Store output rows r0 .. r0 + kN - 1 below total_rows (o[u]: the lane's kV consecutive elements of
-// row r0 + u, normalized; max_log2 / total: the row's base-2 max and probability sum). One split:
-// rotate back (turbo), write out and the lse (natural log; +inf for a
-// row with no visible key, as upstream writes). Several splits: the raw rows and their lse go to
-// the accumulators, the combine kernel rotates. store_row: one row.
-template <typename Elem, int D, int kN>
-__device__ __forceinline__ void store_rows(const DecodeParams &p, int b, int hk, int split, int r0, int total_rows,
-                                           float (&o)[kN][D / 32], const float (&max_log2)[kN],
-                                           const float (&total)[kN], int lane) {
-    constexpr int kV = RowMath<D>::kV;
-    constexpr float kLn2 = 0.6931471805599453f;
-    if (p.num_splits == 1 && p.rot_signs != nullptr) { unrotate_rows<D, kN>(p.rot_signs, o, lane); }
-    #pragma unroll
-    for (int u = 0; u < kN; ++u) {
-        const int r = r0 + u;
-        if (r >= total_rows) break;
-        const int group = p.h_h_k_ratio, i = r / group, hq = hk * group + r % group;
-        const float lse = total[u] > 0.f ? (max_log2[u] + log2f(total[u])) * kLn2 : -INFINITY;
-        if (p.num_splits == 1) {
-            Elem *out = reinterpret_cast<Elem *>(p.out) + b * p.o_batch_stride + i * p.o_row_stride + hq * p.o_head_stride;
-            store_row_part<Elem, kV>(out + lane * kV, o[u]);
-            if (lane == 0) { p.softmax_lse[(static_cast<int64_t>(b) * p.h + hq) * p.seqlen_q + i] = total[u] > 0.f ? lse : INFINITY; }
-        } else {
-            const int64_t row_id = ((static_cast<int64_t>(split) * p.b + b) * p.h + hq) * p.seqlen_q + i;
-            float *acc_out = p.out_accum + row_id * D + lane * kV;
-            if constexpr (kV == 4) {
-                *reinterpret_cast<float4 *>(acc_out) = make_float4(o[u][0], o[u][1], o[u][2], o[u][3]);
-            } else {
-                *reinterpret_cast<float2 *>(acc_out) = make_float2(o[u][0], o[u][1]);
-            }
-            if (lane == 0) { p.lse_accum[row_id] = lse; }
-        }
-    }
-}
+// Store output row r (o: the lane's kV consecutive elements, normalized; max_log2 / total: the
+// row's base-2 max and probability sum). One split: rotate back (turbo), write out and the lse
+// (natural log; +inf for a row with no visible key, as upstream writes). Several splits: the raw
+// row and its lse go to the accumulators, the combine kernel rotates.
 template <typename Elem, int D>
 __device__ __forceinline__ void store_row(const DecodeParams &p, int b, int hk, int split, int r, float (&o)[D / 32],
                                           float max_log2, float total, int lane) {
-    const float mx[1] = {max_log2}, tot[1] = {total};
-    store_rows<Elem, D, 1>(p, b, hk, split, r, r + 1, reinterpret_cast<float (&)[1][D / 32]>(o), mx, tot, lane);
+    constexpr int kV = RowMath<D>::kV;
+    constexpr float kLn2 = 0.6931471805599453f;
+    const int group = p.h_h_k_ratio, i = r / group, hq = hk * group + r % group;
+    const float lse = total > 0.f ? (max_log2 + log2f(total)) * kLn2 : -INFINITY;
+    if (p.num_splits == 1) {
+        if (p.rot_signs != nullptr) { unrotate_row<D>(p.rot_signs, o, lane); }
+        Elem *out = reinterpret_cast<Elem *>(p.out) + b * p.o_batch_stride + i * p.o_row_stride + hq * p.o_head_stride;
+        store_row_part<Elem, kV>(out + lane * kV, o);
+        if (lane == 0) { p.softmax_lse[(static_cast<int64_t>(b) * p.h + hq) * p.seqlen_q + i] = total > 0.f ? lse : INFINITY; }
+    } else {
+        const int64_t row_id = ((static_cast<int64_t>(split) * p.b + b) * p.h + hq) * p.seqlen_q + i;
+        float *acc_out = p.out_accum + row_id * D + lane * kV;
+        if constexpr (kV == 4) {
+            *reinterpret_cast<float4 *>(acc_out) = make_float4(o[0], o[1], o[2], o[3]);
+        } else {
+            *reinterpret_cast<float2 *>(acc_out) = make_float2(o[0], o[1]);
+        }
+        if (lane == 0) { p.lse_accum[row_id] = lse; }
+    }
 }
 
 }  // namespace flash_tq

@@ -121,29 +121,44 @@ __device__ __forceinline__ void butterflies(float (&x)[kN]) {
     }
 }
 
-// Unnormalized Walsh-Hadamard transforms of kN rows of kD floats held by a warp: lane l holds
-// elements l * kV + k (kV = kD / 32) of row u in x[u][k]. Low index bits in registers, high bits by
-// shuffles; the rows' shuffles of a stage issue together (one row alone waits on each one's latency).
-template <int kD, int kN>
-__device__ __forceinline__ void fwht_warp_rows(float (&x)[kN][kD / 32], int lane) {
+// Unnormalized Walsh-Hadamard transform of a row of kD floats held by a warp: lane l holds
+// elements l * kV + k (kV = kD / 32) in x[k]. Low index bits in registers, high bits by shuffles.
+template <int kD>
+__device__ __forceinline__ void fwht_warp(float (&x)[kD / 32], int lane) {
     constexpr int kV = kD / 32;
-    #pragma unroll
-    for (int u = 0; u < kN; ++u) { butterflies<1, kV>(x[u]); }
+    butterflies<1, kV>(x);
     #pragma unroll
     for (int h = 1; h < 32; h *= 2) {
         #pragma unroll
-        for (int u = 0; u < kN; ++u) {
-            #pragma unroll
-            for (int k = 0; k < kV; ++k) {
-                const float other = __shfl_xor_sync(0xffffffffu, x[u][k], h);
-                x[u][k] = (lane & h) ? other - x[u][k] : x[u][k] + other;
-            }
+        for (int k = 0; k < kV; ++k) {
+            const float other = __shfl_xor_sync(0xffffffffu, x[k], h);
+            x[k] = (lane & h) ? other - x[k] : x[k] + other;
         }
     }
 }
-template <int kD>
-__device__ __forceinline__ void fwht_warp(float (&x)[kD / 32], int lane) {
-    fwht_warp_rows<kD, 1>(reinterpret_cast<float (&)[1][kD / 32]>(x), lane);
+// The same for kN rows held a lane quad a row (the prefill kernel's Q rotation and output): lane
+// c of a quad holds row elements 8j + 2c + e (the mma.sync accumulator's columns) in x[u][j][e].
+// Index bits 0 and 3.. are inside a lane, bits 1-2 across the quad: 2 shuffle stages instead of
+// fwht_warp's 5, and 4x fewer shuffles an element; the rows' shuffles of a stage issue together.
+template <int kD, int kN>
+__device__ __forceinline__ void fwht_quad_rows(float (&x)[kN][kD / 8][2], int lane) {
+    #pragma unroll
+    for (int u = 0; u < kN; ++u) { butterflies<1, kD / 4>(reinterpret_cast<float (&)[kD / 4]>(x[u])); }
+    #pragma unroll
+    for (int h = 1; h <= 2; h *= 2) {
+        const float sign = (lane & h) ? -1.f : 1.f;  // x + other, or other - x: one FFMA, rounded as the add
+        #pragma unroll
+        for (int u = 0; u < kN; ++u) {
+            #pragma unroll
+            for (int j = 0; j < kD / 8; ++j) {
+                #pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const float other = __shfl_xor_sync(0xffffffffu, x[u][j][e], h);
+                    x[u][j][e] = fmaf(x[u][j][e], sign, other);
+                }
+            }
+        }
+    }
 }
 
 // kV consecutive 16-bit values as floats / from floats (one 4- or 8-byte access).
