@@ -50,7 +50,8 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_split_kernel(const D
     constexpr float kNegInf = -INFINITY;
     extern __shared__ __align__(16) char smem[];
 
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+    // warp through a shuffle: known warp-uniform, so the shuffles under branches on it need no divergence handling
+    const int warp = __shfl_sync(0xffffffffu, threadIdx.x / 32, 0), lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
     const int split = blockIdx.x, b = blockIdx.y / p.h_k, hk = blockIdx.y % p.h_k, row0 = blockIdx.z * kRows;
     const int group = p.h_h_k_ratio, total_rows = group * p.seqlen_q;
     const int bc = p.cache_batch_idx != nullptr ? p.cache_batch_idx[b] : b;
@@ -369,7 +370,7 @@ __device__ __forceinline__ void write_merged_row(const DecodeParams &p, int64_t 
     constexpr int kV = kHeadDim / 32;
     #pragma unroll
     for (int k = 0; k < kV; ++k) { o[k] = total > 0.f ? o[k] / total : 0.f; }
-    if (p.rot_signs != nullptr) { unrotate_rows<kHeadDim, 1>(p.rot_signs, reinterpret_cast<float (&)[1][kV]>(o), lane); }
+    if (p.rot_signs != nullptr) { unrotate_row<kHeadDim>(p.rot_signs, o, lane); }
     const int i = row % p.seqlen_q, hq = (row / p.seqlen_q) % p.h, b = row / (static_cast<int64_t>(p.seqlen_q) * p.h);
     Elem *out = reinterpret_cast<Elem *>(p.out) + b * p.o_batch_stride + i * p.o_row_stride + hq * p.o_head_stride;
     store_row_part<Elem, kV>(out + lane * kV, o);
