@@ -115,8 +115,8 @@ def write_results(prefill_rows, paged_rows, page_sizes, meta, out_dir, name):
              "B=1, 32 q / 8 kv heads, head_dim 128, fp16, causal (bottom-right): q_len new queries over a cache "
              "of S tokens that holds them. µs are do_bench medians; speedup = FA2 time / ours. 'append' = the "
              "whole flash_attn_with_kvcache call with k/v: the chunk is written into the cache (quantized for "
-             "ours) and attended. On Hopper the prefill kernel uses wgmma from 1024 query rows a kv head "
-             "(q_len 256 here); 'mma.sync' = its other variant (FLASH_ATTN_TQ_PREFILL_WGMMA=0), what other GPUs run.", "",
+             "ours) and attended. On Hopper the prefill kernel uses wgmma from 256 query rows a kv head "
+             "(q_len 64 here); 'mma.sync' = its other variant (FLASH_ATTN_TQ_PREFILL_WGMMA=0), what other GPUs run.", "",
              "| S | q_len | tq3 µs | FA2 µs | speedup | tq3 TFLOP/s | FA2 TFLOP/s | tq3 append µs | FA2 append µs | speedup (append) | tq3 (scale, offset) µs | speedup (scale, offset) | tq3 mma.sync µs | speedup (mma.sync) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in prefill_rows:

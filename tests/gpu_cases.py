@@ -23,7 +23,8 @@ PREFILL_CASES = [
     (1, [129], 4, 4, 128, True),           # MHA, first query sees 2 keys, tile edges inside the chunk
     (2, [300, 65], 9, 3, 64, True),        # group of 3, a cache barely longer than the chunk
     (1, [4097], 32, 8, 33, False),         # 132 rows, long cache (splits), non-causal
-    # from 1024 rows a kv head Hopper runs the wgmma variant (ops' FLASH_ATTN_TQ_PREFILL_WGMMA)
+    # from 256 rows a kv head Hopper runs the wgmma variant (ops' FLASH_ATTN_TQ_PREFILL_WGMMA)
+    (1, [1000], 8, 2, 75, True),           # 300 rows: a 256-row CTA and one of 44 rows (warpgroup 1 has none)
     (1, [2500], 16, 2, 131, True),         # 1048 rows: four 256-row CTAs and a partial fifth (3 of 8 warps)
     (2, [1200, 3001], 8, 2, 260, False),   # 1040 rows, two lengths, non-causal
 ]

@@ -48,9 +48,9 @@ int choose_num_splits(int ctas, int max_seqlen_k, int num_sms) {
 // tile in registers itself); mirrored by flash_attn_tq.ops.PREFILL_MIN_ROWS.
 constexpr int kPrefillMinRows = 128;
 constexpr int kPrefillRowsPerCta = 256;
-// ... and from which its wgmma variant (H200: 6-7% less time than mma.sync at 1024 rows, 16-25% from
-// 2048; a tie at 512)
-constexpr int kWgmmaMinRows = 1024;
+// ... and from which its wgmma variant (H200, d3e00db: 12-28% less time than mma.sync at 256 rows,
+// 17-26% at 512; a tie at 128)
+constexpr int kWgmmaMinRows = 256;
 
 template <int kHeadDim, int kKBits, int kVBits, typename Elem>
 void run_packed(bool prefill, bool scale_only, const DecodeParams &p, cudaStream_t stream) {
