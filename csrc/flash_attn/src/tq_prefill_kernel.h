@@ -682,7 +682,6 @@ __device__ __forceinline__ void prefill_split_body(const DecodeParams &p) {
         }
         __syncwarp();
     }
-    constexpr float kLn2 = 0.6931471805599453f;
     const bool unrotate = rotate && p.num_splits == 1;
     float sign[DJ][2];  // of the lane's columns, times 1 / sqrt(d)
     #pragma unroll
@@ -717,7 +716,7 @@ __device__ __forceinline__ void prefill_split_body(const DecodeParams &p) {
                 #pragma unroll
                 for (int e = 0; e < 2; ++e) { x[0][j][e] *= unrotate ? sign[j][e] * inv : inv; }
             }
-            const float lse = total > 0.f ? ((row_max[m][h] == kNegInf ? 0.f : row_max[m][h]) + log2f(total)) * kLn2 : -INFINITY;
+            const float lse = row_lse(row_max[m][h] == kNegInf ? 0.f : row_max[m][h], total);
             const int i = r / group, hq = hk * group + r % group;
             if (p.num_splits == 1) {
                 __syncwarp();  // the quad's reads of its row are done: stage it there as Elem
@@ -729,9 +728,7 @@ __device__ __forceinline__ void prefill_split_body(const DecodeParams &p) {
                 for (int k = lane; k < 8 * DJ; k += 32) {  // 16-byte chunk k % DJ of the pass's row k / DJ
                     const int u = k / DJ, ru = wrow0 + n0 + u;
                     if (ru < total_rows) {
-                        Elem *out = reinterpret_cast<Elem *>(p.out) + b * p.o_batch_stride + (ru / group) * p.o_row_stride +
-                                    (hk * group + ru % group) * p.o_head_stride;
-                        *reinterpret_cast<uint4 *>(out + 8 * (k % DJ)) =
+                        *reinterpret_cast<uint4 *>(out_row_ptr<Elem>(p, b, hk, ru) + 8 * (k % DJ)) =
                             *reinterpret_cast<const uint4 *>(reinterpret_cast<const char *>(sm_o + (n0 + u) * RS) + 16 * (k % DJ));
                     }
                 }

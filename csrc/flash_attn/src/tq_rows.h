@@ -50,6 +50,13 @@ __device__ __forceinline__ const Elem *q_row_ptr(const DecodeParams &p, int b, i
            (hk * group + r % group) * p.q_head_stride;
 }
 
+template <typename Elem>
+__device__ __forceinline__ Elem *out_row_ptr(const DecodeParams &p, int b, int hk, int r) {
+    const int group = p.h_h_k_ratio;
+    return reinterpret_cast<Elem *>(p.out) + b * p.o_batch_stride + (r / group) * p.o_row_stride +
+           (hk * group + r % group) * p.o_head_stride;
+}
+
 // turbo: rows [row0, row0 + kRows) of q, sign-flipped and Walsh-Hadamard transformed (unnormalized),
 // a warp a row, into sm_q[kRows][kStride] (rows past total_rows: zeros). The caller synchronizes.
 // (The decode kernel: a few rows a warp.)
@@ -72,6 +79,13 @@ __device__ void rotate_q_rows(const DecodeParams &p, int b, int hk, int row0, in
         #pragma unroll
         for (int k = 0; k < kV; ++k) { sm_q[n * kStride + lane * kV + k] = x[k]; }
     }
+}
+
+// A row's log-sum-exp (natural log) from its base-2 max and probability sum: -inf without keys
+// (the split accumulators' convention; the output's lse is +inf there, as upstream writes).
+__device__ __forceinline__ float row_lse(float max_log2, float total) {
+    constexpr float kLn2 = 0.6931471805599453f;
+    return total > 0.f ? (max_log2 + log2f(total)) * kLn2 : -INFINITY;
 }
 
 // The prefill kernel's rotation: the same rows, a lane quad a row (fwht_quad_rows), 8 x kBatch rows
@@ -173,13 +187,11 @@ template <typename Elem, int D>
 __device__ __forceinline__ void store_row(const DecodeParams &p, int b, int hk, int split, int r, float (&o)[D / 32],
                                           float max_log2, float total, int lane) {
     constexpr int kV = RowMath<D>::kV;
-    constexpr float kLn2 = 0.6931471805599453f;
     const int group = p.h_h_k_ratio, i = r / group, hq = hk * group + r % group;
-    const float lse = total > 0.f ? (max_log2 + log2f(total)) * kLn2 : -INFINITY;
+    const float lse = row_lse(max_log2, total);
     if (p.num_splits == 1) {
         if (p.rot_signs != nullptr) { unrotate_row<D>(p.rot_signs, o, lane); }
-        Elem *out = reinterpret_cast<Elem *>(p.out) + b * p.o_batch_stride + i * p.o_row_stride + hq * p.o_head_stride;
-        store_row_part<Elem, kV>(out + lane * kV, o);
+        store_row_part<Elem, kV>(out_row_ptr<Elem>(p, b, hk, r) + lane * kV, o);
         if (lane == 0) { p.softmax_lse[(static_cast<int64_t>(b) * p.h + hq) * p.seqlen_q + i] = total > 0.f ? lse : INFINITY; }
     } else {
         const int64_t row_id = ((static_cast<int64_t>(split) * p.b + b) * p.h + hq) * p.seqlen_q + i;
