@@ -44,10 +44,13 @@ class QuantizedKVCache:
     kernel reads whole sectors (1.1-1.2x faster than token-major on the H200, where 48-byte code
     rows of neighbouring heads shared sectors).
 
+    Bit widths: 2, 3 or 4, and 8 (one code a byte: the near-exact keys :class:`TQCache` gives the few
+    heads copying rests on; uniform grid only; fused kernel K8V3 with float16 queries).
+
     ``seqlens [batch]`` int32 counts the tokens written per sequence. With ``fp16_window = R > 0``
     the most recent ``R`` tokens of each sequence are also kept unquantized (``k_window [batch, R,
     kv_heads, head_dim]`` in ``dtype``, token ``p`` in slot ``p % R``) and attention reads them in
-    full precision; every token is still quantized when written. ``window_bits`` (2, 3 or 4; default 16:
+    full precision; every token is still quantized when written. ``window_bits`` (2, 3, 4 or 8; default 16:
     the window in ``dtype``) stores the window as codes at that width instead (age-based precision:
     the recent tokens at 4 bits, the older ones at ``k_bits``/``v_bits``), ``k_window [batch, R,
     kv_heads, window code bytes]`` uint8 + ``k_window_meta [batch, R, kv_heads, *]`` float16, with the
@@ -136,6 +139,8 @@ class QuantizedKVCache:
             raise ValueError("streaming applies to quantizer='asym' only")
         if quantizer != "turbo" and grid != "uniform":
             raise ValueError("quantizer='asym' uses the uniform grid only")
+        if grid != "uniform" and 8 in (k_bits, v_bits, window_bits):
+            raise ValueError("8-bit codes use the uniform grid (grid='uniform')")
         if quantizer != "turbo" and fit != "norm":
             raise ValueError("fit applies to quantizer='turbo' only")
 

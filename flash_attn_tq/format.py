@@ -22,6 +22,7 @@ each 16-row block of a tensor-core ``m16n8k16`` fragment. So sequence position `
 
 **Lanes.** The sequence is packed into 16-bit lanes:
 
+* 8 bits: 2 codes a lane, code ``n`` in lane ``n // 2`` at bit ``8 * (n % 2)`` (byte ``n``);
 * 4 bits: 4 codes a lane, code ``n`` in lane ``n // 4`` at bit ``4 * (n % 4)``;
 * 2 bits: 8 codes a lane, code ``n`` in lane ``n // 8`` at bit ``2 * (n % 8)``;
 * 3 bits: blocks of 16 codes in 3 lanes (6 bytes). Code ``r < 15`` of block ``b`` sits in lane
@@ -46,7 +47,7 @@ import functools
 
 import torch
 
-SUPPORTED_BITS = (2, 3, 4)
+SUPPORTED_BITS = (2, 3, 4, 8)
 GROUPS = 8  # thread groups of an MMA fragment: rows g and g + 8 of each 16-row block
 
 

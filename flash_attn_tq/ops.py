@@ -24,7 +24,10 @@ import torch
 from .quantizers import uniform_step
 
 FUSED_HEAD_DIMS = (64, 128)
-FUSED_DECODE_BITS = ((3, 3), (4, 3))  # (k_bits, v_bits) with a fused decode kernel
+FUSED_DECODE_BITS = ((3, 3), (4, 3), (8, 3))  # (k_bits, v_bits) with a fused decode kernel
+# (k_bits, v_bits) whose fused kernel takes float16 queries only (an 8-bit code in the magic number
+# needs float16's mantissa) and runs the decode kernel for every row count (no prefill kernel)
+FP16_ONLY_BITS = ((8, 3),)
 # Query rows a kv head (GQA group size * seqlen_q) from which decode_kvcache runs its prefill kernel
 # (256-row CTAs, each packed tile expanded once into shared memory) instead of the decode kernel
 # (16-row CTAs, each expanding every tile itself); mirrors kPrefillMinRows in flash_api_tq.cpp.
@@ -78,6 +81,8 @@ def fused_decode_supported(cache, q: torch.Tensor) -> str | None:
         return f"head_dim {cache.head_dim} (kernels: {FUSED_HEAD_DIMS})"
     if (cache.k_bits, cache.v_bits) not in FUSED_DECODE_BITS:
         return f"K{cache.k_bits}V{cache.v_bits} (kernels: {FUSED_DECODE_BITS})"
+    if (cache.k_bits, cache.v_bits) in FP16_ONLY_BITS and q.dtype != torch.float16:
+        return f"K{cache.k_bits}V{cache.v_bits} with {q.dtype} queries (its kernel takes float16)"
     if cache.grid != "uniform":
         return "the Lloyd-Max grid (the kernel folds the uniform grid's affine levels)"
     return None

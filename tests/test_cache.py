@@ -480,7 +480,9 @@ def test_bad_construction():
     with pytest.raises(ValueError, match="fp16_window"):
         QuantizedKVCache(1, 8, 1, 64, fp16_window=-1)
     with pytest.raises(ValueError, match="window_bits"):
-        QuantizedKVCache(1, 8, 1, 64, fp16_window=4, window_bits=8)
+        QuantizedKVCache(1, 8, 1, 64, fp16_window=4, window_bits=5)
+    with pytest.raises(ValueError, match="8-bit codes use the uniform grid"):
+        QuantizedKVCache(1, 8, 1, 64, k_bits=8, grid="lloyd_max")
     with pytest.raises(ValueError, match="page_size"):
         QuantizedKVCache(1, 8, 1, 64, page_size=0)
     with pytest.raises(ValueError, match="page_size"):

@@ -120,6 +120,31 @@ def test_prefill_matches_reference(dtype, d, bits, quantizer, case, wgmma, monke
     _check_against_reference(q, cache, out, lse, causal)
 
 
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("quantizer", ["turbo", "asym", "turbo-scale"])
+@pytest.mark.parametrize("case", DECODE_CASES + [c[:5] for c in PREFILL_CASES[:2] + PREFILL_CASES[-1:]])
+def test_decode_8bit_keys_matches_reference(d, quantizer, case):
+    """K8V3 (8-bit keys: the few heads TQCache holds near exact) through its fused decode kernel, float16,
+    decode and prefill-sized chunks (the decode kernel serves every row count for it)."""
+    batch, seqlens, hq, hk, sq = case
+    seed = zlib.crc32(repr(("k8", d, quantizer, seqlens, sq)).encode()) % 10000
+    cache, _, _ = _make_cache(batch, seqlens, hk, d, quantizer=quantizer, k_bits=8, v_bits=3, seed=seed)
+    q = torch.randn(batch, sq, hq, d, device=DEV, generator=torch.Generator(device=DEV).manual_seed(seed + 1)).half()
+    causal = sq > 1
+    poison_allocator()
+    out, lse = fa.flash_attn_with_kvcache(q, cache, causal=causal, return_softmax_lse=True)
+    assert fa.last_path() == "quantized:fused-cuda"
+    _check_against_reference(q, cache, out, lse, causal)
+
+
+def test_8bit_keys_with_bfloat16_take_the_reference_path():
+    cache, _, _ = _make_cache(1, [100], 2, 64, k_bits=8, v_bits=3, dtype=torch.bfloat16)
+    q = torch.randn(1, 1, 4, 64, device=DEV, dtype=torch.bfloat16)
+    out, lse = fa.flash_attn_with_kvcache(q, cache, return_softmax_lse=True)
+    assert fa.last_path().startswith("quantized:reference") and "float16" in fa.last_path()
+    _check_against_reference(q, cache, out, lse, False)
+
+
 @pytest.mark.parametrize("seqlen_q", [1, 64, 300])
 @pytest.mark.parametrize("page_size", [None, 256])
 def test_long_cache(seqlen_q, page_size):
@@ -274,10 +299,12 @@ def test_decode_with_fp16_window_matches_reference(seqlen_q, window_bits):
 
 @pytest.mark.parametrize("quantizer,grid", [("turbo", "uniform"), ("turbo", "lloyd_max"), ("asym", "uniform"),
                                             ("turbo-scale", "uniform")])
-@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_pack_kernel_matches_reference_codes(quantizer, grid, bits, d, dtype):
+    if bits == 8 and grid == "lloyd_max":
+        pytest.skip("8-bit codes use the uniform grid (QuantizedKVCache refuses Lloyd-Max)")
     n, h = 999, 3
     gen = torch.Generator(device=DEV).manual_seed(bits * 1000 + d)
     x = (torch.randn(1, n, h, d, device=DEV, generator=gen) * 2 - 0.5).to(dtype)
@@ -418,7 +445,7 @@ def cpu_gather_row(cache, row, lo, hi):
     return g["k_codes"][0, lo:hi]
 
 
-@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_pack_kernel_fit_mean_matches_reference(bits, d, dtype):

@@ -16,7 +16,7 @@ from flash_attn_tq import format as fmt
 from flash_attn_tq.format import bits_per_element, code_bytes, pack_codes, sequence_elements, unpack_codes
 
 HEAD_DIMS = (32, 64, 128, 256)
-BITS = (2, 3, 4)
+BITS = (2, 3, 4, 8)
 
 
 # ----------------------------------------------------------------------------- independent layout
@@ -42,7 +42,9 @@ def doc_lanes(codes: list[int], bits: int) -> list[int]:
 
     for n in range(d):
         c = codes[doc_seq_element(n, d)]
-        if bits == 4:
+        if bits == 8:
+            put(n // 2, 8 * (n % 2), c, 8)
+        elif bits == 4:
             put(n // 4, 4 * (n % 4), c, 4)
         elif bits == 2:
             put(n // 8, 2 * (n % 8), c, 2)
@@ -442,7 +444,7 @@ def test_out_of_range_codes(bits):
         pack_codes(codes, bits)
 
 
-@pytest.mark.parametrize("bad", [0, 1, 5, 8])
+@pytest.mark.parametrize("bad", [0, 1, 5, 6, 16])
 def test_bad_bits(bad):
     with pytest.raises(ValueError, match="bits"):
         pack_codes(torch.zeros(64, dtype=torch.long), bad)

@@ -73,6 +73,9 @@ void dispatch_decode(const at::ScalarType dtype, int k_bits, int v_bits, bool pr
     } else if (k_bits == 4 && v_bits == 3) {
         fp16 ? run_packed<kHeadDim, 4, 3, __half>(prefill, scale_only, p, stream)
              : run_packed<kHeadDim, 4, 3, __nv_bfloat16>(prefill, scale_only, p, stream);
+    } else if (k_bits == 8 && v_bits == 3) {  // the few heads held at 8-bit keys: float16, the decode kernel
+        TQ_CHECK(fp16 && !prefill, "8-bit keys: float16 queries and the decode kernel only");
+        scale_only ? run_decode<__half, kHeadDim, 8, 3, true>(p, stream) : run_decode<__half, kHeadDim, 8, 3, false>(p, stream);
     } else {
         TQ_CHECK(false, "no fused decode kernel for these k_bits/v_bits");
     }
@@ -147,7 +150,8 @@ std::tuple<at::Tensor, at::Tensor> run_decode_op(
         C10_CUDA_CHECK(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, q.get_device()));
         return smem_optin >= kPrefillSmemBudget;
     };
-    const bool prefill = k_bits != 16 && rows >= kPrefillMinRows && prefill_fits();
+    // (8-bit keys: the decode kernel for every row count; no prefill instantiations for them)
+    const bool prefill = k_bits != 16 && k_bits != 8 && rows >= kPrefillMinRows && prefill_fits();
 #ifdef FLASH_TQ_SM90A
     if (prefill) {  // Hopper's wgmma variant of the prefill kernel (FLASH_ATTN_TQ_PREFILL_WGMMA=0: the mma.sync one)
         int major = 0, minor = 0;
@@ -302,8 +306,8 @@ void pack_kv(const at::Tensor &x,             // [tokens, heads, d] fp16/bf16
              "x must have fewer than 2**31 elements (split the call)");
     const int d = x.size(2);
     TQ_CHECK(d == 64 || d == 128, "head_dim must be 64 or 128 for the pack kernel");
-    // the kernel stores a thread's code run in 2-, 4- or 8-byte words and (scale, offset) as one 4-byte word
-    const int64_t code_align = bits == 4 ? 8 : (bits == 2 ? 4 : 2);
+    // the kernel stores a thread's code run in 2-, 4-, 8- or 16-byte words and (scale, offset) as one 4-byte word
+    const int64_t code_align = bits == 8 ? d / 8 : (bits == 4 ? 8 : (bits == 2 ? 4 : 2));
     TQ_CHECK(codes.stride(3) == 1 && codes.stride(0) % code_align == 0 && codes.stride(1) % code_align == 0 &&
              codes.stride(2) % code_align == 0 && reinterpret_cast<uintptr_t>(codes.data_ptr()) % code_align == 0,
              "codes rows must be contiguous and aligned");

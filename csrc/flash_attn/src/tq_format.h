@@ -2,8 +2,8 @@
 //
 // Code sequence: 8 groups; group g holds elements 16m + g and 16m + g + 8 (m = 0, 1, ...), the two
 // rows a thread owns in each 16-row block of an m16n8k16 fragment. The sequence is packed into
-// 16-bit lanes: 4 / 8 codes a lane at 4 / 2 bits; at 3 bits, blocks of 16 codes in 3 lanes (5
-// codes a lane at bit 3j, the 16th from the spare bit 15 of the block's lanes).
+// 16-bit lanes: 2 / 4 / 8 codes a lane at 8 / 4 / 2 bits; at 3 bits, blocks of 16 codes in 3 lanes
+// (5 codes a lane at bit 3j, the 16th from the spare bit 15 of the block's lanes).
 //
 // Unpacking: a 32-bit word whose two 16-bit lanes hold codes at the same bit offsets turns into
 // two 16-bit floats kMagicValue + code with one shift and one lop3 (mask, OR the magic exponent).
@@ -73,7 +73,7 @@ struct PairPeriod {
 
 template <int kBits, int kHeadDim>
 struct CodeLayout {
-    static_assert(kBits == 2 || kBits == 3 || kBits == 4, "2, 3 or 4 bits");
+    static_assert(kBits == 2 || kBits == 3 || kBits == 4 || kBits == 8, "2, 3, 4 or 8 bits");
     static constexpr int kBytes = kHeadDim * kBits / 8;
     static constexpr int kWords = kBytes / 4;
     static constexpr int kGroupCodes = kHeadDim / 8;  // codes of one thread group (V)

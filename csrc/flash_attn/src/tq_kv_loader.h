@@ -89,6 +89,8 @@ struct PackedKV {
     static constexpr int kSegment = 16;  // smallest page copied as contiguous regions (16-token pages: two a tile)
     using KL = CodeLayout<kKBits, kHeadDim>;
     using VL = CodeLayout<kVBits, kHeadDim>;
+    // an 8-bit code OR-ed into the magic number needs 8 mantissa bits: float16's 10, not bfloat16's 7
+    static_assert((kKBits != 8 && kVBits != 8) || std::is_same_v<Elem, __half>, "8-bit codes need float16");
     static constexpr int kKOff = 0;
     static constexpr int kVOff = kKOff + kTileN * KL::kBytes;
     static constexpr int kKMetaOff = kVOff + kTileN * VL::kBytes;

@@ -316,9 +316,12 @@ __global__ void __launch_bounds__(128) pack_kv_kernel(const PackParams p) {
                 for (int i = 0; i < 3; ++i) { dst[i] = static_cast<uint16_t>(lanes[i]); }
             }
         } else if (store) {
-            constexpr int kBytes = Packer::kLanes * 2;  // 6 (3-bit), 2 / 4 / 8
+            constexpr int kBytes = Packer::kLanes * 2;  // 6 (3-bit), 2 / 4 / 8 / 16
             uint8_t *dst = row + s * kBytes;
-            if constexpr (kBytes == 8) {
+            if constexpr (kBytes == 16) {
+                *reinterpret_cast<uint4 *>(dst) = make_uint4(lanes[0] | (lanes[1] << 16), lanes[2] | (lanes[3] << 16),
+                                                             lanes[4] | (lanes[5] << 16), lanes[6] | (lanes[7] << 16));
+            } else if constexpr (kBytes == 8) {
                 *reinterpret_cast<uint2 *>(dst) = make_uint2(lanes[0] | (lanes[1] << 16), lanes[2] | (lanes[3] << 16));
             } else if constexpr (kBytes == 4) {
                 *reinterpret_cast<uint32_t *>(dst) = lanes[0] | (lanes[1] << 16);
