@@ -55,7 +55,7 @@ SIM_NAME = "tq_sim"
 BASE = dict(quantizer="turbo", k_bits=3, v_bits=3, fit="norm", fp16_window=0, sink_tokens=0,
             key_center=False, key_scale=0.0, key_scale_q=False, key_pca=False, value_pca=False, protect=None,
             qjl=False, k4_layers=None, v2_layers=None, scale_only=False, klt=None, k_cal=None, k_cal_tokens=1024,
-            recent_window=0, recent_bits=(4, 4))
+            k_hcal=None, recent_window=0, recent_bits=(4, 4))
 
 
 def _cfg(**kw):
@@ -174,6 +174,11 @@ CONFIGS.update({
     # age-based precision instead of the fp16 window: the last 128 tokens at 4-bit keys and values
     # (TQCache: NO_FP16_WINDOW, a 128-token window of 4-bit codes)
     "Kcal34+V3+kc+sink4+r128@K4V4": _cfg(k_cal=(3, 4), recent_window=128, **_CAL),
+    # the same budget spent a kv head at a time (calibrate_head_bits): 4- or 8-bit keys where the
+    # synthetic sequence measures a head most sensitive (copying rests on a few heads)
+    "Khcal348+V3+kc+sink4+w124": _cfg(k_hcal=(3, 4, 8), fp16_window=124, **_CAL),
+    "Khcal348+V3+kc+sink4": _cfg(k_hcal=(3, 4, 8), **_CAL),
+    "Khcal38+V3+kc+sink4+w124": _cfg(k_hcal=(3, 8), fp16_window=124, **_CAL),
 })
 
 DEFAULT = "Kcal34+V3+kc+sink4+w124"  # = TQCache.calibrated(model) (flash_attn_tq.integrations.transformers)
@@ -235,8 +240,10 @@ _SENSITIVITY: dict = {}  # measured key-bit sensitivities, by the cache options 
 
 
 def resolve(cfg, model):
-    """A config with its calibrated key bits measured on `model` (k_cal: the bit choices; see
-    flash_attn_tq.integrations.transformers.calibrate_key_bits)."""
+    """A config with its calibrated key bits measured on `model` (k_cal: the bit choices a layer, see
+    flash_attn_tq.integrations.transformers.calibrate_key_bits; k_hcal: a kv head, calibrate_head_bits)."""
+    if cfg and cfg.get("k_hcal") and cfg.get("k_head_bits") is None:
+        return resolve_heads(cfg, model)
     if not cfg or not cfg.get("k_cal") or cfg.get("k_layer_bits") is not None:
         return cfg
     from flash_attn_tq.integrations.transformers import calibrate_key_bits, key_bit_sensitivity
@@ -253,6 +260,31 @@ def resolve(cfg, model):
     return dict(cfg, k_layer_bits={i: o["k_bits"] for i, o in chosen.items()})
 
 
+def resolve_heads(cfg, model):
+    from flash_attn_tq.integrations.transformers import calibrate_head_bits, head_key_sensitivity
+    L = model.config.num_hidden_layers
+    opts = tq_options(cfg)
+    opts.pop("k_bits")
+    prot = protected_layers(cfg, L)
+    key = ("heads", tuple(sorted(opts.items())), tuple(sorted(prot)))
+    if key not in _SENSITIVITY:  # (all widths at once: 3, 4 and the 8-bit floor)
+        _SENSITIVITY[key] = head_key_sensitivity(model, bits=(3, 4), protected_layers=prot, **opts)
+    chosen = calibrate_head_bits(model, bits=cfg["k_hcal"], protected_layers=prot, sensitivity=_SENSITIVITY[key],
+                                 k_bits=cfg["k_bits"], **opts)
+    return dict(cfg, k_head_bits={f"{i},{h}": o["k_bits"] for (i, h), o in sorted(chosen.items())},
+                kv_heads=model.config.num_key_value_heads)
+
+
+def head_key_bits(cfg, layer):
+    """{kv head: key bits} of `layer`'s heads whose bits differ from the layer's (k_head_bits)."""
+    out = {}
+    for k, b in (cfg.get("k_head_bits") or {}).items():
+        i, h = (int(x) for x in k.split(","))
+        if i == layer:
+            out[h] = b
+    return out
+
+
 def v2_layers(cfg, num_layers):
     """Layers whose values get 2 bits in the mixed-width configs."""
     return _layer_set(cfg.get("v2_layers") if cfg else None, num_layers)
@@ -265,6 +297,8 @@ def config_bits(cfg, head_dim, num_layers):
         return (cfg["klt"]["kb"] + cfg["klt"]["vb"]) / 2 + 16.0 / head_dim
     meta = -16.0 / head_dim if cfg.get("scale_only") else 0.0  # bits_per_element counts fp16 scale + offset
     k_codes = sum(key_bits_of(cfg, i, num_layers) for i in range(num_layers)) / num_layers
+    k_codes += sum(sum(b - key_bits_of(cfg, i, num_layers) for b in head_key_bits(cfg, i).values())
+                   for i in range(num_layers)) / (num_layers * cfg.get("kv_heads", 1))
     k_bits = bits_per_element(head_dim, cfg["k_bits"]) + (k_codes - cfg["k_bits"]) + meta
     k_bits += 1.0 if cfg.get("qjl") else 0.0  # the sign sketch
     v_bits = bits_per_element(head_dim, cfg["v_bits"]) - len(v2_layers(cfg, num_layers)) * (cfg["v_bits"] - 2) / num_layers
@@ -501,6 +535,11 @@ class Sim:
             kh, vh, kf, vf = Sim.roundtrip_klt(key, value, cfg, Sim.calib, query)
         else:
             kh, vh, kf, vf = Sim.roundtrip(key, value, cfg, Sim.calib, query)
+            heads = head_key_bits(cfg, module.layer_idx)  # per-head key bits (k_hcal)
+            for b in set(heads.values()):
+                kb = Sim.roundtrip(key, value, dict(cfg, k_bits=b), Sim.calib, query)[0]
+                for h in (h for h, x in heads.items() if x == b):
+                    kh[:, h] = kb[:, h]
         kf, vf, kh, vh = (t.repeat_interleave(G, 1) for t in (kf, vf, kh, vh))
         sketch = None
         if Sim.sketch is not None:  # q . r ~ sqrt(pi / 2) / m * |r| * (S q) . sign(S r)

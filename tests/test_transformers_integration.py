@@ -19,8 +19,8 @@ from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM  # no
 
 from flash_attn_tq import QuantizedKVCache  # noqa: E402
 from flash_attn_tq.integrations.transformers import (  # noqa: E402
-    ATTN_IMPLEMENTATION, DEFAULTS, NO_FP16_WINDOW, TQCache, TQLayer, allocate_key_bits, calibrate_key_bits,
-    key_bit_sensitivity, tq_attention_forward)
+    ATTN_IMPLEMENTATION, DEFAULTS, NO_FP16_WINDOW, TQCache, TQLayer, allocate_head_bits, allocate_key_bits,
+    calibrate_head_bits, calibrate_key_bits, head_key_sensitivity, key_bit_sensitivity, tq_attention_forward)
 
 ORACLE = "tq_oracle_test"
 
@@ -38,11 +38,10 @@ def oracle_attention(module, query, key, value, attention_mask, scaling=None, dr
         if layer.sink_k is not None:
             parts_k.append(layer.sink_k.double())
             parts_v.append(layer.sink_v.double())
-        if layer.qcache is not None:
-            kd, vd = layer.qcache.dequantize()
-            n = int(layer.qcache.seqlens[0])
-            parts_k.append(kd[:, :n].double())
-            parts_v.append(vd[:, :n].double())
+        if layer.caches:
+            kd, vd = layer.dequantize()
+            parts_k.append(kd.double())
+            parts_v.append(vd.double())
         ks = torch.cat(parts_k, 1).transpose(1, 2)
         vs = torch.cat(parts_v, 1).transpose(1, 2)
     B, Hq, Sq, D = query.shape
@@ -90,6 +89,9 @@ CASES = [
     dict(fp16_window=4, sink_tokens=2, scale_only=False, late_k_bits=None),  # (scale, offset), 3-bit keys everywhere
     dict(fp16_window=8, window_bits=4, sink_tokens=2),  # age-based precision (NO_FP16_WINDOW's form)
     dict(fp16_window=8, window_bits=4, sink_tokens=0, quantizer="asym", prefill="quantized"),
+    # per-head bits: a layer's kv heads in two caches (8-bit keys in one head), or three layers' worth
+    dict(fp16_window=4, sink_tokens=2, head_options={(0, 1): dict(k_bits=8), (2, 0): dict(k_bits=4, v_bits=4)}),
+    dict(fp16_window=0, sink_tokens=3, prefill="quantized", key_scale=0.5, head_options={(1, 0): dict(k_bits=8)}),
 ]
 
 
@@ -376,3 +378,80 @@ def test_calibrated_cache_places_the_key_bits_by_measured_sensitivity():
         TQCache.calibrated(model, sensitivity=sens, late_k_bits=4)
     with pytest.raises(ValueError, match="k_bits"):
         calibrate_key_bits(model, bits=(4,), sensitivity=sens)
+
+
+def test_head_options():
+    """Per-head bits: a layer's kv heads in one cache per set of options, the bits counted per head."""
+    model = tiny_model(layers=3)
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    heads = {(1, 0): {"k_bits": 8}, (2, 1): {"k_bits": 4}}
+    cache = TQCache(model.config, fp16_window=4, sink_tokens=2, late_k_bits=None, head_options=heads)
+    with torch.no_grad():
+        model(torch.randint(3, 96, (1, 20)), past_key_values=cache)
+        model(torch.randint(3, 96, (1, 1)), past_key_values=cache)
+    caches = cache.quantized_caches()
+    assert isinstance(caches[0], QuantizedKVCache) and caches[0].num_kv_heads == 2
+    assert [(c.num_kv_heads, c.k_bits) for c in caches[1]] == [(1, 8), (1, 3)]
+    assert cache.layers[1].groups == [(0,), (1,)] and cache.layers[2].groups == [(0,), (1,)]
+    assert [c.k_bits for c in caches[2]] == [3, 4]
+    with pytest.raises(AttributeError, match="caches"):
+        cache.layers[1].qcache
+    k, v = cache.layers[1].dequantize()
+    assert k.shape == v.shape == (1, 19, 2, 64)  # 21 tokens, 2 sinks
+    # codes + scale: 3.25 bits at 3 bits, 8.25 at 8, 4.25 at 4; a layer's heads averaged
+    k_bits = [3.25, (8.25 + 3.25) / 2, (3.25 + 4.25) / 2]
+    assert cache.bits_per_element(64) == pytest.approx(sum((kb + 3.25) / 2 for kb in k_bits) / 3)
+    for bad, match in (({(0, 2): {"k_bits": 8}}, "out of range"), ({(0, 0): {"k_bits": 5}}, "k_bits"),
+                       ({(0, 0): {"sink_tokens": 1}}, "TQCache-wide"), ({0: {"k_bits": 8}}, "pairs")):
+        with pytest.raises(ValueError, match=match):
+            TQCache(model.config, head_options=bad)
+    with pytest.raises(ValueError, match="protected"):
+        TQCache(model.config, protected_layers=(0,), head_options={(0, 0): {"k_bits": 8}})
+
+
+def test_allocate_head_bits_is_the_best_knapsack():
+    """Exact: against brute force over every assignment of 3, 4 or 8 bits to 5 heads within the budget."""
+    import itertools
+    g = torch.Generator().manual_seed(3)
+    heads = [(i, h) for i in range(3) for h in range(2)][:5]
+    kl = {}
+    for i, h in heads:
+        k3 = float(torch.rand(1, generator=g))
+        kl[(i, h, 3)], kl[(i, h, 4)], kl[(i, h, 8)] = k3, k3 * float(torch.rand(1, generator=g)), 0.01 * k3
+    kl[(1, 0, 3)], kl[(1, 0, 4)], kl[(1, 0, 8)] = 10.0, 9.0, 0.1  # a copying head: 4 bits barely help
+    for budget in (0, 1, 3, 5, 6, 11, 30):
+        best = None
+        for choice in itertools.product((3, 4, 8), repeat=len(heads)):
+            if sum(b - 3 for b in choice) <= budget:
+                total = sum(kl[(*hd, b)] for hd, b in zip(heads, choice))
+                best = total if best is None or total < best else best
+        got = allocate_head_bits(kl, heads, budget)
+        assert sum(b - 3 for b in got.values()) <= budget
+        assert sum(kl[(*hd, got[hd])] for hd in heads) == pytest.approx(best), budget
+    assert allocate_head_bits(kl, heads, 5)[(1, 0)] == 8  # the one sensitive head takes the 8-bit keys
+    assert set(allocate_head_bits({k: v for k, v in kl.items() if k[2] != 8}, heads, 30).values()) == {4}
+
+
+def test_calibrated_per_head():
+    model = tiny_model(layers=3)
+    with torch.no_grad():  # peaked attention, so key precision matters
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(4)
+            layer.self_attn.k_proj.weight.mul_(4)
+    opts = dict(fp16_window=8, sink_tokens=2)
+    sens = head_key_sensitivity(model, tokens=200, span=32, **opts)
+    assert set(sens) == {(i, h, b) for i in range(3) for h in range(2) for b in (3, 4, 8)}
+    for i in range(3):
+        for h in range(2):  # finer keys move the model less; the 8-bit floor least
+            assert sens[(i, h, 3)] > sens[(i, h, 4)] > sens[(i, h, 8)] >= 0, (i, h, sens)
+    cache = TQCache.calibrated(model, per_head=True, sensitivity=sens, **opts)
+    assert cache.head_options == {k: {"k_bits": b} for k, b in allocate_head_bits(sens, sorted({k[:2] for k in sens}),
+                                                                                  3).items() if b != 3}
+    assert cache.head_options and not cache.layer_options
+    # the budget: 32 / head_dim bits a key element over the 6 heads (3), what scale-only metadata saves
+    assert cache.bits_per_element(64) <= 3 + 32 / 64 + 1e-9
+    assert calibrate_head_bits(model, bits=(3, 4), sensitivity=sens, **opts) == {
+        k: {"k_bits": 4} for k, b in allocate_head_bits({k: v for k, v in sens.items() if k[2] != 8},
+                                                        sorted({k[:2] for k in sens}), 3).items() if b == 4}
+    with pytest.raises(ValueError, match="k_bits"):
+        calibrate_head_bits(model, bits=(2, 3), sensitivity=sens)

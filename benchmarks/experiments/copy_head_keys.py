@@ -7,7 +7,7 @@
       -> benchmarks/results/copy_head_sensitivity.json
   python3 benchmarks/experiments/copy_head_keys.py eval N 4000,1000
       copy accuracy (3 seeds x depths 10/50/90%) of turbo3+kc+sink4+w124 (scale-only) with the N most
-      sensitive heads' keys kept at 16 bits
+      sensitive heads' keys kept at 16 bits (KEY_BITS=8: 8-bit codes; VALUE_BITS=8/16: their values too)
 
 Results in benchmarks/NOTES.md (session 9)."""
 import json
@@ -32,7 +32,7 @@ tok, model = E.load_model(model_dir)
 ids = tok(text.read_text(errors="replace"), return_tensors="pt").input_ids[0]
 num_layers, kv_heads = model.config.num_hidden_layers, model.config.num_key_value_heads
 # the layer being attended, the only quantized (layer, head) in the sensitivity pass, 16-bit key heads
-state = dict(layer=None, only=None, full_key_heads=set())
+state = dict(layer=None, only=None, full_key_heads=set(), key_bits=16, value_bits=None)
 sim_attention, sim_roundtrip = E.Sim.attention, E.Sim.roundtrip
 
 
@@ -49,9 +49,14 @@ def roundtrip(key, value, cfg, calib, query=None):
         k_hat, v_hat = key.float().clone(), value.float().clone()
         if state["only"][0] == layer:
             k_hat[:, state["only"][1]] = quantized[:, state["only"][1]]
-    for full_layer, head in state["full_key_heads"]:
-        if full_layer == layer:
-            k_hat[:, head] = key.float()[:, head]
+    heads = [h for full_layer, h in state["full_key_heads"] if full_layer == layer]
+    if heads and (state["key_bits"] != 16 or state["value_bits"]):
+        hi = dict(cfg, k_bits=min(state["key_bits"], 8), v_bits=state["value_bits"] or cfg["v_bits"])
+        k8, v8 = sim_roundtrip(key, value, hi, calib, query)[:2]
+    for head in heads:
+        k_hat[:, head] = key.float()[:, head] if state["key_bits"] == 16 else k8[:, head]
+        if state["value_bits"]:
+            v_hat[:, head] = value.float()[:, head] if state["value_bits"] == 16 else v8[:, head]
     return k_hat, v_hat, k16, v16
 
 
@@ -87,7 +92,9 @@ else:
     top = int(sys.argv[2])
     heads = sorted(delta, key=lambda k: -delta[k])[:top]
     state["full_key_heads"] = {tuple(int(x) for x in k.split(",")) for k in heads}
-    print("16-bit keys in", heads, flush=True)
+    state["key_bits"] = int(os.environ.get("KEY_BITS", 16))
+    state["value_bits"] = int(os.environ.get("VALUE_BITS", 0)) or None
+    print(f"{state['key_bits']}-bit keys, values {state['value_bits']} in", heads, flush=True)
     for ctx in (int(c) for c in sys.argv[3].split(",")):
         tasks = E.copy_tasks(ids, ctx, (0.1, 0.5, 0.9), range(3))
         t0 = time.time()

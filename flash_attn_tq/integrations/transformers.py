@@ -123,7 +123,31 @@ def allocate_key_bits(kl: Mapping[tuple[int, int], float], layers: Iterable[int]
     return bits
 
 
+def _copy_sequence(config, tokens: int, span: int, seed: int, device) -> torch.Tensor:
+    """``[1, tokens + span]`` token ids: ``tokens`` random ids, then the ``span`` of them that starts a
+    third of the way in, repeated (copying: what key precision decides; no text needed)."""
+    g = torch.Generator().manual_seed(seed)
+    body = torch.randint(0, config.vocab_size, (tokens,), generator=g)
+    return torch.cat([body, body[tokens // 3: tokens // 3 + span]])[None].to(device)
+
+
 @torch.no_grad()
+def _kl_from_full(model, ids: torch.Tensor, caches: Iterable) -> list[float]:
+    """Mean KL divergence of the next-token distributions over ``ids`` from full precision, one a
+    ``TQCache`` of ``caches`` (a fresh one a forward)."""
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    try:
+        ref = torch.log_softmax(model(ids).logits[0].float(), -1)
+        out = []
+        for cache in caches:
+            lp = torch.log_softmax(model(ids, past_key_values=cache).logits[0].float(), -1)
+            out.append((ref.exp() * (ref - lp)).sum(-1).mean().item())
+        return out
+    finally:
+        model.set_attn_implementation(previous)
+
+
 def key_bit_sensitivity(model, *, tokens: int = 1024, span: int = 64, seed: int = 0, bits: Iterable[int] = (2, 3, 4),
                         protected_layers: Iterable[int] = (), **cache_kwargs) -> dict[tuple[int, int], float]:
     """How much quantizing one layer's keys moves the model: ``{(layer, key bits): KL}``.
@@ -139,27 +163,76 @@ def key_bit_sensitivity(model, *, tokens: int = 1024, span: int = 64, seed: int 
     """
     cfg = model.config
     protected = frozenset(int(i) for i in protected_layers)
-    device = next(model.parameters()).device
-    g = torch.Generator().manual_seed(seed)
-    body = torch.randint(0, cfg.vocab_size, (tokens,), generator=g)
-    ids = torch.cat([body, body[tokens // 3: tokens // 3 + span]])[None].to(device)
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    try:
-        ref = torch.log_softmax(model(ids).logits[0].float(), -1)
-        kl = {}
-        for i in range(cfg.num_hidden_layers):
-            if i in protected:
-                continue
+    runs = [(i, b) for i in range(cfg.num_hidden_layers) if i not in protected for b in sorted(set(int(b) for b in bits))]
+
+    def caches():
+        for i, b in runs:
             others = [j for j in range(cfg.num_hidden_layers) if j != i]
-            for b in sorted(set(int(b) for b in bits)):
-                cache = TQCache(cfg, protected_layers=others, prefill="quantized", late_k_bits=None,
-                                **dict(cache_kwargs, k_bits=b))
-                lp = torch.log_softmax(model(ids, past_key_values=cache).logits[0].float(), -1)
-                kl[(i, b)] = (ref.exp() * (ref - lp)).sum(-1).mean().item()
-    finally:
-        model.set_attn_implementation(previous)
-    return kl
+            yield TQCache(cfg, protected_layers=others, prefill="quantized", late_k_bits=None, **dict(cache_kwargs, k_bits=b))
+
+    ids = _copy_sequence(cfg, tokens, span, seed, next(model.parameters()).device)
+    return dict(zip(runs, _kl_from_full(model, ids, caches())))
+
+
+FINE_BITS = 8  # the codes of the heads a sensitivity measurement holds near full precision (error ~1e-4 of 3-bit)
+
+
+def head_key_sensitivity(model, *, tokens: int = 1024, span: int = 64, seed: int = 0, bits: Iterable[int] = (3, 4),
+                         protected_layers: Iterable[int] = (), **cache_kwargs) -> dict[tuple[int, int, int], float]:
+    """:func:`key_bit_sensitivity` a kv head at a time: ``{(layer, kv head, key bits): KL}``.
+
+    Only one layer is quantized a forward, with every K/V of its other heads and the head's values at
+    :data:`FINE_BITS` (near full precision), so the KL measures that head's keys at ``bits``; the
+    entry for ``FINE_BITS`` is the layer's floor (all of it at 8 bits, shared by its heads). Costs
+    ``(len(bits) x kv heads + 1) x layers`` forwards of the synthetic sequence."""
+    cfg = model.config
+    H = cfg.num_key_value_heads
+    protected = frozenset(int(i) for i in protected_layers)
+    fine = dict(k_bits=FINE_BITS, v_bits=FINE_BITS)
+    runs = []
+    for i in range(cfg.num_hidden_layers):
+        if i not in protected:
+            runs += [(i, h, int(b)) for h in range(H) for b in sorted(set(int(b) for b in bits) - {FINE_BITS})]
+            runs.append((i, -1, FINE_BITS))
+
+    def caches():
+        for i, h, b in runs:
+            others = [j for j in range(cfg.num_hidden_layers) if j != i]
+            heads = {(i, g): dict(fine, k_bits=b) if g == h else fine for g in range(H)}
+            yield TQCache(cfg, protected_layers=others, prefill="quantized", late_k_bits=None, head_options=heads,
+                          **cache_kwargs)
+
+    ids = _copy_sequence(cfg, tokens, span, seed, next(model.parameters()).device)
+    out = {}
+    for (i, h, b), v in zip(runs, _kl_from_full(model, ids, caches())):
+        out.update({(i, h, b): v} if h >= 0 else {(i, g, b): v for g in range(H)})
+    return out
+
+
+def allocate_head_bits(kl: Mapping[tuple[int, int, int], float], heads: Iterable[tuple[int, int]], budget: int,
+                       base: int = 3) -> dict[tuple[int, int], int]:
+    """Key bits a (layer, kv head) that minimise the summed sensitivity ``kl[(layer, head, bits)]``
+    (widths base and above where measured) with at most ``budget`` more bits than ``base`` in total:
+    an exact knapsack over the heads (a head at b bits costs b - base)."""
+    heads = list(heads)
+    budget = max(int(budget), 0)
+    best = [0.0] * (budget + 1)  # best[c]: the largest total gain at cost <= c over the heads so far
+    picks = []
+    for i, h in heads:
+        options = [(b - base, kl[(i, h, base)] - kl[(i, h, b)]) for b in range(base + 1, 17) if (i, h, b) in kl]
+        choice = [0] * (budget + 1)
+        new = list(best)
+        for c in range(budget + 1):
+            for b_cost, gain in options:
+                if b_cost <= c and best[c - b_cost] + gain > new[c]:
+                    new[c], choice[c] = best[c - b_cost] + gain, b_cost
+        best = new
+        picks.append(choice)
+    bits, c = {}, budget
+    for (i, h), choice in zip(reversed(heads), reversed(picks)):
+        bits[(i, h)] = base + choice[c]
+        c -= choice[c]
+    return {k: bits[k] for k in heads}
 
 
 def calibrate_key_bits(model, *, bits: Iterable[int] = (3, 4), protected_layers: Iterable[int] = (),
@@ -191,6 +264,34 @@ def calibrate_key_bits(model, *, bits: Iterable[int] = (3, 4), protected_layers:
     extra = len(_late_layers(layers, head_dim, base, base + 1, opts["scale_only"]))
     chosen = allocate_key_bits(kl, layers, extra, base)
     return {i: {"k_bits": b} for i, b in chosen.items() if b != base}
+
+
+def calibrate_head_bits(model, *, bits: Iterable[int] = (3, 4, FINE_BITS), protected_layers: Iterable[int] = (),
+                        sensitivity: Mapping[tuple[int, int, int], float] | None = None,
+                        **cache_kwargs) -> dict[tuple[int, int], dict]:
+    """Per-(layer, kv head) key bits for :class:`TQCache`, measured on the model itself: the
+    :func:`calibrate_key_bits` budget (the bits scale-only metadata saves, 32 / head_dim an element)
+    spent a head at a time (:func:`head_key_sensitivity`, :func:`allocate_head_bits`). Copying rests on
+    a few heads (SmolLM2: 3 of 90 carry most of it), which 8-bit keys make near exact at 5 bits above
+    3 while 4-bit keys remove only ~3/4 of the error; the knapsack weighs both.
+
+    Returns ``head_options`` for ``TQCache(config, late_k_bits=None, head_options=...)``: ``{(layer, kv
+    head): {"k_bits": b}}`` for the heads whose bits differ from ``k_bits``."""
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    opts = _with_defaults(cache_kwargs)
+    base = int(opts["k_bits"])
+    choices = set(int(b) for b in bits)
+    if base not in choices or any(b < base for b in choices):
+        raise ValueError(f"bits must include k_bits ({base}) and no fewer bits")
+    protected = frozenset(int(i) for i in protected_layers)
+    heads = [(i, h) for i in range(cfg.num_hidden_layers) if i not in protected for h in range(cfg.num_key_value_heads)]
+    if sensitivity is None:
+        sensitivity = head_key_sensitivity(model, bits=choices, protected_layers=protected, **cache_kwargs)
+    kl = {k: v for k, v in sensitivity.items() if k[2] in choices}
+    budget = (32 * len(heads)) // head_dim if opts["scale_only"] else 0
+    chosen = allocate_head_bits(kl, heads, budget, base)
+    return {k: {"k_bits": b} for k, b in chosen.items() if b != base}
 
 
 def _check_no_padding(attention_mask) -> None:
@@ -229,14 +330,20 @@ class PackErrors:
 
 
 class TQLayer(CacheLayerMixin):
-    """One decoder layer's cache: 16-bit attention-sink tokens + a QuantizedKVCache for the rest."""
+    """One decoder layer's cache: 16-bit attention-sink tokens + QuantizedKVCaches for the rest.
+
+    The kv heads are held in one QuantizedKVCache, or, with ``head_options`` (per-head bit widths),
+    in one a *head group*: the heads that share their options. Heads attend independently (each query
+    head reads one kv head), so a group is attended on its own and its query heads' outputs put in
+    place: no merging of partial softmaxes."""
 
     is_compileable = False
     is_sliding = False
     is_croppable = False
 
     def __init__(self, *, sink_tokens: int = 0, max_cache_len: int | None = None, prefill: str = "full",
-                 pack_errors: PackErrors | None = None, checks_pack_errors: bool = True, **cache_kwargs):
+                 pack_errors: PackErrors | None = None, checks_pack_errors: bool = True,
+                 head_options: Mapping[int, Mapping] | None = None, **cache_kwargs):
         super().__init__()
         self.pack_errors = pack_errors  # shared with the other layers (None: each append checks its own)
         self.checks_pack_errors = checks_pack_errors  # this layer reads them back (the last quantized one)
@@ -244,12 +351,22 @@ class TQLayer(CacheLayerMixin):
         self.max_cache_len = max_cache_len
         self.prefill = prefill
         self.cache_kwargs = cache_kwargs
-        self.qcache: QuantizedKVCache | None = None
+        self.head_options = {int(h): dict(o) for h, o in (head_options or {}).items()}
+        self.groups: list[tuple[int, ...]] = []  # kv heads of each head group (set on the first update)
+        self.caches: list[QuantizedKVCache] = []  # one a group (created on the first quantized token)
         self.sink_k = self.sink_v = None  # [B, n_sink, Hkv, D]
-        self.sinks_stored = None  # the sinks as the quantized cache's window stores tokens (see stored_sinks)
+        self.sinks_stored = {}  # per group: the sinks as its cache's window stores tokens (see stored_sinks)
         self.length = 0  # tokens seen
         self.chunk_start = 0  # tokens seen before the last update
         self.pending = None  # (k, v) of the last update, written by commit() (it needs the queries)
+
+    @property
+    def qcache(self) -> QuantizedKVCache | None:
+        """The layer's QuantizedKVCache (None before the first quantized token). A layer whose heads
+        are held in several head groups has none: see :attr:`caches` and :meth:`dequantize`."""
+        if len(self.groups) > 1:
+            raise AttributeError("this TQLayer holds its kv heads in several caches (head_options): use .caches")
+        return self.caches[0] if self.caches else None
 
     # -- storage
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -258,31 +375,59 @@ class TQLayer(CacheLayerMixin):
         # 16-bit storage dtype of the window and sinks (a float32 model stores float16)
         self.store_dtype = self.dtype if self.dtype in (torch.float16, torch.bfloat16) else torch.float16
         self.batch_size, self.num_kv_heads, self.head_dim = B, H, D
+        bad = [h for h in self.head_options if not 0 <= h < H]
+        if bad:
+            raise ValueError(f"head_options: kv head {bad[0]} out of range (the layer has {H} kv heads)")
+        by_options: dict = {}  # heads with equal options share a group, in the order of their first head
+        for h in range(H):
+            o = self.head_options.get(h, {})
+            by_options.setdefault(tuple(sorted(o.items())), []).append(h)
+        self.groups = [tuple(heads) for heads in by_options.values()]
+        # per group: its kv heads as an index tensor (None: one group of every head)
+        self._index = [None if len(self.groups) == 1 else torch.tensor(heads, device=self.device)
+                       for heads in self.groups]
         self.is_initialized = True
 
-    def _new_qcache(self, capacity: int) -> QuantizedKVCache:
-        return QuantizedKVCache(self.batch_size, capacity, self.num_kv_heads, self.head_dim, dtype=self.store_dtype,
-                                device=self.device, **self.cache_kwargs)
+    def group_kwargs(self, group: int) -> dict:
+        """QuantizedKVCache options of head group ``group``."""
+        return dict(self.cache_kwargs, **self.head_options.get(self.groups[group][0], {}))
+
+    def _head_index(self, group: int, per_kv_head: int = 1) -> torch.Tensor | None:
+        """Head group ``group``'s kv heads, or its query heads (``per_kv_head`` a kv head, in the order
+        transformers' GQA repeats them); None when the group holds every head."""
+        idx = self._index[group]
+        if idx is None or per_kv_head == 1:
+            return idx
+        return (idx[:, None] * per_kv_head + torch.arange(per_kv_head, device=idx.device)).flatten()
+
+    def _heads(self, x: torch.Tensor, group: int, per_kv_head: int = 1) -> torch.Tensor:
+        """``x [B, n, heads, D]`` restricted to head group ``group``'s heads (see _head_index)."""
+        idx = self._head_index(group, per_kv_head)
+        return x if idx is None else x.index_select(2, idx.to(x.device))
+
+    def _new_qcache(self, group: int, capacity: int) -> QuantizedKVCache:
+        return QuantizedKVCache(self.batch_size, capacity, len(self.groups[group]), self.head_dim,
+                                dtype=self.store_dtype, device=self.device, **self.group_kwargs(group))
 
     def _ensure_capacity(self, needed: int) -> None:
-        if self.qcache is None:
+        if not self.caches:
             cap = self.max_cache_len or max(1024, 1 << math.ceil(math.log2(max(needed, 1))))
-            self.qcache = self._new_qcache(max(cap, needed))
+            self.caches = [self._new_qcache(g, max(cap, needed)) for g in range(len(self.groups))]
             return
-        old = self.qcache
-        if needed <= old.max_seqlen:
-            return
-        new = self._new_qcache(max(needed, 2 * old.max_seqlen))
-        per_token = ("k_codes", "v_codes", "k_meta", "v_meta")  # [batch, max_seqlen, ...]: the old tokens
-        for name in QuantizedKVCache._TENSORS:  # (contiguous layers: no block_table)
-            if getattr(old, name) is None:
+        for g, old in enumerate(self.caches):
+            if needed <= old.max_seqlen:
                 continue
-            if name in per_token:
-                getattr(new, name)[:, :old.max_seqlen] = getattr(old, name)
-            else:
-                getattr(new, name).copy_(getattr(old, name))
-        new._calibration_done = old._calibration_done
-        self.qcache = new
+            new = self._new_qcache(g, max(needed, 2 * old.max_seqlen))
+            per_token = ("k_codes", "v_codes", "k_meta", "v_meta")  # [batch, max_seqlen, ...]: the old tokens
+            for name in QuantizedKVCache._TENSORS:  # (contiguous layers: no block_table)
+                if getattr(old, name) is None:
+                    continue
+                if name in per_token:
+                    getattr(new, name)[:, :old.max_seqlen] = getattr(old, name)
+                else:
+                    getattr(new, name).copy_(getattr(old, name))
+            new._calibration_done = old._calibration_done
+            self.caches[g] = new
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Take new ``[B, Hkv, n, D]`` key/value states; returns them (marked for the attention function,
@@ -302,7 +447,7 @@ class TQLayer(CacheLayerMixin):
             ks, vs = k[:, :n_sink].to(self.store_dtype), v[:, :n_sink].to(self.store_dtype)
             self.sink_k = ks if self.sink_k is None else torch.cat([self.sink_k, ks], 1)
             self.sink_v = vs if self.sink_v is None else torch.cat([self.sink_v, vs], 1)
-            self.sinks_stored = None
+            self.sinks_stored = {}
         if n > n_sink:
             self._ensure_capacity(self.length + n - self.sink_tokens)
             self.pending = (k[:, n_sink:], v[:, n_sink:])
@@ -322,9 +467,10 @@ class TQLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self.qcache = None
+        self.caches = []
         self.pending = None
-        self.sink_k = self.sink_v = self.sinks_stored = None
+        self.sink_k = self.sink_v = None
+        self.sinks_stored = {}
         self.length = self.chunk_start = 0
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -343,36 +489,71 @@ class TQLayer(CacheLayerMixin):
             k, v = self.pending
             self.pending = None
             q = query.transpose(1, 2)
+            q = q.float() if q.dtype == torch.float64 else q
+            G = q.shape[2] // self.num_kv_heads
             flags = self.pack_errors.buffer(k.device) if self.pack_errors is not None and k.is_cuda else None
-            self.qcache.append(k, v, q=q.float() if q.dtype == torch.float64 else q, error_flags=flags)
+            for g, qc in enumerate(self.caches):
+                qc.append(self._heads(k, g), self._heads(v, g), q=self._heads(q, g, G), error_flags=flags)
             if flags is not None and self.checks_pack_errors:
                 self.pack_errors.check()
 
+    def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the cache holds, all kv heads: ``(k, v)`` float32 ``[B, n, Hkv, D]`` for the ``n`` quantized
+        tokens (after the sinks; QuantizedKVCache.dequantize of each head group, the window's tokens
+        as it stores them)."""
+        n = int(self.caches[0].seqlens[0])
+        k = torch.empty(self.batch_size, n, self.num_kv_heads, self.head_dim, device=self.device)
+        v = torch.empty_like(k)
+        for heads, qc in zip(self.groups, self.caches):
+            kd, vd = qc.dequantize()
+            k[:, :, list(heads)], v[:, :, list(heads)] = kd[:, :n].float(), vd[:, :n].float()
+        return k, v
+
     # -- attention
-    def stored_sinks(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The sink tokens in the quantized cache's stored domain (transformed keys, reflected values:
-        how its fp16 window holds tokens), float32, so they join the window's attention pass.
+    def stored_sinks(self, group: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Head group ``group``'s sink tokens in its cache's stored domain (transformed keys, reflected
+        values: how its fp16 window holds tokens), float32, so they join the window's attention pass.
         Recomputed while the cache's calibration may still change the transforms."""
-        qc = self.qcache
-        if self.sinks_stored is None or ((qc.key_transform or qc.value_pca) and not qc._calibration_done):
-            self.sinks_stored = (qc.transform_keys(self.sink_k.float()), qc.transform_values(self.sink_v.float()))
-        return self.sinks_stored
+        qc = self.caches[group]
+        if group not in self.sinks_stored or ((qc.key_transform or qc.value_pca) and not qc._calibration_done):
+            sk, sv = self._heads(self.sink_k, group).float(), self._heads(self.sink_v, group).float()
+            self.sinks_stored[group] = (qc.transform_keys(sk), qc.transform_values(sv))
+        return self.sinks_stored[group]
 
     def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """query ``[B, Hq, Sq, D]`` (the last Sq tokens) -> output ``[B, Sq, Hq, D]``."""
         q = query.transpose(1, 2)
         Sq = q.shape[1]
         n_sink = 0 if self.sink_k is None else self.sink_k.shape[1]
-        if self.qcache is None or int(self.length) <= self.sink_tokens:  # only sink tokens so far
-            q_pos = torch.arange(self.length - Sq, self.length, device=q.device)
-            return _sink_attention(q, self.sink_k, self.sink_v, q_pos, scaling)[0].to(query.dtype)
-        qc = self.qcache
-        qq = q.to(qc.dtype) if q.is_cuda else (q.float() if q.dtype == torch.float64 else q)
-        if self.length - Sq >= n_sink:  # every query sees every sink: one pass with the fp16 window
-            return _attend_quantized(qq, qc, scaling, self.stored_sinks() if n_sink else None).to(query.dtype)
-        # (a chunk that holds sink positions itself: its first queries must not see later sinks)
-        out, lse = _attend_quantized(qq, qc, scaling, return_softmax_lse=True)
         q_pos = torch.arange(self.length - Sq, self.length, device=q.device)
+        if not self.caches or int(self.length) <= self.sink_tokens:  # only sink tokens so far
+            return _sink_attention(q, self.sink_k, self.sink_v, q_pos, scaling)[0].to(query.dtype)
+        G = q.shape[2] // self.num_kv_heads
+        # every query sees every sink: one pass with the fp16 window; else (a chunk that holds sink
+        # positions itself: its first queries must not see later sinks) the sinks apart, merged after
+        sinks_apart = self.length - Sq < n_sink
+        outs, lses = [], []
+        for g, qc in enumerate(self.caches):
+            qg = self._heads(q, g, G)
+            qq = qg.to(qc.dtype) if qg.is_cuda else (qg.float() if qg.dtype == torch.float64 else qg)
+            if sinks_apart:
+                out, lse = _attend_quantized(qq, qc, scaling, return_softmax_lse=True)
+                lses.append(lse)
+            else:
+                out = _attend_quantized(qq, qc, scaling, self.stored_sinks(g) if n_sink else None)
+            outs.append(out)
+        if len(self.caches) == 1:
+            out, lse = outs[0], (lses[0] if lses else None)
+        else:  # query heads back in place
+            out = q.new_empty(*q.shape[:3], outs[0].shape[-1], dtype=outs[0].dtype)
+            lse = torch.empty(q.shape[0], q.shape[2], Sq, device=q.device) if lses else None
+            for g in range(len(self.caches)):
+                qi = self._head_index(g, G).to(q.device)
+                out[:, :, qi] = outs[g]
+                if lses:
+                    lse[:, qi] = lses[g].float()
+        if not sinks_apart:
+            return out.to(query.dtype)
         out_s, lse_s = _sink_attention(q, self.sink_k, self.sink_v, q_pos, scaling)
         return _merge_lse(out, lse, out_s, lse_s)[0].to(query.dtype)
 
@@ -392,6 +573,9 @@ class TQCache(Cache):
             every layer).
         layer_options: per-layer QuantizedKVCache option overrides, ``{layer index: {option: value}}``,
             applied after ``late_k_bits``.
+        head_options: per-head overrides on top, ``{(layer index, kv head): {option: value}}`` (e.g. 8-bit
+            keys for the few heads copying depends on: :meth:`calibrated`); a layer then holds its
+            kv heads in one QuantizedKVCache per distinct set of options (see :class:`TQLayer`).
         **cache_kwargs: QuantizedKVCache options (k_bits, v_bits, quantizer, grid, fit, scale_only,
             fp16_window, key_center, key_scale, seed, ...). Missing ones come from :data:`DEFAULTS`;
             ``scale_only`` defaults to False where the options do not allow it (asym, Lloyd-Max grid,
@@ -399,7 +583,8 @@ class TQCache(Cache):
     """
 
     def __init__(self, config=None, *, max_cache_len: int | None = None, protected_layers: Iterable[int] = (),
-                 prefill: str = "full", layer_options: Mapping[int, Mapping] | None = None, **cache_kwargs):
+                 prefill: str = "full", layer_options: Mapping[int, Mapping] | None = None,
+                 head_options: Mapping[tuple[int, int], Mapping] | None = None, **cache_kwargs):
         super().__init__(layers=[])
         if prefill not in ("full", "quantized"):
             raise ValueError(f"prefill must be 'full' or 'quantized', got {prefill!r}")
@@ -411,6 +596,7 @@ class TQCache(Cache):
         self.protected_layers = frozenset(int(i) for i in protected_layers)
         self.prefill = prefill
         self.num_layers = getattr(config, "num_hidden_layers", None)
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", None)
         head_dim = getattr(config, "head_dim", None)
         if head_dim is None and config is not None and getattr(config, "num_attention_heads", None):
             head_dim = config.hidden_size // config.num_attention_heads
@@ -436,26 +622,51 @@ class TQCache(Cache):
                 QuantizedKVCache(1, 1, 1, 64, **dict(opts, **o))
             except (TypeError, ValueError) as e:
                 raise type(e)(f"layer_options[{i}]: {e}") from None
+        self.head_options = {}
+        for key, o in (head_options or {}).items():
+            if not (isinstance(key, tuple) and len(key) == 2):
+                raise ValueError(f"head_options: keys are (layer, kv head) pairs, got {key!r}")
+            i, h = int(key[0]), int(key[1])
+            if "sink_tokens" in o or "late_k_bits" in o or i in self.protected_layers:
+                raise ValueError(f"head_options[{key}]: " + (f"layer {i} is protected" if i in self.protected_layers
+                                                             else "sink_tokens / late_k_bits are TQCache-wide options"))
+            if self.num_kv_heads is not None and not 0 <= h < self.num_kv_heads:
+                raise ValueError(f"head_options[{key}]: kv head {h} out of range ({self.num_kv_heads} kv heads)")
+            try:
+                QuantizedKVCache(1, 1, 1, 64, **{**opts, **self.layer_options.get(i, {}), **o})
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"head_options[{key}]: {e}") from None
+            self.head_options[(i, h)] = dict(o)
 
     @classmethod
-    def calibrated(cls, model, *, bits: Iterable[int] = (3, 4),
-                   sensitivity: Mapping[tuple[int, int], float] | None = None, **kwargs) -> "TQCache":
-        """A TQCache for ``model`` with its key bits per layer measured on the model itself
-        (:func:`calibrate_key_bits`: ``len(bits) x layers`` forwards of a 1K-token synthetic sequence,
-        once per model; keep ``cache.layer_options`` to reuse them). The bits budget is the default's
-        (3.5 bits/element at head_dim 64, 3.25 at 128); on SmolLM2 this is the best configuration
-        measured (``benchmarks/results/quality.md``). ``kwargs``: TQCache options, used for the
-        measurement too; ``layer_options`` are applied on top of the calibrated bits."""
+    def calibrated(cls, model, *, per_head: bool = False, bits: Iterable[int] | None = None,
+                   sensitivity: Mapping[tuple, float] | None = None, **kwargs) -> "TQCache":
+        """A TQCache for ``model`` with its key bits measured on the model itself, once per model
+        (keep ``cache.layer_options`` / ``cache.head_options`` to reuse them); the bits budget is the
+        default's (3.5 bits/element at head_dim 64, 3.25 at 128).
+
+        * ``per_head=False``: a width a layer, :func:`calibrate_key_bits` (``bits`` default (3, 4);
+          ``len(bits) x layers`` forwards of a 1K-token synthetic sequence);
+        * ``per_head=True``: a width a kv head, :func:`calibrate_head_bits` (``bits`` default (3, 4, 8);
+          ``(2 x kv heads + 1) x layers`` forwards).
+
+        ``kwargs``: TQCache options, used for the measurement too; ``layer_options`` are applied on top
+        of the calibrated bits."""
         if "late_k_bits" in kwargs:
             raise ValueError("late_k_bits: the calibrated cache places its key bits itself")
         tq_only = {k: kwargs.pop(k) for k in ("max_cache_len", "prefill", "layer_options") if k in kwargs}
         protected = tuple(kwargs.pop("protected_layers", ()))
-        layer_options = {i: dict(o) for i, o in calibrate_key_bits(model, bits=bits, protected_layers=protected,
-                                                                   sensitivity=sensitivity, **kwargs).items()}
+        layer_options, head_options = {}, None
+        if per_head:
+            head_options = calibrate_head_bits(model, bits=bits or (3, 4, FINE_BITS), protected_layers=protected,
+                                               sensitivity=sensitivity, **kwargs)
+        else:
+            layer_options = {i: dict(o) for i, o in calibrate_key_bits(
+                model, bits=bits or (3, 4), protected_layers=protected, sensitivity=sensitivity, **kwargs).items()}
         for i, o in (tq_only.pop("layer_options", None) or {}).items():
             layer_options.setdefault(int(i), {}).update(o)
         return cls(model.config, protected_layers=protected, late_k_bits=None, layer_options=layer_options,
-                   **tq_only, **kwargs)
+                   head_options=head_options, **tq_only, **kwargs)
 
     def layer_cache_kwargs(self, idx: int) -> dict:
         """The QuantizedKVCache options of layer ``idx`` (the TQCache's, with its layer_options)."""
@@ -467,31 +678,42 @@ class TQCache(Cache):
             return DynamicLayer()
         quantized = [i for i in range(self.num_layers or 0) if i not in self.protected_layers]
         checks = not quantized or idx == quantized[-1]  # (layer count unknown: every layer checks)
+        heads = {h: o for (i, h), o in self.head_options.items() if i == idx}
         return TQLayer(sink_tokens=self.sink_tokens, max_cache_len=self.initial_capacity, prefill=self.prefill,
-                       pack_errors=self.pack_errors, checks_pack_errors=checks, **self.layer_cache_kwargs(idx))
+                       pack_errors=self.pack_errors, checks_pack_errors=checks, head_options=heads,
+                       **self.layer_cache_kwargs(idx))
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         while len(self.layers) <= layer_idx:
             self.layers.append(self._make_layer(len(self.layers)))
         return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
 
-    def bits_per_element(self, head_dim: int, num_layers: int | None = None) -> float:
-        """Average stored bits per K/V element over the layers (16 for protected ones; codes +
-        metadata for the others; the fp16 window and sink tokens are not counted)."""
+    def bits_per_element(self, head_dim: int, num_layers: int | None = None, num_kv_heads: int | None = None) -> float:
+        """Average stored bits per K/V element over the layers and kv heads (16 for protected layers;
+        codes + metadata for the others; the fp16 window and sink tokens are not counted)."""
         L = num_layers or self.num_layers
         if L is None:
             raise ValueError("pass num_layers (or build the TQCache with the model config)")
+        H = num_kv_heads or self.num_kv_heads or 1 + max((h for _, h in self.head_options), default=0)
         total = 0.0
         for i in range(L):
-            o = self.layer_cache_kwargs(i)
-            mb = 2 if o.get("scale_only") else 4  # metadata bytes a vector
-            total += 16.0 if i in self.protected_layers else (_format_bits(head_dim, o["k_bits"], mb) +
-                                                              _format_bits(head_dim, o["v_bits"], mb)) / 2
+            if i in self.protected_layers:
+                total += 16.0
+                continue
+            for h in range(H):
+                o = dict(self.layer_cache_kwargs(i), **self.head_options.get((i, h), {}))
+                mb = 2 if o.get("scale_only") else 4  # metadata bytes a vector
+                total += (_format_bits(head_dim, o["k_bits"], mb) + _format_bits(head_dim, o["v_bits"], mb)) / (2 * H)
         return total / L
 
-    def quantized_caches(self) -> list[QuantizedKVCache | None]:
-        """The QuantizedKVCache of each layer (None for protected or not-yet-used layers)."""
-        return [getattr(layer, "qcache", None) for layer in self.layers]
+    def quantized_caches(self) -> list:
+        """Each layer's QuantizedKVCache: None for protected or not-yet-used layers, a tuple of them for
+        a layer held in several head groups (``head_options``; ``layers[i].groups`` gives their heads)."""
+        out = []
+        for layer in self.layers:
+            caches = getattr(layer, "caches", None)
+            out.append(None if not caches else (caches[0] if len(caches) == 1 else tuple(caches)))
+        return out
 
 
 def tq_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
