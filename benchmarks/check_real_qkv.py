@@ -33,6 +33,9 @@ CONFIGS = {
     # the TQCache default (its 4 sink tokens aside): 3-bit keys in the first layers, 4-bit in the last
     "default(K3 layers)": dict(key_center=True, scale_only=True, fp16_window=124),
     "default(K4 layers)": dict(k_bits=4, key_center=True, scale_only=True, fp16_window=124),
+    # the few heads TQCache.calibrated(model, per_head=True) holds finer: 8-bit keys (and values)
+    "K8V3 heads": dict(k_bits=8, key_center=True, scale_only=True, fp16_window=124),
+    "K8V8 heads": dict(k_bits=8, v_bits=8, key_center=True, scale_only=True, fp16_window=124),
     "kc+pca+vpca+w124": dict(key_center=True, key_pca=True, value_pca=True, fit="mean", fp16_window=124),
     "asym3": dict(quantizer="asym"),
     "K4V3+kc": dict(k_bits=4, key_center=True),
@@ -72,6 +75,22 @@ def check_layers(data, device, dtype, lengths):
     return worst
 
 
+def _head_options(config):
+    """The per-head widths TQCache.calibrated(model, per_head=True) chose for SmolLM2 (results/
+    head_sensitivity.json), else 9 heads with 8-bit keys spread over the layers."""
+    from flash_attn_tq.integrations.transformers import allocate_head_bits
+    path = Path(__file__).resolve().parent / "results" / "head_sensitivity.json"
+    H, L = config.num_key_value_heads, config.num_hidden_layers
+    heads = [(i, h) for i in range(L) for h in range(H)]
+    if path.exists() and (L, H) == (30, 3):
+        import json
+        kl = {tuple(int(x) for x in k.split(",")): v for k, v in json.loads(path.read_text())["kl"].items()}
+        chosen = allocate_head_bits(kl, heads, (32 * len(heads)) // config.head_dim)
+    else:
+        chosen = {(i, i % H): (8, 3) for i in range(0, L, max(1, L // 9))}
+    return {hd: {"k_bits": k, "v_bits": v} for hd, (k, v) in chosen.items() if (k, v) != (3, 3)}
+
+
 def bench_generate(data, device, dtype, prompt, new, repeats):
     try:
         import transformers
@@ -107,6 +126,10 @@ def bench_generate(data, device, dtype, prompt, new, repeats):
     for name, impl, make in (
             ("DynamicCache (sdpa)", "sdpa", lambda: None),
             ("TQCache (default)", ATTN_IMPLEMENTATION, lambda: TQCache(config, max_cache_len=cap)),
+            # per-head widths (TQCache.calibrated(model, per_head=True)): the layers with a finer head hold
+            # two caches, two kernel launches; widths as calibrated on SmolLM2 when its measurement is here
+            ("TQCache (per-head widths)", ATTN_IMPLEMENTATION,
+             lambda: TQCache(config, max_cache_len=cap, late_k_bits=None, head_options=_head_options(config))),
             # the previous default: fit="mean" with the pca reflections in PyTorch before the pack kernel
             ("TQCache (pca, fit=mean)", ATTN_IMPLEMENTATION,
              lambda: TQCache(config, max_cache_len=cap, fit="mean", key_pca=True, value_pca=True, late_k_bits=None))):

@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(ROOT))
 
 from flash_attn_tq import QuantizedKVCache  # noqa: E402
@@ -176,9 +177,11 @@ CONFIGS.update({
     "Kcal34+V3+kc+sink4+r128@K4V4": _cfg(k_cal=(3, 4), recent_window=128, **_CAL),
     # the same budget spent a kv head at a time (calibrate_head_bits): 4- or 8-bit keys where the
     # synthetic sequence measures a head most sensitive (copying rests on a few heads)
-    "Khcal348+V3+kc+sink4+w124": _cfg(k_hcal=(3, 4, 8), fp16_window=124, **_CAL),
-    "Khcal348+V3+kc+sink4": _cfg(k_hcal=(3, 4, 8), **_CAL),
-    "Khcal38+V3+kc+sink4+w124": _cfg(k_hcal=(3, 8), fp16_window=124, **_CAL),
+    "KVhcal+kc+sink4+w124": _cfg(k_hcal=((3, 3), (4, 3), (8, 3), (8, 8)), fp16_window=124, **_CAL),
+    "KVhcal+kc+sink4": _cfg(k_hcal=((3, 3), (4, 3), (8, 3), (8, 8)), **_CAL),
+    "Khcal+V3+kc+sink4+w124": _cfg(k_hcal=((3, 3), (4, 3), (8, 3)), fp16_window=124, **_CAL),
+    # 8-bit codes only (no 4-bit keys): the budget in the few heads the copying needs
+    "KV8hcal+kc+sink4+w124": _cfg(k_hcal=((3, 3), (8, 3), (8, 8)), fp16_window=124, **_CAL),
 })
 
 DEFAULT = "Kcal34+V3+kc+sink4+w124"  # = TQCache.calibrated(model) (flash_attn_tq.integrations.transformers)
@@ -190,7 +193,7 @@ LONG = ["full", "turbo3", "turbo3+kc+pca+vpca+sink4", "turbo3+kc+sink4+w124", "t
         "turbo3+kc+ksq.5+pca+vpca+sink4", "turbo3+kc+ksq.5+pca+vpca+sink4+w124", "K3.5mix(last)+V3+kc+sink4+w124",
         "K3.5mix(last)+V3+kc+sink16+w112", "K3.5mix(last)+V3+kc+sink32+w96", "turbo3+kc+pca+vpca+sink32+w96",
         "K4+V2.5mix(first)+kc+sink4+w124", "K4+V2.5mix(last)+kc+sink4+w124", "K3.5mix(last)+V3+kc+ksq.5+sink4+w124",
-        "Kcal34+V3+kc+sink4+w124", "Kcal34@4K+V3+kc+sink4+w124"]
+        "Kcal34+V3+kc+sink4+w124", "Kcal34@4K+V3+kc+sink4+w124", "KVhcal+kc+sink4+w124", "KV8hcal+kc+sink4+w124"]
 
 
 def _layer_set(which, num_layers):
@@ -242,7 +245,7 @@ _SENSITIVITY: dict = {}  # measured key-bit sensitivities, by the cache options 
 def resolve(cfg, model):
     """A config with its calibrated key bits measured on `model` (k_cal: the bit choices a layer, see
     flash_attn_tq.integrations.transformers.calibrate_key_bits; k_hcal: a kv head, calibrate_head_bits)."""
-    if cfg and cfg.get("k_hcal") and cfg.get("k_head_bits") is None:
+    if cfg and cfg.get("k_hcal") and cfg.get("head_bits") is None:
         return resolve_heads(cfg, model)
     if not cfg or not cfg.get("k_cal") or cfg.get("k_layer_bits") is not None:
         return cfg
@@ -261,27 +264,32 @@ def resolve(cfg, model):
 
 
 def resolve_heads(cfg, model):
-    from flash_attn_tq.integrations.transformers import calibrate_head_bits, head_key_sensitivity
+    from flash_attn_tq.integrations.transformers import calibrate_head_bits, head_sensitivity
     L = model.config.num_hidden_layers
     opts = tq_options(cfg)
     opts.pop("k_bits")
     prot = protected_layers(cfg, L)
     key = ("heads", tuple(sorted(opts.items())), tuple(sorted(prot)))
-    if key not in _SENSITIVITY:  # (all widths at once: 3, 4 and the 8-bit floor)
-        _SENSITIVITY[key] = head_key_sensitivity(model, bits=(3, 4), protected_layers=prot, **opts)
-    chosen = calibrate_head_bits(model, bits=cfg["k_hcal"], protected_layers=prot, sensitivity=_SENSITIVITY[key],
+    saved = RESULTS / "head_sensitivity.json"  # (experiments/head_bits.py: the same measurement, 15 min on 2 cores)
+    if key not in _SENSITIVITY and not prot and saved.exists():
+        data = json.loads(saved.read_text())
+        if all(data["options"].get(k) == v for k, v in opts.items()):
+            _SENSITIVITY[key] = {tuple(int(x) for x in k.split(",")): v for k, v in data["kl"].items()}
+    if key not in _SENSITIVITY:  # (every width at once: keys at 3 and 4, values at 3, the 8-bit floor)
+        _SENSITIVITY[key] = head_sensitivity(model, key_bits=(3, 4), value_bits=(3,), protected_layers=prot, **opts)
+    chosen = calibrate_head_bits(model, widths=cfg["k_hcal"], protected_layers=prot, sensitivity=_SENSITIVITY[key],
                                  k_bits=cfg["k_bits"], **opts)
-    return dict(cfg, k_head_bits={f"{i},{h}": o["k_bits"] for (i, h), o in sorted(chosen.items())},
+    return dict(cfg, head_bits={f"{i},{h}": [o["k_bits"], o["v_bits"]] for (i, h), o in sorted(chosen.items())},
                 kv_heads=model.config.num_key_value_heads)
 
 
-def head_key_bits(cfg, layer):
-    """{kv head: key bits} of `layer`'s heads whose bits differ from the layer's (k_head_bits)."""
+def head_bits_of(cfg, layer):
+    """{kv head: (K bits, V bits)} of `layer`'s heads whose widths differ from the layer's (head_bits)."""
     out = {}
-    for k, b in (cfg.get("k_head_bits") or {}).items():
+    for k, w in (cfg.get("head_bits") or {}).items():
         i, h = (int(x) for x in k.split(","))
         if i == layer:
-            out[h] = b
+            out[h] = tuple(w)
     return out
 
 
@@ -297,8 +305,8 @@ def config_bits(cfg, head_dim, num_layers):
         return (cfg["klt"]["kb"] + cfg["klt"]["vb"]) / 2 + 16.0 / head_dim
     meta = -16.0 / head_dim if cfg.get("scale_only") else 0.0  # bits_per_element counts fp16 scale + offset
     k_codes = sum(key_bits_of(cfg, i, num_layers) for i in range(num_layers)) / num_layers
-    k_codes += sum(sum(b - key_bits_of(cfg, i, num_layers) for b in head_key_bits(cfg, i).values())
-                   for i in range(num_layers)) / (num_layers * cfg.get("kv_heads", 1))
+    heads = [w for i in range(num_layers) for w in head_bits_of(cfg, i).values()]  # (not with k4_layers / k_cal)
+    k_codes += sum(kb - cfg["k_bits"] + vb - cfg["v_bits"] for kb, vb in heads) / (num_layers * cfg.get("kv_heads", 1))
     k_bits = bits_per_element(head_dim, cfg["k_bits"]) + (k_codes - cfg["k_bits"]) + meta
     k_bits += 1.0 if cfg.get("qjl") else 0.0  # the sign sketch
     v_bits = bits_per_element(head_dim, cfg["v_bits"]) - len(v2_layers(cfg, num_layers)) * (cfg["v_bits"] - 2) / num_layers
@@ -535,11 +543,11 @@ class Sim:
             kh, vh, kf, vf = Sim.roundtrip_klt(key, value, cfg, Sim.calib, query)
         else:
             kh, vh, kf, vf = Sim.roundtrip(key, value, cfg, Sim.calib, query)
-            heads = head_key_bits(cfg, module.layer_idx)  # per-head key bits (k_hcal)
-            for b in set(heads.values()):
-                kb = Sim.roundtrip(key, value, dict(cfg, k_bits=b), Sim.calib, query)[0]
-                for h in (h for h, x in heads.items() if x == b):
-                    kh[:, h] = kb[:, h]
+            heads = head_bits_of(cfg, module.layer_idx)  # per-head widths (k_hcal)
+            for w in set(heads.values()):
+                kw, vw = Sim.roundtrip(key, value, dict(cfg, k_bits=w[0], v_bits=w[1]), Sim.calib, query)[:2]
+                for h in (h for h, x in heads.items() if x == w):
+                    kh[:, h], vh[:, h] = kw[:, h], vw[:, h]
         kf, vf, kh, vh = (t.repeat_interleave(G, 1) for t in (kf, vf, kh, vh))
         sketch = None
         if Sim.sketch is not None:  # q . r ~ sqrt(pi / 2) / m * |r| * (S q) . sign(S r)
@@ -765,6 +773,8 @@ def plot(res, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     rs = [r for r in res["configs"] if r["name"] != "full"]
+    if not any(r["name"] == "full" for r in res["configs"]):
+        return  # (deltas need the full-precision row: merge the run into one that has it)
     fig, axes = plt.subplots(1, 2, figsize=(13, 0.35 * len(rs) + 1.5), sharey=True)
     y = range(len(rs))
     axes[0].barh(y, [r["ppl_delta_pct"] for r in rs], color=["C3" if r["name"] == res["default"] else "C0" for r in rs])

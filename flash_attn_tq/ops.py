@@ -24,10 +24,10 @@ import torch
 from .quantizers import uniform_step
 
 FUSED_HEAD_DIMS = (64, 128)
-FUSED_DECODE_BITS = ((3, 3), (4, 3), (8, 3))  # (k_bits, v_bits) with a fused decode kernel
+FUSED_DECODE_BITS = ((3, 3), (4, 3), (8, 3), (8, 8))  # (k_bits, v_bits) with a fused decode kernel
 # (k_bits, v_bits) whose fused kernel takes float16 queries only (an 8-bit code in the magic number
 # needs float16's mantissa) and runs the decode kernel for every row count (no prefill kernel)
-FP16_ONLY_BITS = ((8, 3),)
+FP16_ONLY_BITS = ((8, 3), (8, 8))
 # Query rows a kv head (GQA group size * seqlen_q) from which decode_kvcache runs its prefill kernel
 # (256-row CTAs, each packed tile expanded once into shared memory) instead of the decode kernel
 # (16-row CTAs, each expanding every tile itself); mirrors kPrefillMinRows in flash_api_tq.cpp.

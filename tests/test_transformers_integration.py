@@ -19,8 +19,9 @@ from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM  # no
 
 from flash_attn_tq import QuantizedKVCache  # noqa: E402
 from flash_attn_tq.integrations.transformers import (  # noqa: E402
-    ATTN_IMPLEMENTATION, DEFAULTS, NO_FP16_WINDOW, TQCache, TQLayer, allocate_head_bits, allocate_key_bits,
-    calibrate_head_bits, calibrate_key_bits, head_key_sensitivity, key_bit_sensitivity, tq_attention_forward)
+    ATTN_IMPLEMENTATION, DEFAULTS, FINE_BITS, HEAD_WIDTHS, NO_FP16_WINDOW, TQCache, TQLayer, allocate_head_bits,
+    allocate_key_bits, calibrate_head_bits, calibrate_key_bits, head_kl, head_sensitivity, key_bit_sensitivity,
+    tq_attention_forward)
 
 ORACLE = "tq_oracle_test"
 
@@ -269,11 +270,13 @@ def test_pack_errors_surface_in_the_same_forward_on_the_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU and the built extension")
-@pytest.mark.parametrize("opts", [dict(), NO_FP16_WINDOW], ids=["default", "no_fp16_window"])
+@pytest.mark.parametrize("opts", [dict(), NO_FP16_WINDOW, dict(head_options={(2, 1): {"k_bits": 8}, (0, 0): {"k_bits": 4}})],
+                         ids=["default", "no_fp16_window", "head_options"])
 def test_fused_decode_matches_the_oracle_on_the_gpu(opts):
     """A float16 model on the GPU: the prompt, a 5-token chunk and single tokens through the fused
-    kernel (+ the recent window: 16-bit, or 4-bit codes) against float64 attention over the same
-    dequantized cache; every step's logits agree to float16 rounding."""
+    kernel (+ the recent window: 16-bit, or 4-bit codes; per-head bits: the last layer's second head
+    at 8-bit keys, attended last) against float64 attention over the same dequantized cache; every
+    step's logits agree to float16 rounding."""
     from flash_attn_tq import last_path, ops
     if not ops.extension_available():
         pytest.skip("the CUDA extension is not built")
@@ -410,26 +413,30 @@ def test_head_options():
 
 
 def test_allocate_head_bits_is_the_best_knapsack():
-    """Exact: against brute force over every assignment of 3, 4 or 8 bits to 5 heads within the budget."""
+    """Exact: against brute force over every assignment of HEAD_WIDTHS to 5 heads within the budget."""
     import itertools
+    F = FINE_BITS
     g = torch.Generator().manual_seed(3)
     heads = [(i, h) for i in range(3) for h in range(2)][:5]
     kl = {}
-    for i, h in heads:
-        k3 = float(torch.rand(1, generator=g))
-        kl[(i, h, 3)], kl[(i, h, 4)], kl[(i, h, 8)] = k3, k3 * float(torch.rand(1, generator=g)), 0.01 * k3
-    kl[(1, 0, 3)], kl[(1, 0, 4)], kl[(1, 0, 8)] = 10.0, 9.0, 0.1  # a copying head: 4 bits barely help
+    for hd in heads:
+        floor = 0.01 * float(torch.rand(1, generator=g))
+        k3, v3 = (float(x) for x in torch.rand(2, generator=g))
+        kl[(*hd, F, F)] = floor
+        kl[(*hd, 3, F)], kl[(*hd, 4, F)], kl[(*hd, F, 3)] = floor + k3, floor + k3 * float(torch.rand(1, generator=g)), floor + v3
+    kl[(1, 0, 3, F)], kl[(1, 0, 4, F)], kl[(1, 0, F, 3)] = 10.0, 9.0, 0.02  # a copying head: 4-bit keys barely help
+    assert head_kl(kl, (1, 0), 3, 3) == pytest.approx(10.0 + 0.02 - kl[(1, 0, F, F)])
     for budget in (0, 1, 3, 5, 6, 11, 30):
         best = None
-        for choice in itertools.product((3, 4, 8), repeat=len(heads)):
-            if sum(b - 3 for b in choice) <= budget:
-                total = sum(kl[(*hd, b)] for hd, b in zip(heads, choice))
+        for choice in itertools.product(HEAD_WIDTHS, repeat=len(heads)):
+            if sum(k + v - 6 for k, v in choice) <= budget:
+                total = sum(head_kl(kl, hd, *w) for hd, w in zip(heads, choice))
                 best = total if best is None or total < best else best
         got = allocate_head_bits(kl, heads, budget)
-        assert sum(b - 3 for b in got.values()) <= budget
-        assert sum(kl[(*hd, got[hd])] for hd in heads) == pytest.approx(best), budget
-    assert allocate_head_bits(kl, heads, 5)[(1, 0)] == 8  # the one sensitive head takes the 8-bit keys
-    assert set(allocate_head_bits({k: v for k, v in kl.items() if k[2] != 8}, heads, 30).values()) == {4}
+        assert sum(k + v - 6 for k, v in got.values()) <= budget
+        assert sum(head_kl(kl, hd, *got[hd]) for hd in heads) == pytest.approx(best), budget
+    assert allocate_head_bits(kl, heads, 5)[(1, 0)] == (8, 3)  # the one sensitive head takes the 8-bit keys
+    assert set(allocate_head_bits(kl, heads, 30, widths=((3, 3), (4, 3))).values()) == {(4, 3)}
 
 
 def test_calibrated_per_head():
@@ -439,19 +446,23 @@ def test_calibrated_per_head():
             layer.self_attn.q_proj.weight.mul_(4)
             layer.self_attn.k_proj.weight.mul_(4)
     opts = dict(fp16_window=8, sink_tokens=2)
-    sens = head_key_sensitivity(model, tokens=200, span=32, **opts)
-    assert set(sens) == {(i, h, b) for i in range(3) for h in range(2) for b in (3, 4, 8)}
+    sens = head_sensitivity(model, tokens=200, span=32, **opts)
+    F = FINE_BITS
+    assert set(sens) == {(i, h) + w for i in range(3) for h in range(2) for w in ((3, F), (4, F), (F, 3), (F, F))}
     for i in range(3):
-        for h in range(2):  # finer keys move the model less; the 8-bit floor least
-            assert sens[(i, h, 3)] > sens[(i, h, 4)] > sens[(i, h, 8)] >= 0, (i, h, sens)
+        for h in range(2):  # finer codes move the model less; the 8-bit floor least
+            assert sens[(i, h, 3, F)] > sens[(i, h, 4, F)] > sens[(i, h, F, F)] >= 0, (i, h, sens)
+            assert sens[(i, h, F, 3)] > sens[(i, h, F, F)], (i, h, sens)
+    heads = sorted({k[:2] for k in sens})
     cache = TQCache.calibrated(model, per_head=True, sensitivity=sens, **opts)
-    assert cache.head_options == {k: {"k_bits": b} for k, b in allocate_head_bits(sens, sorted({k[:2] for k in sens}),
-                                                                                  3).items() if b != 3}
+    assert cache.head_options == {hd: {"k_bits": k, "v_bits": v} for hd, (k, v) in
+                                  allocate_head_bits(sens, heads, 3).items() if (k, v) != (3, 3)}
     assert cache.head_options and not cache.layer_options
-    # the budget: 32 / head_dim bits a key element over the 6 heads (3), what scale-only metadata saves
+    # the budget: 32 / head_dim bits an element over the 6 heads (3), what scale-only metadata saves
     assert cache.bits_per_element(64) <= 3 + 32 / 64 + 1e-9
-    assert calibrate_head_bits(model, bits=(3, 4), sensitivity=sens, **opts) == {
-        k: {"k_bits": 4} for k, b in allocate_head_bits({k: v for k, v in sens.items() if k[2] != 8},
-                                                        sorted({k[:2] for k in sens}), 3).items() if b == 4}
-    with pytest.raises(ValueError, match="k_bits"):
-        calibrate_head_bits(model, bits=(2, 3), sensitivity=sens)
+    four = calibrate_head_bits(model, widths=((3, 3), (4, 3)), sensitivity=sens, **opts)
+    assert len(four) == 3 and all(o == {"k_bits": 4, "v_bits": 3} for o in four.values())
+    with pytest.raises(ValueError, match="widths"):
+        calibrate_head_bits(model, widths=((2, 3), (3, 3)), sensitivity=sens)
+    with pytest.raises(ValueError, match="widths"):
+        TQCache.calibrated(model, per_head=True, bits=(3, 4), sensitivity=sens)

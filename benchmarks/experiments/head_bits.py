@@ -1,9 +1,10 @@
-"""Per-(layer, kv head) key sensitivity of SmolLM2 on the synthetic copy sequence (the measurement
+"""Per-(layer, kv head) key and value sensitivity of SmolLM2 on the synthetic copy sequence (the measurement
 TQCache.calibrated makes), compared with the copy-task ranking on news text, and the key bits it
 allocates (CPU).
 
   python3 benchmarks/experiments/head_bits.py
-      -> benchmarks/results/head_key_sensitivity.json (KL a head at 3 / 4 bits, the layer's 8-bit floor)
+      -> benchmarks/results/head_sensitivity.json (KL of a head's keys at 3 / 4 bits, its values at 3,
+         the layer's 8-bit floor)
 """
 import json
 import os
@@ -18,9 +19,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import eval_quality as E  # noqa: E402
 from flash_attn_tq.integrations.transformers import (  # noqa: E402
-    DEFAULTS, allocate_head_bits, head_key_sensitivity)
+    DEFAULTS, HEAD_WIDTHS, allocate_head_bits, head_kl, head_sensitivity)
 
-OUT = ROOT / "benchmarks" / "results" / "head_key_sensitivity.json"
+OUT = ROOT / "benchmarks" / "results" / "head_sensitivity.json"
 COPY = ROOT / "benchmarks" / "results" / "copy_head_sensitivity.json"
 
 torch.set_num_threads(2)
@@ -31,21 +32,20 @@ if OUT.exists():
     kl = {tuple(int(x) for x in k.split(",")): v for k, v in json.loads(OUT.read_text())["kl"].items()}
 else:
     t0 = time.time()
-    kl = head_key_sensitivity(model, bits=(3, 4), **opts)
+    kl = head_sensitivity(model, key_bits=(3, 4), value_bits=(3,), **opts)
     OUT.write_text(json.dumps(dict(options=opts, seconds=round(time.time() - t0),
-                                   kl={f"{i},{h},{b}": v for (i, h, b), v in sorted(kl.items())}), indent=1))
-heads = sorted({(i, h) for i, h, _ in kl})
-gain8 = {k: kl[(*k, 3)] - kl[(*k, 8)] for k in heads}
-rank = sorted(heads, key=lambda k: -gain8[k])
-print("synthetic KL ranking (3-bit minus 8-bit):", [(f"{i},{h}", round(gain8[(i, h)], 4)) for i, h in rank[:12]])
+                                   kl={",".join(map(str, k)): v for k, v in sorted(kl.items())}), indent=1))
+heads = sorted({k[:2] for k in kl})
+for what, w in (("keys", (3, 8)), ("values", (8, 3))):
+    gain = {hd: head_kl(kl, hd, *w) - head_kl(kl, hd, 8, 8) for hd in heads}
+    rank = sorted(heads, key=lambda k: -gain[k])
+    print(f"synthetic KL of a head's {what} at 3 bits:", [(f"{i},{h}", round(gain[(i, h)], 4)) for i, h in rank[:12]])
 if COPY.exists():
     copy = json.loads(COPY.read_text())["delta"]
     crank = sorted(copy, key=lambda k: -copy[k])
-    print("news copy ranking:", crank[:12])
-    top = {f"{i},{h}" for i, h in rank[:9]}
-    print("overlap of the top 9:", len(top & set(crank[:9])), sorted(top & set(crank[:9])))
-for bits in ((3, 4, 8), (3, 8), (3, 4)):
-    sub = {k: v for k, v in kl.items() if k[2] in bits}
-    alloc = allocate_head_bits(sub, heads, 45)
-    raised = {f"{i},{h}": b for (i, h), b in alloc.items() if b != 3}
-    print(bits, "->", raised)
+    gain = {hd: head_kl(kl, hd, 3, 8) - head_kl(kl, hd, 8, 8) for hd in heads}
+    top = {f"{i},{h}" for i, h in sorted(heads, key=lambda k: -gain[k])[:9]}
+    print("news copy ranking (keys):", crank[:12], "; top-9 overlap:", sorted(top & set(crank[:9])))
+for widths in (HEAD_WIDTHS, ((3, 3), (4, 3), (8, 3)), ((3, 3), (8, 3), (8, 8))):
+    alloc = allocate_head_bits(kl, heads, 45, widths)
+    print(widths, "->", {f"{i},{h}": w for (i, h), w in alloc.items() if w != (3, 3)})

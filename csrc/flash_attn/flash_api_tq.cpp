@@ -73,9 +73,13 @@ void dispatch_decode(const at::ScalarType dtype, int k_bits, int v_bits, bool pr
     } else if (k_bits == 4 && v_bits == 3) {
         fp16 ? run_packed<kHeadDim, 4, 3, __half>(prefill, scale_only, p, stream)
              : run_packed<kHeadDim, 4, 3, __nv_bfloat16>(prefill, scale_only, p, stream);
-    } else if (k_bits == 8 && v_bits == 3) {  // the few heads held at 8-bit keys: float16, the decode kernel
-        TQ_CHECK(fp16 && !prefill, "8-bit keys: float16 queries and the decode kernel only");
-        scale_only ? run_decode<__half, kHeadDim, 8, 3, true>(p, stream) : run_decode<__half, kHeadDim, 8, 3, false>(p, stream);
+    } else if (k_bits == 8 && (v_bits == 3 || v_bits == 8)) {  // the few heads held at 8 bits: float16, the decode kernel
+        TQ_CHECK(fp16 && !prefill, "8-bit codes: float16 queries and the decode kernel only");
+        if (v_bits == 3) {
+            scale_only ? run_decode<__half, kHeadDim, 8, 3, true>(p, stream) : run_decode<__half, kHeadDim, 8, 3, false>(p, stream);
+        } else {
+            scale_only ? run_decode<__half, kHeadDim, 8, 8, true>(p, stream) : run_decode<__half, kHeadDim, 8, 8, false>(p, stream);
+        }
     } else {
         TQ_CHECK(false, "no fused decode kernel for these k_bits/v_bits");
     }

@@ -175,64 +175,83 @@ def key_bit_sensitivity(model, *, tokens: int = 1024, span: int = 64, seed: int 
 
 
 FINE_BITS = 8  # the codes of the heads a sensitivity measurement holds near full precision (error ~1e-4 of 3-bit)
+# (K bits, V bits) a head may get from calibrate_head_bits: the widths with a fused kernel (8-bit keys:
+# float16 models; 8-bit values cost as much as 8-bit keys and SmolLM2's copying needs both in few heads)
+HEAD_WIDTHS = ((3, 3), (4, 3), (8, 3), (8, 8))
 
 
-def head_key_sensitivity(model, *, tokens: int = 1024, span: int = 64, seed: int = 0, bits: Iterable[int] = (3, 4),
-                         protected_layers: Iterable[int] = (), **cache_kwargs) -> dict[tuple[int, int, int], float]:
-    """:func:`key_bit_sensitivity` a kv head at a time: ``{(layer, kv head, key bits): KL}``.
+def head_sensitivity(model, *, tokens: int = 1024, span: int = 64, seed: int = 0, key_bits: Iterable[int] = (3, 4),
+                     value_bits: Iterable[int] = (3,), protected_layers: Iterable[int] = (),
+                     **cache_kwargs) -> dict[tuple[int, int, int, int], float]:
+    """:func:`key_bit_sensitivity` a kv head at a time, keys and values: ``{(layer, kv head, K bits,
+    V bits): KL}``.
 
-    Only one layer is quantized a forward, with every K/V of its other heads and the head's values at
-    :data:`FINE_BITS` (near full precision), so the KL measures that head's keys at ``bits``; the
-    entry for ``FINE_BITS`` is the layer's floor (all of it at 8 bits, shared by its heads). Costs
-    ``(len(bits) x kv heads + 1) x layers`` forwards of the synthetic sequence."""
+    One layer is quantized a forward, every K/V of it at :data:`FINE_BITS` (near full precision) but
+    one head's keys at ``key_bits`` (its values fine) or its values at ``value_bits`` (its keys fine);
+    ``(FINE_BITS, FINE_BITS)`` is the layer's floor, shared by its heads. Costs ``((len(key_bits) +
+    len(value_bits)) x kv heads + 1) x layers`` forwards of the synthetic sequence."""
     cfg = model.config
     H = cfg.num_key_value_heads
     protected = frozenset(int(i) for i in protected_layers)
-    fine = dict(k_bits=FINE_BITS, v_bits=FINE_BITS)
+    F = FINE_BITS
+    widths = [(int(b), F) for b in sorted(set(key_bits)) if b != F] + [(F, int(b)) for b in sorted(set(value_bits)) if b != F]
     runs = []
     for i in range(cfg.num_hidden_layers):
         if i not in protected:
-            runs += [(i, h, int(b)) for h in range(H) for b in sorted(set(int(b) for b in bits) - {FINE_BITS})]
-            runs.append((i, -1, FINE_BITS))
+            runs += [(i, h, kb, vb) for h in range(H) for kb, vb in widths] + [(i, -1, F, F)]
 
     def caches():
-        for i, h, b in runs:
+        for i, h, kb, vb in runs:
             others = [j for j in range(cfg.num_hidden_layers) if j != i]
-            heads = {(i, g): dict(fine, k_bits=b) if g == h else fine for g in range(H)}
+            heads = {(i, g): dict(k_bits=kb, v_bits=vb) if g == h else dict(k_bits=F, v_bits=F) for g in range(H)}
             yield TQCache(cfg, protected_layers=others, prefill="quantized", late_k_bits=None, head_options=heads,
                           **cache_kwargs)
 
     ids = _copy_sequence(cfg, tokens, span, seed, next(model.parameters()).device)
     out = {}
-    for (i, h, b), v in zip(runs, _kl_from_full(model, ids, caches())):
-        out.update({(i, h, b): v} if h >= 0 else {(i, g, b): v for g in range(H)})
+    for (i, h, kb, vb), v in zip(runs, _kl_from_full(model, ids, caches())):
+        out.update({(i, h, kb, vb): v} if h >= 0 else {(i, g, kb, vb): v for g in range(H)})
     return out
 
 
-def allocate_head_bits(kl: Mapping[tuple[int, int, int], float], heads: Iterable[tuple[int, int]], budget: int,
-                       base: int = 3) -> dict[tuple[int, int], int]:
-    """Key bits a (layer, kv head) that minimise the summed sensitivity ``kl[(layer, head, bits)]``
-    (widths base and above where measured) with at most ``budget`` more bits than ``base`` in total:
-    an exact knapsack over the heads (a head at b bits costs b - base)."""
+def head_kl(kl: Mapping[tuple[int, int, int, int], float], head: tuple[int, int], k_bits: int, v_bits: int) -> float:
+    """The sensitivity of ``head`` at (k_bits, v_bits) from :func:`head_sensitivity`'s one-sided
+    measurements, the key and value parts taken as additive: KL(k, F) + KL(F, v) - KL(F, F)."""
+    F = FINE_BITS
+    return kl[(*head, k_bits, F)] + kl[(*head, F, v_bits)] - kl[(*head, F, F)]
+
+
+def allocate_head_bits(kl: Mapping[tuple[int, int, int, int], float], heads: Iterable[tuple[int, int]], budget: int,
+                       widths: Iterable[tuple[int, int]] = HEAD_WIDTHS, base: tuple[int, int] = (3, 3)
+                       ) -> dict[tuple[int, int], tuple[int, int]]:
+    """(K bits, V bits) a (layer, kv head), among ``widths`` (those :func:`head_kl` can estimate), that
+    minimise the summed sensitivity with at most ``budget`` more bits than ``base`` in total (a head
+    at (k, v) costs k + v - sum(base)): an exact knapsack over the heads."""
     heads = list(heads)
     budget = max(int(budget), 0)
+    base = tuple(base)
     best = [0.0] * (budget + 1)  # best[c]: the largest total gain at cost <= c over the heads so far
     picks = []
-    for i, h in heads:
-        options = [(b - base, kl[(i, h, base)] - kl[(i, h, b)]) for b in range(base + 1, 17) if (i, h, b) in kl]
-        choice = [0] * (budget + 1)
+    for hd in heads:
+        options = []
+        for w in widths:
+            try:
+                options.append((tuple(w), w[0] + w[1] - sum(base), head_kl(kl, hd, *base) - head_kl(kl, hd, *w)))
+            except KeyError:  # not measured
+                continue
+        choice = [base] * (budget + 1)
         new = list(best)
         for c in range(budget + 1):
-            for b_cost, gain in options:
-                if b_cost <= c and best[c - b_cost] + gain > new[c]:
-                    new[c], choice[c] = best[c - b_cost] + gain, b_cost
+            for w, cost, gain in options:
+                if 0 < cost <= c and best[c - cost] + gain > new[c]:
+                    new[c], choice[c] = best[c - cost] + gain, w
         best = new
         picks.append(choice)
-    bits, c = {}, budget
-    for (i, h), choice in zip(reversed(heads), reversed(picks)):
-        bits[(i, h)] = base + choice[c]
-        c -= choice[c]
-    return {k: bits[k] for k in heads}
+    out, c = {}, budget
+    for hd, choice in zip(reversed(heads), reversed(picks)):
+        out[hd] = choice[c]
+        c -= sum(choice[c]) - sum(base)
+    return {hd: out[hd] for hd in heads}
 
 
 def calibrate_key_bits(model, *, bits: Iterable[int] = (3, 4), protected_layers: Iterable[int] = (),
@@ -266,32 +285,32 @@ def calibrate_key_bits(model, *, bits: Iterable[int] = (3, 4), protected_layers:
     return {i: {"k_bits": b} for i, b in chosen.items() if b != base}
 
 
-def calibrate_head_bits(model, *, bits: Iterable[int] = (3, 4, FINE_BITS), protected_layers: Iterable[int] = (),
-                        sensitivity: Mapping[tuple[int, int, int], float] | None = None,
+def calibrate_head_bits(model, *, widths: Iterable[tuple[int, int]] = HEAD_WIDTHS, protected_layers: Iterable[int] = (),
+                        sensitivity: Mapping[tuple[int, int, int, int], float] | None = None,
                         **cache_kwargs) -> dict[tuple[int, int], dict]:
-    """Per-(layer, kv head) key bits for :class:`TQCache`, measured on the model itself: the
-    :func:`calibrate_key_bits` budget (the bits scale-only metadata saves, 32 / head_dim an element)
-    spent a head at a time (:func:`head_key_sensitivity`, :func:`allocate_head_bits`). Copying rests on
-    a few heads (SmolLM2: 3 of 90 carry most of it), which 8-bit keys make near exact at 5 bits above
-    3 while 4-bit keys remove only ~3/4 of the error; the knapsack weighs both.
+    """Per-(layer, kv head) key and value bits for :class:`TQCache`, measured on the model itself: the
+    :func:`calibrate_key_bits` budget (the bits scale-only metadata saves: 32 / head_dim an element)
+    spent a head at a time (:func:`head_sensitivity`, :func:`allocate_head_bits`). Copying rests on a
+    few heads (SmolLM2: 3 of 90 carry most of it), which 8-bit codes make near exact at 5 bits above 3,
+    where 4-bit keys remove ~3/4 of the error for 1; the knapsack weighs both.
 
     Returns ``head_options`` for ``TQCache(config, late_k_bits=None, head_options=...)``: ``{(layer, kv
-    head): {"k_bits": b}}`` for the heads whose bits differ from ``k_bits``."""
+    head): {"k_bits": k, "v_bits": v}}`` for the heads whose widths differ from (k_bits, v_bits)."""
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     opts = _with_defaults(cache_kwargs)
-    base = int(opts["k_bits"])
-    choices = set(int(b) for b in bits)
-    if base not in choices or any(b < base for b in choices):
-        raise ValueError(f"bits must include k_bits ({base}) and no fewer bits")
+    base = (int(opts["k_bits"]), int(opts["v_bits"]))
+    widths = [tuple(int(b) for b in w) for w in widths]
+    if base not in widths or any(k < base[0] or v < base[1] for k, v in widths):
+        raise ValueError(f"widths must include (k_bits, v_bits) = {base} and none below it")
     protected = frozenset(int(i) for i in protected_layers)
     heads = [(i, h) for i in range(cfg.num_hidden_layers) if i not in protected for h in range(cfg.num_key_value_heads)]
     if sensitivity is None:
-        sensitivity = head_key_sensitivity(model, bits=choices, protected_layers=protected, **cache_kwargs)
-    kl = {k: v for k, v in sensitivity.items() if k[2] in choices}
+        sensitivity = head_sensitivity(model, key_bits={k for k, _ in widths}, value_bits={v for _, v in widths},
+                                       protected_layers=protected, **cache_kwargs)
     budget = (32 * len(heads)) // head_dim if opts["scale_only"] else 0
-    chosen = allocate_head_bits(kl, heads, budget, base)
-    return {k: {"k_bits": b} for k, b in chosen.items() if b != base}
+    chosen = allocate_head_bits(sensitivity, heads, budget, widths, base)
+    return {hd: {"k_bits": k, "v_bits": v} for hd, (k, v) in chosen.items() if (k, v) != base}
 
 
 def _check_no_padding(attention_mask) -> None:
@@ -640,15 +659,16 @@ class TQCache(Cache):
 
     @classmethod
     def calibrated(cls, model, *, per_head: bool = False, bits: Iterable[int] | None = None,
-                   sensitivity: Mapping[tuple, float] | None = None, **kwargs) -> "TQCache":
+                   widths: Iterable[tuple[int, int]] | None = None, sensitivity: Mapping[tuple, float] | None = None,
+                   **kwargs) -> "TQCache":
         """A TQCache for ``model`` with its key bits measured on the model itself, once per model
         (keep ``cache.layer_options`` / ``cache.head_options`` to reuse them); the bits budget is the
         default's (3.5 bits/element at head_dim 64, 3.25 at 128).
 
         * ``per_head=False``: a width a layer, :func:`calibrate_key_bits` (``bits`` default (3, 4);
           ``len(bits) x layers`` forwards of a 1K-token synthetic sequence);
-        * ``per_head=True``: a width a kv head, :func:`calibrate_head_bits` (``bits`` default (3, 4, 8);
-          ``(2 x kv heads + 1) x layers`` forwards).
+        * ``per_head=True``: (K, V) widths a kv head, :func:`calibrate_head_bits` (``widths`` default
+          :data:`HEAD_WIDTHS`; ``(3 x kv heads + 1) x layers`` forwards).
 
         ``kwargs``: TQCache options, used for the measurement too; ``layer_options`` are applied on top
         of the calibrated bits."""
@@ -658,7 +678,9 @@ class TQCache(Cache):
         protected = tuple(kwargs.pop("protected_layers", ()))
         layer_options, head_options = {}, None
         if per_head:
-            head_options = calibrate_head_bits(model, bits=bits or (3, 4, FINE_BITS), protected_layers=protected,
+            if bits is not None:
+                raise ValueError("bits: per_head=True takes (K bits, V bits) pairs as widths=")
+            head_options = calibrate_head_bits(model, widths=widths or HEAD_WIDTHS, protected_layers=protected,
                                                sensitivity=sensitivity, **kwargs)
         else:
             layer_options = {i: dict(o) for i, o in calibrate_key_bits(
@@ -747,4 +769,5 @@ def register() -> None:
 register()
 
 __all__ = ["TQCache", "TQLayer", "tq_attention_forward", "register", "calibrate_key_bits", "allocate_key_bits",
+           "calibrate_head_bits", "allocate_head_bits", "head_sensitivity", "head_kl", "HEAD_WIDTHS", "FINE_BITS",
            "key_bit_sensitivity", "ATTN_IMPLEMENTATION", "DEFAULTS", "NO_FP16_WINDOW"]
