@@ -8,6 +8,8 @@ Usage::
     out = model.generate(ids, past_key_values=TQCache.calibrated(model), max_new_tokens=...)
     # TQCache.calibrated measures once where the model needs 4-bit keys (2 x layers forwards of a
     # 1K-token sequence); TQCache(model.config) puts them in the last layers without measuring
+    # TQCache.calibrated(model, per_head=True): the same budget a kv head at a time, 8-bit codes for
+    # the few heads copying rests on (a layer then holds its heads in several caches)
 
 :class:`TQCache` keeps one :class:`~flash_attn_tq.QuantizedKVCache` per decoder layer. The
 attention function registered as ``"tq_kvcache"`` attends over it with
