@@ -413,8 +413,10 @@ def test_head_options():
 
 
 def test_allocate_head_bits_is_the_best_knapsack():
-    """Exact: against brute force over every assignment of HEAD_WIDTHS to 5 heads within the budget."""
+    """Exact: against brute force over every assignment of widths to 5 heads within the budget."""
     import itertools
+    every = ((3, 3), (4, 3), (8, 3), (8, 8))
+    assert set(HEAD_WIDTHS) <= set(every)
     F = FINE_BITS
     g = torch.Generator().manual_seed(3)
     heads = [(i, h) for i in range(3) for h in range(2)][:5]
@@ -428,14 +430,14 @@ def test_allocate_head_bits_is_the_best_knapsack():
     assert head_kl(kl, (1, 0), 3, 3) == pytest.approx(10.0 + 0.02 - kl[(1, 0, F, F)])
     for budget in (0, 1, 3, 5, 6, 11, 30):
         best = None
-        for choice in itertools.product(HEAD_WIDTHS, repeat=len(heads)):
+        for choice in itertools.product(every, repeat=len(heads)):
             if sum(k + v - 6 for k, v in choice) <= budget:
                 total = sum(head_kl(kl, hd, *w) for hd, w in zip(heads, choice))
                 best = total if best is None or total < best else best
-        got = allocate_head_bits(kl, heads, budget)
+        got = allocate_head_bits(kl, heads, budget, every)
         assert sum(k + v - 6 for k, v in got.values()) <= budget
         assert sum(head_kl(kl, hd, *got[hd]) for hd in heads) == pytest.approx(best), budget
-    assert allocate_head_bits(kl, heads, 5)[(1, 0)] == (8, 3)  # the one sensitive head takes the 8-bit keys
+    assert allocate_head_bits(kl, heads, 5, every)[(1, 0)] == (8, 3)  # the one sensitive head takes the 8-bit keys
     assert set(allocate_head_bits(kl, heads, 30, widths=((3, 3), (4, 3))).values()) == {(4, 3)}
 
 
@@ -454,10 +456,13 @@ def test_calibrated_per_head():
             assert sens[(i, h, 3, F)] > sens[(i, h, 4, F)] > sens[(i, h, F, F)] >= 0, (i, h, sens)
             assert sens[(i, h, F, 3)] > sens[(i, h, F, F)], (i, h, sens)
     heads = sorted({k[:2] for k in sens})
-    cache = TQCache.calibrated(model, per_head=True, sensitivity=sens, **opts)
+    every = ((3, 3), (4, 3), (8, 3), (8, 8))
+    cache = TQCache.calibrated(model, per_head=True, widths=every, sensitivity=sens, **opts)
     assert cache.head_options == {hd: {"k_bits": k, "v_bits": v} for hd, (k, v) in
-                                  allocate_head_bits(sens, heads, 3).items() if (k, v) != (3, 3)}
+                                  allocate_head_bits(sens, heads, 3, every).items() if (k, v) != (3, 3)}
     assert cache.head_options and not cache.layer_options
+    # the default widths (8-bit codes) cost 5 bits a head: more than this 6-head model's budget of 3
+    assert TQCache.calibrated(model, per_head=True, sensitivity=sens, **opts).head_options == {}
     # the budget: 32 / head_dim bits an element over the 6 heads (3), what scale-only metadata saves
     assert cache.bits_per_element(64) <= 3 + 32 / 64 + 1e-9
     four = calibrate_head_bits(model, widths=((3, 3), (4, 3)), sensitivity=sens, **opts)

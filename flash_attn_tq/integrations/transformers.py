@@ -177,9 +177,10 @@ def key_bit_sensitivity(model, *, tokens: int = 1024, span: int = 64, seed: int 
 
 
 FINE_BITS = 8  # the codes of the heads a sensitivity measurement holds near full precision (error ~1e-4 of 3-bit)
-# (K bits, V bits) a head may get from calibrate_head_bits: the widths with a fused kernel (8-bit keys:
-# float16 models; 8-bit values cost as much as 8-bit keys and SmolLM2's copying needs both in few heads)
-HEAD_WIDTHS = ((3, 3), (4, 3), (8, 3), (8, 8))
+# (K bits, V bits) a head may get from calibrate_head_bits (fused kernels: K8V3 / K8V8 on float16 models):
+# 8-bit codes for the few heads copying rests on, keys and values (SmolLM2's copying needs both). With
+# (4, 3) allowed too, the whole-sequence KL spends the budget as 4-bit keys over 36 of 90 heads instead.
+HEAD_WIDTHS = ((3, 3), (8, 3), (8, 8))
 
 
 def head_sensitivity(model, *, tokens: int = 1024, span: int = 64, seed: int = 0, key_bits: Iterable[int] = (3, 4),
@@ -293,8 +294,8 @@ def calibrate_head_bits(model, *, widths: Iterable[tuple[int, int]] = HEAD_WIDTH
     """Per-(layer, kv head) key and value bits for :class:`TQCache`, measured on the model itself: the
     :func:`calibrate_key_bits` budget (the bits scale-only metadata saves: 32 / head_dim an element)
     spent a head at a time (:func:`head_sensitivity`, :func:`allocate_head_bits`). Copying rests on a
-    few heads (SmolLM2: 3 of 90 carry most of it), which 8-bit codes make near exact at 5 bits above 3,
-    where 4-bit keys remove ~3/4 of the error for 1; the knapsack weighs both.
+    few heads (SmolLM2: 3 of 90 carry most of it), which 8-bit codes make near exact at 5 bits above 3;
+    with (4, 3) among ``widths`` the knapsack weighs 4-bit keys (~3/4 of the error removed for 1 bit) too.
 
     Returns ``head_options`` for ``TQCache(config, late_k_bits=None, head_options=...)``: ``{(layer, kv
     head): {"k_bits": k, "v_bits": v}}`` for the heads whose widths differ from (k_bits, v_bits)."""
@@ -670,7 +671,8 @@ class TQCache(Cache):
         * ``per_head=False``: a width a layer, :func:`calibrate_key_bits` (``bits`` default (3, 4);
           ``len(bits) x layers`` forwards of a 1K-token synthetic sequence);
         * ``per_head=True``: (K, V) widths a kv head, :func:`calibrate_head_bits` (``widths`` default
-          :data:`HEAD_WIDTHS`; ``(3 x kv heads + 1) x layers`` forwards).
+          :data:`HEAD_WIDTHS`; ``(2 x kv heads + 1) x layers`` forwards). On SmolLM2: better 4K copy,
+          worse 1K copy and top-1 than the per-layer default (``benchmarks/results/quality.md``).
 
         ``kwargs``: TQCache options, used for the measurement too; ``layer_options`` are applied on top
         of the calibrated bits."""
