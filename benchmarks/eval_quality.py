@@ -56,7 +56,7 @@ SIM_NAME = "tq_sim"
 BASE = dict(quantizer="turbo", k_bits=3, v_bits=3, fit="norm", fp16_window=0, sink_tokens=0,
             key_center=False, key_scale=0.0, key_scale_q=False, key_pca=False, value_pca=False, protect=None,
             qjl=False, k4_layers=None, v2_layers=None, scale_only=False, klt=None, k_cal=None, k_cal_tokens=1024,
-            k_hcal=None, recent_window=0, recent_bits=(4, 4))
+            k_hcal=None, k_hcal_8bit_units=None, recent_window=0, recent_bits=(4, 4))
 
 
 def _cfg(**kw):
@@ -182,6 +182,9 @@ CONFIGS.update({
     "Khcal+V3+kc+sink4+w124": _cfg(k_hcal=((3, 3), (4, 3), (8, 3)), fp16_window=124, **_CAL),
     # 8-bit codes only (no 4-bit keys): the budget in the few heads the copying needs
     "KV8hcal+kc+sink4+w124": _cfg(k_hcal=((3, 3), (8, 3), (8, 8)), fp16_window=124, **_CAL),
+    # split: 25 of the 45 units to 8-bit heads, the other 20 to 4-bit keys where the KL gains most
+    "KV8hcal25+K4+kc+sink4+w124": _cfg(k_hcal=((3, 3), (8, 3), (8, 8)), k_hcal_8bit_units=25, fp16_window=124,
+                                       **_CAL),
 })
 
 DEFAULT = "Kcal34+V3+kc+sink4+w124"  # = TQCache.calibrated(model) (flash_attn_tq.integrations.transformers)
@@ -193,7 +196,8 @@ LONG = ["full", "turbo3", "turbo3+kc+pca+vpca+sink4", "turbo3+kc+sink4+w124", "t
         "turbo3+kc+ksq.5+pca+vpca+sink4", "turbo3+kc+ksq.5+pca+vpca+sink4+w124", "K3.5mix(last)+V3+kc+sink4+w124",
         "K3.5mix(last)+V3+kc+sink16+w112", "K3.5mix(last)+V3+kc+sink32+w96", "turbo3+kc+pca+vpca+sink32+w96",
         "K4+V2.5mix(first)+kc+sink4+w124", "K4+V2.5mix(last)+kc+sink4+w124", "K3.5mix(last)+V3+kc+ksq.5+sink4+w124",
-        "Kcal34+V3+kc+sink4+w124", "Kcal34@4K+V3+kc+sink4+w124", "KVhcal+kc+sink4+w124", "KV8hcal+kc+sink4+w124"]
+        "Kcal34+V3+kc+sink4+w124", "Kcal34@4K+V3+kc+sink4+w124", "KVhcal+kc+sink4+w124", "KV8hcal+kc+sink4+w124",
+        "KV8hcal25+K4+kc+sink4+w124"]
 
 
 def _layer_set(which, num_layers):
@@ -277,8 +281,20 @@ def resolve_heads(cfg, model):
             _SENSITIVITY[key] = {tuple(int(x) for x in k.split(",")): v for k, v in data["kl"].items()}
     if key not in _SENSITIVITY:  # (every width at once: keys at 3 and 4, values at 3, the 8-bit floor)
         _SENSITIVITY[key] = head_sensitivity(model, key_bits=(3, 4), value_bits=(3,), protected_layers=prot, **opts)
-    chosen = calibrate_head_bits(model, widths=cfg["k_hcal"], protected_layers=prot, sensitivity=_SENSITIVITY[key],
-                                 k_bits=cfg["k_bits"], **opts)
+    if cfg.get("k_hcal_8bit_units"):  # a split budget: that many units of 8-bit heads, the rest 4-bit keys
+        from flash_attn_tq.integrations.transformers import allocate_head_bits
+        cfg_m = model.config
+        heads = [(i, h) for i in range(L) if i not in prot for h in range(cfg_m.num_key_value_heads)]
+        total = (32 * len(heads)) // cfg_m.head_dim
+        fine = allocate_head_bits(_SENSITIVITY[key], heads, cfg["k_hcal_8bit_units"], cfg["k_hcal"])
+        fine = {hd: w for hd, w in fine.items() if w != (3, 3)}
+        rest = [hd for hd in heads if hd not in fine]
+        spent = sum(k + v - 6 for k, v in fine.values())
+        four = allocate_head_bits(_SENSITIVITY[key], rest, total - spent, ((3, 3), (4, 3)))
+        chosen = {hd: {"k_bits": k, "v_bits": v} for hd, (k, v) in {**four, **fine}.items() if (k, v) != (3, 3)}
+    else:
+        chosen = calibrate_head_bits(model, widths=cfg["k_hcal"], protected_layers=prot,
+                                     sensitivity=_SENSITIVITY[key], k_bits=cfg["k_bits"], **opts)
     return dict(cfg, head_bits={f"{i},{h}": [o["k_bits"], o["v_bits"]] for (i, h), o in sorted(chosen.items())},
                 kv_heads=model.config.num_key_value_heads)
 
