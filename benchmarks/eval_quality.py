@@ -281,20 +281,8 @@ def resolve_heads(cfg, model):
             _SENSITIVITY[key] = {tuple(int(x) for x in k.split(",")): v for k, v in data["kl"].items()}
     if key not in _SENSITIVITY:  # (every width at once: keys at 3 and 4, values at 3, the 8-bit floor)
         _SENSITIVITY[key] = head_sensitivity(model, key_bits=(3, 4), value_bits=(3,), protected_layers=prot, **opts)
-    if cfg.get("k_hcal_8bit_units"):  # a split budget: that many units of 8-bit heads, the rest 4-bit keys
-        from flash_attn_tq.integrations.transformers import allocate_head_bits
-        cfg_m = model.config
-        heads = [(i, h) for i in range(L) if i not in prot for h in range(cfg_m.num_key_value_heads)]
-        total = (32 * len(heads)) // cfg_m.head_dim
-        fine = allocate_head_bits(_SENSITIVITY[key], heads, cfg["k_hcal_8bit_units"], cfg["k_hcal"])
-        fine = {hd: w for hd, w in fine.items() if w != (3, 3)}
-        rest = [hd for hd in heads if hd not in fine]
-        spent = sum(k + v - 6 for k, v in fine.values())
-        four = allocate_head_bits(_SENSITIVITY[key], rest, total - spent, ((3, 3), (4, 3)))
-        chosen = {hd: {"k_bits": k, "v_bits": v} for hd, (k, v) in {**four, **fine}.items() if (k, v) != (3, 3)}
-    else:
-        chosen = calibrate_head_bits(model, widths=cfg["k_hcal"], protected_layers=prot,
-                                     sensitivity=_SENSITIVITY[key], k_bits=cfg["k_bits"], **opts)
+    chosen = calibrate_head_bits(model, widths=cfg["k_hcal"], protected_layers=prot, sensitivity=_SENSITIVITY[key],
+                                 fine_budget=cfg.get("k_hcal_8bit_units"), k_bits=cfg["k_bits"], **opts)
     return dict(cfg, head_bits={f"{i},{h}": [o["k_bits"], o["v_bits"]] for (i, h), o in sorted(chosen.items())},
                 kv_heads=model.config.num_key_value_heads)
 

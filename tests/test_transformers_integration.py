@@ -467,6 +467,10 @@ def test_calibrated_per_head():
     assert cache.bits_per_element(64) <= 3 + 32 / 64 + 1e-9
     four = calibrate_head_bits(model, widths=((3, 3), (4, 3)), sensitivity=sens, **opts)
     assert len(four) == 3 and all(o == {"k_bits": 4, "v_bits": 3} for o in four.values())
+    # a split budget: at most fine_budget bits to the 8-bit widths, the rest to 4-bit keys of other heads
+    # (here no 8-bit head fits the 6-head model's 3 bits, so they all go to 4-bit keys)
+    assert calibrate_head_bits(model, sensitivity=sens, fine_budget=0, **opts) == four
+    assert TQCache.calibrated(model, per_head=True, fine_budget=3, sensitivity=sens, **opts).head_options == four
     with pytest.raises(ValueError, match="widths"):
         calibrate_head_bits(model, widths=((2, 3), (3, 3)), sensitivity=sens)
     with pytest.raises(ValueError, match="widths"):
