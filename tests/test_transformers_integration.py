@@ -475,3 +475,5 @@ def test_calibrated_per_head():
         calibrate_head_bits(model, widths=((2, 3), (3, 3)), sensitivity=sens)
     with pytest.raises(ValueError, match="widths"):
         TQCache.calibrated(model, per_head=True, bits=(3, 4), sensitivity=sens)
+    with pytest.raises(ValueError, match="per_head"):
+        TQCache.calibrated(model, fine_budget=25, sensitivity=sens)

@@ -701,6 +701,8 @@ class TQCache(Cache):
             head_options = calibrate_head_bits(model, widths=widths or HEAD_WIDTHS, protected_layers=protected,
                                                sensitivity=sensitivity, fine_budget=fine_budget, **kwargs)
         else:
+            if widths is not None or fine_budget is not None:
+                raise ValueError("widths / fine_budget: per-head calibration options (per_head=True)")
             layer_options = {i: dict(o) for i, o in calibrate_key_bits(
                 model, bits=bits or (3, 4), protected_layers=protected, sensitivity=sensitivity, **kwargs).items()}
         for i, o in (tq_only.pop("layer_options", None) or {}).items():
