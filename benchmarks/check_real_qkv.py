@@ -78,14 +78,13 @@ def check_layers(data, device, dtype, lengths):
 def _head_options(config):
     """The per-head widths TQCache.calibrated(model, per_head=True) chose for SmolLM2 (results/
     head_sensitivity.json), else 9 heads with 8-bit keys spread over the layers."""
+    from eval_quality import load_head_sensitivity
     from flash_attn_tq.integrations.transformers import allocate_head_bits
-    path = Path(__file__).resolve().parent / "results" / "head_sensitivity.json"
     H, L = config.num_key_value_heads, config.num_hidden_layers
     heads = [(i, h) for i in range(L) for h in range(H)]
-    if path.exists() and (L, H) == (30, 3):
-        import json
-        kl = {tuple(int(x) for x in k.split(",")): v for k, v in json.loads(path.read_text())["kl"].items()}
-        chosen = allocate_head_bits(kl, heads, (32 * len(heads)) // config.head_dim)
+    saved = load_head_sensitivity()
+    if saved and (L, H) == (30, 3):
+        chosen = allocate_head_bits(saved[1], heads, (32 * len(heads)) // config.head_dim)
     else:
         chosen = {(i, i % H): (8, 3) for i in range(0, L, max(1, L // 9))}
     return {hd: {"k_bits": k, "v_bits": v} for hd, (k, v) in chosen.items() if (k, v) != (3, 3)}

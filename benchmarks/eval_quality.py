@@ -267,6 +267,18 @@ def resolve(cfg, model):
     return dict(cfg, k_layer_bits={i: o["k_bits"] for i, o in chosen.items()})
 
 
+HEAD_SENSITIVITY = RESULTS / "head_sensitivity.json"
+
+
+def load_head_sensitivity(path: Path = HEAD_SENSITIVITY):
+    """(options, {(layer, kv head, K bits, V bits): KL}) of a saved head_sensitivity measurement
+    (experiments/head_bits.py), or None."""
+    if not path.exists():
+        return None
+    data = json.loads(path.read_text())
+    return data["options"], {tuple(int(x) for x in k.split(",")): v for k, v in data["kl"].items()}
+
+
 def resolve_heads(cfg, model):
     from flash_attn_tq.integrations.transformers import calibrate_head_bits, head_sensitivity
     L = model.config.num_hidden_layers
@@ -274,11 +286,9 @@ def resolve_heads(cfg, model):
     opts.pop("k_bits")
     prot = protected_layers(cfg, L)
     key = ("heads", tuple(sorted(opts.items())), tuple(sorted(prot)))
-    saved = RESULTS / "head_sensitivity.json"  # (experiments/head_bits.py: the same measurement, 15 min on 2 cores)
-    if key not in _SENSITIVITY and not prot and saved.exists():
-        data = json.loads(saved.read_text())
-        if all(data["options"].get(k) == v for k, v in opts.items()):
-            _SENSITIVITY[key] = {tuple(int(x) for x in k.split(",")): v for k, v in data["kl"].items()}
+    saved = load_head_sensitivity()  # (experiments/head_bits.py: the same measurement, 15 min on 2 cores)
+    if key not in _SENSITIVITY and not prot and saved and all(saved[0].get(k) == v for k, v in opts.items()):
+        _SENSITIVITY[key] = saved[1]
     if key not in _SENSITIVITY:  # (every width at once: keys at 3 and 4, values at 3, the 8-bit floor)
         _SENSITIVITY[key] = head_sensitivity(model, key_bits=(3, 4), value_bits=(3,), protected_layers=prot, **opts)
     chosen = calibrate_head_bits(model, widths=cfg["k_hcal"], protected_layers=prot, sensitivity=_SENSITIVITY[key],

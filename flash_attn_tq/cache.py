@@ -45,7 +45,7 @@ class QuantizedKVCache:
     rows of neighbouring heads shared sectors).
 
     Bit widths: 2, 3 or 4, and 8 (one code a byte: the near-exact keys :class:`TQCache` gives the few
-    heads copying rests on; uniform grid only; fused kernel K8V3 with float16 queries).
+    heads copying rests on; uniform grid only; fused kernels K8V3 / K8V8 with float16 queries).
 
     ``seqlens [batch]`` int32 counts the tokens written per sequence. With ``fp16_window = R > 0``
     the most recent ``R`` tokens of each sequence are also kept unquantized (``k_window [batch, R,

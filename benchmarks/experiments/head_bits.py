@@ -21,19 +21,19 @@ import eval_quality as E  # noqa: E402
 from flash_attn_tq.integrations.transformers import (  # noqa: E402
     DEFAULTS, HEAD_WIDTHS, allocate_head_bits, head_kl, head_sensitivity)
 
-OUT = ROOT / "benchmarks" / "results" / "head_sensitivity.json"
 COPY = ROOT / "benchmarks" / "results" / "copy_head_sensitivity.json"
 
 torch.set_num_threads(2)
 model_dir, _ = E.ensure_assets(Path(os.environ.get("TQ_EVAL_DATA", "/tmp/qdata")))
 tok, model = E.load_model(model_dir)
 opts = {k: v for k, v in DEFAULTS.items() if k not in ("late_k_bits", "k_bits")}
-if OUT.exists():
-    kl = {tuple(int(x) for x in k.split(",")): v for k, v in json.loads(OUT.read_text())["kl"].items()}
+saved = E.load_head_sensitivity()
+if saved:
+    kl = saved[1]
 else:
     t0 = time.time()
     kl = head_sensitivity(model, key_bits=(3, 4), value_bits=(3,), **opts)
-    OUT.write_text(json.dumps(dict(options=opts, seconds=round(time.time() - t0),
+    E.HEAD_SENSITIVITY.write_text(json.dumps(dict(options=opts, seconds=round(time.time() - t0),
                                    kl={",".join(map(str, k)): v for k, v in sorted(kl.items())}), indent=1))
 heads = sorted({k[:2] for k in kl})
 for what, w in (("keys", (3, 8)), ("values", (8, 3))):
