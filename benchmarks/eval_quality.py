@@ -185,10 +185,13 @@ CONFIGS.update({
     # split: 25 of the 45 units to 8-bit heads, the other 20 to 4-bit keys where the KL gains most
     "KV8hcal25+K4+kc+sink4+w124": _cfg(k_hcal=((3, 3), (8, 3), (8, 8)), k_hcal_8bit_units=25, fp16_window=124,
                                        **_CAL),
+    # the kv head copying needs most (calibrate_copy_heads: copy-span KL, two synthetic sequences) at
+    # K8V8 (10 units), the other 35 as 4-bit keys in 11 layers (calibrate_key_bits(spent=10))
+    "Kcal34+copy1+kc+sink4+w124": _cfg(k_cal=(3, 4), copy_heads=1, fp16_window=124, **_CAL),
 })
 
-DEFAULT = "Kcal34+V3+kc+sink4+w124"  # = TQCache.calibrated(model) (flash_attn_tq.integrations.transformers)
-NO_WINDOW_DEFAULT = "Kcal34+V3+kc+sink4"
+DEFAULT = "Kcal34+copy1+kc+sink4+w124"  # = TQCache.calibrated(model) (flash_attn_tq.integrations.transformers)
+NO_WINDOW_DEFAULT = "Kcal34+V3+kc+sink4"  # (the calibrated default without its window, measured before copy_heads)
 UNCALIBRATED_DEFAULT = "K3.5mix(last)+V3+kc+sink4+w124"  # = TQCache(config): 4-bit keys in the last layers
 QUICK = ["full", "asym3", "turbo3", "turbo3+w128", "turbo3+kc+sink4", "turbo3+kc+sink4+w124", NO_WINDOW_DEFAULT, DEFAULT,
          UNCALIBRATED_DEFAULT, "K4V3"]
@@ -197,7 +200,7 @@ LONG = ["full", "turbo3", "turbo3+kc+pca+vpca+sink4", "turbo3+kc+sink4+w124", "t
         "K3.5mix(last)+V3+kc+sink16+w112", "K3.5mix(last)+V3+kc+sink32+w96", "turbo3+kc+pca+vpca+sink32+w96",
         "K4+V2.5mix(first)+kc+sink4+w124", "K4+V2.5mix(last)+kc+sink4+w124", "K3.5mix(last)+V3+kc+ksq.5+sink4+w124",
         "Kcal34+V3+kc+sink4+w124", "Kcal34@4K+V3+kc+sink4+w124", "KVhcal+kc+sink4+w124", "KV8hcal+kc+sink4+w124",
-        "KV8hcal25+K4+kc+sink4+w124"]
+        "KV8hcal25+K4+kc+sink4+w124", "Kcal34+copy1+kc+sink4+w124"]
 
 
 def _layer_set(which, num_layers):
@@ -253,7 +256,7 @@ def resolve(cfg, model):
         return resolve_heads(cfg, model)
     if not cfg or not cfg.get("k_cal") or cfg.get("k_layer_bits") is not None:
         return cfg
-    from flash_attn_tq.integrations.transformers import calibrate_key_bits, key_bit_sensitivity
+    from flash_attn_tq.integrations.transformers import calibrate_copy_heads, calibrate_key_bits, key_bit_sensitivity
     L = model.config.num_hidden_layers
     opts = tq_options(cfg)
     opts.pop("k_bits")
@@ -262,9 +265,20 @@ def resolve(cfg, model):
     key = (tuple(sorted(opts.items())), tuple(sorted(prot)), tuple(cfg["k_cal"]), tokens)
     if key not in _SENSITIVITY:
         _SENSITIVITY[key] = key_bit_sensitivity(model, bits=cfg["k_cal"], protected_layers=prot, tokens=tokens, **opts)
+    heads, spent = {}, 0
+    if cfg.get("copy_heads"):
+        saved = load_copy_sensitivity()  # (the GPU measurement; the same call measures it, ~25 min on 2 cores)
+        usable = saved and not prot and all(saved[0].get(k) == v for k, v in opts.items())
+        heads = calibrate_copy_heads(model, heads=cfg["copy_heads"], protected_layers=prot,
+                                     sensitivity=saved[1] if usable else None, k_bits=cfg["k_bits"], **opts)
+        spent = sum(o["k_bits"] - cfg["k_bits"] + o["v_bits"] - cfg["v_bits"] for o in heads.values())
     chosen = calibrate_key_bits(model, bits=cfg["k_cal"], protected_layers=prot, sensitivity=_SENSITIVITY[key],
-                                k_bits=cfg["k_bits"], **opts)
-    return dict(cfg, k_layer_bits={i: o["k_bits"] for i, o in chosen.items()})
+                                k_bits=cfg["k_bits"], spent=spent, **opts)
+    out = dict(cfg, k_layer_bits={i: o["k_bits"] for i, o in chosen.items()})
+    if heads:
+        out.update(head_bits={f"{i},{h}": [o["k_bits"], o["v_bits"]] for (i, h), o in sorted(heads.items())},
+                   kv_heads=model.config.num_key_value_heads)
+    return out
 
 
 HEAD_SENSITIVITY = RESULTS / "head_sensitivity.json"
@@ -277,6 +291,23 @@ def load_head_sensitivity(path: Path = HEAD_SENSITIVITY):
         return None
     data = json.loads(path.read_text())
     return data["options"], {tuple(int(x) for x in k.split(",")): v for k, v in data["kl"].items()}
+
+
+COPY_SENSITIVITY = RESULTS / "head_objectives.json"  # (experiments/head_objectives.py measure, on the GPU)
+
+
+def load_copy_sensitivity(path: Path = COPY_SENSITIVITY):
+    """(options, {(layer, kv head, K bits, V bits): copy-span KL}) averaged over COPY_SEEDS, from a saved
+    head_objectives measurement (random-token sequences of 1024 tokens), or None."""
+    from flash_attn_tq.integrations.transformers import COPY_SEEDS
+    if not path.exists():
+        return None
+    data = json.loads(path.read_text())
+    runs = [data["kl"].get(f"copy|syn|1k|{s}") for s in COPY_SEEDS]
+    if any(r is None for r in runs):
+        return None
+    kl = {tuple(int(x) for x in k.split(",")): sum(r[k] for r in runs) / len(runs) for k in runs[0]}
+    return data["options"], kl
 
 
 def resolve_heads(cfg, model):
@@ -319,8 +350,9 @@ def config_bits(cfg, head_dim, num_layers):
         return (cfg["klt"]["kb"] + cfg["klt"]["vb"]) / 2 + 16.0 / head_dim
     meta = -16.0 / head_dim if cfg.get("scale_only") else 0.0  # bits_per_element counts fp16 scale + offset
     k_codes = sum(key_bits_of(cfg, i, num_layers) for i in range(num_layers)) / num_layers
-    heads = [w for i in range(num_layers) for w in head_bits_of(cfg, i).values()]  # (not with k4_layers / k_cal)
-    k_codes += sum(kb - cfg["k_bits"] + vb - cfg["v_bits"] for kb, vb in heads) / (num_layers * cfg.get("kv_heads", 1))
+    heads = [(key_bits_of(cfg, i, num_layers), w) for i in range(num_layers) for w in head_bits_of(cfg, i).values()]
+    k_codes += (sum(kb - layer_kb + vb - cfg["v_bits"] for layer_kb, (kb, vb) in heads)
+                / (num_layers * cfg.get("kv_heads", 1)))
     k_bits = bits_per_element(head_dim, cfg["k_bits"]) + (k_codes - cfg["k_bits"]) + meta
     k_bits += 1.0 if cfg.get("qjl") else 0.0  # the sign sketch
     v_bits = bits_per_element(head_dim, cfg["v_bits"]) - len(v2_layers(cfg, num_layers)) * (cfg["v_bits"] - 2) / num_layers
@@ -395,7 +427,7 @@ class Sim:
                                     "key_pca", "value_pca", "scale_only")}
         if opts["quantizer"] == "asym":
             opts.pop("fit")
-        cache = QuantizedKVCache(B, S - s0, H, D, dtype=torch.float16, **opts)
+        cache = QuantizedKVCache(B, S - s0, H, D, dtype=torch.float16, device=key.device, **opts)
         c = max(calib - s0, 1)
         if cache.key_transform or cache.value_pca:
             q = None if query is None else query.transpose(1, 2)[:, s0:s0 + c]
@@ -412,7 +444,7 @@ class Sim:
         if cfg.get("qjl"):  # residual sign sketch: signs of S r and |r| (float16) per quantized key
             r = key.float() - kh
             r[:, :, :s0] = 0
-            proj = Sim.projection(D)
+            proj = Sim.projection(D).to(r.device)
             Sim.sketch = (torch.sign(r @ proj.T), r.norm(dim=-1).half().float())
         return kh, vh, k16, v16
 
@@ -566,7 +598,7 @@ class Sim:
         sketch = None
         if Sim.sketch is not None:  # q . r ~ sqrt(pi / 2) / m * |r| * (S q) . sign(S r)
             signs, norms = (t.repeat_interleave(G, 1) for t in Sim.sketch)
-            sq = query.float() @ Sim.projection(D).T
+            sq = query.float() @ Sim.projection(D).to(query.device).T
             sketch = (signs, norms * math.sqrt(math.pi / 2) / D, sq)
         recent = cfg.get("recent_window", 0)  # keys R <= age < R + recent at recent_bits (age-based precision)
         if recent:
@@ -575,8 +607,8 @@ class Sim:
             kr, vr = kr.repeat_interleave(G, 1), vr.repeat_interleave(G, 1)
         q = query.float()
         R, s0 = cfg["fp16_window"], cfg["sink_tokens"]
-        out = torch.empty(B, Hq, S, D)
-        pos = torch.arange(S)
+        out = torch.empty(B, Hq, S, D, device=query.device)
+        pos = torch.arange(S, device=query.device)
         for i0 in range(0, S, 512):
             i1 = min(S, i0 + 512)
             qi = q[:, :, i0:i1]
@@ -642,16 +674,22 @@ def copy_accuracy(model, seq, span=64, skip=8):
 
 # --------------------------------------------------------------------------- main
 
+def device_name(device) -> str:
+    device = torch.device(device)
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
 def run(args):
     torch.set_num_threads(args.threads)
     model_dir, default_text = ensure_assets(Path(args.data))
     text_path = Path(args.text) if args.text else default_text
     tok, model = load_model(model_dir)
+    model.to(args.device)
     install_sim(model)
     Sim.calib = args.calib
     cfg_model = model.config
     head_dim = getattr(cfg_model, "head_dim", None) or cfg_model.hidden_size // cfg_model.num_attention_heads
-    ids = tok(text_path.read_text(errors="replace"), return_tensors="pt").input_ids[0]
+    ids = tok(text_path.read_text(errors="replace"), return_tensors="pt").input_ids[0].to(args.device)
     quick = args.quick
     names = args.configs.split(",") if args.configs else (QUICK if quick else list(CONFIGS))
     long_names = set() if quick or args.no_long else set(LONG) & set(names)
@@ -713,7 +751,7 @@ def run(args):
     bar.close()
     Sim.cfg = None
     meta = dict(windows_1k=len(w1k), windows_4k=len(w4k), copy_tasks_1k=len(c1k), copy_tasks_4k=len(c4k),
-                calib_tokens=args.calib, quick=quick, tokens_in_text=len(ids))
+                calib_tokens=args.calib, quick=quick, tokens_in_text=len(ids), device=device_name(args.device))
     out = dict(model=f"SmolLM2-135M-Instruct ({GGUF}, {MODEL_WHEEL})", text=text_path.name, default=DEFAULT,
                no_window_default=NO_WINDOW_DEFAULT, head_dim=head_dim, setup=meta, configs=results)
     return out
@@ -867,6 +905,8 @@ def main(argv=None):
     p.add_argument("--no-long", action="store_true", help="skip the 4K metrics")
     p.add_argument("--calib", type=int, default=256, help="prompt tokens the key transform is calibrated on")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="where the model runs (float32 either way; the GPU runs a config in seconds)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--tag", default="quality", help="output file stem")
     p.add_argument("--verify", action="store_true", help="check the simulation against TQCache decoding and exit")

@@ -20,8 +20,8 @@ from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM  # no
 from flash_attn_tq import QuantizedKVCache  # noqa: E402
 from flash_attn_tq.integrations.transformers import (  # noqa: E402
     ATTN_IMPLEMENTATION, DEFAULTS, FINE_BITS, HEAD_WIDTHS, NO_FP16_WINDOW, TQCache, TQLayer, allocate_head_bits,
-    allocate_key_bits, calibrate_head_bits, calibrate_key_bits, head_kl, head_sensitivity, key_bit_sensitivity,
-    tq_attention_forward)
+    allocate_key_bits, calibrate_copy_heads, calibrate_head_bits, calibrate_key_bits, copy_head_sensitivity, head_kl,
+    head_sensitivity, key_bit_sensitivity, tq_attention_forward)
 
 ORACLE = "tq_oracle_test"
 
@@ -313,12 +313,18 @@ def test_defaults_are_the_quality_study_default():
     model = Shape()
     model.config = config
     sensitivity = {(i, b): (1.0 + (i * 7) % 11) / b ** 2 for i in range(layers) for b in (3, 4)}
-    cal = TQCache.calibrated(model, sensitivity=sensitivity)
+    F = FINE_BITS
+    copy = {(i, h, k, v): 0.01 + (0.5 if (i, h) == (18, 2) else 0.0) * (k < F) + 0.1 * (v < F)
+            for i in range(layers) for h in range(3) for k, v in ((3, F), (F, 3), (F, F))}
+    cal = TQCache.calibrated(model, sensitivity=sensitivity, copy_sensitivity=copy)
+    assert cal.head_options == {(18, 2): {"k_bits": F, "v_bits": F}}  # (calibrated's default: one copy head)
     for name, cache in ((eval_quality.UNCALIBRATED_DEFAULT, TQCache(config)), (eval_quality.DEFAULT, cal)):
         cfg = eval_quality.CONFIGS[name]
         if cfg.get("k_cal"):
-            assert tuple(cfg["k_cal"]) == (3, 4)  # calibrated's default bit choices
-            cfg = dict(cfg, k_layer_bits={i: cal.layer_cache_kwargs(i)["k_bits"] for i in range(layers)})
+            assert tuple(cfg["k_cal"]) == (3, 4) and cfg["copy_heads"] == 1  # calibrated's defaults
+            cfg = dict(cfg, k_layer_bits={i: cal.layer_cache_kwargs(i)["k_bits"] for i in range(layers)},
+                       head_bits={f"{i},{h}": [o["k_bits"], o["v_bits"]] for (i, h), o in cal.head_options.items()},
+                       kv_heads=3)
         assert cache.sink_tokens == cfg["sink_tokens"]
         for i in range(layers):
             opts = cache.layer_cache_kwargs(i)
@@ -328,10 +334,12 @@ def test_defaults_are_the_quality_study_default():
                       "value_pca", "scale_only"):
                 assert opts[o] == cfg[o], (name, i, o)
         assert cache.bits_per_element(64) == pytest.approx(eval_quality.config_bits(cfg, 64, layers))
-    assert cache.bits_per_element(64) == pytest.approx(3.5)  # the budget at head_dim 64
+    assert TQCache(config).bits_per_element(64) == pytest.approx(3.5)  # the budget at head_dim 64
+    # the copy head (10 bits) and 11 layers of 4-bit keys (33): 43 of the 45 bits
+    assert cal.bits_per_element(64) == pytest.approx(3.5 - 2 / (2 * 90))
     # the calibrated bits go to the layers with the largest measured gains
     gains = sorted(range(layers), key=lambda i: sensitivity[(i, 4)] - sensitivity[(i, 3)])
-    assert {i for i in range(layers) if cal.layer_cache_kwargs(i)["k_bits"] == 4} == set(gains[:15])
+    assert {i for i in range(layers) if cal.layer_cache_kwargs(i)["k_bits"] == 4} == set(gains[:11])
 
 
 def test_allocate_key_bits_spends_the_budget_where_it_gains_most():
@@ -477,3 +485,59 @@ def test_calibrated_per_head():
         TQCache.calibrated(model, per_head=True, bits=(3, 4), sensitivity=sens)
     with pytest.raises(ValueError, match="per_head"):
         TQCache.calibrated(model, fine_budget=25, sensitivity=sens)
+
+
+def test_calibrated_copy_heads():
+    """The heads copying rests on at K8V8, paid for by fewer 4-bit-key layers; within the budget."""
+    model = tiny_model(layers=10)  # 20 kv heads at head_dim 64: a budget of 10 bits, one K8V8 head
+    with torch.no_grad():  # peaked attention, so precision matters
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(4)
+            layer.self_attn.k_proj.weight.mul_(4)
+    opts = dict(fp16_window=8, sink_tokens=2)
+    F = FINE_BITS
+    sens = copy_head_sensitivity(model, seeds=(0, 1), tokens=200, **opts)
+    assert set(sens) == {(i, h) + w for i in range(10) for h in range(2) for w in ((3, F), (F, 3), (F, F))}
+    assert all(math.isfinite(v) and v >= 0 for v in sens.values())
+    one = [copy_head_sensitivity(model, seeds=(s,), tokens=200, **opts) for s in (0, 1)]
+    assert sens == pytest.approx({k: (one[0][k] + one[1][k]) / 2 for k in sens})  # the mean over the seeds
+    heads = sorted({k[:2] for k in sens})
+    gain = {hd: head_kl(sens, hd, 3, 3) - head_kl(sens, hd, F, F) for hd in heads}
+    top = max(heads, key=gain.get)
+    assert calibrate_copy_heads(model, sensitivity=sens, **opts) == {top: {"k_bits": F, "v_bits": F}}
+    assert calibrate_copy_heads(model, heads=3, sensitivity=sens, **opts) == {top: {"k_bits": F, "v_bits": F}}
+    assert calibrate_copy_heads(model, heads=0, sensitivity=sens, **opts) == {}
+    layer_sens = {(i, b): (10 - i) * (4 - b) + 0.5 for i in range(10) for b in (3, 4)}  # earlier layers gain more
+    cache = TQCache.calibrated(model, copy_heads=1, sensitivity=layer_sens, copy_sensitivity=sens, **opts)
+    assert cache.head_options == {top: {"k_bits": F, "v_bits": F}}
+    # the K8V8 head (10 bits) takes the whole budget that 4-bit keys in 5 of the 10 layers would have had
+    assert all(cache.layer_cache_kwargs(i)["k_bits"] == 3 for i in range(10))
+    assert cache.bits_per_element(64) == pytest.approx(3 + 32 / 64)
+    plain = TQCache.calibrated(model, copy_heads=0, sensitivity=layer_sens, **opts)
+    assert plain.head_options == {}
+    assert {i for i in range(10) if plain.layer_cache_kwargs(i)["k_bits"] == 4} == set(range(5))
+    assert calibrate_key_bits(model, sensitivity=layer_sens, spent=4, **opts) == {i: {"k_bits": 4} for i in range(3)}
+    # a small model's budget pays for no 8-bit head: nothing is measured, nothing given
+    assert calibrate_copy_heads(tiny_model(layers=2), **opts) == {}
+    with pytest.raises(ValueError, match="heads"):
+        calibrate_copy_heads(model, heads=-1, sensitivity=sens)
+    with pytest.raises(ValueError, match="copy_heads"):
+        TQCache.calibrated(model, per_head=True, copy_heads=1, sensitivity=sens)
+    with pytest.raises(ValueError, match="seeds"):
+        copy_head_sensitivity(model, seeds=())
+
+
+def test_copy_sequence_and_copy_span_kl():
+    from flash_attn_tq.integrations.transformers import COPY_SKIP, _copy_sequence, copy_span_kl
+    cfg = tiny_model(layers=1).config
+    ids = _copy_sequence(cfg, 90, 16, 0, "cpu")
+    assert ids.shape == (1, 106) and torch.equal(ids[0, -16:], ids[0, 30:46])
+    text = torch.arange(200, 500)
+    for seed, start in ((0, 0), (1, 90), (4, 360 % 211)):  # offsets seed * tokens, wrapping
+        got = _copy_sequence(cfg, 90, 16, seed, "cpu", text_ids=text)[0]
+        assert torch.equal(got[:90], text[start:start + 90]) and torch.equal(got[90:], got[30:46])
+    with pytest.raises(ValueError, match="text_ids"):
+        _copy_sequence(cfg, 400, 16, 0, "cpu", text_ids=text)
+    kl = torch.zeros(106)
+    kl[106 - 16 + COPY_SKIP - 1:105] = 1.0  # the predictions of the repeat's tokens COPY_SKIP..15
+    assert copy_span_kl(kl, 16) == 1.0 and kl.mean().item() < 0.1

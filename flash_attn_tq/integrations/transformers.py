@@ -6,8 +6,9 @@ Usage::
     model = AutoModelForCausalLM.from_pretrained(..., attn_implementation="tq_kvcache")
     # (or model.set_attn_implementation("tq_kvcache") on a loaded model)
     out = model.generate(ids, past_key_values=TQCache.calibrated(model), max_new_tokens=...)
-    # TQCache.calibrated measures once where the model needs 4-bit keys (2 x layers forwards of a
-    # 1K-token sequence); TQCache(model.config) puts them in the last layers without measuring
+    # TQCache.calibrated measures once which kv head copying needs most (8-bit keys and values) and
+    # where the model needs 4-bit keys (2 x layers forwards of a 1K-token sequence for those, 2 x (2 x kv
+    # heads + 1) x layers for the copy head); TQCache(model.config) puts 4-bit keys in the last layers
     # TQCache.calibrated(model, per_head=True): the same budget a kv head at a time, 8-bit codes for
     # the few heads copying rests on (a layer then holds its heads in several caches)
 
@@ -70,7 +71,9 @@ DEFAULTS = dict(k_bits=3, v_bits=3, quantizer="turbo", grid="uniform", fit="norm
 # Measured on SmolLM2 (head_dim 64, news text): +0.12% PPL, 96.7% top-1 agreement vs +0.52% / 95.8%
 # for the previous 3-bit-everywhere default. TQCache.calibrated places the same number of 4-bit-key
 # layers where the model measures most sensitive: +0.10% PPL, 97.4% top-1, copy -2.7 / -6.5 points
-# at 1K / 4K (last layers: -5.1 / -8.3; over three copy seeds -2.2 / -7.9 against -4.4 / -6.0).
+# at 1K / 4K (last layers: -5.1 / -8.3; over three copy seeds -2.2 / -7.9 against -4.4 / -6.0); with
+# the most copy-sensitive kv head at 8-bit keys and values in 10 of those bits (COPY_HEADS): +0.12%,
+# 97.0%, copy -1.6 / -4.4 (three seeds).
 
 # The setting without a 16-bit window (TQCache.calibrated(model, **NO_FP16_WINDOW)): the 128 most recent
 # tokens as 4-bit keys and values instead (age-based precision; each token is also in the 3-bit cache,
@@ -125,18 +128,40 @@ def allocate_key_bits(kl: Mapping[tuple[int, int], float], layers: Iterable[int]
     return bits
 
 
-def _copy_sequence(config, tokens: int, span: int, seed: int, device) -> torch.Tensor:
-    """``[1, tokens + span]`` token ids: ``tokens`` random ids, then the ``span`` of them that starts a
-    third of the way in, repeated (copying: what key precision decides; no text needed)."""
-    g = torch.Generator().manual_seed(seed)
-    body = torch.randint(0, config.vocab_size, (tokens,), generator=g)
+def _copy_sequence(config, tokens: int, span: int, seed: int, device, text_ids: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+    """``[1, tokens + span]`` token ids: ``tokens`` random ids (or, with ``text_ids``, ``tokens`` of
+    them from offset ``seed * tokens``, wrapping), then the ``span`` of them that starts a third of the
+    way in, repeated (copying: what key precision decides; no text needed)."""
+    if text_ids is None:
+        g = torch.Generator().manual_seed(seed)
+        body = torch.randint(0, config.vocab_size, (tokens,), generator=g)
+    else:
+        text_ids = text_ids.reshape(-1).cpu()
+        if text_ids.numel() < tokens:
+            raise ValueError(f"text_ids holds {text_ids.numel()} tokens; the sequence needs {tokens}")
+        start = (seed * tokens) % (text_ids.numel() - tokens + 1)
+        body = text_ids[start:start + tokens]
     return torch.cat([body, body[tokens // 3: tokens // 3 + span]])[None].to(device)
 
 
+COPY_SKIP = 8  # the repeat's first tokens are not yet predictable (the copy-retrieval metric skips them too)
+
+
+def copy_span_kl(kl: torch.Tensor, span: int = 64) -> float:
+    """Mean of a per-position KL ``[tokens + span]`` over the predictions of the repeated span's
+    tokens ``COPY_SKIP..span-1`` (the last ``span - COPY_SKIP`` predictions made inside the sequence)."""
+    return kl[-span + COPY_SKIP - 1:-1].mean().item()
+
+
+OBJECTIVES = {"sequence": lambda kl, span: kl.mean().item(), "copy": copy_span_kl}
+
+
 @torch.no_grad()
-def _kl_from_full(model, ids: torch.Tensor, caches: Iterable) -> list[float]:
-    """Mean KL divergence of the next-token distributions over ``ids`` from full precision, one a
-    ``TQCache`` of ``caches`` (a fresh one a forward)."""
+def _kl_from_full(model, ids: torch.Tensor, caches: Iterable, reduce=lambda kl: kl.mean().item()) -> list:
+    """``reduce`` of the per-position KL divergence ``[tokens]`` of the next-token distributions over
+    ``ids`` from full precision (default: the mean), one a ``TQCache`` of ``caches`` (a fresh one a
+    forward)."""
     previous = model.config._attn_implementation
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     try:
@@ -144,7 +169,7 @@ def _kl_from_full(model, ids: torch.Tensor, caches: Iterable) -> list[float]:
         out = []
         for cache in caches:
             lp = torch.log_softmax(model(ids, past_key_values=cache).logits[0].float(), -1)
-            out.append((ref.exp() * (ref - lp)).sum(-1).mean().item())
+            out.append(reduce((ref.exp() * (ref - lp)).sum(-1)))
         return out
     finally:
         model.set_attn_implementation(previous)
@@ -185,6 +210,7 @@ HEAD_WIDTHS = ((3, 3), (8, 3), (8, 8))
 
 def head_sensitivity(model, *, tokens: int = 1024, span: int = 64, seed: int = 0, key_bits: Iterable[int] = (3, 4),
                      value_bits: Iterable[int] = (3,), protected_layers: Iterable[int] = (),
+                     objective="sequence", text_ids: torch.Tensor | None = None,
                      **cache_kwargs) -> dict[tuple[int, int, int, int], float]:
     """:func:`key_bit_sensitivity` a kv head at a time, keys and values: ``{(layer, kv head, K bits,
     V bits): KL}``.
@@ -192,7 +218,12 @@ def head_sensitivity(model, *, tokens: int = 1024, span: int = 64, seed: int = 0
     One layer is quantized a forward, every K/V of it at :data:`FINE_BITS` (near full precision) but
     one head's keys at ``key_bits`` (its values fine) or its values at ``value_bits`` (its keys fine);
     ``(FINE_BITS, FINE_BITS)`` is the layer's floor, shared by its heads. Costs ``((len(key_bits) +
-    len(value_bits)) x kv heads + 1) x layers`` forwards of the synthetic sequence."""
+    len(value_bits)) x kv heads + 1) x layers`` forwards of the synthetic sequence.
+
+    ``objective``: what a forward's per-position KL is reduced to: ``"sequence"`` (its mean),
+    ``"copy"`` (its mean over the repeated span's predictions, :func:`copy_span_kl`: the copying
+    alone), or a callable ``(kl [tokens + span], span) -> value``. ``text_ids``: real text in place of
+    the random ids (a sample of the traffic; see :func:`_copy_sequence`)."""
     cfg = model.config
     H = cfg.num_key_value_heads
     protected = frozenset(int(i) for i in protected_layers)
@@ -210,9 +241,10 @@ def head_sensitivity(model, *, tokens: int = 1024, span: int = 64, seed: int = 0
             yield TQCache(cfg, protected_layers=others, prefill="quantized", late_k_bits=None, head_options=heads,
                           **cache_kwargs)
 
-    ids = _copy_sequence(cfg, tokens, span, seed, next(model.parameters()).device)
+    ids = _copy_sequence(cfg, tokens, span, seed, next(model.parameters()).device, text_ids)
+    reduce = OBJECTIVES[objective] if isinstance(objective, str) else objective
     out = {}
-    for (i, h, kb, vb), v in zip(runs, _kl_from_full(model, ids, caches())):
+    for (i, h, kb, vb), v in zip(runs, _kl_from_full(model, ids, caches(), lambda kl: reduce(kl, span))):
         out.update({(i, h, kb, vb): v} if h >= 0 else {(i, g, kb, vb): v for g in range(H)})
     return out
 
@@ -258,14 +290,18 @@ def allocate_head_bits(kl: Mapping[tuple[int, int, int, int], float], heads: Ite
 
 
 def calibrate_key_bits(model, *, bits: Iterable[int] = (3, 4), protected_layers: Iterable[int] = (),
-                       sensitivity: Mapping[tuple[int, int], float] | None = None, **cache_kwargs) -> dict[int, dict]:
+                       sensitivity: Mapping[tuple[int, int], float] | None = None, spent: int = 0,
+                       **cache_kwargs) -> dict[int, dict]:
     """Per-layer key bits for :class:`TQCache`, measured on the model itself.
 
     The extra key bits TQCache's default spends on the last layers (``late_k_bits``: as many as the
     scale-only metadata saves) go where :func:`key_bit_sensitivity` finds the model most sensitive
     instead (:func:`allocate_key_bits`; with ``k_bits - 1`` among ``bits``, lowering insensitive
     layers pays for more raises, but K2V3 has no fused kernel and measured no better on SmolLM2).
-    ``sensitivity``: reuse an earlier :func:`key_bit_sensitivity` measurement.
+    ``sensitivity``: reuse an earlier :func:`key_bit_sensitivity` measurement. ``spent``: bits of the
+    budget (a bit of one kv head's keys or values a unit, as :func:`calibrate_head_bits` counts)
+    already given elsewhere (:func:`calibrate_copy_heads`): that many fewer 4-bit-key layers, rounded
+    up to whole layers.
 
     Returns ``layer_options`` for ``TQCache(config, late_k_bits=None, layer_options=...)``: ``{layer:
     {"k_bits": b}}`` for the layers whose bits differ from ``k_bits``. On SmolLM2 the synthetic
@@ -284,6 +320,7 @@ def calibrate_key_bits(model, *, bits: Iterable[int] = (3, 4), protected_layers:
         sensitivity = key_bit_sensitivity(model, bits=choices, protected_layers=protected, **cache_kwargs)
     kl = {k: v for k, v in sensitivity.items() if k[1] in choices}
     extra = len(_late_layers(layers, head_dim, base, base + 1, opts["scale_only"]))
+    extra = max(0, extra - -(-int(spent) // cfg.num_key_value_heads))
     chosen = allocate_key_bits(kl, layers, extra, base)
     return {i: {"k_bits": b} for i, b in chosen.items() if b != base}
 
@@ -327,6 +364,65 @@ def calibrate_head_bits(model, *, widths: Iterable[tuple[int, int]] = HEAD_WIDTH
         rest = [hd for hd in heads if hd not in fine]
         chosen = {**allocate_head_bits(sensitivity, rest, budget - spent, split, base), **fine}
     return {hd: {"k_bits": k, "v_bits": v} for hd, (k, v) in chosen.items() if (k, v) != base}
+
+
+# kv heads TQCache.calibrated gives 8-bit keys and values (calibrate_copy_heads), paid for by fewer 4-bit-key
+# layers. SmolLM2 (news, three copy seeds): copy -1.6 / -4.4 points at 1K / 4K against -2.2 / -7.9 without,
+# top-1 97.0% (97.4%), perplexity +0.12% (+0.10%); GPL-3 text: copy -3.4 / -3.2 against -5.0 / -5.2.
+# K8V8 has a fused kernel for float16 only: on bfloat16 models that head group takes the reference path.
+COPY_HEADS = 1
+COPY_SEEDS = (0, 1)  # synthetic sequences copy_head_sensitivity averages (SmolLM2: 1 seed in 6 ranks others first)
+
+
+def copy_head_sensitivity(model, *, seeds: Iterable[int] = COPY_SEEDS, tokens: int = 1024,
+                          protected_layers: Iterable[int] = (),
+                          **cache_kwargs) -> dict[tuple[int, int, int, int], float]:
+    """:func:`head_sensitivity` of the copying alone (``objective="copy"``: the KL over the repeated
+    span's predictions) at the cache's (k_bits, v_bits), averaged over synthetic sequences ``seeds``:
+    ``(2 x kv heads + 1) x layers`` forwards a seed."""
+    opts = _with_defaults(cache_kwargs)
+    runs = [head_sensitivity(model, tokens=tokens, seed=s, key_bits=(opts["k_bits"],), value_bits=(opts["v_bits"],),
+                             protected_layers=protected_layers, objective="copy", **cache_kwargs) for s in seeds]
+    if not runs:
+        raise ValueError("seeds: at least one synthetic sequence")
+    return {k: sum(r[k] for r in runs) / len(runs) for k in runs[0]}
+
+
+def calibrate_copy_heads(model, *, heads: int = 1, protected_layers: Iterable[int] = (),
+                         sensitivity: Mapping[tuple[int, int, int, int], float] | None = None,
+                         **cache_kwargs) -> dict[tuple[int, int], dict]:
+    """The ``heads`` kv heads that copying from far back rests on most, with 8-bit keys and values.
+
+    Long-range copying (induction) runs through a few heads (SmolLM2: layer 18's kv head 2 first,
+    then layer 16's head 0), and it needs their values as well as their keys. The ranking is the gain
+    of a head at :data:`FINE_BITS` keys and values over the cache's widths in
+    :func:`copy_head_sensitivity` (``sensitivity``: reuse one). Each such head costs ``2 x FINE_BITS -
+    k_bits - v_bits`` bits of the budget (10 units at K3V3): pass that as ``spent`` to
+    :func:`calibrate_key_bits`, as :meth:`TQCache.calibrated` does. At most as many heads as the budget
+    (:func:`calibrate_head_bits`'s: 32 / head_dim bits an element) pays for: none on small models.
+
+    Returns ``head_options`` for ``TQCache``: ``{(layer, kv head): {"k_bits": 8, "v_bits": 8}}``."""
+    cfg = model.config
+    heads = int(heads)
+    if heads < 0:
+        raise ValueError(f"heads must be >= 0, got {heads}")
+    if heads == 0:
+        return {}
+    opts = _with_defaults(cache_kwargs)
+    base, F = (int(opts["k_bits"]), int(opts["v_bits"])), FINE_BITS
+    protected = frozenset(int(i) for i in protected_layers)
+    candidates = [(i, h) for i in range(cfg.num_hidden_layers) if i not in protected
+                  for h in range(cfg.num_key_value_heads)]
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    budget = (32 * len(candidates)) // head_dim if opts["scale_only"] else 0
+    heads = min(heads, budget // (2 * F - sum(base)))
+    if heads == 0:
+        return {}
+    if sensitivity is None:
+        sensitivity = copy_head_sensitivity(model, protected_layers=protected, **cache_kwargs)
+    gain = {hd: head_kl(sensitivity, hd, *base) - head_kl(sensitivity, hd, F, F) for hd in candidates}
+    top = sorted(candidates, key=lambda hd: -gain[hd])[:heads]
+    return {hd: {"k_bits": F, "v_bits": F} for hd in sorted(top)}
 
 
 def _check_no_padding(attention_mask) -> None:
@@ -676,12 +772,16 @@ class TQCache(Cache):
     @classmethod
     def calibrated(cls, model, *, per_head: bool = False, bits: Iterable[int] | None = None,
                    widths: Iterable[tuple[int, int]] | None = None, fine_budget: int | None = None,
-                   sensitivity: Mapping[tuple, float] | None = None, **kwargs) -> "TQCache":
+                   copy_heads: int | None = None, sensitivity: Mapping[tuple, float] | None = None,
+                   copy_sensitivity: Mapping[tuple, float] | None = None, **kwargs) -> "TQCache":
         """A TQCache for ``model`` with its key bits measured on the model itself, once per model
         (keep ``cache.layer_options`` / ``cache.head_options`` to reuse them); the bits budget is the
         default's (3.5 bits/element at head_dim 64, 3.25 at 128).
 
-        * ``per_head=False``: a width a layer, :func:`calibrate_key_bits` (``bits`` default (3, 4);
+        * ``per_head=False``: ``copy_heads`` (default :data:`COPY_HEADS`) kv heads at 8-bit keys and
+          values where copying needs them (:func:`calibrate_copy_heads`, ``copy_sensitivity``: reuse a
+          :func:`copy_head_sensitivity`; ``(2 x kv heads + 1) x layers`` forwards a seed), then the rest
+          of the budget as a key width a layer, :func:`calibrate_key_bits` (``bits`` default (3, 4);
           ``len(bits) x layers`` forwards of a 1K-token synthetic sequence);
         * ``per_head=True``: (K, V) widths a kv head, :func:`calibrate_head_bits` (``widths`` default
           :data:`HEAD_WIDTHS`; ``(2 x kv heads + 1) x layers`` forwards; ``fine_budget``: that many
@@ -698,13 +798,20 @@ class TQCache(Cache):
         if per_head:
             if bits is not None:
                 raise ValueError("bits: per_head=True takes (K bits, V bits) pairs as widths=")
+            if copy_heads is not None or copy_sensitivity is not None:
+                raise ValueError("copy_heads / copy_sensitivity: per-layer calibration options (per_head=False)")
             head_options = calibrate_head_bits(model, widths=widths or HEAD_WIDTHS, protected_layers=protected,
                                                sensitivity=sensitivity, fine_budget=fine_budget, **kwargs)
         else:
             if widths is not None or fine_budget is not None:
                 raise ValueError("widths / fine_budget: per-head calibration options (per_head=True)")
+            head_options = calibrate_copy_heads(model, heads=COPY_HEADS if copy_heads is None else copy_heads,
+                                                protected_layers=protected, sensitivity=copy_sensitivity, **kwargs)
+            opts = _with_defaults(kwargs)
+            spent = sum(o["k_bits"] - opts["k_bits"] + o["v_bits"] - opts["v_bits"] for o in head_options.values())
             layer_options = {i: dict(o) for i, o in calibrate_key_bits(
-                model, bits=bits or (3, 4), protected_layers=protected, sensitivity=sensitivity, **kwargs).items()}
+                model, bits=bits or (3, 4), protected_layers=protected, sensitivity=sensitivity, spent=spent,
+                **kwargs).items()}
         for i, o in (tq_only.pop("layer_options", None) or {}).items():
             layer_options.setdefault(int(i), {}).update(o)
         return cls(model.config, protected_layers=protected, late_k_bits=None, layer_options=layer_options,
@@ -790,4 +897,5 @@ register()
 
 __all__ = ["TQCache", "TQLayer", "tq_attention_forward", "register", "calibrate_key_bits", "allocate_key_bits",
            "calibrate_head_bits", "allocate_head_bits", "head_sensitivity", "head_kl", "HEAD_WIDTHS", "FINE_BITS",
-           "key_bit_sensitivity", "ATTN_IMPLEMENTATION", "DEFAULTS", "NO_FP16_WINDOW"]
+           "key_bit_sensitivity", "calibrate_copy_heads", "copy_head_sensitivity", "COPY_HEADS", "ATTN_IMPLEMENTATION",
+           "DEFAULTS", "NO_FP16_WINDOW"]
