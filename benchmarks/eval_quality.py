@@ -188,6 +188,25 @@ CONFIGS.update({
     # the kv head copying needs most (calibrate_copy_heads: copy-span KL, two synthetic sequences) at
     # K8V8 (10 units), the other 35 as 4-bit keys in 11 layers (calibrate_key_bits(spent=10))
     "Kcal34+copy1+kc+sink4+w124": _cfg(k_cal=(3, 4), copy_heads=1, fp16_window=124, **_CAL),
+    "Kcal34+copy2+kc+sink4+w124": _cfg(k_cal=(3, 4), copy_heads=2, fp16_window=124, **_CAL),
+    # the default without its fp16 window: nothing but the sinks, or the last 128 tokens as 4-bit codes
+    # (TQCache.calibrated(model, **NO_FP16_WINDOW))
+    "Kcal34+copy1+kc+sink4": _cfg(k_cal=(3, 4), copy_heads=1, **_CAL),
+    "Kcal34+copy1+kc+sink4+r128@K4V4": _cfg(k_cal=(3, 4), copy_heads=1, recent_window=128, **_CAL),
+})
+# RoPE-aware key centring: the keys' constant part taken out before RoPE (R(p) c, c the prompt's mean
+# pre-RoPE key) instead of the prompt's mean post-RoPE key, which only matches near the prompt
+_RC = dict(_CAL, key_center=False)
+CONFIGS.update({
+    "turbo3+rc+sink4+w124": _cfg(rope_center="exact", fp16_window=124, **_RC),
+    "turbo3+rct+sink4+w124": _cfg(rope_center="tile", fp16_window=124, **_RC),
+    "K3.5mix(last)+V3+rc+sink4+w124": _cfg(k4_layers="last_half", rope_center="exact", fp16_window=124, **_RC),
+    "Kcal34+copy1+rc+sink4+w124": _cfg(k_cal=(3, 4), copy_heads=1, rope_center="exact", fp16_window=124, **_RC),
+    "Kcal34+copy1+rct+sink4+w124": _cfg(k_cal=(3, 4), copy_heads=1, rope_center="tile", fp16_window=124, **_RC),
+    "Kcal34+V3+rc+sink4+w124": _cfg(k_cal=(3, 4), rope_center="exact", fp16_window=124, **_RC),
+    "Kcal34+copy1+rc+sink4": _cfg(k_cal=(3, 4), copy_heads=1, rope_center="exact", **_RC),
+    "Kcal34+copy1+rc+sink4+r128@K4V4": _cfg(k_cal=(3, 4), copy_heads=1, rope_center="exact", recent_window=128,
+                                            **_RC),
 })
 
 DEFAULT = "Kcal34+copy1+kc+sink4+w124"  # = TQCache.calibrated(model) (flash_attn_tq.integrations.transformers)
@@ -200,7 +219,11 @@ LONG = ["full", "turbo3", "turbo3+kc+pca+vpca+sink4", "turbo3+kc+sink4+w124", "t
         "K3.5mix(last)+V3+kc+sink16+w112", "K3.5mix(last)+V3+kc+sink32+w96", "turbo3+kc+pca+vpca+sink32+w96",
         "K4+V2.5mix(first)+kc+sink4+w124", "K4+V2.5mix(last)+kc+sink4+w124", "K3.5mix(last)+V3+kc+ksq.5+sink4+w124",
         "Kcal34+V3+kc+sink4+w124", "Kcal34@4K+V3+kc+sink4+w124", "KVhcal+kc+sink4+w124", "KV8hcal+kc+sink4+w124",
-        "KV8hcal25+K4+kc+sink4+w124", "Kcal34+copy1+kc+sink4+w124"]
+        "KV8hcal25+K4+kc+sink4+w124", "Kcal34+copy1+kc+sink4+w124", "Kcal34+copy2+kc+sink4+w124",
+        "Kcal34+copy1+kc+sink4", "Kcal34+copy1+kc+sink4+r128@K4V4", "K4V3+kc+sink4+w124", "turbo3+rc+sink4+w124",
+        "turbo3+rct+sink4+w124", "K3.5mix(last)+V3+rc+sink4+w124", "Kcal34+copy1+rc+sink4+w124",
+        "Kcal34+copy1+rct+sink4+w124", "Kcal34+V3+rc+sink4+w124", "Kcal34+copy1+rc+sink4",
+        "Kcal34+copy1+rc+sink4+r128@K4V4"]
 
 
 def _layer_set(which, num_layers):
@@ -260,6 +283,8 @@ def resolve(cfg, model):
     L = model.config.num_hidden_layers
     opts = tq_options(cfg)
     opts.pop("k_bits")
+    if cfg.get("rope_center"):  # (simulation only: the bits placed as measured with the product's centring)
+        opts["key_center"] = True
     prot = protected_layers(cfg, L)
     tokens = cfg.get("k_cal_tokens", 1024)
     key = (tuple(sorted(opts.items())), tuple(sorted(prot)), tuple(cfg["k_cal"]), tokens)
@@ -409,6 +434,9 @@ class Sim:
     cfg = None  # the active config dict (None: full precision)
     calib = 256
     num_layers = 0
+    # rows before this index attend in full precision: the prompt's prefill as TQCache(prefill="full")
+    # runs it (model.generate on a long prompt); later rows decode over the cache. 0: every row decodes
+    prefill_len = 0
 
     @staticmethod
     def roundtrip(key, value, cfg, calib, query=None):
@@ -429,6 +457,10 @@ class Sim:
             opts.pop("fit")
         cache = QuantizedKVCache(B, S - s0, H, D, dtype=torch.float16, device=key.device, **opts)
         c = max(calib - s0, 1)
+        shift = None
+        if cfg.get("rope_center"):  # the shift is exact for attention: the kernel would add q . shift_j back
+            shift = Sim.rope_shift(k, s0, c, cfg["rope_center"])
+            k = k - shift
         if cache.key_transform or cache.value_pca:
             q = None if query is None else query.transpose(1, 2)[:, s0:s0 + c]
             cache.calibrate(k[:, :c], v=v[:, :c], q=q)  # the prompt's statistics, then fixed
@@ -438,7 +470,7 @@ class Sim:
             v16[:, :, s0:] = cache.transform_values(cache.transform_values(v).half()).transpose(1, 2)
         cache.append(k, v)
         kd, vd = cache.dequantize(use_window=False)
-        kh[:, :, s0:] = kd.transpose(1, 2)
+        kh[:, :, s0:] = (kd if shift is None else kd + shift).transpose(1, 2)
         vh[:, :, s0:] = vd.transpose(1, 2)
         Sim.sketch = None
         if cfg.get("qjl"):  # residual sign sketch: signs of S r and |r| (float16) per quantized key
@@ -447,6 +479,34 @@ class Sim:
             proj = Sim.projection(D).to(r.device)
             Sim.sketch = (torch.sign(r @ proj.T), r.norm(dim=-1).half().float())
         return kh, vh, k16, v16
+
+    inv_freq = None  # the model's RoPE frequencies (rotate-half convention), for rope_center
+
+    @staticmethod
+    def rope_shift(k, s0, n_cal, mode, tile=32, max_drift=0.1):
+        """Position-dependent key centre [B, N, H, D] for post-RoPE keys k [B, N, H, D] at positions
+        s0..s0+N-1: R(p) c with c the mean of the pre-RoPE keys R(-p) k_p over the first n_cal tokens.
+        RoPE turns a key's constant part with its position, so a centre measured after RoPE on the
+        prompt no longer matches far from it. mode "exact": R(p_j) c for every key; "tile": R(p_t) c
+        at the tile's middle position p_t for the pairs that turn by less than max_drift radians over
+        half a tile, the prompt's post-RoPE mean for the others (one bias a tile and query)."""
+        B, N, H, D = k.shape
+        inv = Sim.inv_freq.to(k.device).float()
+        pos = torch.arange(s0, s0 + N, device=k.device).float()
+
+        def turn(x, p, sign=1.0):  # rotate-half RoPE of x [B, n, H, D] at positions p [n]
+            ang = p[:, None] * inv[None]
+            cos = torch.cat([ang.cos(), ang.cos()], -1)[None, :, None]
+            sin = torch.cat([ang.sin(), ang.sin()], -1)[None, :, None] * sign
+            return x * cos + torch.cat([-x[..., D // 2:], x[..., :D // 2]], -1) * sin
+
+        n = min(n_cal, N)
+        c = turn(k[:, :n], pos[:n], -1.0).mean(1, keepdim=True).expand(B, N, H, D)
+        if mode == "exact":
+            return turn(c, pos)
+        slow = torch.cat([inv, inv]) * tile / 2 < max_drift
+        pt = torch.div(pos, tile, rounding_mode="floor") * tile + tile / 2
+        return torch.where(slow, turn(c, pt), k[:, :n].mean(1, keepdim=True))
 
     # uniform quantizers for a unit Gaussian: step and mean squared error by bit width (Max 1960)
     STEP = torch.tensor([0.0, 1.596, 0.9957, 0.5860, 0.3352, 0.1881, 0.1041, 0.0568, 0.0307])
@@ -613,7 +673,7 @@ class Sim:
             i1 = min(S, i0 + 512)
             qi = q[:, :, i0:i1]
             ii, jj = pos[i0:i1, None], pos[None, :i1]
-            full = ((ii - jj) < R) | (jj < s0)
+            full = ((ii - jj) < R) | (jj < s0) | (ii < Sim.prefill_len)
             s_quant = qi @ kh[:, :, :i1].transpose(-1, -2)
             if sketch is not None:
                 signs, norms, sq = sketch
@@ -637,6 +697,7 @@ def install_sim(model):
     AttentionInterface.register(SIM_NAME, Sim.attention)
     model.set_attn_implementation(SIM_NAME)
     Sim.num_layers = model.config.num_hidden_layers
+    Sim.inv_freq = model.model.rotary_emb.inv_freq.detach().float().cpu()
 
 
 @torch.no_grad()
@@ -665,11 +726,23 @@ def copy_tasks(ids, ctx, depths, seeds, span=64):
 
 
 @torch.no_grad()
-def copy_accuracy(model, seq, span=64, skip=8):
+def copy_predictions(model, seq, span=64, skip=8, prefill=False):
+    """Greedy predictions of the repeat's tokens ``skip..span-1`` (teacher-forced). ``prefill``: the
+    context and the repeat's first ``skip`` tokens are the prompt, prefilled in full precision, and the
+    rest of the repeat is decoded over the cache (TQCache's ``prefill="full"``, i.e. ``generate`` on a
+    long document); otherwise every token is decoded through the cache (the stricter setting)."""
     L = len(seq)
-    h = model.model(seq[None]).last_hidden_state[0, L - span - 1: L - 1]
-    pred = model.lm_head(h).argmax(-1)
-    return (pred[skip:] == seq[L - span + skip:]).float().mean().item()
+    Sim.prefill_len = L - span + skip if prefill else 0
+    try:
+        h = model.model(seq[None]).last_hidden_state[0, L - span + skip - 1: L - 1]
+    finally:
+        Sim.prefill_len = 0
+    return model.lm_head(h).argmax(-1)
+
+
+def copy_accuracy(model, seq, span=64, skip=8, prefill=False):
+    pred = copy_predictions(model, seq, span, skip, prefill)
+    return (pred == seq[len(seq) - span + skip:]).float().mean().item()
 
 
 # --------------------------------------------------------------------------- main
@@ -719,15 +792,19 @@ def run(args):
             agree += (lp.argmax(-1) == ref.argmax(-1)).float().sum().item()
             kl += (ref.exp() * (ref - lp)).sum().item()
             bar.update()
-        acc1k = []
+        acc1k, dec1k = [], []
         for seq in c1k:
             acc1k.append(copy_accuracy(model, seq))
+            if args.decode_copy:
+                dec1k.append(copy_accuracy(model, seq, prefill=True))
             bar.update()
         r = dict(name=name, bits_per_element=round(config_bits(cfg, head_dim, cfg_model.num_hidden_layers), 4),
                  fp16_window=0 if cfg is None else cfg["fp16_window"],
                  sink_tokens=0 if cfg is None else cfg["sink_tokens"],
                  ppl=math.exp(nll / n_tok), top1_agreement=agree / (n_tok + len(w1k)), kl=kl / (n_tok + len(w1k)),
                  copy_acc_1k=sum(acc1k) / len(acc1k), options=cfg)
+        if dec1k:
+            r["copy_acc_1k_decode"] = sum(dec1k) / len(dec1k)
         if name in long_names:
             nll4 = n4 = ag4 = 0.0
             for w, ref in zip(w4k, ref4k):
@@ -736,10 +813,14 @@ def run(args):
                 n4 += len(w) - 1
                 ag4 += (lp.argmax(-1) == ref.float().argmax(-1)).float().sum().item()
                 bar.update()
-            acc4k = []
+            acc4k, dec4k = [], []
             for seq in c4k:
                 acc4k.append(copy_accuracy(model, seq))
+                if args.decode_copy:
+                    dec4k.append(copy_accuracy(model, seq, prefill=True))
                 bar.update()
+            if dec4k:
+                r["copy_acc_4k_decode"] = sum(dec4k) / len(dec4k)
             r["ppl_4k"] = math.exp(nll4 / n4) if n4 else None
             r["top1_agreement_4k"] = ag4 / (n4 + len(w4k)) if n4 else None
             r["copy_acc_4k"] = sum(acc4k) / len(acc4k) if acc4k else None
@@ -771,8 +852,10 @@ def finalize(res):
         r["copy_delta_pts"] = 100 * (r["copy_acc"] - full["copy_acc"])
         if r.get("ppl_4k") and full.get("ppl_4k"):
             r["ppl_4k_delta_pct"] = 100 * (r["ppl_4k"] / full["ppl_4k"] - 1)
-        if r.get("copy_acc_4k") is not None and full.get("copy_acc_4k") is not None:
-            r["copy_4k_delta_pts"] = 100 * (r["copy_acc_4k"] - full["copy_acc_4k"])
+        for m, d in (("copy_acc_4k", "copy_4k_delta_pts"), ("copy_acc_1k_decode", "copy_1k_decode_delta_pts"),
+                     ("copy_acc_4k_decode", "copy_4k_decode_delta_pts")):
+            if r.get(m) is not None and full.get(m) is not None:
+                r[d] = 100 * (r[m] - full[m])
     budget = 3.25 if res["head_dim"] >= 128 else 3.5  # bits/element allowed for "3-bit" (codes + metadata)
     ok = [r for r in results if r["name"] != "full" and r["bits_per_element"] <= budget + 1e-9
           and r["fp16_window"] + r["sink_tokens"] <= 128]
@@ -795,20 +878,23 @@ def finalize(res):
             budget_bits=budget, best_in_budget=best["name"], default=d["name"], best_no_window=nw and nw["name"],
             default_ppl_within_1pct=d["ppl_delta_pct"] <= 1.0, default_top1_ge_97=d["top1_agreement"] >= 0.97,
             default_copy_within_2pts=d["copy_delta_pts"] >= -2.0 and d.get("copy_4k_delta_pts", 0.0) >= -2.0,
+            default_decode_copy_within_2pts=(d.get("copy_1k_decode_delta_pts", -1e9) >= -2.0
+                                             and d.get("copy_4k_decode_delta_pts", 0.0) >= -2.0),
             no_window_within_5pct=bool(nw and nw["ppl_delta_pct"] <= 5.0))
     return res
 
 
 def markdown(res) -> str:
     s = res["setup"]
+    decode = any("copy_acc_1k_decode" in r for r in res["configs"])
     lines = [f"Model: {res['model']}; text: `{res['text']}` ({s['tokens_in_text']} tokens); "
              f"{s['windows_1k']} x 1024-token windows, {s['windows_4k']} x 4096; copy tasks: {s['copy_tasks_1k']} at 1K, "
              f"{s['copy_tasks_4k']} at 4K; key calibration on the first {s['calib_tokens']} tokens. "
              f"Default: **{res['default']}**. Targets (budget {res['targets'] and res['targets']['budget_bits']} "
              f"bits/element, <= 128 fp16 tokens): {res['targets']}.", "",
              "| config | bits/elem | fp16 tokens | PPL 1K | ΔPPL | top-1 agr. | KL | copy 1K | Δ (pts) | PPL 4K | ΔPPL 4K "
-             "| copy 4K | Δ (pts) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| copy 4K | Δ (pts) |" + (" prefilled copy 1K / 4K: Δ (pts) |" if decode else ""),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if decode else "")]
     for r in res["configs"]:
         fp16 = r["fp16_window"] + r["sink_tokens"]
         f = lambda x, fmt: "" if x is None else format(x, fmt)  # noqa: E731
@@ -816,7 +902,10 @@ def markdown(res) -> str:
         lines.append(f"| {name} | {r['bits_per_element']:.3f} | {fp16} | {r['ppl']:.3f} | {f(r.get('ppl_delta_pct'), '+.2f')}% "
                      f"| {r['top1_agreement']:.4f} | {r['kl']:.4f} | {r['copy_acc']:.3f} | {f(r.get('copy_delta_pts'), '+.1f')} "
                      f"| {f(r.get('ppl_4k'), '.3f')} | {f(r.get('ppl_4k_delta_pct'), '+.2f')} "
-                     f"| {f(r.get('copy_acc_4k'), '.3f')} | {f(r.get('copy_4k_delta_pts'), '+.1f')} |")
+                     f"| {f(r.get('copy_acc_4k'), '.3f')} | {f(r.get('copy_4k_delta_pts'), '+.1f')} |"
+                     + (f" {f(r.get('copy_1k_decode_delta_pts'), '+.1f')} / {f(r.get('copy_4k_decode_delta_pts'), '+.1f')} "
+                        f"({f(r.get('copy_acc_1k_decode'), '.3f')} / {f(r.get('copy_acc_4k_decode'), '.3f')}) |"
+                        if decode else ""))
     return "\n".join(lines) + "\n"
 
 
@@ -875,20 +964,37 @@ def verify(args) -> bool:
     per_layer = {i: {"k_bits": key_bits_of(cfg, i, L)} for i in range(L) if key_bits_of(cfg, i, L) != cfg["k_bits"]}
     for i in v2_layers(cfg, L):
         per_layer.setdefault(i, {})["v_bits"] = 2
-    cache = TQCache(model.config, prefill="quantized", protected_layers=protected_layers(cfg, L),
-                    layer_options=per_layer, late_k_bits=None, **opts)
-    outs = [model(ids[None, :prompt], past_key_values=cache).logits[0]]
-    for t in range(prompt, len(ids)):
-        outs.append(model(ids[None, t:t + 1], past_key_values=cache).logits[0])
+    heads = {tuple(int(x) for x in k.split(",")): {"k_bits": kb, "v_bits": vb}
+             for k, (kb, vb) in cfg.get("head_bits", {}).items()}
+
+    def decode(seq, prompt, prefill):  # log-probs of rows prompt-1.. (prefill: the prompt's row too)
+        cache = TQCache(model.config, prefill=prefill, protected_layers=protected_layers(cfg, L),
+                        layer_options=per_layer, late_k_bits=None, head_options=heads, **opts)
+        outs = [model(seq[None, :prompt], past_key_values=cache).logits[0]]
+        for t in range(prompt, len(seq)):
+            outs.append(model(seq[None, t:t + 1], past_key_values=cache).logits[0])
+        return torch.log_softmax(torch.cat(outs).float(), -1)
+
+    real = decode(ids, prompt, "quantized")
     hook.remove()
+    # the prefilled copy setting: a copy task's context as a full-precision prompt, the repeat decoded
+    seq = copy_tasks(ids, 160, (0.5,), range(1))[0]
+    P = len(seq) - 64 + 8
+    Sim.cfg, Sim.calib = cfg, P
+    Sim.prefill_len = P
+    sim_copy = log_probs(model, seq)[P - 1:]
+    Sim.prefill_len = 0
+    real_copy = decode(seq, P, "full")[P - 1:]
     model.set_attn_implementation(SIM_NAME)
-    real = torch.log_softmax(torch.cat(outs).float(), -1)
     layer0 = (torch.cat(caps[2:], 1) - caps[1]).abs().max().item() / caps[1].abs().max().item()
     ppl = lambda lp: math.exp(-lp[:-1].gather(1, ids[1:, None]).mean().item())  # noqa: E731
     kl = lambda a, b: (a.exp() * (a - b)).sum(-1).mean().item()  # noqa: E731
     print(f"verify {name} over {len(ids)} tokens: layer-0 attention output rel. difference {layer0:.1e}; "
           f"PPL full {ppl(full):.3f}, simulated {ppl(sim):.3f}, TQCache decode {ppl(real):.3f}; "
           f"KL(sim||decode) {kl(sim, real):.4f} vs KL(full||sim) {kl(full, sim):.4f}")
+    same = (sim_copy.argmax(-1) == real_copy.argmax(-1)).float().mean().item()
+    print(f"verify prefilled copy ({len(seq)} tokens, {P}-token full-precision prompt, the rest decoded): "
+          f"greedy predictions agree {same:.3f}, KL(sim||decode) {kl(sim_copy, real_copy):.5f}")
     return layer0 < 1e-4
 
 
@@ -903,6 +1009,9 @@ def main(argv=None):
     p.add_argument("--seeds", type=int, default=2, help="copy-retrieval seeds at 1K (x 3 depths)")
     p.add_argument("--long-seeds", type=int, default=1, help="copy-retrieval seeds at 4K (x 3 depths)")
     p.add_argument("--no-long", action="store_true", help="skip the 4K metrics")
+    p.add_argument("--decode-copy", action=argparse.BooleanOptionalAction, default=True,
+                   help="also score copying with the context prefilled in full precision and the repeat decoded "
+                        "(what generate() over TQCache does on a long document)")
     p.add_argument("--calib", type=int, default=256, help="prompt tokens the key transform is calibrated on")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",

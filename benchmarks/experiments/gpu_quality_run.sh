@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Session 12's quality runs on the device (after gpu_quality.sh stage): RoPE-aware key centring against
+# the product's post-RoPE centring, strict and prefilled copy; the news text in two calls, then GPL-3.
+#   bash benchmarks/experiments/gpu_quality.sh run bash benchmarks/experiments/gpu_quality_run.sh news1|news2|gpl
+set -eo pipefail
+T=/tmp/qdata/gensim/gensim/test/test_data/lee_background.cor
+R=benchmarks/results
+N1="full,Kcal34+copy1+kc+sink4+w124,Kcal34+copy1+rc+sink4+w124,Kcal34+copy1+rct+sink4+w124,Kcal34+V3+kc+sink4+w124"
+N1="$N1,Kcal34+V3+rc+sink4+w124,K3.5mix(last)+V3+kc+sink4+w124,K3.5mix(last)+V3+rc+sink4+w124,K4V3+kc+sink4+w124"
+N2="turbo3+kc+sink4+w124,turbo3+rc+sink4+w124,turbo3+rct+sink4+w124,Kcal34+copy1+kc+sink4,Kcal34+copy1+rc+sink4"
+N2="$N2,Kcal34+copy1+kc+sink4+r128@K4V4,Kcal34+copy1+rc+sink4+r128@K4V4"
+G="full,Kcal34+copy1+kc+sink4+w124,Kcal34+copy1+rc+sink4+w124,Kcal34+copy1+kc+sink4+r128@K4V4"
+G="$G,Kcal34+copy1+rc+sink4+r128@K4V4,K3.5mix(last)+V3+kc+sink4+w124,K3.5mix(last)+V3+rc+sink4+w124"
+case "$1" in
+news1) python3 benchmarks/eval_quality.py "$T" --data /tmp/qdata --configs "$N1" --seeds 3 --long-seeds 3 \
+         --out "$OUT" --tag quality_ropecenter ;;
+news2) python3 benchmarks/eval_quality.py "$T" --data /tmp/qdata --configs "$N2" --seeds 3 --long-seeds 3 \
+         --merge $R/quality_ropecenter.json --out "$OUT" --tag quality_ropecenter ;;
+gpl)   python3 benchmarks/eval_quality.py .qdata/GPL-3 --data /tmp/qdata --seeds 3 --long-seeds 3 --configs "$G" \
+         --out "$OUT" --tag quality_ropecenter_gpl3 ;;
+esac
