@@ -207,6 +207,15 @@ CONFIGS.update({
     "Kcal34+copy1+rc+sink4": _cfg(k_cal=(3, 4), copy_heads=1, rope_center="exact", **_RC),
     "Kcal34+copy1+rc+sink4+r128@K4V4": _cfg(k_cal=(3, 4), copy_heads=1, rope_center="exact", recent_window=128,
                                             **_RC),
+    # value centring (the prompt's mean value out before quantizing, added to the output back)
+    "Kcal34+copy1+kc+vc+sink4+w124": _cfg(k_cal=(3, 4), copy_heads=1, value_center=True, fp16_window=124, **_CAL),
+    "Kcal34+copy1+rc+vc+sink4+w124": _cfg(k_cal=(3, 4), copy_heads=1, rope_center="exact", value_center=True,
+                                          fp16_window=124, **_RC),
+    "Kcal34+copy1+rc+vc+sink4+r128@K4V4": _cfg(k_cal=(3, 4), copy_heads=1, rope_center="exact", value_center=True,
+                                               recent_window=128, **_RC),
+    "Kcal34+copy2+rc+sink4+w124": _cfg(k_cal=(3, 4), copy_heads=2, rope_center="exact", fp16_window=124, **_RC),
+    "Kcal34+copy1+rc+sink16+w112": _cfg(k_cal=(3, 4), copy_heads=1, rope_center="exact", fp16_window=112,
+                                        **dict(_RC, sink_tokens=16)),
 })
 
 DEFAULT = "Kcal34+copy1+kc+sink4+w124"  # = TQCache.calibrated(model) (flash_attn_tq.integrations.transformers)
@@ -223,7 +232,8 @@ LONG = ["full", "turbo3", "turbo3+kc+pca+vpca+sink4", "turbo3+kc+sink4+w124", "t
         "Kcal34+copy1+kc+sink4", "Kcal34+copy1+kc+sink4+r128@K4V4", "K4V3+kc+sink4+w124", "turbo3+rc+sink4+w124",
         "turbo3+rct+sink4+w124", "K3.5mix(last)+V3+rc+sink4+w124", "Kcal34+copy1+rc+sink4+w124",
         "Kcal34+copy1+rct+sink4+w124", "Kcal34+V3+rc+sink4+w124", "Kcal34+copy1+rc+sink4",
-        "Kcal34+copy1+rc+sink4+r128@K4V4"]
+        "Kcal34+copy1+rc+sink4+r128@K4V4", "Kcal34+copy1+kc+vc+sink4+w124", "Kcal34+copy1+rc+vc+sink4+w124",
+        "Kcal34+copy1+rc+vc+sink4+r128@K4V4", "Kcal34+copy2+rc+sink4+w124", "Kcal34+copy1+rc+sink16+w112"]
 
 
 def _layer_set(which, num_layers):
@@ -461,6 +471,10 @@ class Sim:
         if cfg.get("rope_center"):  # the shift is exact for attention: the kernel would add q . shift_j back
             shift = Sim.rope_shift(k, s0, c, cfg["rope_center"])
             k = k - shift
+        v_mean = None
+        if cfg.get("value_center"):  # exact too: the quantized part's normalised output plus the mean
+            v_mean = v[:, :c].mean(1, keepdim=True)
+            v = v - v_mean
         if cache.key_transform or cache.value_pca:
             q = None if query is None else query.transpose(1, 2)[:, s0:s0 + c]
             cache.calibrate(k[:, :c], v=v[:, :c], q=q)  # the prompt's statistics, then fixed
@@ -471,7 +485,7 @@ class Sim:
         cache.append(k, v)
         kd, vd = cache.dequantize(use_window=False)
         kh[:, :, s0:] = (kd if shift is None else kd + shift).transpose(1, 2)
-        vh[:, :, s0:] = vd.transpose(1, 2)
+        vh[:, :, s0:] = (vd if v_mean is None else vd + v_mean).transpose(1, 2)
         Sim.sketch = None
         if cfg.get("qjl"):  # residual sign sketch: signs of S r and |r| (float16) per quantized key
             r = key.float() - kh

@@ -11,7 +11,17 @@ N2="turbo3+kc+sink4+w124,turbo3+rc+sink4+w124,turbo3+rct+sink4+w124,Kcal34+copy1
 N2="$N2,Kcal34+copy1+kc+sink4+r128@K4V4,Kcal34+copy1+rc+sink4+r128@K4V4"
 G="full,Kcal34+copy1+kc+sink4+w124,Kcal34+copy1+rc+sink4+w124,Kcal34+copy1+kc+sink4+r128@K4V4"
 G="$G,Kcal34+copy1+rc+sink4+r128@K4V4,K3.5mix(last)+V3+kc+sink4+w124,K3.5mix(last)+V3+rc+sink4+w124"
+N3="Kcal34+copy1+kc+vc+sink4+w124,Kcal34+copy1+rc+vc+sink4+w124,Kcal34+copy1+rc+vc+sink4+r128@K4V4"
+N3="$N3,Kcal34+copy2+rc+sink4+w124,Kcal34+copy1+rc+sink16+w112"
+G3="Kcal34+copy1+rc+vc+sink4+w124,Kcal34+copy1+kc+vc+sink4+w124,Kcal34+copy1+rc+vc+sink4+r128@K4V4"
 case "$1" in
+gpl4)  python3 benchmarks/eval_quality.py .qdata/GPL-3 --data /tmp/qdata --seeds 3 --long-seeds 3 \
+         --configs "Kcal34+copy1+rc+sink16+w112,Kcal34+copy2+rc+sink4+w124" \
+         --merge $R/quality_ropecenter_gpl3.json --out "$OUT" --tag quality_ropecenter_gpl3 ;;
+news3) python3 benchmarks/eval_quality.py "$T" --data /tmp/qdata --configs "$N3" --seeds 3 --long-seeds 3 \
+         --merge $R/quality_ropecenter.json --out "$OUT" --tag quality_ropecenter
+       python3 benchmarks/eval_quality.py .qdata/GPL-3 --data /tmp/qdata --seeds 3 --long-seeds 3 --configs "$G3" \
+         --merge $R/quality_ropecenter_gpl3.json --out "$OUT" --tag quality_ropecenter_gpl3 ;;
 news1) python3 benchmarks/eval_quality.py "$T" --data /tmp/qdata --configs "$N1" --seeds 3 --long-seeds 3 \
          --out "$OUT" --tag quality_ropecenter ;;
 news2) python3 benchmarks/eval_quality.py "$T" --data /tmp/qdata --configs "$N2" --seeds 3 --long-seeds 3 \
