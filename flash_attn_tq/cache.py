@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -68,6 +68,15 @@ class QuantizedKVCache:
     of a query, so the softmax (and the output) is unchanged while the quantizer sees keys without
     their common offset (RoPE keys carry a large one). Returned ``softmax_lse`` adds ``q . mu``
     back. Storage: two float32 ``[batch, kv_heads, head_dim]`` tensors, no per-token metadata.
+
+    ``key_center='rope'`` (with ``rope_inv_freq``, the model's ``head_dim / 2`` RoPE frequencies,
+    rotate-half pairs as transformers' Llama): keys are stored as ``k - R(p) c``, ``c`` the first
+    chunk's mean key turned back by RoPE (``R(-p) k``) and ``R(p)`` RoPE at the key's cache position
+    ``p`` plus ``rope_position_offset``. RoPE turns a key's constant part with its position, so a
+    post-RoPE mean only matches near the prompt; this centre matches at every position (SmolLM2, 3K
+    tokens from the prompt: 2-7x less key energy to code). Each score then lacks a different
+    ``q . R(p) c``: attention over such a cache takes the reference path (dequantize, then attend)
+    until the fused kernels add that term.
     """
 
     def __init__(
@@ -90,7 +99,9 @@ class QuantizedKVCache:
         alpha: float = 0.95,
         seed: int = 0,
         fit: str = "norm",
-        key_center: bool = False,
+        key_center: bool | str = False,
+        rope_inv_freq: torch.Tensor | Sequence[float] | None = None,
+        rope_position_offset: int = 0,
         key_scale: float = 0.0,
         key_scale_q: bool = False,
         key_pca: bool = False,
@@ -124,6 +135,22 @@ class QuantizedKVCache:
         self.streaming, self.alpha, self.fit = streaming, alpha, fit
         if key_scale < 0:
             raise ValueError(f"key_scale must be >= 0, got {key_scale}")
+        if key_center not in (False, True, "rope"):
+            raise ValueError(f"key_center must be True, False or 'rope', got {key_center!r}")
+        self.rope_center = key_center == "rope"
+        self.rope_inv_freq, self.rope_position_offset = None, int(rope_position_offset)
+        if self.rope_center:
+            if rope_inv_freq is None:
+                raise ValueError("key_center='rope' needs rope_inv_freq (the model's RoPE frequencies, head_dim / 2)")
+            inv = torch.as_tensor(rope_inv_freq, dtype=torch.float32).flatten()
+            if inv.numel() != head_dim // 2 or not bool(torch.isfinite(inv).all()):
+                raise ValueError(f"rope_inv_freq must hold head_dim / 2 = {head_dim // 2} finite values, got "
+                                 f"{inv.numel()}")
+            if key_scale > 0 or key_pca:
+                raise ValueError("key_center='rope' combines with neither key_scale nor key_pca")
+            self.rope_inv_freq = inv.to(device)
+        elif rope_inv_freq is not None:
+            raise ValueError("rope_inv_freq is only used with key_center='rope'")
         self.key_center, self.key_scale, self.calib_min_tokens = bool(key_center), float(key_scale), int(calib_min_tokens)
         self.key_pca, self.value_pca = bool(key_pca), bool(value_pca)
         self.key_scale_q = bool(key_scale_q)
@@ -265,10 +292,12 @@ class QuantizedKVCache:
 
     # ------------------------------------------------------------------ key transform
     def calibrate(self, k: torch.Tensor, batch_idx: torch.Tensor | None = None, force: bool = False,
-                  v: torch.Tensor | None = None, q: torch.Tensor | None = None) -> None:
+                  v: torch.Tensor | None = None, q: torch.Tensor | None = None,
+                  positions: torch.Tensor | None = None) -> None:
         """Set the key transform (and the value_pca direction, from ``v``) of rows ``batch_idx`` from
         ``k [batch, n, kv_heads, d]`` (rows already calibrated are left alone unless ``force``).
-        Called by :meth:`append` on a row's first chunk."""
+        Called by :meth:`append` on a row's first chunk. ``positions [batch, n]``: the keys' cache
+        positions (``key_center='rope'``: the centre is the mean of the keys turned back by RoPE)."""
         if not (self.key_transform or self.value_pca):
             return
         B, n = k.shape[:2]
@@ -284,7 +313,9 @@ class QuantizedKVCache:
             vhouse = self._main_direction_householder(v.float())
         if n >= self.calib_min_tokens:
             kf = k.float()
-            if self.key_center:
+            if self.rope_center:
+                shift = self._rope_turn(kf, self._positions(positions, k), inverse=True).mean(1)
+            elif self.key_center:
                 shift = kf.mean(1)
             if self.key_scale > 0:
                 rms = (kf - shift[:, None]).pow(2).mean(1).sqrt()
@@ -334,11 +365,40 @@ class QuantizedKVCache:
         """P x for x [b, n, H, d] (P symmetric orthogonal: its own inverse)."""
         return self._reflect(x, self.k_house[bidx][:, None])
 
-    def transform_keys(self, k: torch.Tensor, batch_idx: torch.Tensor | None = None) -> torch.Tensor:
-        """``(k - mu) / s`` for keys ``[batch, n, kv_heads, d]`` of rows ``batch_idx`` (same dtype)."""
+    def _positions(self, positions: torch.Tensor | None, k: torch.Tensor) -> torch.Tensor:
+        if positions is None or tuple(positions.shape) != tuple(k.shape[:2]):
+            raise ValueError(f"positions: key_center='rope' centres keys by position, so it needs their cache "
+                             f"positions [batch, n] = {tuple(k.shape[:2])}")
+        return positions.to(self.device)
+
+    def _rope_turn(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        """``x [batch, n, kv_heads, d]`` turned by RoPE (rotate-half pairs ``(i, i + d/2)``, as
+        transformers' Llama) to ``positions [batch, n]`` plus ``rope_position_offset`` (float32)."""
+        ang = (positions.float() + self.rope_position_offset)[..., None] * self.rope_inv_freq  # [b, n, d/2]
+        cos, sin = ang.cos()[:, :, None], ang.sin()[:, :, None]
+        sin = -sin if inverse else sin
+        x1, x2 = x[..., :self.head_dim // 2].float(), x[..., self.head_dim // 2:].float()
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+
+    def key_centre(self, batch_idx: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor:
+        """What key centring subtracts from keys at ``positions [batch, n]`` of rows ``batch_idx``:
+        ``mu`` (``[batch, 1, kv_heads, d]``), or for ``key_center='rope'`` ``R(p) c``
+        (``[batch, n, kv_heads, d]``), float32."""
+        B = positions.shape[0]
+        c = self._per_row(self.k_shift, batch_idx, B)[:, None]
+        if not self.rope_center:
+            return c
+        return self._rope_turn(c.expand(B, positions.shape[1], *c.shape[2:]), positions.to(self.device))
+
+    def transform_keys(self, k: torch.Tensor, batch_idx: torch.Tensor | None = None,
+                       positions: torch.Tensor | None = None) -> torch.Tensor:
+        """``(k - mu) / s`` for keys ``[batch, n, kv_heads, d]`` of rows ``batch_idx`` (same dtype);
+        ``key_center='rope'``: ``k - R(p) c`` at cache ``positions [batch, n]``."""
         if not self.key_transform:
             return k
         bidx = torch.arange(k.shape[0], device=self.device) if batch_idx is None else batch_idx.to(self.device).long()
+        if self.rope_center:
+            return (k.float() - self.key_centre(bidx, self._positions(positions, k))).to(k.dtype)
         kt = (k.float() - self.k_shift[bidx][:, None]) / self.k_div[bidx][:, None]
         if self.key_pca:
             kt = self._householder(kt, bidx)
@@ -351,12 +411,15 @@ class QuantizedKVCache:
             return v
         return self._reflect(v.float(), self._per_row(self.v_house, batch_idx, v.shape[0])[:, None])
 
-    def untransform_keys(self, kt: torch.Tensor, batch_idx: torch.Tensor | None = None) -> torch.Tensor:
+    def untransform_keys(self, kt: torch.Tensor, batch_idx: torch.Tensor | None = None,
+                         positions: torch.Tensor | None = None) -> torch.Tensor:
         """Inverse of :meth:`transform_keys` (float32)."""
         if not self.key_transform:
             return kt.float()
         bidx = torch.arange(kt.shape[0], device=self.device) if batch_idx is None else batch_idx.to(self.device).long()
         x = kt.float()
+        if self.rope_center:
+            return x + self.key_centre(bidx, self._positions(positions, kt))
         if self.key_pca:
             x = self._householder(x, bidx)
         return x * self.k_div[bidx][:, None] + self.k_shift[bidx][:, None]
@@ -373,6 +436,8 @@ class QuantizedKVCache:
 
     def query_shift(self, q: torch.Tensor, batch_idx: torch.Tensor | None = None) -> torch.Tensor:
         """``q . mu`` ``[batch, heads, seqlen_q]``: what the key centring removes from every score."""
+        if self.rope_center:
+            raise ValueError("key_center='rope' removes a different q . R(p) c from each score: no shared shift")
         B, Sq, H, D = q.shape
         mu = self._per_row(self.k_shift, batch_idx, B)  # [b, kv_heads, d]
         return torch.einsum("bshgd,bhd->bhgs", q.float().reshape(B, Sq, self.num_kv_heads, -1, D), mu).reshape(B, H, Sq)
@@ -481,11 +546,12 @@ class QuantizedKVCache:
         if n == 0:
             return
         if self.key_transform or self.value_pca:
+            pos = start.long().unsqueeze(1) + torch.arange(n, device=self.device) if self.rope_center else None
             if not self._calibration_done and not _capturing():  # (a Python flag: no GPU sync once done)
-                self.calibrate(k, bidx, v=v, q=q)
+                self.calibrate(k, bidx, v=v, q=q, positions=pos)
                 self._calibration_done = bool(self.calibrated.all())
             if self.key_transform:
-                k = self.transform_keys(k, bidx)
+                k = self.transform_keys(k, bidx, positions=pos)
             if self.value_pca:
                 v = self.transform_values(v, bidx).to(v.dtype)
         if fused:  # quantize-on-write kernel: slots, range and value checks on the GPU
@@ -554,7 +620,7 @@ class QuantizedKVCache:
             if not rotated and self.quantizer == "turbo":
                 x = qz.unrotate(x)
             if name == "k" and self.key_transform and not rotated:
-                x = self.untransform_keys(x, bidx)
+                x = self.untransform_keys(x, bidx, positions=pos.expand(len(bidx), -1))
             if name == "v" and not rotated:
                 x = self.transform_values(x, bidx)  # (value_pca: back from the stored reflection)
             out.append(x * (pos < lens)[:, :, None, None])
@@ -581,7 +647,8 @@ class QuantizedKVCache:
 
     # ------------------------------------------------------------------ movement / serialization
     _TENSORS = ("k_codes", "v_codes", "k_meta", "v_meta", "seqlens", "k_window", "v_window", "k_window_meta",
-                "v_window_meta", "block_table", "k_range", "v_range", "k_shift", "k_div", "calibrated", "k_house", "v_house")
+                "v_window_meta", "block_table", "k_range", "v_range", "k_shift", "k_div", "calibrated", "k_house", "v_house",
+                "rope_inv_freq")
 
     def to(self, device: torch.device | str) -> "QuantizedKVCache":
         """Move every tensor of the cache to ``device`` (in place); returns self."""
@@ -596,7 +663,10 @@ class QuantizedKVCache:
                     head_dim=self.head_dim, k_bits=self.k_bits, v_bits=self.v_bits, quantizer=self.quantizer,
                     grid=self.grid, fp16_window=self.fp16_window, window_bits=self.window_bits, page_size=self.page_size,
                     num_blocks=self.k_codes.shape[0] if self.paged else None, streaming=self.streaming,
-                    alpha=self.alpha, seed=self.seed, fit=self.fit, key_center=self.key_center,
+                    alpha=self.alpha, seed=self.seed, fit=self.fit,
+                    key_center="rope" if self.rope_center else self.key_center,
+                    rope_inv_freq=None if self.rope_inv_freq is None else self.rope_inv_freq.tolist(),
+                    rope_position_offset=self.rope_position_offset,
                     key_scale=self.key_scale, key_scale_q=self.key_scale_q, key_pca=self.key_pca, value_pca=self.value_pca, calib_min_tokens=self.calib_min_tokens, scale_only=self.scale_only, dtype=str(self.dtype).replace("torch.", ""))
 
     def state_dict(self) -> dict[str, Any]:
@@ -607,7 +677,8 @@ class QuantizedKVCache:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         mine = self.config()
         theirs = dict(state["config"])
-        for key, default in (("fit", "norm"), ("key_center", False), ("key_scale", 0.0), ("key_scale_q", False), ("key_pca", False), ("value_pca", False),
+        for key, default in (("fit", "norm"), ("key_center", False), ("rope_inv_freq", None), ("rope_position_offset", 0),
+                             ("key_scale", 0.0), ("key_scale_q", False), ("key_pca", False), ("value_pca", False),
                              ("calib_min_tokens", 16), ("scale_only", False),
                              ("window_bits", 16)):
             theirs.setdefault(key, default)  # saved before the option existed

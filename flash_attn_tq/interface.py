@@ -424,7 +424,9 @@ def _quantized_kvcache(q, cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
         rows = bidx.long() if bidx is not None else torch.arange(batch, device=device)
         k_deq, v_deq = cache.dequantize(rows)
         if prefix is not None:  # back to the keys' and values' own domain, ahead of the cache's tokens
-            pk = cache.untransform_keys(prefix[0], rows)
+            n_pre = prefix[0].shape[1]  # (at the cache positions before its first token: TQCache's sinks)
+            pk = cache.untransform_keys(prefix[0], rows, positions=torch.arange(-n_pre, 0, device=device).expand(
+                prefix[0].shape[0], -1))
             pv = cache.transform_values(prefix[1], rows)  # (the reflection is its own inverse)
             k_deq = torch.cat([pk.to(k_deq.dtype), k_deq], 1)
             v_deq = torch.cat([pv.to(v_deq.dtype), v_deq], 1)

@@ -85,6 +85,8 @@ def fused_decode_supported(cache, q: torch.Tensor) -> str | None:
         return f"K{cache.k_bits}V{cache.v_bits} with {q.dtype} queries (its kernel takes float16)"
     if cache.grid != "uniform":
         return "the Lloyd-Max grid (the kernel folds the uniform grid's affine levels)"
+    if getattr(cache, "rope_center", False):
+        return "key_center='rope' (the kernels do not add each score's q . R(p) c yet)"
     return None
 
 

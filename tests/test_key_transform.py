@@ -211,3 +211,85 @@ def test_transforms_of_selected_rows():
     torch.testing.assert_close(cache.transform_query(q), cache.transform_query(q, first_rows))
     torch.testing.assert_close(cache.query_shift(q), cache.query_shift(q, first_rows))
     torch.testing.assert_close(cache.untransform_output(o), cache.untransform_output(o, first_rows))
+
+
+# ---------------------------------------------------------------- key_center="rope"
+
+def rope(x, pos, inv_freq):
+    """Rotate-half RoPE (transformers' Llama) of x [B, S, H, d] at positions pos [S]."""
+    ang = pos.double()[:, None] * inv_freq.double()[None]
+    cos, sin = torch.cat([ang.cos()] * 2, -1)[None, :, None], torch.cat([ang.sin()] * 2, -1)[None, :, None]
+    half = x.shape[-1] // 2
+    return (x.double() * cos + torch.cat([-x[..., half:], x[..., :half]], -1).double() * sin).float()
+
+
+def roped_keys(B, S, H, d, seed=0, theta=10000.0):
+    """Post-RoPE keys whose pre-RoPE form has a large constant part (what real keys have)."""
+    g = torch.Generator().manual_seed(seed)
+    inv = 1.0 / theta ** (torch.arange(0, d, 2).float() / d)
+    raw = torch.randn(B, 1, H, d, generator=g) * 4 + torch.randn(B, S, H, d, generator=g)
+    return rope(raw, torch.arange(S), inv), inv
+
+
+def test_rope_centre_is_the_mean_pre_rope_key_and_exact():
+    B, S, H, d, first = 2, 600, 2, 64, 48
+    k, inv = roped_keys(B, S, H, d)
+    v = torch.randn(B, S, H, d)
+    cache = QuantizedKVCache(B, S, H, d, key_center="rope", rope_inv_freq=inv, fp16_window=8)
+    cache.append(k[:, :first], v[:, :first])
+    cache.append(k[:, first:], v[:, first:])
+    unturned = rope(k[:, :first], -torch.arange(first).float(), inv)  # R(-p) k: the pre-RoPE keys
+    torch.testing.assert_close(cache.k_shift, unturned.mean(1), rtol=1e-4, atol=1e-4)
+    pos = torch.arange(S).expand(B, -1)
+    torch.testing.assert_close(cache.untransform_keys(cache.transform_keys(k, positions=pos), positions=pos), k,
+                               rtol=1e-5, atol=1e-4)
+    # attention over the cache (the reference path) is attention over its dequantized keys, as stored
+    q = torch.randn(B, 1, 2 * H, d)
+    out, lse = flash_attn_with_kvcache(q, cache, return_softmax_lse=True)
+    k_hat, v_hat = cache.dequantize()
+    ref_out, ref_lse = attention_reference(q, k_hat, v_hat, softmax_scale=d ** -0.5,
+                                           key_lengths=torch.full((B,), S, dtype=torch.int32))
+    torch.testing.assert_close(out.float(), ref_out.float(), rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-4, atol=1e-4)
+    state = cache.state_dict()
+    back = QuantizedKVCache.from_state_dict(state)
+    assert back.rope_center and back.config() == cache.config()
+    torch.testing.assert_close(back.dequantize()[0], k_hat)
+
+
+def test_rope_centre_codes_far_keys_better_than_the_post_rope_mean():
+    """The post-RoPE mean of the first chunk stops matching as RoPE turns the keys' constant part;
+    R(p) c follows it: far from the first chunk the 3-bit keys come out several times closer."""
+    B, S, H, d, first = 1, 4096, 2, 64, 256
+    k, inv = roped_keys(B, S, H, d, seed=1)
+    v = torch.randn(B, S, H, d)
+    err = {}
+    for centre in (True, "rope"):
+        extra = dict(rope_inv_freq=inv) if centre == "rope" else {}
+        cache = QuantizedKVCache(B, S, H, d, key_center=centre, **extra)
+        cache.append(k[:, :first], v[:, :first])
+        cache.append(k[:, first:], v[:, first:])
+        k_hat = cache.dequantize()[0]
+        err[centre] = rel(k_hat[:, 3000:], k[:, 3000:])
+    assert err["rope"] < 0.5 * err[True], err
+
+
+def test_rope_centre_errors():
+    inv = torch.ones(32)
+    with pytest.raises(ValueError, match="rope_inv_freq"):
+        QuantizedKVCache(1, 8, 1, 64, key_center="rope")
+    with pytest.raises(ValueError, match="rope_inv_freq"):
+        QuantizedKVCache(1, 8, 1, 64, key_center="rope", rope_inv_freq=torch.ones(16))
+    with pytest.raises(ValueError, match="rope_inv_freq"):
+        QuantizedKVCache(1, 8, 1, 64, key_center="rope", rope_inv_freq=torch.full((32,), float("nan")))
+    with pytest.raises(ValueError, match="rope_inv_freq"):
+        QuantizedKVCache(1, 8, 1, 64, key_center=True, rope_inv_freq=inv)
+    with pytest.raises(ValueError, match="key_scale nor key_pca"):
+        QuantizedKVCache(1, 8, 1, 64, key_center="rope", rope_inv_freq=inv, key_scale=0.5)
+    with pytest.raises(ValueError, match="key_center"):
+        QuantizedKVCache(1, 8, 1, 64, key_center="pre")
+    cache = QuantizedKVCache(1, 8, 1, 64, key_center="rope", rope_inv_freq=inv)
+    with pytest.raises(ValueError, match="positions"):
+        cache.transform_keys(torch.randn(1, 4, 1, 64))
+    with pytest.raises(ValueError, match="no shared shift"):
+        cache.query_shift(torch.randn(1, 1, 1, 64))

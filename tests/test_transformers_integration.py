@@ -93,6 +93,10 @@ CASES = [
     # per-head bits: a layer's kv heads in two caches (8-bit keys in one head), or three layers' worth
     dict(fp16_window=4, sink_tokens=2, head_options={(0, 1): dict(k_bits=8), (2, 0): dict(k_bits=4, v_bits=4)}),
     dict(fp16_window=0, sink_tokens=3, prefill="quantized", key_scale=0.5, head_options={(1, 0): dict(k_bits=8)}),
+    # RoPE-aware key centring (the reference path): sinks and window at their positions, head groups
+    dict(fp16_window=8, sink_tokens=4, key_center="rope"),
+    dict(fp16_window=4, sink_tokens=2, key_center="rope", prefill="quantized", head_options={(1, 0): dict(k_bits=8)}),
+    dict(fp16_window=8, window_bits=4, sink_tokens=0, key_center="rope"),
 ]
 
 
@@ -541,3 +545,21 @@ def test_copy_sequence_and_copy_span_kl():
     kl = torch.zeros(106)
     kl[106 - 16 + COPY_SKIP - 1:105] = 1.0  # the predictions of the repeat's tokens COPY_SKIP..15
     assert copy_span_kl(kl, 16) == 1.0 and kl.mean().item() < 0.1
+
+
+def test_rope_centre_takes_the_model_rope():
+    from flash_attn_tq.integrations.transformers import rope_inv_freq
+    model = tiny_model(layers=2)
+    torch.testing.assert_close(rope_inv_freq(model.config), model.model.rotary_emb.inv_freq.float())
+    cache = TQCache(model.config, key_center="rope", sink_tokens=3, fp16_window=4)
+    opts = cache.layer_cache_kwargs(0)
+    assert opts["rope_position_offset"] == 3  # the quantized cache's positions start after the sinks
+    torch.testing.assert_close(opts["rope_inv_freq"], model.model.rotary_emb.inv_freq.float())
+    with pytest.raises(ValueError, match="config"):
+        TQCache(None, key_center="rope")
+    ids = torch.randint(3, 96, (1, 30), generator=torch.Generator().manual_seed(2))
+    generate(model, ATTN_IMPLEMENTATION, ids, cache, 2)
+    qc = cache.layers[0].qcache
+    assert qc.rope_center and bool(qc.calibrated.all())
+    from flash_attn_tq import last_path
+    assert last_path().startswith("quantized:reference")  # (no fused kernel adds q . R(p) c yet)

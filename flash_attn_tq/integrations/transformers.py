@@ -91,6 +91,23 @@ def _with_defaults(cache_kwargs: Mapping) -> dict:
     return opts
 
 
+def rope_inv_freq(config) -> torch.Tensor:
+    """The RoPE frequencies ``[head_dim / 2]`` a transformers model config gives its rotary
+    embedding (``rope_parameters``: ``"default"`` or one of transformers' scaled kinds), for
+    ``key_center="rope"``."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    kind = params.get("rope_type", "default")
+    if kind != "default":
+        return ROPE_INIT_FUNCTIONS[kind](config, "cpu")[0].float()
+    theta = params.get("rope_theta", getattr(config, "rope_theta", None))
+    if theta is None:
+        raise ValueError("key_center='rope': the config names no rope_theta")
+    d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    d = int(d * params.get("partial_rotary_factor", 1.0))
+    return 1.0 / (float(theta) ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+
+
 def _late_layers(quantized: list[int], head_dim: int, k_bits: int, late_k_bits: int | None,
                  scale_only: bool) -> set[int]:
     """The layers (the last of ``quantized``) whose keys get ``late_k_bits``: as many as the 16 bits a
@@ -648,7 +665,9 @@ class TQLayer(CacheLayerMixin):
         qc = self.caches[group]
         if group not in self.sinks_stored or ((qc.key_transform or qc.value_pca) and not qc._calibration_done):
             sk, sv = self._heads(self.sink_k, group).float(), self._heads(self.sink_v, group).float()
-            self.sinks_stored[group] = (qc.transform_keys(sk), qc.transform_values(sv))
+            n = sk.shape[1]  # (at the cache positions before its first token: rope_position_offset = sink_tokens)
+            pos = torch.arange(-n, 0, device=sk.device).expand(sk.shape[0], -1)
+            self.sinks_stored[group] = (qc.transform_keys(sk, positions=pos), qc.transform_values(sv))
         return self.sinks_stored[group]
 
     def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -733,6 +752,13 @@ class TQCache(Cache):
             head_dim = config.hidden_size // config.num_attention_heads
         if late_k_bits is not None and not 2 <= int(late_k_bits) <= 4:
             raise ValueError(f"late_k_bits must be 2, 3, 4 or None, got {late_k_bits}")
+        if opts.get("key_center") == "rope":  # the cache positions start after the sink tokens
+            if opts.get("rope_inv_freq") is None:
+                if config is None:
+                    raise ValueError("key_center='rope' needs the model config (its RoPE frequencies): TQCache(config, ...)")
+                opts["rope_inv_freq"] = rope_inv_freq(config)
+            opts.setdefault("rope_position_offset", self.sink_tokens)
+        vdim = head_dim or 64  # (the validation caches below)
         late = set()
         if self.num_layers is not None and head_dim is not None:
             quantized = [i for i in range(self.num_layers) if i not in self.protected_layers]
@@ -747,10 +773,10 @@ class TQCache(Cache):
             if "sink_tokens" in o or "late_k_bits" in o:
                 raise ValueError(f"layer_options[{i}]: {'sink_tokens' if 'sink_tokens' in o else 'late_k_bits'} "
                                  f"is a TQCache-wide option")
-        QuantizedKVCache(1, 1, 1, 64, **opts)  # validate the options early
+        QuantizedKVCache(1, 1, 1, vdim, **opts)  # validate the options early
         for i, o in self.layer_options.items():
             try:
-                QuantizedKVCache(1, 1, 1, 64, **dict(opts, **o))
+                QuantizedKVCache(1, 1, 1, vdim, **dict(opts, **o))
             except (TypeError, ValueError) as e:
                 raise type(e)(f"layer_options[{i}]: {e}") from None
         self.head_options = {}
@@ -764,7 +790,7 @@ class TQCache(Cache):
             if self.num_kv_heads is not None and not 0 <= h < self.num_kv_heads:
                 raise ValueError(f"head_options[{key}]: kv head {h} out of range ({self.num_kv_heads} kv heads)")
             try:
-                QuantizedKVCache(1, 1, 1, 64, **{**opts, **self.layer_options.get(i, {}), **o})
+                QuantizedKVCache(1, 1, 1, vdim, **{**opts, **self.layer_options.get(i, {}), **o})
             except (TypeError, ValueError) as e:
                 raise type(e)(f"head_options[{key}]: {e}") from None
             self.head_options[(i, h)] = dict(o)
@@ -897,5 +923,5 @@ register()
 
 __all__ = ["TQCache", "TQLayer", "tq_attention_forward", "register", "calibrate_key_bits", "allocate_key_bits",
            "calibrate_head_bits", "allocate_head_bits", "head_sensitivity", "head_kl", "HEAD_WIDTHS", "FINE_BITS",
-           "key_bit_sensitivity", "calibrate_copy_heads", "copy_head_sensitivity", "COPY_HEADS", "ATTN_IMPLEMENTATION",
+           "key_bit_sensitivity", "calibrate_copy_heads", "rope_inv_freq", "copy_head_sensitivity", "COPY_HEADS", "ATTN_IMPLEMENTATION",
            "DEFAULTS", "NO_FP16_WINDOW"]
