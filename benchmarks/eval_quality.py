@@ -465,11 +465,15 @@ class Sim:
                                     "key_pca", "value_pca", "scale_only")}
         if opts["quantizer"] == "asym":
             opts.pop("fit")
+        if cfg.get("rope_center") == "exact":  # QuantizedKVCache(key_center="rope"), positions after the sinks
+            opts.update(key_center="rope", rope_inv_freq=Sim.inv_freq, rope_position_offset=s0)
         cache = QuantizedKVCache(B, S - s0, H, D, dtype=torch.float16, device=key.device, **opts)
         c = max(calib - s0, 1)
+        if cache.rope_center:
+            cache.calibrate(k[:, :c], positions=torch.arange(c, device=k.device).expand(B, -1))
         shift = None
-        if cfg.get("rope_center"):  # the shift is exact for attention: the kernel would add q . shift_j back
-            shift = Sim.rope_shift(k, s0, c, cfg["rope_center"])
+        if cfg.get("rope_center") == "tile":  # (simulation only) the shift is exact once each score gets q . shift_j
+            shift = Sim.rope_shift(k, s0, c)
             k = k - shift
         v_mean = None
         if cfg.get("value_center"):  # exact too: the quantized part's normalised output plus the mean
@@ -479,7 +483,9 @@ class Sim:
             q = None if query is None else query.transpose(1, 2)[:, s0:s0 + c]
             cache.calibrate(k[:, :c], v=v[:, :c], q=q)  # the prompt's statistics, then fixed
         if cache.key_transform:
-            k16[:, :, s0:] = cache.untransform_keys(cache.transform_keys(k).half()).transpose(1, 2)
+            pos = torch.arange(S - s0, device=k.device).expand(B, -1)
+            k16[:, :, s0:] = cache.untransform_keys(cache.transform_keys(k, positions=pos).half(),
+                                                    positions=pos).transpose(1, 2)
         if cache.value_pca:
             v16[:, :, s0:] = cache.transform_values(cache.transform_values(v).half()).transpose(1, 2)
         cache.append(k, v)
@@ -497,13 +503,13 @@ class Sim:
     inv_freq = None  # the model's RoPE frequencies (rotate-half convention), for rope_center
 
     @staticmethod
-    def rope_shift(k, s0, n_cal, mode, tile=32, max_drift=0.1):
-        """Position-dependent key centre [B, N, H, D] for post-RoPE keys k [B, N, H, D] at positions
-        s0..s0+N-1: R(p) c with c the mean of the pre-RoPE keys R(-p) k_p over the first n_cal tokens.
-        RoPE turns a key's constant part with its position, so a centre measured after RoPE on the
-        prompt no longer matches far from it. mode "exact": R(p_j) c for every key; "tile": R(p_t) c
-        at the tile's middle position p_t for the pairs that turn by less than max_drift radians over
-        half a tile, the prompt's post-RoPE mean for the others (one bias a tile and query)."""
+    def rope_shift(k, s0, n_cal, tile=32, max_drift=0.1):
+        """A tile-wise RoPE-aware key centre [B, N, H, D] for post-RoPE keys k [B, N, H, D] at
+        positions s0..s0+N-1 (what a kernel adding one bias a tile and query could use): R(p_t) c, c
+        the mean pre-RoPE key R(-p) k_p of the first n_cal tokens, at the tile's middle position p_t
+        for the pairs that turn by less than max_drift radians over half a tile; the prompt's post-RoPE
+        mean for the others. (rope_center="exact", R(p_j) c for every key, is QuantizedKVCache's
+        key_center="rope".)"""
         B, N, H, D = k.shape
         inv = Sim.inv_freq.to(k.device).float()
         pos = torch.arange(s0, s0 + N, device=k.device).float()
@@ -516,8 +522,6 @@ class Sim:
 
         n = min(n_cal, N)
         c = turn(k[:, :n], pos[:n], -1.0).mean(1, keepdim=True).expand(B, N, H, D)
-        if mode == "exact":
-            return turn(c, pos)
         slow = torch.cat([inv, inv]) * tile / 2 < max_drift
         pt = torch.div(pos, tile, rounding_mode="floor") * tile + tile / 2
         return torch.where(slow, turn(c, pt), k[:, :n].mean(1, keepdim=True))
