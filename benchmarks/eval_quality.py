@@ -271,6 +271,8 @@ def tq_options(cfg):
                                 "key_scale", "key_scale_q", "key_pca", "value_pca", "scale_only")}
     if opts["quantizer"] == "asym":
         opts.pop("fit")
+    if cfg.get("rope_center") == "exact":  # (TQCache takes the RoPE frequencies from the model config)
+        opts["key_center"] = "rope"
     if cfg.get("recent_window"):  # age-based precision: TQCache's window as codes of recent_bits
         rk, rv = cfg["recent_bits"]
         if opts["fp16_window"] or rk != rv:
@@ -293,8 +295,8 @@ def resolve(cfg, model):
     L = model.config.num_hidden_layers
     opts = tq_options(cfg)
     opts.pop("k_bits")
-    if cfg.get("rope_center"):  # (simulation only: the bits placed as measured with the product's centring)
-        opts["key_center"] = True
+    if cfg.get("rope_center"):  # the bits placed as measured with the post-RoPE centring (as in the session-12
+        opts["key_center"] = True  # tables; TQCache.calibrated(model, key_center="rope") measures with its own)
     prot = protected_layers(cfg, L)
     tokens = cfg.get("k_cal_tokens", 1024)
     key = (tuple(sorted(opts.items())), tuple(sorted(prot)), tuple(cfg["k_cal"]), tokens)
@@ -998,10 +1000,12 @@ def verify(args) -> bool:
     # the prefilled copy setting: a copy task's context as a full-precision prompt, the repeat decoded
     seq = copy_tasks(ids, 160, (0.5,), range(1))[0]
     P = len(seq) - 64 + 8
+    model.set_attn_implementation(SIM_NAME)
     Sim.cfg, Sim.calib = cfg, P
     Sim.prefill_len = P
     sim_copy = log_probs(model, seq)[P - 1:]
     Sim.prefill_len = 0
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
     real_copy = decode(seq, P, "full")[P - 1:]
     model.set_attn_implementation(SIM_NAME)
     layer0 = (torch.cat(caps[2:], 1) - caps[1]).abs().max().item() / caps[1].abs().max().item()
