@@ -563,3 +563,27 @@ def test_rope_centre_takes_the_model_rope():
     assert qc.rope_center and bool(qc.calibrated.all())
     from flash_attn_tq import last_path
     assert last_path().startswith("quantized:reference")  # (no fused kernel adds q . R(p) c yet)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_rope_centre_on_the_gpu_matches_the_oracle():
+    """key_center='rope' on CUDA tensors (float16 model): the reference path, with the reason named,
+    against float64 attention over the same dequantized cache (prompt, a chunk, single tokens)."""
+    from flash_attn_tq import last_path, ops
+    model = tiny_model(layers=3).cuda().half()
+    opts = dict(key_center="rope", fp16_window=8, sink_tokens=2, head_options={(1, 0): {"k_bits": 4}})
+    ids = torch.randint(3, 96, (2, 60), generator=torch.Generator().manual_seed(5)).cuda()
+    logits = {}
+    for impl in (ATTN_IMPLEMENTATION, ORACLE):
+        model.set_attn_implementation(impl)
+        cache, steps = TQCache(model.config, max_cache_len=32, **opts), []
+        with torch.no_grad():
+            for a, b in ((0, 40), (40, 45), (45, 46), (46, 47)):
+                steps.append(model(ids[:, a:b], past_key_values=cache).logits[:, -1].float())
+                if impl == ATTN_IMPLEMENTATION and a:
+                    want = "key_center='rope'" if ops.extension_available() else "extension"
+                    assert last_path().startswith("quantized:reference") and want in last_path(), last_path()
+        assert cache.layers[0].qcache.k_shift.is_cuda
+        logits[impl] = torch.stack(steps)
+    torch.testing.assert_close(logits[ATTN_IMPLEMENTATION], logits[ORACLE], rtol=2e-2, atol=2e-2)
