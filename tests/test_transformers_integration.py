@@ -274,16 +274,20 @@ def test_pack_errors_surface_in_the_same_forward_on_the_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU and the built extension")
-@pytest.mark.parametrize("opts", [dict(), NO_FP16_WINDOW, dict(head_options={(2, 1): {"k_bits": 8}, (0, 0): {"k_bits": 4}})],
-                         ids=["default", "no_fp16_window", "head_options"])
+@pytest.mark.parametrize("opts", [dict(), NO_FP16_WINDOW, dict(head_options={(2, 1): {"k_bits": 8}, (0, 0): {"k_bits": 4}}),
+                                  dict(key_center="rope", head_options={(1, 0): {"k_bits": 4}})],
+                         ids=["default", "no_fp16_window", "head_options", "rope_centre"])
 def test_fused_decode_matches_the_oracle_on_the_gpu(opts):
     """A float16 model on the GPU: the prompt, a 5-token chunk and single tokens through the fused
     kernel (+ the recent window: 16-bit, or 4-bit codes; per-head bits: the last layer's second head
     at 8-bit keys, attended last) against float64 attention over the same dequantized cache; every
-    step's logits agree to float16 rounding."""
+    step's logits agree to float16 rounding. key_center='rope' takes the reference path (on CUDA
+    tensors), with that reason."""
     from flash_attn_tq import last_path, ops
     if not ops.extension_available():
         pytest.skip("the CUDA extension is not built")
+    path = ("quantized:reference (key_center='rope' (the kernels do not add each score's q . R(p) c yet))"
+            if opts.get("key_center") == "rope" else "quantized:fused-cuda")
     model = tiny_model(layers=3).cuda().half()
     opts = dict(opts, fp16_window=min(DEFAULTS["fp16_window"], 16), sink_tokens=2)
     ids = torch.randint(3, 96, (2, 60), generator=torch.Generator().manual_seed(4)).cuda()
@@ -295,7 +299,7 @@ def test_fused_decode_matches_the_oracle_on_the_gpu(opts):
             for a, b in ((0, 40), (40, 45), (45, 46), (46, 47), (47, 48)):
                 steps.append(model(ids[:, a:b], past_key_values=cache).logits[:, -1].float())
                 if impl == ATTN_IMPLEMENTATION and a:
-                    assert last_path() == "quantized:fused-cuda"
+                    assert last_path() == path
         logits[impl] = torch.stack(steps)
     got, want = logits[ATTN_IMPLEMENTATION], logits[ORACLE]
     assert (got - want).abs().max() < 2e-2 * want.abs().max()
@@ -564,26 +568,3 @@ def test_rope_centre_takes_the_model_rope():
     from flash_attn_tq import last_path
     assert last_path().startswith("quantized:reference")  # (no fused kernel adds q . R(p) c yet)
 
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_rope_centre_on_the_gpu_matches_the_oracle():
-    """key_center='rope' on CUDA tensors (float16 model): the reference path, with the reason named,
-    against float64 attention over the same dequantized cache (prompt, a chunk, single tokens)."""
-    from flash_attn_tq import last_path, ops
-    model = tiny_model(layers=3).cuda().half()
-    opts = dict(key_center="rope", fp16_window=8, sink_tokens=2, head_options={(1, 0): {"k_bits": 4}})
-    ids = torch.randint(3, 96, (2, 60), generator=torch.Generator().manual_seed(5)).cuda()
-    logits = {}
-    for impl in (ATTN_IMPLEMENTATION, ORACLE):
-        model.set_attn_implementation(impl)
-        cache, steps = TQCache(model.config, max_cache_len=32, **opts), []
-        with torch.no_grad():
-            for a, b in ((0, 40), (40, 45), (45, 46), (46, 47)):
-                steps.append(model(ids[:, a:b], past_key_values=cache).logits[:, -1].float())
-                if impl == ATTN_IMPLEMENTATION and a:
-                    want = "key_center='rope'" if ops.extension_available() else "extension"
-                    assert last_path().startswith("quantized:reference") and want in last_path(), last_path()
-        assert cache.layers[0].qcache.k_shift.is_cuda
-        logits[impl] = torch.stack(steps)
-    torch.testing.assert_close(logits[ATTN_IMPLEMENTATION], logits[ORACLE], rtol=2e-2, atol=2e-2)
