@@ -26,7 +26,9 @@ Per layer, the cache holds
   QuantizedKVCache; ``window_bits=4`` keeps them as 4-bit codes instead: age-based precision, the
   setting without a 16-bit window, see :data:`NO_FP16_WINDOW`); 4-bit keys in the last layers
   (``late_k_bits``), paid for by the scale-only metadata;
-* keys centred (``key_center``); optionally reflected so that their main direction is stored exactly
+* keys centred (``key_center``; ``key_center="rope"``: by the prompt's mean pre-RoPE key turned to
+  each key's position, the frequencies from the config: better far from the prompt, reference path
+  only until the kernels add each score's centre term); optionally reflected so that their main direction is stored exactly
   (``key_pca``, with ``fit="mean"``), values likewise (``value_pca``), per-channel key scaling
   (``key_scale``/``key_scale_q``); all exact for attention (see QuantizedKVCache), calibrated on the
   prompt.
