@@ -512,21 +512,15 @@ class Sim:
         for the pairs that turn by less than max_drift radians over half a tile; the prompt's post-RoPE
         mean for the others. (rope_center="exact", R(p_j) c for every key, is QuantizedKVCache's
         key_center="rope".)"""
+        from flash_attn_tq.cache import rope_turn
         B, N, H, D = k.shape
         inv = Sim.inv_freq.to(k.device).float()
         pos = torch.arange(s0, s0 + N, device=k.device).float()
-
-        def turn(x, p, sign=1.0):  # rotate-half RoPE of x [B, n, H, D] at positions p [n]
-            ang = p[:, None] * inv[None]
-            cos = torch.cat([ang.cos(), ang.cos()], -1)[None, :, None]
-            sin = torch.cat([ang.sin(), ang.sin()], -1)[None, :, None] * sign
-            return x * cos + torch.cat([-x[..., D // 2:], x[..., :D // 2]], -1) * sin
-
         n = min(n_cal, N)
-        c = turn(k[:, :n], pos[:n], -1.0).mean(1, keepdim=True).expand(B, N, H, D)
+        c = rope_turn(k[:, :n], pos[:n], inv, inverse=True).mean(1, keepdim=True).expand(B, N, H, D)
         slow = torch.cat([inv, inv]) * tile / 2 < max_drift
         pt = torch.div(pos, tile, rounding_mode="floor") * tile + tile / 2
-        return torch.where(slow, turn(c, pt), k[:, :n].mean(1, keepdim=True))
+        return torch.where(slow, rope_turn(c, pt, inv), k[:, :n].mean(1, keepdim=True))
 
     # uniform quantizers for a unit Gaussian: step and mean squared error by bit width (Max 1960)
     STEP = torch.tensor([0.0, 1.596, 0.9957, 0.5860, 0.3352, 0.1881, 0.1041, 0.0568, 0.0307])

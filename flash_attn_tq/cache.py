@@ -24,6 +24,19 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
+def rope_turn(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False
+              ) -> torch.Tensor:
+    """``x [batch, n, heads, d]`` turned by RoPE to ``positions [batch, n]`` (or ``[n]``) with
+    frequencies ``inv_freq [d / 2]``, rotate-half pairs ``(i, i + d/2)`` as transformers' Llama
+    (``inverse``: turned back), float32."""
+    ang = positions.float()[..., None] * inv_freq.to(x.device).float()  # [(batch,) n, d/2]
+    cos, sin = ang.cos()[..., None, :], ang.sin()[..., None, :]
+    sin = -sin if inverse else sin
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+
+
 def _head_major(rows: int, cols: int, heads: int, last: int, dtype: torch.dtype, device) -> torch.Tensor:
     """Zeros shaped ``[rows, cols, heads, last]`` stored as ``[rows, heads, cols, last]``."""
     return torch.zeros(rows, heads, cols, last, dtype=dtype, device=device).permute(0, 2, 1, 3)
@@ -374,11 +387,7 @@ class QuantizedKVCache:
     def _rope_turn(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         """``x [batch, n, kv_heads, d]`` turned by RoPE (rotate-half pairs ``(i, i + d/2)``, as
         transformers' Llama) to ``positions [batch, n]`` plus ``rope_position_offset`` (float32)."""
-        ang = (positions.float() + self.rope_position_offset)[..., None] * self.rope_inv_freq  # [b, n, d/2]
-        cos, sin = ang.cos()[:, :, None], ang.sin()[:, :, None]
-        sin = -sin if inverse else sin
-        x1, x2 = x[..., :self.head_dim // 2].float(), x[..., self.head_dim // 2:].float()
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
+        return rope_turn(x, positions.float() + self.rope_position_offset, self.rope_inv_freq, inverse)
 
     def key_centre(self, batch_idx: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor:
         """What key centring subtracts from keys at ``positions [batch, n]`` of rows ``batch_idx``:

@@ -19,6 +19,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import eval_quality as E  # noqa: E402
 
+from flash_attn_tq.cache import rope_turn  # noqa: E402
+
 
 def main():
     p = argparse.ArgumentParser()
@@ -37,11 +39,10 @@ def main():
     with torch.no_grad():
         model.model(ids[None])
     inv = model.model.rotary_emb.inv_freq.float()
-    ang = torch.arange(len(ids)).float()[:, None] * inv[None]
-    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+    pos = torch.arange(len(ids))
 
-    def rope(x):  # rotate-half RoPE at each row's position
-        return x * cos + torch.cat([-x[..., D // 2:], x[..., :D // 2]], -1) * sin
+    def rope(x):  # pre-RoPE keys [H, S, D] -> post-RoPE, each row at its position
+        return rope_turn(x.transpose(0, 1), pos, inv).transpose(0, 1)
 
     far = slice(3000, 4000)
     energy = lambda x: x.pow(2).sum(-1).mean().item()  # noqa: E731

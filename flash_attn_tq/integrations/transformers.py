@@ -93,6 +93,10 @@ def _with_defaults(cache_kwargs: Mapping) -> dict:
     return opts
 
 
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def rope_inv_freq(config) -> torch.Tensor:
     """The RoPE frequencies ``[head_dim / 2]`` a transformers model config gives its rotary
     embedding (``rope_parameters``: ``"default"`` or one of transformers' scaled kinds), for
@@ -105,8 +109,7 @@ def rope_inv_freq(config) -> torch.Tensor:
     theta = params.get("rope_theta", getattr(config, "rope_theta", None))
     if theta is None:
         raise ValueError("key_center='rope': the config names no rope_theta")
-    d = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    d = int(d * params.get("partial_rotary_factor", 1.0))
+    d = int(_head_dim(config) * params.get("partial_rotary_factor", 1.0))
     return 1.0 / (float(theta) ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
 
 
@@ -327,7 +330,7 @@ def calibrate_key_bits(model, *, bits: Iterable[int] = (3, 4), protected_layers:
     sequence ranks the layers as real text does (13 of the top 15 shared with a license text).
     """
     cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    head_dim = _head_dim(cfg)
     opts = _with_defaults(cache_kwargs)
     base = int(opts["k_bits"])
     choices = set(int(b) for b in bits) & {base - 1, base, base + 1}
@@ -360,7 +363,7 @@ def calibrate_head_bits(model, *, widths: Iterable[tuple[int, int]] = HEAD_WIDTH
     Returns ``head_options`` for ``TQCache(config, late_k_bits=None, head_options=...)``: ``{(layer, kv
     head): {"k_bits": k, "v_bits": v}}`` for the heads whose widths differ from (k_bits, v_bits)."""
     cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    head_dim = _head_dim(cfg)
     opts = _with_defaults(cache_kwargs)
     base = (int(opts["k_bits"]), int(opts["v_bits"]))
     widths = [tuple(int(b) for b in w) for w in widths]
@@ -432,7 +435,7 @@ def calibrate_copy_heads(model, *, heads: int = 1, protected_layers: Iterable[in
     protected = frozenset(int(i) for i in protected_layers)
     candidates = [(i, h) for i in range(cfg.num_hidden_layers) if i not in protected
                   for h in range(cfg.num_key_value_heads)]
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    head_dim = _head_dim(cfg)
     budget = (32 * len(candidates)) // head_dim if opts["scale_only"] else 0
     heads = min(heads, budget // (2 * F - sum(base)))
     if heads == 0:
