@@ -313,6 +313,13 @@ def _quantized_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, cache, 
     return out[seq, row], lse[seq, :, row].transpose(0, 1).contiguous()
 
 
+def _prefix_keys(cache, k: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Prefix keys ``[B, P, kv_heads, d]`` as stored (TQCache's sinks, at the cache positions
+    ``-P..-1`` before its first token) back in the keys' own domain, of cache rows ``rows``."""
+    pos = torch.arange(-k.shape[1], 0, device=k.device).expand(k.shape[0], -1)
+    return cache.untransform_keys(k, rows, positions=pos)
+
+
 def _window_part(q, cache, bidx, lens, softmax_scale, causal, prefix=None):
     """Attention of q over the recent window (positions [lens - R, lens); 16-bit, or codes of
     ``cache.window_bits`` dequantized here) of cache rows bidx
@@ -321,14 +328,18 @@ def _window_part(q, cache, bidx, lens, softmax_scale, causal, prefix=None):
     sees, attended in the same pass. Returns (out, lse) with lse -inf for rows without keys."""
     R, Sq = cache.fp16_window, q.shape[1]
     rows = slice(0, q.shape[0]) if bidx is None else bidx.long()  # (a slice: no copy of the whole window)
+    ridx = torch.arange(q.shape[0], device=q.device) if bidx is None else rows
     kw, vw = cache.window_kv(rows)  # ring order: attention does not care, the mask does
     n = lens.long().unsqueeze(1)
     age = (n - 1 - torch.arange(R, device=q.device)) % R  # [B, R]: 0 = the newest token's slot
+    if cache.rope_center:  # keys back from k - R(p) c (slots without a token get garbage: masked below)
+        kw = cache.untransform_keys(kw, ridx, positions=n - 1 - age)
     visible = (age < n).unsqueeze(1)  # [B, 1, R]: slots holding a token
     if causal and Sq > 1:  # query i (of Sq, bottom-right aligned) sees tokens at least Sq - 1 - i old
         visible = visible & (age.unsqueeze(1) >= (Sq - 1 - torch.arange(Sq, device=q.device)).view(1, Sq, 1))
     if prefix is not None:
-        kw, vw = torch.cat([prefix[0].float(), kw], 1), torch.cat([prefix[1].float(), vw], 1)
+        pk = _prefix_keys(cache, prefix[0], ridx) if cache.rope_center else prefix[0]
+        kw, vw = torch.cat([pk.float(), kw], 1), torch.cat([prefix[1].float(), vw], 1)
         visible = F.pad(visible, (prefix[0].shape[1], 0), value=True)
     return _dense_part(q, kw, vw, softmax_scale, visible)
 
@@ -394,6 +405,8 @@ def _quantized_kvcache(q, cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
         for bad, what in ((alibi_slopes is not None, "alibi_slopes"),
                           (R and (local or softcap != 0.0 or cache_leftpad is not None),
                            "window_size / softcap / cache_leftpad with an fp16 window"),
+                          (cache.rope_center and (local or softcap != 0.0 or cache_leftpad is not None),
+                           "window_size / softcap / cache_leftpad with key_center='rope'"),
                           (softcap != 0.0 and cache.key_transform and cache.key_center,
                            "softcap with key centring (the kernel's scores lack q . mu)"),
                           (R and causal and seqlen_q > R, "causal seqlen_q beyond the fp16 window")):
@@ -411,10 +424,12 @@ def _quantized_kvcache(q, cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
             out_w, lse_w = _window_part(qt, cache, bidx, lens, softmax_scale, causal, prefix)
             out, lse = _merge_lse(out, lse, out_w, lse_w)
         elif prefix is not None:
-            out_p, lse_p = _dense_part(qt, prefix[0], prefix[1], softmax_scale, torch.ones(1, 1, dtype=torch.bool,
-                                                                                         device=device))
+            rows = bidx.long() if bidx is not None else torch.arange(batch, device=device)
+            pk = _prefix_keys(cache, prefix[0], rows) if cache.rope_center else prefix[0]
+            out_p, lse_p = _dense_part(qt, pk, prefix[1], softmax_scale, torch.ones(1, 1, dtype=torch.bool,
+                                                                                 device=device))
             out, lse = _merge_lse(out, lse, out_p, lse_p)
-        if cache.key_transform and cache.key_center and return_softmax_lse:
+        if cache.key_transform and cache.key_center and not cache.rope_center and return_softmax_lse:
             lse = lse + softmax_scale * cache.query_shift(q, bidx)  # the scores lost q . mu (+inf stays +inf)
         if cache.value_pca:
             out = cache.untransform_output(out, bidx)  # values were stored reflected (value_pca)
@@ -424,9 +439,7 @@ def _quantized_kvcache(q, cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
         rows = bidx.long() if bidx is not None else torch.arange(batch, device=device)
         k_deq, v_deq = cache.dequantize(rows)
         if prefix is not None:  # back to the keys' and values' own domain, ahead of the cache's tokens
-            n_pre = prefix[0].shape[1]  # (at the cache positions before its first token: TQCache's sinks)
-            pk = cache.untransform_keys(prefix[0], rows, positions=torch.arange(-n_pre, 0, device=device).expand(
-                prefix[0].shape[0], -1))
+            pk = _prefix_keys(cache, prefix[0], rows)
             pv = cache.transform_values(prefix[1], rows)  # (the reflection is its own inverse)
             k_deq = torch.cat([pk.to(k_deq.dtype), k_deq], 1)
             v_deq = torch.cat([pv.to(v_deq.dtype), v_deq], 1)

@@ -3,9 +3,10 @@
 The extension ``flash_attn_tq_cuda`` registers three ops:
 
 * ``decode_kvcache(q, k_codes, k_meta, v_codes, v_meta, seqlens_k, cache_batch_idx, block_table,
-  rot_signs, k_bits, v_bits, softmax_scale, is_causal, num_splits) -> (out, softmax_lse)``:
-  split-KV attention of ``q [batch, seqlen_q, heads, d]`` over packed K/V: the decode kernel, or
-  from :data:`PREFILL_MIN_ROWS` query rows a kv head the prefill kernel.
+  rot_signs, k_bits, v_bits, softmax_scale, is_causal, num_splits, ..., rope_centre, rope_inv_freq,
+  rope_offset) -> (out, softmax_lse)``: split-KV attention of ``q [batch, seqlen_q, heads, d]`` over
+  packed K/V: the decode kernel, or from :data:`PREFILL_MIN_ROWS` query rows a kv head the prefill
+  kernel (not with ``rope_centre``: ``key_center='rope'``, whose ``q . R(p) c`` the decode kernel adds).
 * ``decode_kv16(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, softmax_scale,
   is_causal, num_splits) -> (out, softmax_lse)``: the same kernel body over a float16/bfloat16
   cache (its Fp16KV loader policy): our FP16 decode baseline.
@@ -53,7 +54,7 @@ def _register_fakes() -> None:
     @torch.library.register_fake("flash_attn_tq::decode_kvcache")
     def _decode_fake(q, k_codes, k_meta, v_codes, v_meta, seqlens_k, cache_batch_idx, block_table, rot_signs,
                      k_bits, v_bits, softmax_scale, is_causal, num_splits, window_left=-1, window_right=-1,
-                     cache_leftpad=None, softcap=0.0):
+                     cache_leftpad=None, softcap=0.0, rope_centre=None, rope_inv_freq=None, rope_offset=0):
         b, sq, h, _ = q.shape
         return torch.empty_like(q), q.new_empty((b, h, sq), dtype=torch.float32)
 
@@ -85,8 +86,8 @@ def fused_decode_supported(cache, q: torch.Tensor) -> str | None:
         return f"K{cache.k_bits}V{cache.v_bits} with {q.dtype} queries (its kernel takes float16)"
     if cache.grid != "uniform":
         return "the Lloyd-Max grid (the kernel folds the uniform grid's affine levels)"
-    if getattr(cache, "rope_center", False):
-        return "key_center='rope' (the kernels do not add each score's q . R(p) c yet)"
+    if getattr(cache, "rope_center", False) and cache.paged and cache.page_size < 32:
+        return f"key_center='rope' with {cache.page_size}-token pages (its kernel takes 32 or more)"
     return None
 
 
@@ -111,10 +112,15 @@ def decode(q: torch.Tensor, cache, seqlens_k: torch.Tensor, batch_idx: torch.Ten
     """
     signs = cache.k_quantizer.signs_on(q.device) if cache.quantizer == "turbo" else None
     q = _aligned_rows(q)
+    centre = inv_freq = None
+    if getattr(cache, "rope_center", False):  # the kernel adds each score's q . R(p) c back
+        centre = cache._per_row(cache.k_shift, batch_idx, q.shape[0]).float().contiguous()
+        inv_freq = cache.rope_inv_freq
     return torch.ops.flash_attn_tq.decode_kvcache(
         q, cache.k_codes, cache.k_meta, cache.v_codes, cache.v_meta, seqlens_k,
         batch_idx, cache.block_table, signs, cache.k_bits, cache.v_bits, float(softmax_scale), bool(causal),
-        int(num_splits), int(window_size[0]), int(window_size[1]), leftpad, float(softcap))
+        int(num_splits), int(window_size[0]), int(window_size[1]), leftpad, float(softcap),
+        centre, inv_freq, int(cache.rope_position_offset) if centre is not None else 0)
 
 
 def kv16_decode_unsupported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -281,13 +281,12 @@ def test_fused_decode_matches_the_oracle_on_the_gpu(opts):
     """A float16 model on the GPU: the prompt, a 5-token chunk and single tokens through the fused
     kernel (+ the recent window: 16-bit, or 4-bit codes; per-head bits: the last layer's second head
     at 8-bit keys, attended last) against float64 attention over the same dequantized cache; every
-    step's logits agree to float16 rounding. key_center='rope' takes the reference path (on CUDA
-    tensors), with that reason."""
+    step's logits agree to float16 rounding (key_center='rope': the kernel adds q . R(p) c, the
+    window pass and the sinks get R(p) c back in PyTorch)."""
     from flash_attn_tq import last_path, ops
     if not ops.extension_available():
         pytest.skip("the CUDA extension is not built")
-    path = ("quantized:reference (key_center='rope' (the kernels do not add each score's q . R(p) c yet))"
-            if opts.get("key_center") == "rope" else "quantized:fused-cuda")
+    path = "quantized:fused-cuda"
     model = tiny_model(layers=3).cuda().half()
     opts = dict(opts, fp16_window=min(DEFAULTS["fp16_window"], 16), sink_tokens=2)
     ids = torch.randint(3, 96, (2, 60), generator=torch.Generator().manual_seed(4)).cuda()
@@ -566,5 +565,5 @@ def test_rope_centre_takes_the_model_rope():
     qc = cache.layers[0].qcache
     assert qc.rope_center and bool(qc.calibrated.all())
     from flash_attn_tq import last_path
-    assert last_path().startswith("quantized:reference")  # (no fused kernel adds q . R(p) c yet)
+    assert last_path().startswith("quantized:reference (q is not on a CUDA device")
 

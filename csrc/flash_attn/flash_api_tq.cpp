@@ -154,8 +154,13 @@ std::tuple<at::Tensor, at::Tensor> run_decode_op(
         C10_CUDA_CHECK(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, q.get_device()));
         return smem_optin >= kPrefillSmemBudget;
     };
-    // (8-bit keys: the decode kernel for every row count; no prefill instantiations for them)
-    const bool prefill = k_bits != 16 && k_bits != 8 && rows >= kPrefillMinRows && prefill_fits();
+    if (p.rope_centre != nullptr) {  // (the kernels' RoPE-centre variant: tq_decode_launch.h)
+        TQ_CHECK(!p.local(), "rope_centre does not combine with window_size, softcap or cache_leftpad");
+        TQ_CHECK(p.block_table == nullptr || p.page_block_size >= 32, "rope_centre needs pages of 32 tokens or more");
+    }
+    // (8-bit keys: the decode kernel for every row count; no prefill instantiations for them; the
+    // RoPE centre: the decode kernel too, which takes any row count)
+    const bool prefill = k_bits != 16 && k_bits != 8 && p.rope_centre == nullptr && rows >= kPrefillMinRows && prefill_fits();
 #ifdef FLASH_TQ_SM90A
     if (prefill) {  // Hopper's wgmma variant of the prefill kernel (FLASH_ATTN_TQ_PREFILL_WGMMA=0: the mma.sync one)
         int major = 0, minor = 0;
@@ -217,7 +222,10 @@ std::tuple<at::Tensor, at::Tensor> decode_kvcache(
     const std::optional<at::Tensor> &cache_batch_idx, const std::optional<at::Tensor> &block_table,
     const std::optional<at::Tensor> &rot_signs,  // turbo: [d] float32 Hadamard signs (rotate q in, output out)
     int64_t k_bits, int64_t v_bits, double softmax_scale, bool is_causal, int64_t num_splits, int64_t window_left,
-    int64_t window_right, const std::optional<at::Tensor> &cache_leftpad, double softcap) {
+    int64_t window_right, const std::optional<at::Tensor> &cache_leftpad, double softcap,
+    const std::optional<at::Tensor> &rope_centre,    // key_center='rope': [b, h_k, d] float32, each batch entry's c
+    const std::optional<at::Tensor> &rope_inv_freq,  // [d / 2] float32
+    int64_t rope_offset) {                           // a key's RoPE position = its index + rope_offset
     check_query(q);
     CHECK_CUDA(k_codes);
     CHECK_CUDA(v_codes);
@@ -249,6 +257,21 @@ std::tuple<at::Tensor, at::Tensor> decode_kvcache(
     p.km_batch_stride = k_meta.stride(0); p.km_row_stride = k_meta.stride(1); p.km_head_stride = k_meta.stride(2);
     p.vm_batch_stride = v_meta.stride(0); p.vm_row_stride = v_meta.stride(1); p.vm_head_stride = v_meta.stride(2);
     p.meta_words = static_cast<int>(k_meta.size(3));
+    TQ_CHECK(rope_centre.has_value() == rope_inv_freq.has_value(), "rope_centre and rope_inv_freq must be given together");
+    if (rope_centre.has_value()) {
+        CHECK_CUDA(*rope_centre);
+        CHECK_CUDA(*rope_inv_freq);
+        TQ_CHECK(rope_centre->scalar_type() == at::kFloat && rope_centre->dim() == 3 && rope_centre->size(0) == q.size(0) &&
+                 rope_centre->size(1) == k_codes.size(2) && rope_centre->size(2) == d && rope_centre->stride(2) == 1 &&
+                 rope_centre->stride(1) == d, "rope_centre must be float32 [batch, kv_heads, head_dim] with contiguous rows");
+        TQ_CHECK(rope_inv_freq->scalar_type() == at::kFloat && rope_inv_freq->numel() == d / 2 && rope_inv_freq->is_contiguous(),
+                 "rope_inv_freq must be contiguous float32 [head_dim / 2]");
+        TQ_CHECK(std::abs(rope_offset) < (1 << 24), "rope_offset must be below 2^24 in magnitude");
+        p.rope_centre = rope_centre->data_ptr<float>();
+        p.rope_centre_batch_stride = rope_centre->stride(0);
+        p.rope_inv_freq = rope_inv_freq->data_ptr<float>();
+        p.rope_offset = static_cast<int>(rope_offset);
+    }
     return run_decode_op(p, q, k_codes, seqlens_k, cache_batch_idx, block_table, rot_signs, k_bits, v_bits,
                          softmax_scale, is_causal, num_splits, window_left, window_right, cache_leftpad, softcap);
 }
@@ -405,8 +428,8 @@ TORCH_LIBRARY(flash_attn_tq, m) {
     m.def("decode_kvcache(Tensor q, Tensor k_codes, Tensor k_meta, Tensor v_codes, Tensor v_meta, Tensor seqlens_k, "
           "Tensor? cache_batch_idx, Tensor? block_table, Tensor? rot_signs, int k_bits, int v_bits, float softmax_scale, "
           "bool is_causal, "
-          "int num_splits, int window_left=-1, int window_right=-1, Tensor? cache_leftpad=None, float softcap=0.0) "
-          "-> (Tensor, Tensor)");
+          "int num_splits, int window_left=-1, int window_right=-1, Tensor? cache_leftpad=None, float softcap=0.0, "
+          "Tensor? rope_centre=None, Tensor? rope_inv_freq=None, int rope_offset=0) -> (Tensor, Tensor)");
     m.def("decode_kv16(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seqlens_k, Tensor? cache_batch_idx, "
           "Tensor? block_table, float softmax_scale, bool is_causal, int num_splits) -> (Tensor, Tensor)");
     m.def("pack_kv(Tensor x, Tensor? slot_mapping, Tensor? start, Tensor? batch_idx, Tensor? block_table, Tensor(a!) codes, "

@@ -10,13 +10,15 @@
 // movmatrix). Codes are never scaled element by element: K's per-token (scale, offset) and V's
 // fold into the scores and the probabilities (see tq_kv_loader.h). Each of the 4 warps streams its
 // own tiles through its own cp.async pipeline with an online softmax; warps, then splits (combine
-// kernel), are merged through their log-sum-exp.
+// kernel), are merged through their log-sum-exp. kRope: each score also gets q . R(p) c back
+// (key_center='rope', tq_rope_centre.h), a table and the rows' coefficients after the pipeline.
 #pragma once
 
 #include <cmath>
 
 #include "tq_kv_loader.h"
 #include "tq_params.h"
+#include "tq_rope_centre.h"
 #include "tq_rows.h"
 #include "tq_utils.h"
 
@@ -39,9 +41,11 @@ struct DecodeTraits {
     // merge: per-warp max/sum and O slices, merged row stats
     static constexpr int kMergeBytes = (kNWarps * kRows * (kHeadDim + 2) + 2 * kRows) * 4;
     static constexpr int kSmemBytes = kPipeBytes > kMergeBytes ? kPipeBytes : kMergeBytes;
+    using Rope = RopeCentre<kHeadDim, kTileN, kNT>;
+    static constexpr int kRopeSmemBytes = kPipeBytes + Rope::kBytes > kMergeBytes ? kPipeBytes + Rope::kBytes : kMergeBytes;
 };
 
-template <typename Traits, Paging kPaging, bool kLocal>
+template <typename Traits, Paging kPaging, bool kLocal, bool kRope = false>
 __global__ void __launch_bounds__(Traits::kNThreads) decode_split_kernel(const DecodeParams p) {
     using Elem = typename Traits::Elem;
     using KV = typename Traits::KV;
@@ -111,6 +115,12 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_split_kernel(const D
         }
     }
     if (rotate) { __syncthreads(); }  // sm_q is the pipeline's memory from here on
+    using Rope = typename Traits::Rope;
+    char *sm_rope = smem + Traits::kPipeBytes;
+    if constexpr (kRope) {
+        Rope::template setup<Elem, kRows>(p, b, hk, row0, total_rows, sm_rope, threadIdx.x, Traits::kNThreads);
+        __syncthreads();
+    }
 
     const typename KV::Consts kv_consts = KV::consts();
     const typename KV::Bases bases = KV::bases(p, bc, hk);
@@ -158,6 +168,8 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_split_kernel(const D
 
         // ---- scores S^T for the tile's 16-token m-tiles
         float sc[MT][NT][4];
+        float rope_bias[kRope ? MT : 1][NT][4];
+        if constexpr (kRope) { Rope::tile_bias(p, sm_rope, tile_start, lane, rope_bias); }
         #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
             const int t0 = mt * 16 + g, t1 = t0 + 8;
@@ -181,7 +193,9 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_split_kernel(const D
                     const int key = tile_start + (j < 2 ? t0 : t1);
                     float v = sc[mt][nt][j] * p.scale_softmax_log2;
                     if constexpr (KV::kAffine) {
-                        v = (f.x * (sc[mt][nt][j] - magicq[nt][j & 1]) + f.y * sumq[nt][j & 1]) * p.scale_softmax_log2;
+                        v = f.x * (sc[mt][nt][j] - magicq[nt][j & 1]) + f.y * sumq[nt][j & 1];
+                        if constexpr (kRope) { v += rope_bias[mt][nt][j]; }
+                        v *= p.scale_softmax_log2;
                     }
                     sc[mt][nt][j] = key < lim[nt][j & 1] ? v : kNegInf;
                 }

@@ -25,9 +25,9 @@ void launch_combine(const DecodeParams &p, cudaStream_t stream) {
 
 // A split kernel over (split, batch * kv head, query-row blocks of Traits::kRows): the decode kernel
 // or the prefill kernel (tq_prefill_launch.h).
-template <typename Traits>
+template <typename Traits, bool kRope = false>
 void launch_split(void (*kernel)(const DecodeParams), const DecodeParams &p, cudaStream_t stream) {
-    constexpr int smem = Traits::kSmemBytes;
+    constexpr int smem = kRope ? Traits::kRopeSmemBytes : Traits::kSmemBytes;
     if constexpr (smem > 48 * 1024) {
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     }
@@ -38,10 +38,15 @@ void launch_split(void (*kernel)(const DecodeParams), const DecodeParams &p, cud
 
 // Contiguous and paged packed caches get their own kernels (no paging code in the former), and a
 // lower key bound or softcap the kLocal variant: the common case runs none of their instructions.
+// The RoPE centre (packed caches: contiguous, or pages of 32 tokens or more; no kLocal, checked on
+// the host) has its own variant too.
 template <typename Traits>
 void launch_decode_split(const DecodeParams &p, cudaStream_t stream) {
     auto go = [&](auto paging, auto local) {
         launch_split<Traits>(&decode_split_kernel<Traits, decltype(paging)::value, decltype(local)::value>, p, stream);
+    };
+    auto go_rope = [&](auto paging) {
+        launch_split<Traits, true>(&decode_split_kernel<Traits, decltype(paging)::value, false, true>, p, stream);
     };
     using Rows = std::integral_constant<Paging, Paging::kRows>;
     using Rows16 = std::integral_constant<Paging, Paging::kRows16>;
@@ -50,7 +55,9 @@ void launch_decode_split(const DecodeParams &p, cudaStream_t stream) {
     using Local = std::true_type;
     using Plain = std::false_type;
     if constexpr (Traits::KV::kAffine) {
-        if (p.block_table != nullptr && p.page_block_size < Traits::KV::kTileN) {  // 16-token pages
+        if (p.rope_centre != nullptr) {
+            p.block_table != nullptr ? go_rope(Rows{}) : go_rope(NoPages{});
+        } else if (p.block_table != nullptr && p.page_block_size < Traits::KV::kTileN) {  // 16-token pages
             p.local() ? go(Rows16{}, Local{}) : go(Rows16{}, Plain{});
         } else if (p.block_table != nullptr) {
             p.local() ? go(Rows{}, Local{}) : go(Rows{}, Plain{});

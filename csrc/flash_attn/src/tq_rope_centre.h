@@ -1,0 +1,122 @@
+// key_center='rope' (flash_attn_tq/cache.py): the codes hold k - R(p) c, a key less its kv head's
+// centre c (the prompt's mean pre-RoPE key) turned by RoPE to the key's position p; the decode
+// kernel adds each score's q . R(p) c back with this.
+//
+// With rotate-half pairs (m, m' = m + D/2) and frequencies theta_m,
+//   q . R(p) c = sum_m alpha_m cos(p theta_m) + beta_m sin(p theta_m),
+//   alpha_m = q_m c_m + q_m' c_m',  beta_m = q_m' c_m - q_m c_m'.
+// For a tile's tokens p = P + tau (tau < kTileN), angle addition moves P into the coefficients,
+//   (A_m, B_m) = (alpha_m cos P theta_m + beta_m sin P theta_m, beta_m cos P theta_m - alpha_m sin P theta_m),
+// which leaves a product with a table that is the same for every tile:
+//   bias[tau] = sum_m A_m cos(tau theta_m) + B_m sin(tau theta_m).
+// That is one more m16n8k16 chain a 16-token block (k: the D interleaved (A_m, B_m)), the table the
+// A operand (shared memory, in fragment order), the coefficients the B operand, turned once a tile
+// (D / 8 sincos a lane). Both operands are float16 whatever the query dtype (the table is in
+// [-1, 1]; float16's 11 bits keep the term's error near 1e-3 relative, under the 3-bit codes').
+#pragma once
+
+#include "tq_params.h"
+#include "tq_rows.h"
+#include "tq_utils.h"
+
+namespace flash_tq {
+
+template <int D, int kTileN, int kNT>
+struct RopeCentre {
+    static constexpr int KB = D / 16;      // k-blocks of the interleaved (A, B) pairs: 8 pairs each
+    static constexpr int MT = kTileN / 16;
+    static constexpr int kTableBytes = MT * KB * 32 * 16;   // [mt][kb][lane] uint4: A fragments
+    static constexpr int kCoeffBytes = kNT * KB * 32 * 16;  // [nt][kb][lane] float4: (alpha, beta) x 2 pairs
+    static constexpr int kBytes = kTableBytes + kCoeffBytes;
+
+    // sin and cos of an angle of any size: reduced to [-pi, pi] (2 pi in two parts), then the fast
+    // intrinsic (accurate there; past it its error grows with the angle)
+    static __device__ __forceinline__ void sincos_any(float a, float &s, float &c) {
+        const float turns = rintf(a * 0.159154943f);
+        float r = fmaf(-turns, 6.28318548f, a);
+        r = fmaf(-turns, -1.74845553e-7f, r);
+        __sincosf(r, &s, &c);
+    }
+
+    // Lane l of an m16n8k16 fragment holds pairs m = 8 kb + l % 4 + 4 h (h = 0, 1) of its k-block;
+    // the table's A fragment also tokens tau = 16 mt + l / 4 (+ 8).
+    static __device__ __forceinline__ int pair_of(int kb, int lane, int h) { return 8 * kb + lane % 4 + 4 * h; }
+
+    // Before the first tile, all the CTA's threads (a barrier follows): the table's fragments, and
+    // each query row's (alpha, beta) from q (the RoPE domain, before turbo's rotation) and the
+    // centre c of (batch entry b, kv head hk). Rows past total_rows get zeros.
+    template <typename Elem, int kRows>
+    static __device__ void setup(const DecodeParams &p, int b, int hk, int row0, int total_rows, char *smem, int tid,
+                                 int nthreads) {
+        uint4 *table = reinterpret_cast<uint4 *>(smem);
+        for (int i = tid; i < MT * KB * 32; i += nthreads) {
+            const int lane = i % 32, kb = (i / 32) % KB, tau = (i / (32 * KB)) * 16 + lane / 4;
+            uint32_t r[4];
+            #pragma unroll
+            for (int h = 0; h < 4; ++h) {  // (tau, m), (tau + 8, m), (tau, m + 4), (tau + 8, m + 4)
+                float s, co;
+                sincos_any(static_cast<float>(tau + 8 * (h & 1)) * __ldg(p.rope_inv_freq + pair_of(kb, lane, h >> 1)), s, co);
+                r[h] = pack2<__half>(co, s);
+            }
+            table[i] = make_uint4(r[0], r[1], r[2], r[3]);
+        }
+        float4 *coeff = reinterpret_cast<float4 *>(smem + kTableBytes);
+        const float *centre = p.rope_centre + b * p.rope_centre_batch_stride + hk * D;
+        for (int i = tid; i < kNT * KB * 32; i += nthreads) {
+            const int lane = i % 32, kb = (i / 32) % KB, nt = i / (32 * KB);
+            const int r = row0 + nt * 8 + lane / 4;
+            float ab[4] = {0.f, 0.f, 0.f, 0.f};
+            if (r < total_rows) {
+                const Elem *q = q_row_ptr<Elem>(p, b, hk, r);
+                #pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int m = pair_of(kb, lane, h);
+                    const float qa = to_float(q[m]), qb = to_float(q[m + D / 2]);
+                    const float ca = __ldg(centre + m), cb = __ldg(centre + m + D / 2);
+                    ab[2 * h] = qa * ca + qb * cb;
+                    ab[2 * h + 1] = qb * ca - qa * cb;
+                }
+            }
+            coeff[i] = make_float4(ab[0], ab[1], ab[2], ab[3]);
+        }
+    }
+
+    // q . R(p) c of the tile's tokens (from key index tile_start) in the score accumulators' layout:
+    // bias[mt][nt][j] is token 16 mt + lane / 4 (+ 8 for j >= 2) and row nt * 8 + 2 (lane % 4) + (j & 1).
+    static __device__ __forceinline__ void tile_bias(const DecodeParams &p, const char *smem, int tile_start, int lane,
+                                                     float (&bias)[MT][kNT][4]) {
+        const uint4 *table = reinterpret_cast<const uint4 *>(smem);
+        const float4 *coeff = reinterpret_cast<const float4 *>(smem + kTableBytes);
+        const float pos = static_cast<float>(tile_start + p.rope_offset);  // (as the cache's positions: float32)
+        #pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            #pragma unroll
+            for (int nt = 0; nt < kNT; ++nt) {
+                #pragma unroll
+                for (int j = 0; j < 4; ++j) { bias[mt][nt][j] = 0.f; }
+            }
+        }
+        #pragma unroll
+        for (int kb = 0; kb < KB; ++kb) {
+            float s[2], co[2];
+            #pragma unroll
+            for (int h = 0; h < 2; ++h) { sincos_any(pos * __ldg(p.rope_inv_freq + pair_of(kb, lane, h)), s[h], co[h]); }
+            uint32_t bf[kNT][2];
+            #pragma unroll
+            for (int nt = 0; nt < kNT; ++nt) {
+                const float4 ab = coeff[(nt * KB + kb) * 32 + lane];
+                bf[nt][0] = pack2<__half>(ab.x * co[0] + ab.y * s[0], ab.y * co[0] - ab.x * s[0]);
+                bf[nt][1] = pack2<__half>(ab.z * co[1] + ab.w * s[1], ab.w * co[1] - ab.z * s[1]);
+            }
+            #pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                const uint4 t = table[(mt * KB + kb) * 32 + lane];
+                const uint32_t a[4] = {t.x, t.y, t.z, t.w};
+                #pragma unroll
+                for (int nt = 0; nt < kNT; ++nt) { mma_16816<__half>(bias[mt][nt], a, bf[nt][0], bf[nt][1]); }
+            }
+        }
+    }
+};
+
+}  // namespace flash_tq
