@@ -25,9 +25,14 @@ void launch_combine(const DecodeParams &p, cudaStream_t stream) {
 
 // A split kernel over (split, batch * kv head, query-row blocks of Traits::kRows): the decode kernel
 // or the prefill kernel (tq_prefill_launch.h).
+template <typename Traits, bool kRope>
+constexpr int split_smem_bytes() {
+    if constexpr (kRope) { return Traits::kRopeSmemBytes; } else { return Traits::kSmemBytes; }
+}
+
 template <typename Traits, bool kRope = false>
 void launch_split(void (*kernel)(const DecodeParams), const DecodeParams &p, cudaStream_t stream) {
-    constexpr int smem = kRope ? Traits::kRopeSmemBytes : Traits::kSmemBytes;
+    constexpr int smem = split_smem_bytes<Traits, kRope>();
     if constexpr (smem > 48 * 1024) {
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     }

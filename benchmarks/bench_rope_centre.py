@@ -1,0 +1,81 @@
+"""What the RoPE-centre term costs the decode kernel: the same packed cache timed with and without it.
+
+    python benchmarks/bench_rope_centre.py [--out benchmarks/results]
+
+``key_center='rope'`` caches store ``k - R(p) c``; the decode kernel then adds each score's
+``q . R(p) c`` (tq_rope_centre.h: one more m16n8k16 chain a 16-token block, D / 8 sincos a lane a
+tile). For each shape (batch B, cache length S, q heads, kv heads, head_dim d; q_len 1), with
+``triton.testing.do_bench`` medians (CUDA events, warm-up, random data, caches above L2), side by
+side in one run: ``rope`` (the fused op with the term), ``plain`` (the same codes without it: what
+``key_center=True`` runs) and ``kv16`` (our FP16 decode over the fp16 cache). Writes
+``rope_centre_decode.json`` / ``.md`` stamped with the GPU, torch, CUDA and commit.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench_decode import bench, fill_cache, stamp  # noqa: E402
+from flash_attn_tq import ops  # noqa: E402
+
+SHAPES = [  # (B, S, Hq, Hk, d)
+    (1, 131072, 32, 8, 128), (8, 32768, 32, 8, 128), (32, 8192, 32, 8, 128), (64, 2048, 32, 8, 128),
+    (1, 4096, 9, 3, 64), (16, 32768, 9, 3, 64), (64, 8192, 9, 3, 64),  # SmolLM2's heads
+]
+
+
+def run_shape(B, S, Hq, Hk, d, dtype=torch.float16):
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, d, 2, device="cuda").float() / d)
+    cache, k, v = fill_cache(B, S, Hk, d, dtype, key_center="rope", rope_inv_freq=inv_freq)
+    q = torch.randn(B, 1, Hq, d, device="cuda", dtype=dtype)
+    scale, lens = d ** -0.5, cache.seqlens
+    row = {"B": B, "S": S, "Hq": Hq, "Hk": Hk, "d": d}
+    row["rope_us"] = bench(lambda: ops.decode(q, cache, lens, None, scale, False, 0))
+    cache.rope_center = False  # the same codes, no term (ops.decode passes no centre)
+    row["plain_us"] = bench(lambda: ops.decode(q, cache, lens, None, scale, False, 0))
+    cache.rope_center = True
+    row["kv16_us"] = bench(lambda: ops.decode_kv16(q, k, v, lens, None, None, scale, False, 0))
+    row["rope_over_plain"] = row["rope_us"] / row["plain_us"]
+    row["kv16_over_rope"] = row["kv16_us"] / row["rope_us"]
+    row["kv16_over_plain"] = row["kv16_us"] / row["plain_us"]
+    del cache, k, v
+    torch.cuda.empty_cache()
+    return row
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    args = ap.parse_args()
+    rows = []
+    for shape in SHAPES:
+        rows.append(run_shape(*shape))
+        r = rows[-1]
+        print(f"{shape}: rope {r['rope_us']:.1f} us, plain {r['plain_us']:.1f} us ({r['rope_over_plain']:.3f}x), "
+              f"kv16 {r['kv16_us']:.1f} us (FP16 / rope {r['kv16_over_rope']:.2f}x)", flush=True)
+    meta = stamp()
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "rope_centre_decode.json"), "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    lines = [f"# Decode with the RoPE-centre term ({meta['gpu']}, torch {meta['torch']}, CUDA {meta['cuda']}, "
+             f"commit {meta['commit']}, {meta['date']})", "",
+             "Fused 3-bit decode (K3V3, float16 queries), medians of `triton.testing.do_bench`. `rope`: with "
+             "`q . R(p) c` added to each score (`key_center='rope'`); `plain`: the same codes without it; "
+             "`kv16`: our FP16 decode over the fp16 cache.", "",
+             "| B | S | Hq/Hk | d | rope µs | plain µs | rope / plain | FP16 / rope | FP16 / plain |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['B']} | {r['S']} | {r['Hq']}/{r['Hk']} | {r['d']} | {r['rope_us']:.1f} | {r['plain_us']:.1f} | "
+                     f"{r['rope_over_plain']:.3f} | {r['kv16_over_rope']:.2f}x | {r['kv16_over_plain']:.2f}x |")
+    with open(os.path.join(args.out, "rope_centre_decode.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
