@@ -217,10 +217,21 @@ CONFIGS.update({
     "Kcal34+copy1+rc+sink16+w112": _cfg(k_cal=(3, 4), copy_heads=1, rope_center="exact", fp16_window=112,
                                         **dict(_RC, sink_tokens=16)),
 })
+# The rc configs above place their bits as measured with the post-RoPE centring (kc: how session 12
+# made its tables); "Kcal34rc" measures them with the configuration's own RoPE centring, as
+# TQCache.calibrated(model) does now that it is the default (session 13)
+_RC16 = dict(_RC, sink_tokens=16, rope_center="exact", cal_own_centre=True)
+CONFIGS.update({
+    "Kcal34rc+copy1+rc+sink16+w112": _cfg(k_cal=(3, 4), copy_heads=1, fp16_window=112, **_RC16),
+    "Kcal34rc+copy1+rc+sink16": _cfg(k_cal=(3, 4), copy_heads=1, **_RC16),
+    "Kcal34rc+copy1+rc+sink16+r128@K4V4": _cfg(k_cal=(3, 4), copy_heads=1, recent_window=128, **_RC16),
+    "K3.5mix(last)+V3+rc+sink16+w112": _cfg(k4_layers="last_half", fp16_window=112,
+                                            **{k: v for k, v in _RC16.items() if k != "cal_own_centre"}),
+})
 
-DEFAULT = "Kcal34+copy1+kc+sink4+w124"  # = TQCache.calibrated(model) (flash_attn_tq.integrations.transformers)
-NO_WINDOW_DEFAULT = "Kcal34+V3+kc+sink4"  # (the calibrated default without its window, measured before copy_heads)
-UNCALIBRATED_DEFAULT = "K3.5mix(last)+V3+kc+sink4+w124"  # = TQCache(config): 4-bit keys in the last layers
+DEFAULT = "Kcal34rc+copy1+rc+sink16+w112"  # = TQCache.calibrated(model) (flash_attn_tq.integrations.transformers)
+NO_WINDOW_DEFAULT = "Kcal34rc+copy1+rc+sink16"  # (the calibrated default without its window)
+UNCALIBRATED_DEFAULT = "K3.5mix(last)+V3+rc+sink16+w112"  # = TQCache(config): 4-bit keys in the last layers
 QUICK = ["full", "asym3", "turbo3", "turbo3+w128", "turbo3+kc+sink4", "turbo3+kc+sink4+w124", NO_WINDOW_DEFAULT, DEFAULT,
          UNCALIBRATED_DEFAULT, "K4V3"]
 LONG = ["full", "turbo3", "turbo3+kc+pca+vpca+sink4", "turbo3+kc+sink4+w124", "turbo3+kc+pca+vpca+sink4+w124",
@@ -295,8 +306,8 @@ def resolve(cfg, model):
     L = model.config.num_hidden_layers
     opts = tq_options(cfg)
     opts.pop("k_bits")
-    if cfg.get("rope_center"):  # the bits placed as measured with the post-RoPE centring (as in the session-12
-        opts["key_center"] = True  # tables; TQCache.calibrated(model, key_center="rope") measures with its own)
+    if cfg.get("rope_center") and not cfg.get("cal_own_centre"):  # the bits placed as measured with the
+        opts["key_center"] = True  # post-RoPE centring (the session-12 tables; "Kcal34rc": with its own)
     prot = protected_layers(cfg, L)
     tokens = cfg.get("k_cal_tokens", 1024)
     key = (tuple(sorted(opts.items())), tuple(sorted(prot)), tuple(cfg["k_cal"]), tokens)

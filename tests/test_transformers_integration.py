@@ -337,9 +337,10 @@ def test_defaults_are_the_quality_study_default():
             opts = cache.layer_cache_kwargs(i)
             assert opts["k_bits"] == eval_quality.key_bits_of(cfg, i, layers), (name, i)
             assert opts["v_bits"] == (2 if i in eval_quality.v2_layers(cfg, layers) else cfg["v_bits"]), i
+            want = eval_quality.tq_options(cfg)  # (rope_center="exact" is key_center="rope")
             for o in ("quantizer", "fit", "fp16_window", "key_center", "key_scale", "key_scale_q", "key_pca",
                       "value_pca", "scale_only"):
-                assert opts[o] == cfg[o], (name, i, o)
+                assert opts[o] == want[o], (name, i, o)
         assert cache.bits_per_element(64) == pytest.approx(eval_quality.config_bits(cfg, 64, layers))
     assert TQCache(config).bits_per_element(64) == pytest.approx(3.5)  # the budget at head_dim 64
     # the copy head (10 bits) and 11 layers of 4-bit keys (33): 43 of the 45 bits

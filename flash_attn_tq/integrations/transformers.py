@@ -26,9 +26,10 @@ Per layer, the cache holds
   QuantizedKVCache; ``window_bits=4`` keeps them as 4-bit codes instead: age-based precision, the
   setting without a 16-bit window, see :data:`NO_FP16_WINDOW`); 4-bit keys in the last layers
   (``late_k_bits``), paid for by the scale-only metadata;
-* keys centred (``key_center``; ``key_center="rope"``: by the prompt's mean pre-RoPE key turned to
-  each key's position, the frequencies from the config: better far from the prompt, reference path
-  only until the kernels add each score's centre term); optionally reflected so that their main direction is stored exactly
+* keys centred (``key_center="rope"``, the default: by the prompt's mean pre-RoPE key turned to
+  each key's position, the frequencies from the config, whose term the decode kernel adds back to
+  each score; ``key_center=True``: by the prompt's mean post-RoPE key, what the default falls back to
+  without a config or rotate-half RoPE over the whole head); optionally reflected so that their main direction is stored exactly
   (``key_pca``, with ``fit="mean"``), values likewise (``value_pca``), per-channel key scaling
   (``key_scale``/``key_scale_q``); all exact for attention (see QuantizedKVCache), calibrated on the
   prompt.
@@ -63,10 +64,14 @@ ATTN_IMPLEMENTATION = "tq_kvcache"  # (a name containing "flash" would make tran
 
 # The default configuration (chosen by benchmarks/eval_quality.py; see benchmarks/results/quality.md).
 DEFAULTS = dict(k_bits=3, v_bits=3, quantizer="turbo", grid="uniform", fit="norm", scale_only=True, late_k_bits=4,
-                fp16_window=124, window_bits=16, sink_tokens=4, key_center=True, key_scale=0.0, key_scale_q=False,
+                fp16_window=112, window_bits=16, sink_tokens=16, key_center="rope", key_scale=0.0, key_scale_q=False,
                 key_pca=False, value_pca=False)
-# Per sequence and layer: 4 sink tokens + the last 124 tokens in 16-bit; every other token as 3-bit
-# codes + one float16 scale (turbo's norm fit: the offset is -mid * scale, not stored), keys centred.
+# Per sequence and layer: 16 sink tokens + the last 112 tokens in 16-bit; every other token as 3-bit
+# codes + one float16 scale (turbo's norm fit: the offset is -mid * scale, not stored), keys centred
+# before RoPE (key_center="rope": the keys' constant part follows them as RoPE turns it; the
+# post-RoPE mean of the prompt removes next to nothing thousands of tokens later: session 12,
+# results/key_centre_energy.txt). Session 13 (results/quality.md): TQCache.calibrated(model) with it
+# measures the bits with it too. The history below is with key_center=True, 4 sinks, 124 recent.
 # The 16 bits a vector that the scale-only metadata saves pay for 4-bit keys (late_k_bits) in the last
 # layers: 32 / head_dim of them (half at head_dim 64, a quarter at 128), so the cache stays at
 # 3 + 32 / head_dim bits/element (3.5 at 64, 3.25 at 128), what 3-bit codes + (scale, offset) cost.
@@ -91,6 +96,18 @@ def _with_defaults(cache_kwargs: Mapping) -> dict:
     if "scale_only" not in cache_kwargs and not scale_only_fits(opts["quantizer"], opts["grid"], opts["fit"]):
         opts["scale_only"] = False
     return opts
+
+
+def _rope_centre_freqs(config) -> torch.Tensor | None:
+    """The config's RoPE frequencies when ``key_center="rope"`` applies (rotate-half RoPE over the
+    whole head: ``head_dim / 2`` of them), else None."""
+    if config is None:
+        return None
+    try:
+        inv = rope_inv_freq(config)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return inv if inv.numel() * 2 == _head_dim(config) and bool(torch.isfinite(inv).all()) else None
 
 
 def _head_dim(config) -> int:
@@ -757,6 +774,9 @@ class TQCache(Cache):
             head_dim = config.hidden_size // config.num_attention_heads
         if late_k_bits is not None and not 2 <= int(late_k_bits) <= 4:
             raise ValueError(f"late_k_bits must be 2, 3, 4 or None, got {late_k_bits}")
+        if "key_center" not in cache_kwargs and opts["key_center"] == "rope" and (
+                opts["key_scale"] > 0 or opts["key_pca"] or _rope_centre_freqs(config) is None):
+            opts["key_center"] = True  # the default where the RoPE centre cannot apply: the post-RoPE mean
         if opts.get("key_center") == "rope":  # the cache positions start after the sink tokens
             if opts.get("rope_inv_freq") is None:
                 if config is None:
