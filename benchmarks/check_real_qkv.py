@@ -39,6 +39,11 @@ CONFIGS = {
     "kc+pca+vpca+w124": dict(key_center=True, key_pca=True, value_pca=True, fit="mean", fp16_window=124),
     "asym3": dict(quantizer="asym"),
     "K4V3+kc": dict(k_bits=4, key_center=True),
+    # the TQCache default since session 13: keys centred before RoPE (the kernel adds q . R(p) c back)
+    "rope(K3 layers)": dict(key_center="rope", scale_only=True, fp16_window=112),
+    "rope(K4 layers)": dict(k_bits=4, key_center="rope", scale_only=True, fp16_window=112),
+    "rope K8V8 heads": dict(k_bits=8, v_bits=8, key_center="rope", scale_only=True, fp16_window=112),
+    "rope, no window": dict(key_center="rope", scale_only=True),
 }
 
 
@@ -46,9 +51,18 @@ def rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30)).item()
 
 
+def _rope_freqs(data):
+    """The dumped model's RoPE frequencies (for the key_center='rope' configs)."""
+    from transformers import LlamaConfig
+    from flash_attn_tq.integrations.transformers import rope_inv_freq
+    return rope_inv_freq(LlamaConfig(**{k: v for k, v in data["config"].items() if k in LlamaConfig().to_dict()
+                                        or k == "head_dim"}))
+
+
 def check_layers(data, device, dtype, lengths):
     print(f"{'layer':>5} {'L':>6} {'config':>16} {'api_vs_ref':>11} {'quant_vs_fp':>11}  path")
     worst = 0.0
+    inv_freq = _rope_freqs(data) if any(o.get("key_center") == "rope" for o in CONFIGS.values()) else None
     for layer in sorted(data["k"]):
         q_all = data["q"][layer][0].transpose(0, 1).to(device, dtype)  # [S, Hq, D]
         k_all = data["k"][layer][0].transpose(0, 1).to(device, dtype)  # [S, Hkv, D]
@@ -59,10 +73,12 @@ def check_layers(data, device, dtype, lengths):
             k, v = k_all[None, :L], v_all[None, :L]
             fp, _ = attention_reference(q, k, v, softmax_scale=data["scaling"])
             for name, opts in CONFIGS.items():
+                rope = opts.get("key_center") == "rope"  # (the dumped keys sit at positions 0..S-1)
                 cache = QuantizedKVCache(1, L, Hkv, D, dtype=dtype if dtype != torch.float32 else torch.float16,
-                                         device=device, **opts)
+                                         device=device, **dict(opts, rope_inv_freq=inv_freq) if rope else opts)
                 if cache.key_transform:
-                    cache.calibrate(k[:, :min(L, 256)])  # a 256-token prompt's statistics
+                    n = min(L, 256)  # a 256-token prompt's statistics
+                    cache.calibrate(k[:, :n], positions=torch.arange(n, device=device)[None] if rope else None)
                 cache.append(k, v)
                 out = flash_attn_with_kvcache(q, cache, softmax_scale=data["scaling"])
                 path = last_path()
