@@ -1029,6 +1029,18 @@ def verify(args) -> bool:
     return layer0 < 1e-4
 
 
+def merge_results(old: dict, new: dict) -> dict:
+    """``old`` with ``new``'s configs added (replacing same-named ones); old's full-precision row
+    stays the reference when it has one (its 4K metrics too)."""
+    if old.get("setup", {}).get("tokens_in_text") != new.get("setup", {}).get("tokens_in_text"):
+        raise ValueError("merge: the two results are of different texts")
+    rows = new["configs"]
+    if any(r["name"] == "full" for r in old["configs"]):
+        rows = [r for r in rows if r["name"] != "full"]
+    names = {r["name"] for r in rows}
+    return dict(old, configs=[r for r in old["configs"] if r["name"] not in names] + rows)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("text", nargs="?", help="text file (default: gensim's lee_background.cor)")
@@ -1051,23 +1063,22 @@ def main(argv=None):
     p.add_argument("--tag", default="quality", help="output file stem")
     p.add_argument("--verify", action="store_true", help="check the simulation against TQCache decoding and exit")
     p.add_argument("--merge", help="merge this run's configs into an earlier quality JSON (same text and setup)")
-    p.add_argument("--render", help="only recompute derived fields and rewrite table/plot of this JSON")
+    p.add_argument("--render", help="only recompute derived fields and rewrite table/plot of this JSON (or of "
+                   "several, comma-separated, of one text and setup: merged in order)")
     args = p.parse_args(argv)
     if args.verify:
         torch.set_num_threads(args.threads)
         return 0 if verify(args) else 1
-    if args.render:
-        res = json.loads(Path(args.render).read_text())
-        res["default"] = DEFAULT
+    if args.render:  # (several JSONs of one text and setup: merged in order)
+        paths = args.render.split(",")
+        res = json.loads(Path(paths[0]).read_text())
+        for path in paths[1:]:
+            res = merge_results(res, json.loads(Path(path).read_text()))
+        res["default"], res["no_window_default"] = DEFAULT, NO_WINDOW_DEFAULT
     else:
         res = run(args)
         if args.merge:
-            old = json.loads(Path(args.merge).read_text())
-            if any(r["name"] == "full" for r in old["configs"]):  # keep the earlier reference (4K metrics too)
-                res["configs"] = [r for r in res["configs"] if r["name"] != "full"]
-            names = {r["name"] for r in res["configs"]}
-            old["configs"] = [r for r in old["configs"] if r["name"] not in names] + res["configs"]
-            res = old
+            res = merge_results(json.loads(Path(args.merge).read_text()), res)
     finalize(res)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
