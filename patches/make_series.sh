@@ -27,7 +27,8 @@ fragments, and an fp16/bf16 loader (cp.async + ldmatrix) (tq_kv_loader.h); the s
 with its combine pass (tq_decode_kernel.h); a prefill kernel for many query rows that expands each
 packed tile once into shared memory for 256 rows (tq_prefill_kernel.h; on sm_90a builds a variant
 whose warpgroups multiply through wgmma, tq_wgmma.h); the query/output
-row helpers both share (tq_rows.h); quantize-on-write with in-kernel slot resolution and checks
+row helpers both share (tq_rows.h); the decode kernel's variant that adds each score's RoPE-centre
+term q . R(p) c for caches whose keys are stored less R(p) c (tq_rope_centre.h); quantize-on-write with in-kernel slot resolution and checks
 (tq_pack_kernel.h), launch templates and one instantiation file per (dtype, head dim, loader).
 Nothing upstream changes."
 
