@@ -88,8 +88,9 @@ class QuantizedKVCache:
     ``p`` plus ``rope_position_offset``. RoPE turns a key's constant part with its position, so a
     post-RoPE mean only matches near the prompt; this centre matches at every position (SmolLM2, 3K
     tokens from the prompt: 2-7x less key energy to code). Each score then lacks a different
-    ``q . R(p) c``: attention over such a cache takes the reference path (dequantize, then attend)
-    until the fused kernels add that term.
+    ``q . R(p) c``, which the fused decode kernel adds back (csrc/flash_attn/src/tq_rope_centre.h;
+    chunks of any length run it, window_size / softcap / cache_leftpad and pages of fewer than 32
+    tokens take the reference path); the fp16 window's keys get ``R(p) c`` back before their pass.
     """
 
     def __init__(
