@@ -328,11 +328,11 @@ def _window_part(q, cache, bidx, lens, softmax_scale, causal, prefix=None):
     sees, attended in the same pass. Returns (out, lse) with lse -inf for rows without keys."""
     R, Sq = cache.fp16_window, q.shape[1]
     rows = slice(0, q.shape[0]) if bidx is None else bidx.long()  # (a slice: no copy of the whole window)
-    ridx = torch.arange(q.shape[0], device=q.device) if bidx is None else rows
     kw, vw = cache.window_kv(rows)  # ring order: attention does not care, the mask does
     n = lens.long().unsqueeze(1)
     age = (n - 1 - torch.arange(R, device=q.device)) % R  # [B, R]: 0 = the newest token's slot
     if cache.rope_center:  # keys back from k - R(p) c (slots without a token get garbage: masked below)
+        ridx = torch.arange(q.shape[0], device=q.device) if bidx is None else rows
         kw = cache.untransform_keys(kw, ridx, positions=n - 1 - age)
     visible = (age < n).unsqueeze(1)  # [B, 1, R]: slots holding a token
     if causal and Sq > 1:  # query i (of Sq, bottom-right aligned) sees tokens at least Sq - 1 - i old
@@ -424,8 +424,9 @@ def _quantized_kvcache(q, cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
             out_w, lse_w = _window_part(qt, cache, bidx, lens, softmax_scale, causal, prefix)
             out, lse = _merge_lse(out, lse, out_w, lse_w)
         elif prefix is not None:
-            rows = bidx.long() if bidx is not None else torch.arange(batch, device=device)
-            pk = _prefix_keys(cache, prefix[0], rows) if cache.rope_center else prefix[0]
+            pk = prefix[0]
+            if cache.rope_center:
+                pk = _prefix_keys(cache, pk, bidx.long() if bidx is not None else torch.arange(batch, device=device))
             out_p, lse_p = _dense_part(qt, pk, prefix[1], softmax_scale, torch.ones(1, 1, dtype=torch.bool,
                                                                                  device=device))
             out, lse = _merge_lse(out, lse, out_p, lse_p)

@@ -1,6 +1,8 @@
 """Shared pieces of the GPU tests (test_cuda_*.py): device, decode shape cases, output poisoning."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 DEV = "cuda"
@@ -28,6 +30,13 @@ PREFILL_CASES = [
     (1, [2500], 16, 2, 131, True),         # 1048 rows: four 256-row CTAs and a partial fifth (3 of 8 warps)
     (2, [1200, 3001], 8, 2, 260, False),   # 1040 rows, two lengths, non-causal
 ]
+
+
+def shuffled_block_table(batch: int, max_len: int, page_size: int, seed: int) -> torch.Tensor:
+    """int32 ``[batch, ceil(max_len / page_size)]``: every block once, in a seeded random order."""
+    per_seq = math.ceil(max_len / page_size)
+    perm = torch.randperm(batch * per_seq, generator=torch.Generator().manual_seed(seed))
+    return perm.reshape(batch, per_seq).to(torch.int32)
 
 
 def poison_allocator(nbytes: int = 1 << 28) -> None:

@@ -4,7 +4,6 @@ Run on the device: ``python -m pytest tests/test_cuda_kernels.py -q``.
 """
 from __future__ import annotations
 
-import math
 import zlib
 
 import pytest
@@ -13,7 +12,7 @@ import torch
 import flash_attn_tq as fa
 from flash_attn_tq import baseline, format as fmt, ops
 from flash_attn_tq.cache import QuantizedKVCache
-from gpu_cases import DECODE_CASES, DEV, PREFILL_CASES, poison_allocator
+from gpu_cases import DECODE_CASES, DEV, PREFILL_CASES, poison_allocator, shuffled_block_table
 
 pytestmark = [
     pytest.mark.gpu,
@@ -30,11 +29,7 @@ def _make_cache(batch, seqlens, kv_heads, d, *, quantizer="turbo", k_bits=3, v_b
     quantizer = "turbo" if scale_only else quantizer
     gen = torch.Generator(device=DEV).manual_seed(seed)
     max_len = max_seqlen or max(seqlens) + 3
-    block_table = None
-    if page_size is not None and shuffle_blocks:
-        per_seq = math.ceil(max_len / page_size)
-        perm = torch.randperm(batch * per_seq, generator=torch.Generator().manual_seed(seed))
-        block_table = perm.reshape(batch, per_seq).to(torch.int32)
+    block_table = shuffled_block_table(batch, max_len, page_size, seed) if page_size is not None and shuffle_blocks else None
     cache = QuantizedKVCache(batch, max_len, kv_heads, d, k_bits=k_bits, v_bits=v_bits, quantizer=quantizer,
                              page_size=page_size, block_table=block_table, fp16_window=window,
                              window_bits=window_bits, dtype=dtype,

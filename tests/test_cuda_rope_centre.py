@@ -5,7 +5,6 @@ Run on the device: ``python -m pytest tests/test_cuda_rope_centre.py -q``.
 """
 from __future__ import annotations
 
-import math
 import zlib
 
 import pytest
@@ -14,7 +13,7 @@ import torch
 import flash_attn_tq as fa
 from flash_attn_tq import baseline, ops
 from flash_attn_tq.cache import QuantizedKVCache, rope_turn
-from gpu_cases import DECODE_CASES, DEV, poison_allocator
+from gpu_cases import DECODE_CASES, DEV, poison_allocator, shuffled_block_table
 
 pytestmark = [
     pytest.mark.gpu,
@@ -32,11 +31,7 @@ def _rope_cache(batch, seqlens, kv_heads, d, *, quantizer="turbo", k_bits=3, v_b
     gen = torch.Generator(device=DEV).manual_seed(seed)
     inv_freq = 1.0 / 10000.0 ** (torch.arange(0, d, 2, device=DEV).float() / d)
     max_len = max_seqlen or max(seqlens) + 3
-    block_table = None
-    if page_size is not None:  # shuffled blocks
-        per_seq = math.ceil(max_len / page_size)
-        block_table = torch.randperm(batch * per_seq, generator=torch.Generator().manual_seed(seed)).reshape(
-            batch, per_seq).to(torch.int32)
+    block_table = shuffled_block_table(batch, max_len, page_size, seed) if page_size is not None else None
     cache = QuantizedKVCache(batch, max_len, kv_heads, d, k_bits=k_bits, v_bits=v_bits,
                              quantizer="turbo" if scale_only else quantizer, scale_only=scale_only, dtype=dtype,
                              page_size=page_size, block_table=block_table, fp16_window=window, device=DEV, seed=seed,
