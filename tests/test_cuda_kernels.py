@@ -29,7 +29,8 @@ def _make_cache(batch, seqlens, kv_heads, d, *, quantizer="turbo", k_bits=3, v_b
     quantizer = "turbo" if scale_only else quantizer
     gen = torch.Generator(device=DEV).manual_seed(seed)
     max_len = max_seqlen or max(seqlens) + 3
-    block_table = shuffled_block_table(batch, max_len, page_size, seed) if page_size is not None and shuffle_blocks else None
+    shuffled = page_size is not None and shuffle_blocks
+    block_table = shuffled_block_table(batch, max_len, page_size, seed) if shuffled else None
     cache = QuantizedKVCache(batch, max_len, kv_heads, d, k_bits=k_bits, v_bits=v_bits, quantizer=quantizer,
                              page_size=page_size, block_table=block_table, fp16_window=window,
                              window_bits=window_bits, dtype=dtype,
