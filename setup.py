@@ -12,8 +12,10 @@ The Python package is always installed.  The CUDA extension
 Otherwise a single message explains why, and the package falls back to its
 reference (PyTorch) implementation at run time.
 
-Install with ``pip install --no-build-isolation .`` so that the extension is
-compiled against the torch that is already installed.
+Install torch, setuptools, wheel and ninja first, then this package with
+``pip install -v --no-build-isolation .`` (``.[test]`` adds what the tests
+import), so that the extension is compiled against the torch that is already
+installed; ``-v`` shows ninja's ``[n/N]`` line as each source file is compiled.
 
 Environment variables:
 
@@ -35,6 +37,7 @@ import glob
 import os
 import re
 import sys
+import time
 
 from setuptools import find_packages, setup
 
@@ -157,8 +160,33 @@ def _extension_plan():
         include_dirs=[os.path.join(THIS_DIR, CSRC_DIR), os.path.join(THIS_DIR, KERNEL_DIR)],
         extra_compile_args={"cxx": ["-O3", "-std=" + std] + defines, "nvcc": nvcc_flags},
     )
-    cmdclass = {"build_ext": BuildExtension.with_options(use_ninja=True)}
+    cmdclass = {"build_ext": _progress_build_ext(BuildExtension.with_options(use_ninja=True))}
     return [ext], cmdclass, None
+
+
+def _progress_build_ext(base):
+    """A build_ext that says what it is about to compile and how long it took.
+
+    ninja numbers each compiled file ([n/N] lines on stdout; pip shows them with ``-v``), so a
+    build of several minutes is visibly moving; this adds a line before and after it.
+    """
+
+    class BuildExtWithProgress(base):
+        def build_extensions(self):
+            n = sum(len(ext.sources) for ext in self.extensions)
+            archs = os.environ.get("FLASH_ATTN_TQ_CUDA_ARCHS", DEFAULT_ARCHS)
+            jobs = os.environ.get("MAX_JOBS", "ninja's default")
+            print(
+                "flash_attn_tq: compiling %d source files of %s for CUDA archs %s with MAX_JOBS=%s "
+                "(about 10 minutes for 90a alone on 2 cores; more archs take longer); ninja prints "
+                "[n/N] as each file is compiled" % (n, EXT_NAME, archs, jobs),
+                flush=True,
+            )
+            start = time.time()
+            super().build_extensions()
+            print("flash_attn_tq: %s built in %.0f s" % (EXT_NAME, time.time() - start), flush=True)
+
+    return BuildExtWithProgress
 
 
 def _metadata_only():
@@ -207,7 +235,10 @@ setup(
     python_requires=">=3.9",
     install_requires=["torch", "einops", "packaging"],
     extras_require={
-        "test": ["pytest", "hypothesis"],
+        # what `python -m pytest tests` imports: numpy / scipy (quantizer statistics), hypothesis
+        # (format properties), transformers (the TQCache integration tests; pinned to the version
+        # they are written against)
+        "test": ["pytest", "hypothesis", "numpy", "scipy", "transformers==5.17.0"],
         "upstream": ["flash-attn"],
         "bench": ["triton", "matplotlib"],
     },
