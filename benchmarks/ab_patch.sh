@@ -4,7 +4,7 @@
 # beside ours, so compare the speedup columns (ratios), not absolute times across calls.
 #   bash benchmarks/ab_patch.sh PATCH [decode|prefill|both|paged]     (tables go to $OUT, or /tmp/ab)
 # paged: the decode table and bench_prefill.py's paged-decode table only (no FA2 build).
-# Example: GIT_COMMIT=abc1234 bash benchmarks/ab_patch.sh benchmarks/experiments/prefill_fewer_instructions.patch prefill
+# Example: GIT_COMMIT=$(git rev-parse --short HEAD) bash benchmarks/ab_patch.sh my_change.patch prefill
 set -uo pipefail
 patch=${1:?usage: ab_patch.sh PATCH [decode|prefill|both|paged]}
 what=${2:-both}

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A/B/C... in one device call: the checkout as it is (A), then each patch applied on top of the ones
-# before it. Every stage is built and timed with benchmarks/experiments/time_prefill.py; the first
+# before it. Every stage is built and timed with benchmarks/time_prefill.py; the first
 # and last stage also run bench_prefill.py --quick (FA2 beside it when .fa2 is carried), and the last
 # stage runs the GPU tests ($OUT/tests_last.log).
 #   GIT_COMMIT=$(git rev-parse --short HEAD) bash benchmarks/ab_stack.sh P1.patch [P2.patch ...]
@@ -17,7 +17,7 @@ if [ -f .fa2/flash_attn-2.8.3.post2.tar.gz ]; then
   python3 .fa2/build_upstream_fa2.py .fa2/flash_attn-2.8.3.post2.tar.gz /tmp/fa2 --hdims 128 > /tmp/ab_work/fa2.log 2>&1 \
     && eval "$(tail -1 /tmp/ab_work/fa2.log)" || echo "upstream FA2 not built"
 fi
-build A && python3 benchmarks/experiments/time_prefill.py A && table A
+build A && python3 benchmarks/time_prefill.py A && table A
 echo "A: $((SECONDS - t0)) s"
 applied=()
 n=0
@@ -25,7 +25,7 @@ for p in "$@"; do
   n=$((n + 1))
   git apply "$p" || { echo "$p does not apply on top of ${applied[*]:-the checkout}"; break; }
   applied+=("$p")
-  build "P$n" && python3 benchmarks/experiments/time_prefill.py "+$(basename "$p" .patch)"
+  build "P$n" && python3 benchmarks/time_prefill.py "+$(basename "$p" .patch)"
   echo "stage $n: $((SECONDS - t0)) s"
 done
 GIT_COMMIT="$GIT_COMMIT+stack$n" table last

@@ -1,5 +1,5 @@
 """Prefill kernel times (ops.decode, 3-bit turbo cache, with and without scale-only metadata) for a
-few chunk shapes: a quick A/B helper. Usage: python3 benchmarks/experiments/time_prefill.py LABEL [S:q_len,...]"""
+few chunk shapes: a quick A/B helper. Usage: python3 benchmarks/time_prefill.py LABEL [S:q_len,...]"""
 import sys
 
 import torch
