@@ -30,13 +30,23 @@ Conventions (matching the upstream kernels unless noted):
 * ``dropout_p > 0`` drops attention probabilities at random (torch RNG, so the
   pattern is not the one the CUDA kernel would draw) and rescales the kept ones
   by ``1 / (1 - dropout_p)``.
-* ``return_attn_probs=True`` returns ``(out, softmax_lse, S_dmask)``.  Here
-  ``S_dmask`` is the softmax probabilities (before dropout and its rescaling),
-  shaped ``(batch, nheads, seqlen_q, seqlen_k)`` (varlen: ``max_seqlen_q``,
-  ``max_seqlen_k``, zero-padded), in the dtype of ``q``; with dropout, dropped
-  entries are negated (upstream's sign encoding).  Upstream pads the last two
-  dimensions up to a multiple of 128 and returns an empty tensor when
-  ``dropout_p == 0``; this module always returns the probabilities, unpadded.
+* ``return_attn_probs=True`` returns ``(out, softmax_lse, S_dmask)``, shaped
+  ``(batch, nheads, seqlen_q, seqlen_k)`` (varlen: ``max_seqlen_q``,
+  ``max_seqlen_k``, zero-padded), in the dtype of ``q``.  With
+  ``dropout_p > 0`` it holds what the upstream kernel writes: unnormalized
+  scores ``exp(s - m)``.  The key axis is cut into blocks (from each
+  sequence's first key) of 128 columns for ``headdim <= 32``, 64 for
+  ``<= 96``, 32 for ``<= 128`` and 64 above; ``m`` is the row's maximum over
+  the entry's block and all later ones (the kernel walks the blocks from last
+  to first and writes each against its running maximum), or 0 where that
+  maximum is ``-inf``.  Dropped entries are negated, so ``S_dmask >= 0`` is
+  the keep mask (masked-out entries, 0 or -0, read as kept) and
+  ``S_dmask.abs() * exp(m - softmax_lse)`` are the probabilities before
+  dropout; ``out`` is those probabilities times the keep mask, over
+  ``1 - dropout_p``, times ``v``.  Upstream pads the last two dimensions up
+  to a multiple of 128 and returns an empty tensor when ``dropout_p == 0``;
+  this module returns them unpadded and, without dropout, returns the
+  normalized softmax probabilities instead.
 * Accepted dtypes are float16 and bfloat16 as upstream, and also float32 (the
   baseline only).  q, k, v must share a dtype and a device.  Upstream's limits
   on head size (<= 256, multiple of 8), rotary dim (multiple of 16), paged
@@ -83,6 +93,39 @@ def _per_batch(value, batch, default, device, name):
             raise ValueError(f"{name} must have shape ({batch},), got {tuple(value.shape)}")
         return value.to(device=device, dtype=torch.long)
     return torch.full((batch,), int(value), dtype=torch.long, device=device)
+
+
+def _fwd_block_n(headdim):
+    """Key-block width of upstream's forward kernel when it writes S_dmask (dropout on).
+
+    The same table as upstream's ``_get_block_size_n(device, headdim, True, causal)``,
+    which with dropout does not depend on the GPU or on ``causal``."""
+    if headdim <= 32:
+        return 128
+    if headdim <= 96:
+        return 64
+    if headdim <= 128:
+        return 32
+    return 64
+
+
+def _kernel_exp_scores(scores, block_n):
+    """exp(score - running max), the unnormalized scores the upstream kernel stores.
+
+    scores: [..., Sk] float32 with -inf where masked.  The kernel visits key blocks of
+    ``block_n`` columns from the last to the first, so an entry in block j is exponentiated
+    against the row maximum over blocks j, j+1, ...; a maximum of -inf counts as 0."""
+    seqlen_k = scores.shape[-1]
+    if seqlen_k == 0:
+        return torch.zeros_like(scores)
+    nblocks = -(-seqlen_k // block_n)
+    padded = torch.nn.functional.pad(scores, (0, nblocks * block_n - seqlen_k),
+                                     value=float("-inf"))
+    block_max = padded.unflatten(-1, (nblocks, block_n)).amax(dim=-1)
+    running = block_max.flip(-1).cummax(dim=-1).values.flip(-1)
+    running = running.masked_fill(torch.isneginf(running), 0.0)
+    running = running.repeat_interleave(block_n, dim=-1)[..., :seqlen_k]
+    return torch.exp(scores - running)
 
 
 def _attend(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes,
@@ -136,6 +179,9 @@ def _attend(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes,
 
     row_ok = keep.any(dim=-1, keepdim=True)                   # [B, 1, Sq, 1]
     scores = scores.masked_fill(~keep, float("-inf"))
+    s_dmask = None
+    if want_probs and dropout_p > 0:
+        s_dmask = _kernel_exp_scores(scores.detach(), _fwd_block_n(headdim))
     # Rows without any key are replaced by zeros so nothing turns into NaN,
     # then zeroed out below.
     scores = torch.where(row_ok, scores, torch.zeros_like(scores))
@@ -143,12 +189,14 @@ def _attend(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes,
     probs = torch.exp(scores - lse) * row_ok
     lse = torch.where(row_ok, lse, torch.full_like(lse, float("inf"))).squeeze(-1)
 
-    s_dmask = probs.detach() if want_probs else None
     if dropout_p > 0:
         kept = torch.rand(probs.shape, device=device) >= dropout_p
         probs = probs * kept / (1.0 - dropout_p)
         if want_probs:
+            # Upstream's sign encoding: a dropped entry is stored negated.
             s_dmask = torch.where(kept, s_dmask, -s_dmask)
+    elif want_probs:
+        s_dmask = probs.detach()
     out = torch.einsum("bhqk,bkhd->bqhd", probs, vf)
     return out, lse, s_dmask
 

@@ -86,8 +86,7 @@ def naive_one(q, k, v, scale=None, causal=False, window=(-1, -1), softcap=0.0, s
 
 def naive_probs(q, k, scale, causal, window, softcap, slopes):
     """Probabilities (Hq, Sq, Sk) for one sequence, via naive_one with one-hot values."""
-    Sk = k.shape[0]
-    Hq, Hk = q.shape[1], k.shape[1]
+    Sk, Hk = k.shape[0], k.shape[1]
     eye = torch.eye(Sk, dtype=torch.float64).unsqueeze(1).expand(Sk, Hk, Sk)
     out, _ = naive_one(q, k, eye, scale, causal, window, softcap, slopes)
     return out.permute(1, 0, 2)
@@ -272,27 +271,173 @@ def test_fully_masked_rows():
     assert (out[:, :4] == 0).all() and torch.isposinf(lse[:, :, :4]).all()
 
 
-def test_dropout():
+# Upstream's S_dmask with dropout: unnormalized exp scores against the kernel's running
+# maximum over key blocks (walked last to first), dropped entries negated.  Decoded as
+# upstream's tests do: keep = S >= 0, unnormalized = |S|, then rescaled to probabilities.
+
+def naive_scores(q, k, scale, causal, window, softcap, slopes):
+    """Scores (Hq, Sq, Sk) for one sequence, float64, -inf where masked; built entry by entry."""
+    Sq, Hq, d = q.shape
+    Sk, Hk = k.shape[0], k.shape[1]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    left, right = window
+    if causal:
+        right = 0
+    out = torch.full((Hq, Sq, Sk), -INF, dtype=torch.float64)
+    for h in range(Hq):
+        dots = (q[:, h] @ k[:, h // (Hq // Hk)].T).tolist()
+        for i in range(Sq):
+            diag = i + Sk - Sq
+            for j in range(Sk):
+                if (left >= 0 and j < diag - left) or (right >= 0 and j > diag + right):
+                    continue
+                s = dots[i][j] * scale
+                if softcap > 0:
+                    s = softcap * math.tanh(s / softcap)
+                if slopes is not None:
+                    s -= float(slopes[h]) * abs(diag - j)
+                out[h, i, j] = s
+    return out
+
+
+def running_block_max(scores, block_n):
+    """Per entry, the row maximum over its key block and all later blocks (0 if -inf)."""
+    H, Sq, Sk = scores.shape
+    m = torch.zeros_like(scores)
+    for h in range(H):
+        for i in range(Sq):
+            for j in range(Sk):
+                top = scores[h, i, (j // block_n) * block_n:].max().item()
+                m[h, i, j] = 0.0 if top == -INF else top
+    return m
+
+
+def check_s_dmask(sd, out, lse, q, k, v, p, block_n, scale=None, causal=False, window=(-1, -1),
+                  softcap=0.0, slopes=None, atol=2e-5):
+    """One sequence: sd (Hq, Sq, Sk), out (Sq, Hq, d), lse (Hq, Sq; taken before dropout).
+
+    Returns (number of dropped entries, number of allowed entries)."""
+    q, k, v = d64(q, k, v)
+    Hq, Hk = q.shape[1], k.shape[1]
+    scores = naive_scores(q, k, scale, causal, window, softcap, slopes)
+    m = running_block_max(scores, block_n)
+    allowed = scores > -INF
+    lse_ref = torch.logsumexp(scores, dim=-1)
+    assert_lse(lse, lse_ref.masked_fill(torch.isneginf(lse_ref), INF), atol=atol)
+    keep = sd >= 0
+    unnorm = sd.abs().double()
+    # dropped entries keep their magnitude; only the sign carries the dropout pattern
+    assert_close(unnorm, torch.exp(scores - m), atol=atol, rtol=atol)
+    probs = unnorm * torch.exp(m - lse.double().unsqueeze(-1))
+    probs = torch.where(allowed, probs, torch.zeros_like(probs))
+    p_ref = naive_probs(q, k, scale, causal, window, softcap, slopes)
+    assert_close(probs, p_ref, atol=atol, rtol=atol)
+    dropped = probs * keep / (1 - p)
+    v_h = v.repeat_interleave(Hq // Hk, dim=1)
+    out_ref = torch.einsum("hqk,khd->qhd", dropped, v_h)
+    assert_close(out, out_ref, atol=atol, rtol=atol)
+    return (allowed & ~keep).sum().item(), allowed.sum().item()
+
+
+# headdim -> key-block width of upstream's forward kernel with dropout
+BLOCK_N = {8: 128, 40: 64, 96: 64, 128: 32, 160: 64}
+DROPOUT_OPTS = ["plain", "causal", "window", "softcap_alibi"]
+
+
+@pytest.mark.parametrize("api_fn", ["func", "kvpacked", "qkvpacked"])
+@pytest.mark.parametrize("opt", DROPOUT_OPTS)
+@pytest.mark.parametrize("d", [8, 40, 128])
+def test_dropout_s_dmask(d, opt, api_fn):
+    gen = gen_for(seed_of(("dropout", d, opt, api_fn)))
+    B, Hq, Hk, p = 2, 2, 1 if api_fn != "qkvpacked" else 2, 0.25
+    Sq, Sk = (40, 40) if api_fn == "qkvpacked" else (9, 70)
+    q, k, v = randn(gen, B, Sq, Hq, d), randn(gen, B, Sk, Hk, d), randn(gen, B, Sk, Hk, d)
+    api, ref, slopes = _split_opts(OPTIONS[opt], gen, B, Hq)
+    torch.manual_seed(seed_of(("dropout-rng", d, opt)))
+    if api_fn == "func":
+        out, lse, sd = flash_attn_func(q, k, v, p, return_attn_probs=True, **api)
+    elif api_fn == "kvpacked":
+        out, lse, sd = flash_attn_kvpacked_func(q, torch.stack([k, v], dim=2), p,
+                                                return_attn_probs=True, **api)
+    else:
+        out, lse, sd = flash_attn_qkvpacked_func(torch.stack([q, k, v], dim=2), p,
+                                                 return_attn_probs=True, **api)
+    assert sd.shape == (B, Hq, Sq, Sk) and sd.dtype == q.dtype
+    dropped = allowed = 0
+    for b in range(B):
+        sl = None if slopes is None else (slopes if slopes.dim() == 1 else slopes[b])
+        nd, na = check_s_dmask(sd[b], out[b], lse[b], q[b], k[b], v[b], p, BLOCK_N[d],
+                               ref["scale"], ref["causal"], ref["window"], ref["softcap"], sl)
+        dropped, allowed = dropped + nd, allowed + na
+    assert abs(dropped / allowed - p) < 0.06
+
+
+def test_dropout_s_dmask_block_table():
+    """The block width follows upstream's table for every head size."""
+    from flash_attn_tq.baseline import _fwd_block_n
+    assert {d: _fwd_block_n(d) for d in BLOCK_N} == BLOCK_N
+    assert [_fwd_block_n(d) for d in (16, 32, 33, 64, 65, 97, 129, 256)] == \
+        [128, 128, 64, 64, 64, 32, 64, 64]
+
+
+@pytest.mark.parametrize("api_fn", ["varlen", "varlen_kvpacked", "varlen_qkvpacked"])
+def test_dropout_s_dmask_varlen(api_fn):
+    gen = gen_for(seed_of(("dropout-varlen", api_fn)))
+    lq, lk = [5, 0, 40, 2], [33, 4, 40, 1]
+    if api_fn == "varlen_qkvpacked":
+        lq = lk
+    B, Hq, d, p = len(lq), 2, 40, 0.2
+    Hk = 1 if api_fn != "varlen_qkvpacked" else Hq
+    cu_q, cu_k = _cu(lq), _cu(lk)
+    q, k, v = randn(gen, sum(lq), Hq, d), randn(gen, sum(lk), Hk, d), randn(gen, sum(lk), Hk, d)
+    kw = dict(causal=True, softcap=2.0)
+    torch.manual_seed(3)
+    if api_fn == "varlen":
+        out, lse, sd = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lq), max(lk) + 3, p,
+                                              return_attn_probs=True, **kw)
+        mq, mk = max(lq), max(lk) + 3
+    elif api_fn == "varlen_kvpacked":
+        out, lse, sd = flash_attn_varlen_kvpacked_func(q, torch.stack([k, v], dim=1), cu_q, cu_k,
+                                                       max(lq), max(lk), p,
+                                                       return_attn_probs=True, **kw)
+        mq, mk = max(lq), max(lk)
+    else:
+        out, lse, sd = flash_attn_varlen_qkvpacked_func(torch.stack([q, k, v], dim=1), cu_q,
+                                                        max(lq), p, return_attn_probs=True, **kw)
+        mq, mk = max(lq), max(lk)
+    assert sd.shape == (B, Hq, mq, mk) and sd.dtype == q.dtype
+    dropped = allowed = 0
+    for b in range(B):
+        qs, ks = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
+        nd, na = check_s_dmask(sd[b, :, :lq[b], :lk[b]], out[qs], lse[:, qs], q[qs], k[ks],
+                               v[ks], p, 64, causal=True, softcap=2.0)
+        dropped, allowed = dropped + nd, allowed + na
+        assert (sd[b, :, lq[b]:] == 0).all() and (sd[b, :, :, lk[b]:] == 0).all()
+    assert abs(dropped / allowed - p) < 0.08
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_dropout_s_dmask_half(dtype):
+    gen = gen_for(seed_of(("dropout-half", str(dtype))))
+    B, S, H, d, p = 1, 40, 2, 96, 0.3
+    q, k, v = [randn(gen, B, S, H, d, dtype=dtype) for _ in range(3)]
+    torch.manual_seed(1)
+    out, lse, sd = flash_attn_func(q, k, v, p, causal=True, return_attn_probs=True)
+    assert sd.dtype == dtype and out.dtype == dtype
+    tol = 1e-2 if dtype == torch.float16 else 3e-2
+    check_s_dmask(sd[0], out[0], lse[0], q[0], k[0], v[0], p, 64, causal=True, atol=tol)
+
+
+def test_dropout_grads_and_no_dropout_probs():
     gen = gen_for(5)
     B, S, H, d, p = 2, 24, 2, 8, 0.3
     q, k, v = randn(gen, B, S, H, d), randn(gen, B, S, H, d), randn(gen, B, S, H, d)
-    torch.manual_seed(0)
-    out, lse, sd = flash_attn_func(q, k, v, dropout_p=p, causal=True, return_attn_probs=True,
-                                   deterministic=True)
-    assert sd.shape == (B, H, S, S)
-    probs = sd.abs()
-    out_ref, lse_ref = naive_batch(*d64(q, k, v), causal=True)
-    assert_lse(lse, lse_ref)  # lse is computed before dropout
-    p_ref = naive_probs(*d64(q[0], k[0]), None, True, (-1, -1), 0.0, None)
-    assert_close(probs[0], p_ref)
-    kept = torch.where(sd >= 0, probs, torch.zeros_like(probs)) / (1 - p)
-    assert_close(out, torch.einsum("bhqk,bkhd->bqhd", kept.double(), v.double()), atol=1e-5)
-    allowed = p_ref > 0
-    frac = (sd[0] < 0)[allowed].float().mean().item()
-    assert 0.2 < frac < 0.4
     qs = q.clone().requires_grad_()
     flash_attn_func(qs, k, v, dropout_p=p).sum().backward()
     assert torch.isfinite(qs.grad).all()
+    # without dropout S_dmask is the normalized probabilities (upstream returns an empty tensor)
+    _, _, probs = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    assert_close(probs[0], naive_probs(*d64(q[0], k[0]), None, True, (-1, -1), 0.0, None))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -429,7 +574,7 @@ def _naive_kvcache(q, kc, vc, seqlens, leftpad=None, slopes=None, **kw):
 @pytest.mark.parametrize("seqlens_kind", ["int", "tensor"])
 def test_kvcache_append(seqlens_kind, causal):
     gen, q, kc, vc, k, v = _kvcache_case(100 + causal)
-    B, Snew, cap = q.shape[0], k.shape[1], kc.shape[1]
+    B, Snew = q.shape[0], k.shape[1]
     lens = [4] * B if seqlens_kind == "int" else [0, 5, 9]
     cache_seqlens = 4 if seqlens_kind == "int" else torch.tensor(lens, dtype=torch.int32)
     kc_ref, vc_ref = kc.clone(), vc.clone()
