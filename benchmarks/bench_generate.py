@@ -1,0 +1,528 @@
+"""End-to-end decode speed of a transformers model over TQCache vs transformers' own KV caches.
+
+    python benchmarks/bench_generate.py [--models smollm2,llama8b] [--prompts 2048,8192] [--new-tokens 64]
+        [--variants ...] [--no-compile] [--tq-compile] [--no-profile] [--quick] [--data DIR] [--out DIR]
+
+Side by side in one run, the same model, prompt and number of decoded tokens through
+
+* ``dynamic``: transformers' ``DynamicCache``, SDPA attention;
+* ``static``: transformers' ``StaticCache`` (capacity given up front), SDPA, eager;
+* ``static_compiled``: the same with the decode step ``torch.compile(mode="reduce-overhead")``d
+  (CUDA graphs: transformers' fastest fp16 decode; CUDA only, ``--no-compile`` skips it);
+* ``tq``: ``TQCache(model.config)`` with ``attn_implementation="tq_kvcache"`` (the fused kernels on a GPU);
+* ``tq_calibrated``: ``TQCache.calibrated(model)`` (measured once a model; its time is reported as
+  ``calibration_s``, not in the decode speed; the cache of each prompt reuses its bit widths);
+* ``tq_compiled`` (``--tq-compile`` only): TQCache with the compiled decode step, its greedy tokens
+  checked against the eager ``tq`` run's.
+
+Models: ``smollm2``: SmolLM2-135M-Instruct from its GGUF (float16 on the GPU; assets as
+``benchmarks/eval_quality.py`` finds them, ``--data``), B=1, the ``--prompts`` lengths; ``llama8b``:
+a Llama-3-8B-shaped model with random weights (8 decoder layers, hidden 4096, MLP 14336, 32 q / 8 kv
+heads, head_dim 128, RoPE theta 500000, vocab 128256), bfloat16, B=8, one 32K-token prompt.
+Prompts are random token ids (speed does not depend on the text).
+
+Timing: the prompt is prefilled by one forward (timed on its own, ``*_prefill_ms``), then tokens are
+decoded greedily one forward a step (the same count for every cache), ``--warmup`` steps untimed, then
+``--new-tokens`` steps each timed with CUDA events; decode tokens/s = B / median step time. After
+them, ``--profile-steps`` more steps under ``torch.profiler`` give ``*_attn_share``: the CUDA time of
+the attention kernels (names containing decode/flash/attention/sdpa/fmha/combine) over all kernel time,
+and (eager variants) ``*_attn_wall_share``: the time spent inside the attention function (the whole
+of it: kernels and the PyTorch ops around them) over the step time. Cache bytes: TQCache: its
+QuantizedKVCaches' ``nbytes`` (codes, metadata, recent window) plus its 16-bit sink tokens; the
+others: their K/V tensors (the static cache and TQCache as allocated for the run's length).
+
+Writes ``generate.json`` (``{"meta": {gpu, torch, cuda, transformers, commit}, "rows": [...]}``, rows
+with ``model, B, prompt, dynamic_tok_s, static_tok_s, tq_tok_s`` and more) and ``generate.md`` under
+``--out`` (default benchmarks/results; with ``--quick``, /tmp/bench_generate_quick). ``--quick``:
+tiny random Llamas in place of both models, tiny prompts (a CPU smoke test).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+ATTN_KEYWORDS = ("decode", "flash", "attention", "sdpa", "fmha", "combine")
+FP16_VARIANTS = ("dynamic", "static", "static_compiled")
+ALL_VARIANTS = ("dynamic", "static", "tq", "tq_calibrated", "static_compiled", "tq_compiled")
+
+LLAMA8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=8,
+               num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=500000.0,
+               max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False)
+# --quick: tiny random stand-ins (SmolLM2's 3:1 GQA at head_dim 64; the 8B shape's 4:1 at 128)
+TINY = {"smollm2": dict(vocab_size=512, hidden_size=192, intermediate_size=384, num_hidden_layers=2,
+                        num_attention_heads=3, num_key_value_heads=1, head_dim=64, rope_theta=100000.0,
+                        max_position_embeddings=4096, tie_word_embeddings=True),
+        "llama8b": dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=1, head_dim=128, rope_theta=500000.0,
+                        max_position_embeddings=4096, tie_word_embeddings=False)}
+MODELS = {  # batch, prompts (None: --prompts), variants; GPU dtype
+    "smollm2": dict(B=1, prompts=None, dtype=torch.float16,
+                    variants=("dynamic", "static", "tq", "tq_calibrated", "static_compiled", "tq_compiled")),
+    "llama8b": dict(B=8, prompts=(32768,), dtype=torch.bfloat16,
+                    variants=("dynamic", "static", "tq", "static_compiled", "tq_compiled")),
+}
+
+
+# --------------------------------------------------------------------------- helpers
+
+def meta() -> dict:
+    import transformers
+    commit = os.environ.get("GIT_COMMIT")
+    if not commit:
+        try:
+            commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
+                                             stderr=subprocess.DEVNULL).strip()
+        except Exception:
+            commit = "unknown"
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {"gpu": gpu, "torch": torch.__version__, "cuda": torch.version.cuda,
+            "transformers": transformers.__version__, "commit": commit, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def sync(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free_memory(device):
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+
+
+class Clock:
+    """Marks on the device timeline (CUDA events) or the host clock (CPU); ``ms(a, b)`` after a sync."""
+
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+
+    def mark(self):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def ms(self, a, b) -> float:
+        return a.elapsed_time(b) if self.cuda else (b - a) * 1e3
+
+
+def tensor_bytes(*ts) -> int:
+    return sum(t.numel() * t.element_size() for t in ts if isinstance(t, torch.Tensor))
+
+
+def cache_bytes(cache) -> int:
+    """Bytes a cache holds: TQCache layers: their QuantizedKVCaches' ``nbytes`` (codes, metadata and the
+    recent window) + the 16-bit sink tokens; transformers' layers (and TQCache's protected ones): K/V."""
+    total = 0
+    for layer in getattr(cache, "layers", []):
+        caches = getattr(layer, "caches", None)
+        if caches is not None:
+            total += sum(int(qc.nbytes) for qc in caches)
+            total += tensor_bytes(getattr(layer, "sink_k", None), getattr(layer, "sink_v", None))
+        else:
+            total += tensor_bytes(getattr(layer, "keys", None), getattr(layer, "values", None))
+    return total
+
+
+@contextlib.contextmanager
+def timed_attention(model, clock, spans):
+    """Within: each call of the model's attention function appends its (start, end) marks to ``spans``."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    name = model.config._attn_implementation
+    had_local = name in ALL_ATTENTION_FUNCTIONS._local_mapping
+    original = ALL_ATTENTION_FUNCTIONS[name]
+
+    def wrapped(*args, **kwargs):
+        t0 = clock.mark()
+        out = original(*args, **kwargs)
+        spans.append((t0, clock.mark()))
+        return out
+
+    ALL_ATTENTION_FUNCTIONS[name] = wrapped  # (the instance's local mapping, looked up at each forward)
+    try:
+        yield
+    finally:
+        if had_local:
+            ALL_ATTENTION_FUNCTIONS[name] = original
+        else:
+            del ALL_ATTENTION_FUNCTIONS[name]
+
+
+def kernel_share(prof, cuda: bool) -> tuple[float | None, list]:
+    """(attention kernels' share of the device time, the top kernels [(name, us)]) from a profile;
+    on the CPU the same over the operators' self time (a rough stand-in)."""
+    from torch.autograd import DeviceType
+    rows = []
+    for e in prof.key_averages():
+        if cuda:
+            if getattr(e, "device_type", None) != DeviceType.CUDA or getattr(e, "is_user_annotation", False):
+                continue
+            t = getattr(e, "self_device_time_total", None)
+            if t is None:
+                t = getattr(e, "self_cuda_time_total", 0)
+        else:
+            t = getattr(e, "self_cpu_time_total", 0)
+        if t and t > 0:
+            rows.append((e.key, float(t)))
+    total = sum(t for _, t in rows)
+    if total <= 0:
+        return None, []
+    attn = sum(t for k, t in rows if any(w in k.lower() for w in ATTN_KEYWORDS))
+    top = sorted(rows, key=lambda r: -r[1])[:10]
+    return attn / total, [(k[:120], round(t, 1)) for k, t in top]
+
+
+# --------------------------------------------------------------------------- models
+
+def build_random_llama(kw: dict, dtype, device, seed=0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(**kw)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = LlamaForCausalLM._from_config(cfg, dtype=dtype, attn_implementation="sdpa")
+    return model.eval()
+
+
+def load_smollm2(data: Path, dtype, device):
+    from eval_quality import ensure_model, load_model
+    _, model = load_model(ensure_model(data))
+    model.set_attn_implementation("sdpa")
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def describe(name: str, quick: bool) -> str:
+    if quick:
+        return f"tiny random Llama standing in for {name}"
+    if name == "smollm2":
+        from eval_quality import GGUF
+        return f"SmolLM2-135M-Instruct ({GGUF})"
+    return "Llama-3-8B-shaped, 8 layers, random weights"
+
+
+# --------------------------------------------------------------------------- one run
+
+def make_cache(variant, model, capacity, calibrated):
+    from transformers import DynamicCache, StaticCache
+    if variant == "dynamic":
+        return DynamicCache(config=model.config)
+    if variant.startswith("static"):
+        return StaticCache(config=model.config, max_cache_len=capacity)
+    from flash_attn_tq.integrations.transformers import TQCache
+    if variant == "tq_calibrated":  # the calibrated widths, this run's capacity
+        return TQCache(model.config, max_cache_len=capacity, late_k_bits=None,
+                       layer_options=calibrated.layer_options, head_options=calibrated.head_options)
+    return TQCache(model.config, max_cache_len=capacity)
+
+
+@torch.no_grad()
+def run_variant(model, variant, ids, args, calibrated=None) -> dict:
+    """Prefill ``ids`` [B, P], then ``warmup + new_tokens (+ profile_steps)`` greedy decode steps."""
+    from flash_attn_tq.integrations.transformers import ATTN_IMPLEMENTATION
+    device = ids.device
+    cuda = device.type == "cuda"
+    clock = Clock(device)
+    B, P = ids.shape
+    steps, warmup = args.new_tokens, args.warmup
+    prof_steps = 0 if args.no_profile else args.profile_steps
+    capacity = P + warmup + steps + prof_steps + 8
+    compiled = variant.endswith("_compiled")
+    model.set_attn_implementation(ATTN_IMPLEMENTATION if variant.startswith("tq") else "sdpa")
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    if compiled:
+        torch._dynamo.reset()
+        call = torch.compile(model.__call__, mode="reduce-overhead", fullgraph=False, dynamic=False)
+        mark_step = torch.compiler.cudagraph_mark_step_begin
+    else:
+        call, mark_step = model, (lambda: None)
+    cache = make_cache(variant, model, capacity, calibrated)
+    out = {}
+
+    a = clock.mark()
+    logits = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+    nxt = logits[:, -1:].argmax(-1)
+    b = clock.mark()
+    sync(device)
+    out["prefill_ms"] = clock.ms(a, b)
+    del logits
+
+    pos = P
+    tokens, marks = [nxt], []
+
+    def step(record):
+        nonlocal nxt, pos
+        position_ids = torch.full((1, 1), pos, dtype=torch.long, device=device)
+        mark_step()
+        t0 = clock.mark()
+        o = call(input_ids=nxt, past_key_values=cache, position_ids=position_ids, use_cache=True, logits_to_keep=1)
+        nxt = o.logits[:, -1:].argmax(-1)
+        t1 = clock.mark()
+        if record is not None:
+            record.append((t0, t1))
+        tokens.append(nxt)
+        pos += 1
+
+    t_w = time.perf_counter()
+    for _ in range(warmup):
+        step(None)
+    sync(device)
+    out["warmup_s"] = round(time.perf_counter() - t_w, 2)
+    if variant.startswith("tq"):
+        import flash_attn_tq
+        out["path"] = flash_attn_tq.last_path()  # the attention path the last decode step took
+    t_d = time.perf_counter()
+    for _ in range(steps):
+        step(marks)
+    sync(device)
+    out["decode_wall_s"] = round(time.perf_counter() - t_d, 3)
+    times = [clock.ms(s, e) for s, e in marks]
+    out["step_ms"] = statistics.median(times)
+    out["step_ms_mean"] = sum(times) / len(times)
+    out["tok_s"] = B * 1e3 / out["step_ms"]
+
+    if prof_steps:
+        try:  # kernel-name share of the device time
+            from torch.profiler import ProfilerActivity, profile
+            acts = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+            with profile(activities=acts) as prof:
+                for _ in range(prof_steps):
+                    step(None)
+                sync(device)
+            out["attn_share"], out["top_kernels"] = kernel_share(prof, cuda)
+        except Exception as e:  # (the profiler is a diagnostic: never fail the run for it)
+            out["attn_share_error"] = f"{type(e).__name__}: {e}"[:300]
+        if not compiled:  # time inside the attention function over the step time
+            spans, stepm = [], []
+            with timed_attention(model, clock, spans):
+                for _ in range(prof_steps):
+                    step(stepm)
+            sync(device)
+            step_total = sum(clock.ms(s, e) for s, e in stepm)
+            out["attn_wall_share"] = sum(clock.ms(s, e) for s, e in spans) / step_total if step_total else None
+    out["cache_bytes"] = cache_bytes(cache)
+    if cuda:
+        out["peak_mem_gb"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+    out["tokens"] = torch.cat(tokens, 1).cpu()  # [B, 1 + steps...]
+    del cache
+    if compiled:
+        torch._dynamo.reset()
+    return out
+
+
+def bench_model(name, args) -> list[dict]:
+    spec = MODELS[name]
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    dtype = spec["dtype"] if cuda else torch.float32
+    t0 = time.perf_counter()
+    if args.quick:
+        model = build_random_llama(TINY[name], dtype, device)
+    elif name == "smollm2":
+        model = load_smollm2(Path(args.data), dtype, device)
+    else:
+        model = build_random_llama(LLAMA8B, dtype, device)
+    print(f"[{name}] model ready in {time.perf_counter() - t0:.1f} s ({dtype}, {device})", flush=True)
+    B = args.batch or (1 if args.quick and name == "smollm2" else 2 if args.quick else spec["B"])
+    if args.quick:
+        prompts = [200, 300] if name == "smollm2" else [260]
+    else:
+        prompts = spec["prompts"] or args.prompts
+    if name == "llama8b" and args.llama_prompt:
+        prompts = [args.llama_prompt]
+    wanted = [v for v in spec["variants"] if v in args.variants]
+    if not cuda:
+        wanted = [v for v in wanted if not v.endswith("_compiled")]  # (CUDA graphs)
+    if args.no_compile:
+        wanted = [v for v in wanted if v != "static_compiled"]
+    if not args.tq_compile:
+        wanted = [v for v in wanted if v != "tq_compiled"]
+
+    calibrated, calibration = None, {}
+    if "tq_calibrated" in wanted:
+        from flash_attn_tq.integrations.transformers import TQCache
+        try:
+            t0 = time.perf_counter()
+            calibrated = TQCache.calibrated(model)
+            sync(device)
+            calibration = dict(calibration_s=round(time.perf_counter() - t0, 2),
+                               calibrated_layer_options={str(k): v for k, v in calibrated.layer_options.items()},
+                               calibrated_head_options={f"{i},{h}": v for (i, h), v in calibrated.head_options.items()})
+            print(f"[{name}] TQCache.calibrated: {calibration['calibration_s']} s", flush=True)
+        except Exception as e:
+            traceback.print_exc()
+            calibration = dict(calibration_error=f"{type(e).__name__}: {e}"[:300])
+            wanted.remove("tq_calibrated")
+
+    rows = []
+    for P in prompts:
+        g = torch.Generator().manual_seed(P)
+        ids = torch.randint(0, model.config.vocab_size, (B, P), generator=g).to(device)
+        row = dict(model=name, model_desc=describe(name, args.quick), dtype=str(dtype).replace("torch.", ""), B=B,
+                   prompt=P, new_tokens=args.new_tokens, warmup=args.warmup, **calibration)
+        row.update({f"{v}_tok_s": None for v in ("dynamic", "static", "tq")})
+        results = {}
+        for v in wanted:
+            free_memory(device)
+            try:
+                r = run_variant(model, v, ids, args, calibrated if v == "tq_calibrated" else None)
+            except Exception as e:
+                traceback.print_exc()
+                row[f"{v}_error"] = f"{type(e).__name__}: {e}"[:500]
+                print(f"[{name} P={P}] {v}: FAILED ({row[f'{v}_error'][:200]})", flush=True)
+                if v.endswith("_compiled"):
+                    torch._dynamo.reset()
+                continue
+            finally:
+                free_memory(device)
+            results[v] = r
+            for k, x in r.items():
+                if k != "tokens":
+                    row[f"{v}_{k}"] = x
+            print(f"[{name} B={B} P={P}] {v}: {r['tok_s']:.1f} tok/s (step {r['step_ms']:.3f} ms, prefill "
+                  f"{r['prefill_ms']:.1f} ms, cache {r['cache_bytes'] / 2**20:.1f} MiB, attention share "
+                  f"{fmt(r.get('attn_share'), '.2f')} kernels / {fmt(r.get('attn_wall_share'), '.2f')} wall)", flush=True)
+        for v, r in results.items():  # greedy tokens against the reference run (a sanity check)
+            ref = results.get("tq" if v == "tq_compiled" else "dynamic")
+            if ref is not None and v != ("tq" if v == "tq_compiled" else "dynamic"):
+                n = min(ref["tokens"].shape[1], r["tokens"].shape[1])
+                row[f"{v}_tokens_agree"] = (ref["tokens"][:, :n] == r["tokens"][:, :n]).float().mean().item()
+        fp16 = {v: row[f"{v}_tok_s"] for v in FP16_VARIANTS if row.get(f"{v}_tok_s")}
+        if fp16:
+            best = max(fp16, key=fp16.get)
+            row.update(best_fp16=best, best_fp16_tok_s=fp16[best])
+            for v in ("tq", "tq_calibrated", "tq_compiled"):
+                if row.get(f"{v}_tok_s"):
+                    row[f"{v}_vs_best_fp16"] = row[f"{v}_tok_s"] / fp16[best]
+            if row.get("tq_cache_bytes") and row.get("dynamic_cache_bytes"):
+                row["kv_bytes_ratio"] = row["dynamic_cache_bytes"] / row["tq_cache_bytes"]  # fp16 / TQ
+        rows.append(row)
+    del model
+    free_memory(device)
+    return rows
+
+
+# --------------------------------------------------------------------------- output
+
+def fmt(x, spec=".1f"):
+    return "–" if x is None else format(x, spec)
+
+
+def mib(x):
+    return "–" if not x else f"{x / 2**20:,.1f}" if x >= 2**20 else f"{x / 2**20:.3f}"
+
+
+def markdown(res) -> str:
+    m = res["meta"]
+    lines = [f"# End-to-end decode, TQCache vs transformers' caches ({m['gpu']}, torch {m['torch']}, CUDA {m['cuda']}, "
+             f"transformers {m['transformers']}, commit {m['commit']})", "",
+             "Decode tokens/s = B / median step time (CUDA events, one greedy token a step after "
+             f"{res['setup']['warmup']} warm-up steps, {res['setup']['new_tokens']} timed). static+compile: "
+             "StaticCache with torch.compile(mode='reduce-overhead'). TQ / best: TQCache(config) over the fastest "
+             "transformers cache. KV MiB: the cache as held after the run (dynamic: its K/V; TQCache: codes, "
+             "metadata, window and sinks). Attention share: attention kernels' share of the step's CUDA time "
+             "(profiler; in brackets: the time inside the attention function over the step time).", "",
+             "| model | dtype | B | prompt | dynamic | static | static+compile | TQCache | TQCache.calibrated | TQ / best "
+             "| KV MiB dynamic | KV MiB TQ | fp16/TQ bytes | attn share dynamic | attn share TQ | prefill ms dyn / TQ "
+             "| calibration s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in res["rows"]:
+        def share(v):
+            return f"{fmt(r.get(f'{v}_attn_share'), '.2f')} ({fmt(r.get(f'{v}_attn_wall_share'), '.2f')})"
+        lines.append(
+            f"| {r['model']} | {r['dtype']} | {r['B']} | {r['prompt']} | {fmt(r.get('dynamic_tok_s'))} "
+            f"| {fmt(r.get('static_tok_s'))} | {fmt(r.get('static_compiled_tok_s'))} | {fmt(r.get('tq_tok_s'))} "
+            f"| {fmt(r.get('tq_calibrated_tok_s'))} | {fmt(r.get('tq_vs_best_fp16'), '.2f')}x "
+            f"| {mib(r.get('dynamic_cache_bytes'))} | {mib(r.get('tq_cache_bytes'))} | {fmt(r.get('kv_bytes_ratio'), '.2f')} "
+            f"| {share('dynamic')} | {share('tq')} | {fmt(r.get('dynamic_prefill_ms'))} / {fmt(r.get('tq_prefill_ms'))} "
+            f"| {fmt(r.get('calibration_s'))} |")
+    notes = []
+    for r in res["rows"]:
+        for k, x in r.items():
+            if k.endswith("_error"):
+                notes.append(f"- {r['model']} B={r['B']} prompt {r['prompt']}: {k[:-6]} failed: `{x}`")
+            if k.endswith("_path") and x and not str(x).startswith("quantized:fused"):
+                notes.append(f"- {r['model']} B={r['B']} prompt {r['prompt']}: {k[:-5]} decode took `{x}`")
+            if k.endswith("_tokens_agree") and x is not None and x < 1.0:
+                notes.append(f"- {r['model']} B={r['B']} prompt {r['prompt']}: {k[:-13]} greedy tokens agree with "
+                             f"the reference run at {x:.3f}")
+    return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="smollm2,llama8b", help="comma-separated: smollm2, llama8b")
+    p.add_argument("--prompts", default="2048,8192", help="SmolLM2 prompt lengths (tokens)")
+    p.add_argument("--llama-prompt", type=int, help="the 8B-shaped model's prompt length (default 32768)")
+    p.add_argument("--batch", type=int, help="batch size for every model (default: 1 for smollm2, 8 for llama8b)")
+    p.add_argument("--new-tokens", type=int, default=64, help="timed decode steps")
+    p.add_argument("--warmup", type=int, default=8, help="untimed decode steps first (compiled variants compile there)")
+    p.add_argument("--profile-steps", type=int, default=3, help="decode steps profiled for the attention share")
+    p.add_argument("--no-profile", action="store_true", help="skip the attention-share measurement")
+    p.add_argument("--variants", default=",".join(ALL_VARIANTS), help="subset of " + ",".join(ALL_VARIANTS))
+    p.add_argument("--no-compile", action="store_true", help="skip static_compiled")
+    p.add_argument("--tq-compile", action="store_true", help="also TQCache with the compiled decode step (tq_compiled)")
+    p.add_argument("--quick", action="store_true", help="tiny random models and prompts (CPU smoke test)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--data", default=os.environ.get("TQ_EVAL_DATA", "/tmp/qdata"), help="SmolLM2 assets (see eval_quality.py)")
+    p.add_argument("--out", help="output directory (default benchmarks/results; --quick: /tmp/bench_generate_quick)")
+    p.add_argument("--tag", default="generate", help="output file stem")
+    args = p.parse_args(argv)
+    args.models = [m for m in args.models.split(",") if m]
+    bad = [m for m in args.models if m not in MODELS]
+    if bad:
+        p.error(f"unknown model(s) {bad}; choose from {list(MODELS)}")
+    args.prompts = [int(x) for x in args.prompts.split(",") if x]
+    args.variants = [v for v in args.variants.split(",") if v]
+    bad = [v for v in args.variants if v not in ALL_VARIANTS]
+    if bad:
+        p.error(f"unknown variant(s) {bad}; choose from {list(ALL_VARIANTS)}")
+    if args.quick:
+        args.new_tokens = min(args.new_tokens, 4)
+        args.warmup = min(args.warmup, 2)
+        args.profile_steps = min(args.profile_steps, 2)
+    if args.new_tokens < 1:
+        p.error("--new-tokens must be >= 1")
+    args.out = Path(args.out or ("/tmp/bench_generate_quick" if args.quick else ROOT / "benchmarks" / "results"))
+    return args
+
+
+def run_benchmark(args) -> dict:
+    torch.backends.cuda.matmul.allow_tf32 = True
+    rows = []
+    for name in args.models:
+        rows += bench_model(name, args)
+    setup = dict(new_tokens=args.new_tokens, warmup=args.warmup, profile_steps=0 if args.no_profile else args.profile_steps,
+                 quick=args.quick, device=str(args.device), attention_keywords=list(ATTN_KEYWORDS))
+    return {"meta": meta(), "setup": setup, "rows": rows}
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    res = run_benchmark(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{args.tag}.json").write_text(json.dumps(res, indent=1, default=str))
+    md = markdown(res)
+    (args.out / f"{args.tag}.md").write_text(md)
+    print(md)
+    print(f"wrote {args.out / (args.tag + '.json')} and {args.tag}.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
