@@ -231,8 +231,25 @@ def make_cache(variant, model, capacity, calibrated):
 
 
 @torch.no_grad()
+@torch.no_grad()
+def warm_up(model, device, B):
+    """A short prompt and two decode steps through DynamicCache and TQCache: library and kernel
+    initialisation out of the first timed prefill."""
+    from transformers import DynamicCache
+
+    from flash_attn_tq.integrations.transformers import ATTN_IMPLEMENTATION, TQCache
+    ids = torch.randint(0, model.config.vocab_size, (B, 256), device=device)
+    for impl, cache in (("sdpa", DynamicCache(config=model.config)), (ATTN_IMPLEMENTATION, TQCache(model.config))):
+        model.set_attn_implementation(impl)
+        model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        for t in range(2):
+            model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True, logits_to_keep=1)
+    sync(device)
+
+
+@torch.no_grad()
 def run_variant(model, variant, ids, args, calibrated=None) -> dict:
-    """Prefill ``ids`` [B, P], then ``warmup + new_tokens (+ profile_steps)`` greedy decode steps."""
+    """Prefill ``ids`` [B, P], then ``warmup + new_tokens (+ 2 x profile_steps)`` greedy decode steps."""
     from flash_attn_tq.integrations.transformers import ATTN_IMPLEMENTATION
     device = ids.device
     cuda = device.type == "cuda"
@@ -240,7 +257,7 @@ def run_variant(model, variant, ids, args, calibrated=None) -> dict:
     B, P = ids.shape
     steps, warmup = args.new_tokens, args.warmup
     prof_steps = 0 if args.no_profile else args.profile_steps
-    capacity = P + warmup + steps + prof_steps + 8
+    capacity = P + warmup + steps + 2 * prof_steps + 8  # (the profiled steps run twice: kernels, then wall time)
     compiled = variant.endswith("_compiled")
     model.set_attn_implementation(ATTN_IMPLEMENTATION if variant.startswith("tq") else "sdpa")
     if cuda:
@@ -319,7 +336,7 @@ def run_variant(model, variant, ids, args, calibrated=None) -> dict:
     if cuda:
         out["peak_mem_gb"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
     out["tokens"] = torch.cat(tokens, 1).cpu()  # [B, 1 + steps...]
-    del cache
+    cache = None  # (freed before the next variant)
     if compiled:
         torch._dynamo.reset()
     return out
@@ -353,6 +370,10 @@ def bench_model(name, args) -> list[dict]:
     if not args.tq_compile:
         wanted = [v for v in wanted if v != "tq_compiled"]
 
+    try:
+        warm_up(model, device, B)
+    except Exception:  # (a failing cache fails again in its own variant, where the error is recorded)
+        traceback.print_exc()
     calibrated, calibration = None, {}
     if "tq_calibrated" in wanted:
         from flash_attn_tq.integrations.transformers import TQCache
@@ -396,7 +417,8 @@ def bench_model(name, args) -> list[dict]:
                     row[f"{v}_{k}"] = x
             print(f"[{name} B={B} P={P}] {v}: {r['tok_s']:.1f} tok/s (step {r['step_ms']:.3f} ms, prefill "
                   f"{r['prefill_ms']:.1f} ms, cache {r['cache_bytes'] / 2**20:.1f} MiB, attention share "
-                  f"{fmt(r.get('attn_share'), '.2f')} kernels / {fmt(r.get('attn_wall_share'), '.2f')} wall)", flush=True)
+                  f"{fmt(r.get('attn_share'), '.2f')} kernels / {fmt(r.get('attn_wall_share'), '.2f')} wall)",
+                  flush=True)
         for v, r in results.items():  # greedy tokens against the reference run (a sanity check)
             ref = results.get("tq" if v == "tq_compiled" else "dynamic")
             if ref is not None and v != ("tq" if v == "tq_compiled" else "dynamic"):
@@ -437,9 +459,9 @@ def markdown(res) -> str:
              "transformers cache. KV MiB: the cache as held after the run (dynamic: its K/V; TQCache: codes, "
              "metadata, window and sinks). Attention share: attention kernels' share of the step's CUDA time "
              "(profiler; in brackets: the time inside the attention function over the step time).", "",
-             "| model | dtype | B | prompt | dynamic | static | static+compile | TQCache | TQCache.calibrated | TQ / best "
-             "| KV MiB dynamic | KV MiB TQ | fp16/TQ bytes | attn share dynamic | attn share TQ | prefill ms dyn / TQ "
-             "| calibration s |",
+             "| model | dtype | B | prompt | dynamic | static | static+compile | TQCache | TQCache.calibrated "
+             "| TQ / best | KV MiB dynamic | KV MiB TQ | fp16/TQ bytes | attn share dynamic | attn share TQ "
+             "| prefill ms dyn / TQ | calibration s |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["rows"]:
         def share(v):
@@ -448,9 +470,9 @@ def markdown(res) -> str:
             f"| {r['model']} | {r['dtype']} | {r['B']} | {r['prompt']} | {fmt(r.get('dynamic_tok_s'))} "
             f"| {fmt(r.get('static_tok_s'))} | {fmt(r.get('static_compiled_tok_s'))} | {fmt(r.get('tq_tok_s'))} "
             f"| {fmt(r.get('tq_calibrated_tok_s'))} | {fmt(r.get('tq_vs_best_fp16'), '.2f')}x "
-            f"| {mib(r.get('dynamic_cache_bytes'))} | {mib(r.get('tq_cache_bytes'))} | {fmt(r.get('kv_bytes_ratio'), '.2f')} "
-            f"| {share('dynamic')} | {share('tq')} | {fmt(r.get('dynamic_prefill_ms'))} / {fmt(r.get('tq_prefill_ms'))} "
-            f"| {fmt(r.get('calibration_s'))} |")
+            f"| {mib(r.get('dynamic_cache_bytes'))} | {mib(r.get('tq_cache_bytes'))} "
+            f"| {fmt(r.get('kv_bytes_ratio'), '.2f')} | {share('dynamic')} | {share('tq')} "
+            f"| {fmt(r.get('dynamic_prefill_ms'))} / {fmt(r.get('tq_prefill_ms'))} | {fmt(r.get('calibration_s'))} |")
     notes = []
     for r in res["rows"]:
         for k, x in r.items():
@@ -479,7 +501,8 @@ def parse_args(argv=None):
     p.add_argument("--tq-compile", action="store_true", help="also TQCache with the compiled decode step (tq_compiled)")
     p.add_argument("--quick", action="store_true", help="tiny random models and prompts (CPU smoke test)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--data", default=os.environ.get("TQ_EVAL_DATA", "/tmp/qdata"), help="SmolLM2 assets (see eval_quality.py)")
+    p.add_argument("--data", default=os.environ.get("TQ_EVAL_DATA", "/tmp/qdata"),
+                   help="SmolLM2 assets (see eval_quality.py)")
     p.add_argument("--out", help="output directory (default benchmarks/results; --quick: /tmp/bench_generate_quick)")
     p.add_argument("--tag", default="generate", help="output file stem")
     args = p.parse_args(argv)
@@ -502,24 +525,30 @@ def parse_args(argv=None):
     return args
 
 
-def run_benchmark(args) -> dict:
-    torch.backends.cuda.matmul.allow_tf32 = True
+def run_benchmark(args, done=None) -> dict:
+    """Every model's rows; ``done(result so far)`` after each model (main writes the files there)."""
     rows = []
+    setup = dict(new_tokens=args.new_tokens, warmup=args.warmup,
+                 profile_steps=0 if args.no_profile else args.profile_steps, quick=args.quick,
+                 device=str(args.device), attention_keywords=list(ATTN_KEYWORDS))
+    res = {"meta": meta(), "setup": setup, "rows": rows}
     for name in args.models:
         rows += bench_model(name, args)
-    setup = dict(new_tokens=args.new_tokens, warmup=args.warmup, profile_steps=0 if args.no_profile else args.profile_steps,
-                 quick=args.quick, device=str(args.device), attention_keywords=list(ATTN_KEYWORDS))
-    return {"meta": meta(), "setup": setup, "rows": rows}
+        if done is not None:
+            done(res)
+    return res
 
 
 def main(argv=None):
     args = parse_args(argv)
-    res = run_benchmark(args)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{args.tag}.json").write_text(json.dumps(res, indent=1, default=str))
-    md = markdown(res)
-    (args.out / f"{args.tag}.md").write_text(md)
-    print(md)
+
+    def write(res):  # (after each model: a run cut short keeps what it measured)
+        (args.out / f"{args.tag}.json").write_text(json.dumps(res, indent=1, default=str))
+        (args.out / f"{args.tag}.md").write_text(markdown(res))
+
+    res = run_benchmark(args, write)
+    print(markdown(res))
     print(f"wrote {args.out / (args.tag + '.json')} and {args.tag}.md")
     return 0
 

