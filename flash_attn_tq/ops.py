@@ -4,9 +4,11 @@ The extension ``flash_attn_tq_cuda`` registers three ops:
 
 * ``decode_kvcache(q, k_codes, k_meta, v_codes, v_meta, seqlens_k, cache_batch_idx, block_table,
   rot_signs, k_bits, v_bits, softmax_scale, is_causal, num_splits, ..., rope_centre, rope_inv_freq,
-  rope_offset) -> (out, softmax_lse)``: split-KV attention of ``q [batch, seqlen_q, heads, d]`` over
-  packed K/V: the decode kernel, or from :data:`PREFILL_MIN_ROWS` query rows a kv head the prefill
-  kernel (not with ``rope_centre``: ``key_center='rope'``, whose ``q . R(p) c`` the decode kernel adds).
+  rope_offset, side_k, side_v, side_sinks, side_ring, codes_tail) -> (out, softmax_lse)``: split-KV
+  attention of ``q [batch, seqlen_q, heads, d]`` over packed K/V and, in the same launch, a 16-bit
+  side (sink tokens and a recent-token ring): the decode kernel, or from :data:`PREFILL_MIN_ROWS`
+  query rows a kv head the prefill kernel (not with ``rope_centre``, whose ``q . R(p) c`` the decode
+  kernel adds, nor with a side or ``codes_tail``).
 * ``decode_kv16(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, softmax_scale,
   is_causal, num_splits) -> (out, softmax_lse)``: the same kernel body over a float16/bfloat16
   cache (its Fp16KV loader policy): our FP16 decode baseline.
@@ -54,7 +56,8 @@ def _register_fakes() -> None:
     @torch.library.register_fake("flash_attn_tq::decode_kvcache")
     def _decode_fake(q, k_codes, k_meta, v_codes, v_meta, seqlens_k, cache_batch_idx, block_table, rot_signs,
                      k_bits, v_bits, softmax_scale, is_causal, num_splits, window_left=-1, window_right=-1,
-                     cache_leftpad=None, softcap=0.0, rope_centre=None, rope_inv_freq=None, rope_offset=0):
+                     cache_leftpad=None, softcap=0.0, rope_centre=None, rope_inv_freq=None, rope_offset=0,
+                     side_k=None, side_v=None, side_sinks=0, side_ring=0, codes_tail=0):
         b, sq, h, _ = q.shape
         return torch.empty_like(q), q.new_empty((b, h, sq), dtype=torch.float32)
 
@@ -103,7 +106,9 @@ def _aligned_rows(q: torch.Tensor) -> torch.Tensor:
 def decode(q: torch.Tensor, cache, seqlens_k: torch.Tensor, batch_idx: torch.Tensor | None,
            softmax_scale: float, causal: bool, num_splits: int, window_size: tuple[int, int] = (-1, -1),
            leftpad: torch.Tensor | None = None, softcap: float = 0.0):
-    """Fused attention of ``q [batch, seqlen_q, heads, d]`` over ``cache``'s quantized tokens.
+    """Fused attention of ``q [batch, seqlen_q, heads, d]`` over ``cache``'s tokens: its codes and,
+    in the same launch, its 16-bit side (sinks and the 16-bit window; a window of ``window_bits``
+    codes is left to the caller: the codes are read up to ``seqlens_k - fp16_window`` either way).
 
     ``seqlens_k [batch]`` int32: keys ``[leftpad[b], seqlens_k[b])`` are attended (``leftpad``: int32
     ``[batch]`` or None), within ``window_size`` (upstream's local attention, bottom-right aligned;
@@ -116,11 +121,14 @@ def decode(q: torch.Tensor, cache, seqlens_k: torch.Tensor, batch_idx: torch.Ten
     if getattr(cache, "rope_center", False):  # the kernel adds each score's q . R(p) c back
         centre = cache._per_row(cache.k_shift, batch_idx, q.shape[0]).float().contiguous()
         inv_freq = cache.rope_inv_freq
+    side = cache.kv_side
     return torch.ops.flash_attn_tq.decode_kvcache(
         q, cache.k_codes, cache.k_meta, cache.v_codes, cache.v_meta, seqlens_k,
         batch_idx, cache.block_table, signs, cache.k_bits, cache.v_bits, float(softmax_scale), bool(causal),
         int(num_splits), int(window_size[0]), int(window_size[1]), leftpad, float(softcap),
-        centre, inv_freq, int(cache.rope_position_offset) if centre is not None else 0)
+        centre, inv_freq, int(cache.rope_position_offset) if centre is not None else 0,
+        None if side is None else side[0], None if side is None else side[1], cache.sink_tokens,
+        cache.side_ring, cache.fp16_window)
 
 
 def kv16_decode_unsupported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

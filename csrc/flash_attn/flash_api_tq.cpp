@@ -48,7 +48,7 @@ int choose_num_splits(int ctas, int max_seqlen_k, int num_sms) {
 // tile in registers itself); mirrored by flash_attn_tq.ops.PREFILL_MIN_ROWS.
 constexpr int kPrefillMinRows = 128;
 constexpr int kPrefillRowsPerCta = 256;
-// ... and from which its wgmma variant (H200, d3e00db: 12-28% less time than mma.sync at 256 rows,
+// ... and from which its wgmma variant (H200: 12-28% less time than mma.sync at 256 rows,
 // 17-26% at 512; a tie at 128)
 constexpr int kWgmmaMinRows = 256;
 
@@ -118,8 +118,10 @@ std::tuple<at::Tensor, at::Tensor> run_decode_op(
     int max_seqlen_k = k_store.size(1);
     if (block_table.has_value()) {
         CHECK_CUDA(*block_table);
-        TQ_CHECK(block_table->scalar_type() == at::kInt && block_table->dim() == 2 && block_table->size(0) == b &&
-                 block_table->stride(1) == 1, "block_table must be int32 [batch, max_blocks] with a contiguous last dim");
+        // (row b of the batch, or with cache_batch_idx row cache_batch_idx[b]: the sequences' rows)
+        TQ_CHECK(block_table->scalar_type() == at::kInt && block_table->dim() == 2 &&
+                 (block_table->size(0) == b || (cache_batch_idx.has_value() && block_table->size(0) > 0)) &&
+                 block_table->stride(1) == 1, "block_table must be int32 [sequences, max_blocks] with a contiguous last dim");
         p.block_table = block_table->data_ptr<int>();
         p.block_table_batch_stride = block_table->stride(0);
         p.page_block_size = k_store.size(1);
@@ -158,9 +160,13 @@ std::tuple<at::Tensor, at::Tensor> run_decode_op(
         TQ_CHECK(!p.local(), "rope_centre does not combine with window_size, softcap or cache_leftpad");
         TQ_CHECK(p.block_table == nullptr || p.page_block_size >= 32, "rope_centre needs pages of 32 tokens or more");
     }
+    const bool side = p.side_k != nullptr;
+    TQ_CHECK(!(side || p.codes_tail > 0) || !p.local(),
+             "a 16-bit side or codes_tail does not combine with window_size, softcap or cache_leftpad");
     // (8-bit keys: the decode kernel for every row count; no prefill instantiations for them; the
-    // RoPE centre: the decode kernel too, which takes any row count)
-    const bool prefill = k_bits != 16 && k_bits != 8 && p.rope_centre == nullptr && rows >= kPrefillMinRows && prefill_fits();
+    // RoPE centre, a 16-bit side or a tail: the decode kernel too, which takes any row count)
+    const bool prefill = k_bits != 16 && k_bits != 8 && p.rope_centre == nullptr && !side && p.codes_tail == 0 &&
+                         rows >= kPrefillMinRows && prefill_fits();
 #ifdef FLASH_TQ_SM90A
     if (prefill) {  // Hopper's wgmma variant of the prefill kernel (FLASH_ATTN_TQ_PREFILL_WGMMA=0: the mma.sync one)
         int major = 0, minor = 0;
@@ -178,6 +184,7 @@ std::tuple<at::Tensor, at::Tensor> run_decode_op(
     // keys a row can see at most: the local window's span when there is one
     const int span = p.window_left >= 0 ? std::min<int64_t>(max_seqlen_k, p.window_left + seqlen_q + 1) : max_seqlen_k;
     p.num_splits = num_splits > 0 ? static_cast<int>(num_splits) : choose_num_splits(ctas, span, num_sms);
+    p.num_splits += side ? 1 : 0;  // the side pass: one more split, merged by the combine kernel
     at::Tensor out_accum, lse_accum;
     if (p.num_splits > 1) {
         out_accum = at::empty({p.num_splits, b, h, seqlen_q, d}, opts.dtype(at::kFloat));
@@ -225,7 +232,10 @@ std::tuple<at::Tensor, at::Tensor> decode_kvcache(
     int64_t window_right, const std::optional<at::Tensor> &cache_leftpad, double softcap,
     const std::optional<at::Tensor> &rope_centre,    // key_center='rope': [b, h_k, d] float32, each batch entry's c
     const std::optional<at::Tensor> &rope_inv_freq,  // [d / 2] float32
-    int64_t rope_offset) {                           // a key's RoPE position = its index + rope_offset
+    int64_t rope_offset,                             // a key's RoPE position = its index + rope_offset
+    const std::optional<at::Tensor> &side_k,         // [rows, side_sinks + side_ring (+ more), h_k, d], q's dtype
+    const std::optional<at::Tensor> &side_v,
+    int64_t side_sinks, int64_t side_ring, int64_t codes_tail) {
     check_query(q);
     CHECK_CUDA(k_codes);
     CHECK_CUDA(v_codes);
@@ -272,6 +282,30 @@ std::tuple<at::Tensor, at::Tensor> decode_kvcache(
         p.rope_inv_freq = rope_inv_freq->data_ptr<float>();
         p.rope_offset = static_cast<int>(rope_offset);
     }
+    TQ_CHECK(side_k.has_value() == side_v.has_value(), "side_k and side_v must be given together");
+    TQ_CHECK(side_sinks >= 0 && side_ring >= 0 && codes_tail >= 0, "side_sinks, side_ring and codes_tail must be >= 0");
+    TQ_CHECK(side_k.has_value() || (side_sinks == 0 && side_ring == 0), "side_sinks / side_ring need side_k and side_v");
+    if (side_k.has_value()) {
+        for (const at::Tensor *t : {&*side_k, &*side_v}) {
+            CHECK_CUDA(*t);
+            TQ_CHECK(t->scalar_type() == q.scalar_type() && t->dim() == 4 && t->size(1) >= side_sinks + side_ring &&
+                     side_sinks + side_ring > 0 && t->size(2) == k_codes.size(2) && t->size(3) == d,
+                     "side_k/side_v must be [rows, >= side_sinks + side_ring > 0, kv_heads, head_dim] in q's dtype");
+            TQ_CHECK(t->stride(3) == 1 && t->stride(2) % 8 == 0 && t->stride(1) % 8 == 0 && t->stride(0) % 8 == 0 &&
+                     reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, "side_k/side_v rows must be contiguous and 16-byte aligned");
+            TQ_CHECK(t->stride(1) * t->element_size() <= std::numeric_limits<int>::max(), "side strides must fit in 32 bits");
+        }
+        TQ_CHECK(side_k->strides() == side_v->strides() && side_k->sizes() == side_v->sizes(), "side_k and side_v must share shape and strides");
+        // rows: the cache's sequences (indexed like the codes or the block table, by cache_batch_idx)
+        TQ_CHECK(side_k->size(0) >= (block_table.has_value() ? block_table->size(0) : k_codes.size(0)),
+                 "side_k/side_v have too few rows");
+        p.side_k = side_k->data_ptr();
+        p.side_v = side_v->data_ptr();
+        p.side_batch_stride = side_k->stride(0); p.side_row_stride = side_k->stride(1); p.side_head_stride = side_k->stride(2);
+        p.side_sinks = static_cast<int>(side_sinks);
+        p.side_ring = static_cast<int>(side_ring);
+    }
+    p.codes_tail = static_cast<int>(codes_tail);
     return run_decode_op(p, q, k_codes, seqlens_k, cache_batch_idx, block_table, rot_signs, k_bits, v_bits,
                          softmax_scale, is_causal, num_splits, window_left, window_right, cache_leftpad, softcap);
 }
@@ -429,7 +463,8 @@ TORCH_LIBRARY(flash_attn_tq, m) {
           "Tensor? cache_batch_idx, Tensor? block_table, Tensor? rot_signs, int k_bits, int v_bits, float softmax_scale, "
           "bool is_causal, "
           "int num_splits, int window_left=-1, int window_right=-1, Tensor? cache_leftpad=None, float softcap=0.0, "
-          "Tensor? rope_centre=None, Tensor? rope_inv_freq=None, int rope_offset=0) -> (Tensor, Tensor)");
+          "Tensor? rope_centre=None, Tensor? rope_inv_freq=None, int rope_offset=0, Tensor? side_k=None, "
+          "Tensor? side_v=None, int side_sinks=0, int side_ring=0, int codes_tail=0) -> (Tensor, Tensor)");
     m.def("decode_kv16(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seqlens_k, Tensor? cache_batch_idx, "
           "Tensor? block_table, float softmax_scale, bool is_causal, int num_splits) -> (Tensor, Tensor)");
     m.def("pack_kv(Tensor x, Tensor? slot_mapping, Tensor? start, Tensor? batch_idx, Tensor? block_table, Tensor(a!) codes, "

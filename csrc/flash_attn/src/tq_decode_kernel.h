@@ -12,6 +12,12 @@
 // own tiles through its own cp.async pipeline with an online softmax; warps, then splits (combine
 // kernel), are merged through their log-sum-exp. kRope: each score also gets q . R(p) c back
 // (key_center='rope', tq_rope_centre.h), a table and the rows' coefficients after the pipeline.
+//
+// A packed cache with a 16-bit side (sink tokens and the recent-token ring, DecodeParams::side_k)
+// is attended by one launch: the last split's CTAs run the same body over the side with the Fp16KV
+// loader (Part::kSide: slots mapped to their keys' positions for the masks, q not rotated, the
+// output rotated into the codes' domain so the combine kernel merges it like any split), the
+// others over the codes' keys between the sinks and the ring (Part::kCodes).
 #pragma once
 
 #include <cmath>
@@ -41,50 +47,81 @@ struct DecodeTraits {
     // merge: per-warp max/sum and O slices, merged row stats
     static constexpr int kMergeBytes = (kNWarps * kRows * (kHeadDim + 2) + 2 * kRows) * 4;
     static constexpr int kSmemBytes = kPipeBytes > kMergeBytes ? kPipeBytes : kMergeBytes;
-    using Rope = RopeCentre<kHeadDim, kTileN, kNT>;
+    using Rope = RopeCentre<kHeadDim, kTileN, kNT, kNWarps * kTileN>;  // (a warp's tiles are kNWarps apart)
     static constexpr int kRopeSmemBytes = kPipeBytes + Rope::kBytes > kMergeBytes ? kPipeBytes + Rope::kBytes : kMergeBytes;
 };
 
-template <typename Traits, Paging kPaging, bool kLocal, bool kRope = false>
-__global__ void __launch_bounds__(Traits::kNThreads) decode_split_kernel(const DecodeParams p) {
+// The side pass of a packed cache's launch: the same rows over 16-bit tiles, one pipeline stage a
+// warp (its few tiles must not enlarge the CTA's shared memory).
+template <typename Traits>
+using SideTraits = DecodeTraits<typename Traits::Elem, Traits::kHeadDim, Traits::kNT, Fp16KV<Traits::kHeadDim, typename Traits::Elem, 1>>;
+
+// What a split body attends: every key of the codes (no side), the codes' part of a launch with a
+// 16-bit side, or that side.
+enum class Part { kAll, kCodes, kSide };
+
+// Position of side slot t in a sequence of n keys (see DecodeParams::side_k), or -1 when the slot
+// holds no key that pass attends: a sink beyond n, a ring slot not yet written or holding a sink.
+__device__ __forceinline__ int side_position(const DecodeParams &p, int t, int n) {
+    if (t < p.side_sinks) return t < n ? t : -1;
+    const int s = t - p.side_sinks;
+    if (s >= p.side_ring) return -1;
+    int age = (n - 1 - s) % p.side_ring;
+    age += age < 0 ? p.side_ring : 0;
+    const int pos = n - 1 - age;
+    return pos >= p.side_sinks && pos >= 0 ? pos : -1;
+}
+
+// split: the CTA's split index (where its partial result goes); bh: batch entry * h_k + kv head.
+template <typename Traits, Paging kPaging, bool kLocal, bool kRope, Part kPart>
+__device__ __forceinline__ void split_body(const DecodeParams &p, char *smem, int split, int bh) {
     using Elem = typename Traits::Elem;
     using KV = typename Traits::KV;
     constexpr int D = Traits::kHeadDim, NT = Traits::kNT, kRows = Traits::kRows, KB = Traits::kKBlocks;
     constexpr int kStages = Traits::kStages, kTileN = Traits::kTileN, kWarps = Traits::kNWarps, MT = Traits::kMTiles;
     constexpr float kNegInf = -INFINITY;
-    extern __shared__ __align__(16) char smem[];
+    constexpr bool kSide = kPart == Part::kSide;
+    constexpr bool kLower = kLocal || kPart == Part::kCodes;  // a lower key bound: the local window, leftpad, the sinks
 
     // warp through a shuffle: known warp-uniform, so the shuffles under branches on it need no divergence handling
     const int warp = __shfl_sync(0xffffffffu, threadIdx.x / 32, 0), lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
-    const int split = blockIdx.x, b = blockIdx.y / p.h_k, hk = blockIdx.y % p.h_k, row0 = blockIdx.z * kRows;
+    const int b = bh / p.h_k, hk = bh % p.h_k, row0 = blockIdx.z * kRows;
     const int group = p.h_h_k_ratio, total_rows = group * p.seqlen_q;
     const int bc = p.cache_batch_idx != nullptr ? p.cache_batch_idx[b] : b;
-    const int seqlen_k = max(0, min(p.seqlens_k[b], p.max_seqlen_k));  // never read past the cache
-    const int key_start = kLocal && p.leftpad_k != nullptr ? max(0, p.leftpad_k[b]) : 0;
+    const int seqlen_all = max(0, min(p.seqlens_k[b], p.max_seqlen_k));  // never read past the cache
+    // keys the tiles cover: the side's slots, or the codes' keys before the tail
+    const int seqlen_k = kSide ? p.side_sinks + p.side_ring : max(0, seqlen_all - p.codes_tail);
+    int key_start = kLocal && p.leftpad_k != nullptr ? max(0, p.leftpad_k[b]) : 0;
+    if constexpr (kPart == Part::kCodes) { key_start = max(key_start, p.side_sinks); }
 
     // Keys [first, lim) visible to each accumulator column (row) this thread holds, and to the CTA's
-    // rows: tiles from the first row's first key to the last row's limit.
+    // rows: tiles from the first row's first key to the last row's limit. Causal limits count every
+    // key of the sequence; the side pass compares its slots' positions with them.
     int lim[NT][2], first[NT][2];
     #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
         #pragma unroll
         for (int j = 0; j < 2; ++j) {
-            lim[nt][j] = key_limit(p, seqlen_k, total_rows, row0 + nt * 8 + 2 * c + j);
-            first[nt][j] = key_first<kLocal>(p, seqlen_k, total_rows, row0 + nt * 8 + 2 * c + j, key_start);
+            const int r = row0 + nt * 8 + 2 * c + j;
+            lim[nt][j] = kSide ? key_limit(p, seqlen_all, total_rows, r) : min(seqlen_k, key_limit(p, seqlen_all, total_rows, r));
+            first[nt][j] = key_first<kLower>(p, seqlen_all, total_rows, r, key_start);
         }
     }
     const int cta_last_row = min(row0 + kRows, total_rows) - 1;
-    const int cta_limit = key_limit(p, seqlen_k, total_rows, cta_last_row);
-    const int cta_first_max = key_first<kLocal>(p, seqlen_k, total_rows, cta_last_row, key_start);  // tiles before it need the lower mask
-    const int tile_first = key_first<kLocal>(p, seqlen_k, total_rows, row0, key_start) / kTileN;
+    const int cta_limit = kSide ? seqlen_k : min(seqlen_k, key_limit(p, seqlen_all, total_rows, cta_last_row));
+    const int cta_first_max = key_first<kLower>(p, seqlen_all, total_rows, cta_last_row, key_start);  // tiles before it need the lower mask
+    const int tile_first = kSide ? 0 : key_first<kLower>(p, seqlen_all, total_rows, row0, key_start) / kTileN;
     const int n_tiles = (cta_limit + kTileN - 1) / kTileN;
-    const int tiles_per_split = (max(0, n_tiles - tile_first) + p.num_splits - 1) / p.num_splits;
-    const int tile_begin = tile_first + split * tiles_per_split;
+    // the side pass is one split (the launch's last); the codes' parts share the others
+    const int splits = kPart == Part::kAll ? p.num_splits : (kSide ? 1 : p.num_splits - 1);
+    const int tiles_per_split = (max(0, n_tiles - tile_first) + splits - 1) / splits;
+    const int tile_begin = tile_first + (kSide ? 0 : split) * tiles_per_split;
     const int tile_end = min(n_tiles, tile_begin + tiles_per_split);
 
     // turbo: q is rotated here (signs, then a Walsh-Hadamard transform, a warp a row, into shared
-    // memory before the pipeline uses it), and the output is rotated back at the end.
-    const bool rotate = p.rot_signs != nullptr;
+    // memory before the pipeline uses it), and the output is rotated back at the end. The side
+    // holds keys and values as they are: its q is not rotated and its output is rotated forward.
+    const bool rotate = !kSide && p.rot_signs != nullptr;
     constexpr int kV = RowMath<D>::kV;
     float *sm_q = reinterpret_cast<float *>(smem);  // [kRows][D]
     if (rotate) {
@@ -123,7 +160,8 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_split_kernel(const D
     }
 
     const typename KV::Consts kv_consts = KV::consts();
-    const typename KV::Bases bases = KV::bases(p, bc, hk);
+    typename KV::Bases bases;
+    if constexpr (kSide) { bases = KV::side_bases(p, bc, hk); } else { bases = KV::bases(p, bc, hk); }
     float row_max[NT][2], row_sum[NT][2], row_corr[NT][2];
     float acc[NT][KB][4];
     #pragma unroll
@@ -142,11 +180,11 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_split_kernel(const D
     const int my_count = my_first < tile_end ? (tile_end - my_first + kWarps - 1) / kWarps : 0;
     // the warp's tile i (i = 0, 1, 2, ...) into stage `st`
     TilePages<kTileN, KV::kSegment, kPaging == Paging::kRows16> pages;
-    if constexpr (rows_given(kPaging)) { pages.start(p, b, my_first, kWarps, my_count, seqlen_k, lane); }
+    if constexpr (rows_given(kPaging)) { pages.start(p, bc, my_first, kWarps, my_count, seqlen_k, lane); }
     auto load = [&](int i, int st) {
         int rows[2] = {0, 0};
         if constexpr (rows_given(kPaging)) { pages.rows_of(i, rows, lane); }
-        KV::template load_tile<kPaging>(p, bases, pipe + st * KV::kStageBytes, b, (my_first + i * kWarps) * kTileN, seqlen_k, lane, rows);
+        KV::template load_tile<kPaging>(p, bases, pipe + st * KV::kStageBytes, bc, (my_first + i * kWarps) * kTileN, seqlen_k, lane, rows);
     };
     #pragma unroll
     for (int s = 0; s < kStages - 1; ++s) {
@@ -155,6 +193,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_split_kernel(const D
     }
 
     int load_stage = kStages - 1, compute_stage = 0;
+    typename Rope::State rope_state;
     for (int it = 0; it < my_count; ++it) {
         const int ahead = it + kStages - 1;
         if (ahead < my_count) { load(ahead, load_stage); }
@@ -169,7 +208,16 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_split_kernel(const D
         // ---- scores S^T for the tile's 16-token m-tiles
         float sc[MT][NT][4];
         float rope_bias[kRope ? MT : 1][NT][4];
-        if constexpr (kRope) { Rope::tile_bias(p, sm_rope, tile_start, lane, rope_bias); }
+        if constexpr (kRope && Rope::kRecur) {  // coefficients carried from the warp's previous tile
+            if (it % Rope::kAnchor == 0) {
+                Rope::anchor(p, sm_rope, tile_start, lane, rope_state);
+            } else {
+                Rope::advance(sm_rope, lane, rope_state);
+            }
+            Rope::state_bias(sm_rope, rope_state, lane, rope_bias);
+        } else if constexpr (kRope) {
+            Rope::tile_bias(p, sm_rope, tile_start, lane, rope_bias);
+        }
         #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
             const int t0 = mt * 16 + g, t1 = t0 + 8;
@@ -185,23 +233,26 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_split_kernel(const D
             }
             float2 f0 = make_float2(1.f, 0.f), f1 = f0;
             if constexpr (KV::kAffine) { f0 = KV::k_affine(stage, t0); f1 = KV::k_affine(stage, t1); }
+            // the side's slots at their keys' positions (-1: no key; fails every limit below)
+            const int pos0 = kSide ? side_position(p, tile_start + t0, seqlen_all) : 0;
+            const int pos1 = kSide ? side_position(p, tile_start + t1, seqlen_all) : 0;
             #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
                 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
                     const float2 f = j < 2 ? f0 : f1;
-                    const int key = tile_start + (j < 2 ? t0 : t1);
+                    const int key = kSide ? (j < 2 ? pos0 : pos1) : tile_start + (j < 2 ? t0 : t1);
                     float v = sc[mt][nt][j] * p.scale_softmax_log2;
                     if constexpr (KV::kAffine) {
                         v = f.x * (sc[mt][nt][j] - magicq[nt][j & 1]) + f.y * sumq[nt][j & 1];
                         if constexpr (kRope) { v += rope_bias[mt][nt][j]; }
                         v *= p.scale_softmax_log2;
                     }
-                    sc[mt][nt][j] = key < lim[nt][j & 1] ? v : kNegInf;
+                    sc[mt][nt][j] = key < lim[nt][j & 1] && (!kSide || key >= 0) ? v : kNegInf;
                 }
             }
         }
-        if (kLocal && tile_start < cta_first_max) {  // warp-uniform: only tiles before a row's first key (window, leftpad)
+        if (kLower && tile_start < cta_first_max) {  // warp-uniform: only tiles before a row's first key (window, leftpad, sinks)
             #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
                 #pragma unroll
@@ -372,7 +423,27 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_split_kernel(const D
             for (int w = 0; w < kWarps; ++w) { sum += sm_o[(w * kRows + n) * D + lane * kV + k]; }
             o[k] = total > 0.f ? sum / total : 0.f;
         }
+        if (kSide && p.rot_signs != nullptr) { rotate_row<D>(p.rot_signs, o, lane); }  // into the codes' domain
         store_row<Elem, D>(p, b, hk, split, r, o, sm_row[n], total, lane);
+    }
+}
+
+template <typename Traits, Paging kPaging, bool kLocal, bool kRope = false, bool kSide = false>
+__global__ void __launch_bounds__(Traits::kNThreads) decode_split_kernel(const DecodeParams p) {
+    extern __shared__ __align__(16) char smem[];
+    if constexpr (kSide) {  // (no kLocal with a side: host checks)
+        // CTAs start in linear order (x fastest): the codes' CTAs of a row block first, its side CTAs
+        // last, so the side's short CTAs fill the slots the codes' leave instead of putting a third
+        // long CTA on some SMs (8 x 32K: 127 us with the side CTAs interleaved, as plain 92 with them last)
+        const int code_splits = p.num_splits - 1;
+        const int lin = blockIdx.x + gridDim.x * blockIdx.y, codes = code_splits * gridDim.y;
+        if (lin >= codes) {
+            split_body<SideTraits<Traits>, Paging::kNone, false, false, Part::kSide>(p, smem, code_splits, lin - codes);
+        } else {
+            split_body<Traits, kPaging, false, kRope, Part::kCodes>(p, smem, lin % code_splits, lin / code_splits);
+        }
+    } else {
+        split_body<Traits, kPaging, kLocal, kRope, Part::kAll>(p, smem, blockIdx.x, blockIdx.y);
     }
 }
 

@@ -25,14 +25,21 @@ void launch_combine(const DecodeParams &p, cudaStream_t stream) {
 
 // A split kernel over (split, batch * kv head, query-row blocks of Traits::kRows): the decode kernel
 // or the prefill kernel (tq_prefill_launch.h).
-template <typename Traits, bool kRope>
+template <typename Traits, bool kRope, bool kSide>
 constexpr int split_smem_bytes() {
-    if constexpr (kRope) { return Traits::kRopeSmemBytes; } else { return Traits::kSmemBytes; }
+    if constexpr (kSide) {  // the side pass's CTAs run in the same launch (tq_decode_kernel.h)
+        constexpr int main = split_smem_bytes<Traits, kRope, false>(), side = SideTraits<Traits>::kSmemBytes;
+        return main > side ? main : side;
+    } else if constexpr (kRope) {
+        return Traits::kRopeSmemBytes;
+    } else {
+        return Traits::kSmemBytes;
+    }
 }
 
-template <typename Traits, bool kRope = false>
+template <typename Traits, bool kRope = false, bool kSide = false>
 void launch_split(void (*kernel)(const DecodeParams), const DecodeParams &p, cudaStream_t stream) {
-    constexpr int smem = split_smem_bytes<Traits, kRope>();
+    constexpr int smem = split_smem_bytes<Traits, kRope, kSide>();
     if constexpr (smem > 48 * 1024) {
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     }
@@ -44,33 +51,46 @@ void launch_split(void (*kernel)(const DecodeParams), const DecodeParams &p, cud
 // Contiguous and paged packed caches get their own kernels (no paging code in the former), and a
 // lower key bound or softcap the kLocal variant: the common case runs none of their instructions.
 // The RoPE centre (packed caches: contiguous, or pages of 32 tokens or more; no kLocal, checked on
-// the host) has its own variant too.
+// the host) has its own variant too, and a 16-bit side (sinks and recent ring; no kLocal either)
+// its own split.
 template <typename Traits>
 void launch_decode_split(const DecodeParams &p, cudaStream_t stream) {
-    auto go = [&](auto paging, auto local) {
-        launch_split<Traits>(&decode_split_kernel<Traits, decltype(paging)::value, decltype(local)::value>, p, stream);
+    // non-local: with a side or without
+    auto go_plain = [&](auto paging, auto rope) {
+        constexpr Paging kP = decltype(paging)::value;
+        constexpr bool kR = decltype(rope)::value;
+        if (p.side_k != nullptr) {
+            launch_split<Traits, kR, true>(&decode_split_kernel<Traits, kP, false, kR, true>, p, stream);
+        } else {
+            launch_split<Traits, kR>(&decode_split_kernel<Traits, kP, false, kR>, p, stream);
+        }
     };
-    auto go_rope = [&](auto paging) {
-        launch_split<Traits, true>(&decode_split_kernel<Traits, decltype(paging)::value, false, true>, p, stream);
+    auto go = [&](auto paging) {
+        if (p.local()) {
+            launch_split<Traits>(&decode_split_kernel<Traits, decltype(paging)::value, true>, p, stream);
+        } else {
+            go_plain(paging, std::false_type{});
+        }
     };
     using Rows = std::integral_constant<Paging, Paging::kRows>;
     using Rows16 = std::integral_constant<Paging, Paging::kRows16>;
     using NoPages = std::integral_constant<Paging, Paging::kNone>;
-    using Runtime = std::integral_constant<Paging, Paging::kRuntime>;
-    using Local = std::true_type;
-    using Plain = std::false_type;
     if constexpr (Traits::KV::kAffine) {
         if (p.rope_centre != nullptr) {
-            p.block_table != nullptr ? go_rope(Rows{}) : go_rope(NoPages{});
+            p.block_table != nullptr ? go_plain(Rows{}, std::true_type{}) : go_plain(NoPages{}, std::true_type{});
         } else if (p.block_table != nullptr && p.page_block_size < Traits::KV::kTileN) {  // 16-token pages
-            p.local() ? go(Rows16{}, Local{}) : go(Rows16{}, Plain{});
+            go(Rows16{});
         } else if (p.block_table != nullptr) {
-            p.local() ? go(Rows{}, Local{}) : go(Rows{}, Plain{});
+            go(Rows{});
         } else {
-            p.local() ? go(NoPages{}, Local{}) : go(NoPages{}, Plain{});
+            go(NoPages{});
         }
-    } else {
-        p.local() ? go(Runtime{}, Local{}) : go(Runtime{}, Plain{});
+    } else {  // the FP16 cache (decode_kv16): one kernel for contiguous and paged, no side
+        if (p.local()) {
+            launch_split<Traits>(&decode_split_kernel<Traits, Paging::kRuntime, true>, p, stream);
+        } else {
+            launch_split<Traits>(&decode_split_kernel<Traits, Paging::kRuntime, false>, p, stream);
+        }
     }
 }
 

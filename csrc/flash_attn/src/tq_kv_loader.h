@@ -338,12 +338,15 @@ struct PackedKV {
 // A float16/bfloat16 cache [rows, cols, h_k, d] (DecodeParams' k_codes / v_codes point at it; the
 // kc_* / vc_* strides are in bytes). Rows of a tile are XOR-swizzled in 16-byte chunks so that both
 // the ldmatrix reads and the cp.async writes are free of bank conflicts.
-template <int kHeadDim, typename Elem>
+// kStages_: 2 for the FP16 cache (64 KB of pipeline a CTA at d=128: 3 CTAs, 12 warps an SM); 1 for
+// the side pass of a packed cache (tq_decode_kernel.h), whose few tiles share a CTA's memory with
+// the packed pipeline and must not enlarge it.
+template <int kHeadDim, typename Elem, int kStages_ = 2>
 struct Fp16KV {
     static constexpr bool kAffine = false;
     static constexpr int kTileN = 16;      // one m16 block a tile: 8 KB of K+V at d=128
     static constexpr int kSegment = kTileN;
-    static constexpr int kStages = 2;      // 64 KB of pipeline a CTA (d=128): 3 CTAs, 12 warps an SM
+    static constexpr int kStages = kStages_;
     static constexpr int kRowBytes = kHeadDim * 2;
     static constexpr int kChunks = kRowBytes / 16;           // 16-byte chunks a token row
     static constexpr int kKOff = 0;
@@ -364,13 +367,23 @@ struct Fp16KV {
     // phase land in 8 different bank groups.
     __device__ static int swizzle(int tok, int chunk) { return chunk ^ (((tok & 1) << 2) | ((tok >> 1) & 3)); }
 
+    // a (kv head, cache row)'s K and V rows, and the strides (bytes) load_tile walks
     struct Bases {
         const uint8_t *k, *v;
+        int64_t k_batch, k_row, v_batch, v_row;
     };
     __device__ static Bases bases(const DecodeParams &p, int bc, int hk) {
         const int64_t row = p.block_table != nullptr ? 0 : bc;
         return {p.k_codes + row * p.kc_batch_stride + hk * p.kc_head_stride,
-                p.v_codes + row * p.vc_batch_stride + hk * p.vc_head_stride};
+                p.v_codes + row * p.vc_batch_stride + hk * p.vc_head_stride,
+                p.kc_batch_stride, p.kc_row_stride, p.vc_batch_stride, p.vc_row_stride};
+    }
+    // the 16-bit side of a packed cache (DecodeParams::side_k): sequence row bc, never paged
+    __device__ static Bases side_bases(const DecodeParams &p, int bc, int hk) {
+        const int64_t off = (bc * p.side_batch_stride + hk * p.side_head_stride) * static_cast<int64_t>(sizeof(Elem));
+        const int64_t row = p.side_row_stride * static_cast<int64_t>(sizeof(Elem));
+        return {reinterpret_cast<const uint8_t *>(p.side_k) + off, reinterpret_cast<const uint8_t *>(p.side_v) + off,
+                0, row, 0, row};
     }
 
     // Lane l resolves the (row, col) of token tile_start + l % kTileN once; each copy pass moves
@@ -394,8 +407,8 @@ struct Fp16KV {
             const int r = __shfl_sync(0xffffffffu, row, tok);
             const int cl = __shfl_sync(0xffffffffu, col, tok);
             const bool ok = __shfl_sync(0xffffffffu, static_cast<int>(valid), tok) != 0;
-            const int64_t koff = static_cast<int64_t>(r) * static_cast<int>(p.kc_batch_stride) + static_cast<int64_t>(cl) * static_cast<int>(p.kc_row_stride);
-            const int64_t voff = static_cast<int64_t>(r) * static_cast<int>(p.vc_batch_stride) + static_cast<int64_t>(cl) * static_cast<int>(p.vc_row_stride);
+            const int64_t koff = static_cast<int64_t>(r) * static_cast<int>(base.k_batch) + static_cast<int64_t>(cl) * static_cast<int>(base.k_row);
+            const int64_t voff = static_cast<int64_t>(r) * static_cast<int>(base.v_batch) + static_cast<int64_t>(cl) * static_cast<int>(base.v_row);
             const int dst = tok * kRowBytes + swizzle(tok, chunk) * 16;
             cp_async<16>(stage + kKOff + dst, base.k + koff + chunk * 16, ok);
             cp_async<16>(stage + kVOff + dst, base.v + voff + chunk * 16, ok);

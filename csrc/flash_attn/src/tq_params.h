@@ -50,6 +50,17 @@ struct DecodeParams {
     const float *rope_inv_freq;
     int rope_offset;
 
+    // The 16-bit side of a packed cache (its sink tokens and recent-token ring, attended by the decode
+    // kernel's side pass, tq_decode_kernel.h): side_k / side_v [rows, side_sinks + side_ring, h_k, d]
+    // in q's dtype, row bc = cache_batch_idx[b] (or b); strides in elements. Key p < side_sinks is in
+    // slot p, a key among the last side_ring in slot side_sinks + p % side_ring. nullptr: no side.
+    const void *side_k, *side_v;
+    int64_t side_batch_stride, side_row_stride, side_head_stride;
+    int side_sinks, side_ring;
+    // The codes' keys of a sequence of n keys: [side_sinks, n - codes_tail) (the tail: the recent
+    // tokens another pass attends); causal alignment counts all n.
+    int codes_tail;
+
     int b, seqlen_q, h, h_k, h_h_k_ratio;
     float scale_softmax_log2;  // softmax_scale * log2(e)
     int num_splits;

@@ -557,7 +557,7 @@ __device__ __forceinline__ void prefill_split_body(const DecodeParams &p) {
     char *frags = work + T::kFragsOff;
     auto load = [&](int i) {  // packed tile i of this split, by warps 0 and 1 (32 tokens each)
         if (warp < 2 && i < n_mine) {
-            KV::load_tile(p, bases, packed + (i % T::kPackedStages) * T::kPackedBytes + warp * KV::kStageBytes, b,
+            KV::load_tile(p, bases, packed + (i % T::kPackedStages) * T::kPackedBytes + warp * KV::kStageBytes, bc,
                           (tile_begin + i) * T::kTileN + warp * KV::kTileN, seqlen_k, lane);
         }
         cp_async_commit();

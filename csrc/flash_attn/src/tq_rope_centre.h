@@ -10,9 +10,16 @@
 // which leaves a product with a table that is the same for every tile:
 //   bias[tau] = sum_m A_m cos(tau theta_m) + B_m sin(tau theta_m).
 // That is one more m16n8k16 chain a 16-token block (k: the D interleaved (A_m, B_m)), the table the
-// A operand (shared memory, in fragment order), the coefficients the B operand, turned once a tile
-// (D / 8 sincos a lane). Both operands are float16 whatever the query dtype (the table is in
-// [-1, 1]; float16's 11 bits keep the term's error near 1e-3 relative, under the 3-bit codes').
+// A operand (shared memory, in fragment order), the coefficients the B operand. Both operands are
+// float16 whatever the query dtype (the table is in [-1, 1]; float16's 11 bits keep the term's error
+// near 1e-3 relative, under the 3-bit codes').
+//
+// A warp's tiles are kStride tokens apart, so with one n8 tile of rows (decode) the coefficients
+// stay in float32 registers and turn from tile to tile by the constant angle kStride theta_m:
+//   (A, B) <- (A cos + B sin, B cos - A sin),
+// four FMAs a pair, the constants in shared memory; every kAnchor tiles they are computed afresh
+// (D / 8 sincos a lane), which bounds the float32 drift. With more rows (chunks) each tile turns the
+// shared-memory (alpha, beta) by its own sincos (tile_bias).
 #pragma once
 
 #include "tq_params.h"
@@ -21,13 +28,16 @@
 
 namespace flash_tq {
 
-template <int D, int kTileN, int kNT>
+template <int D, int kTileN, int kNT, int kStride>
 struct RopeCentre {
     static constexpr int KB = D / 16;      // k-blocks of the interleaved (A, B) pairs: 8 pairs each
     static constexpr int MT = kTileN / 16;
     static constexpr int kTableBytes = MT * KB * 32 * 16;   // [mt][kb][lane] uint4: A fragments
     static constexpr int kCoeffBytes = kNT * KB * 32 * 16;  // [nt][kb][lane] float4: (alpha, beta) x 2 pairs
-    static constexpr int kBytes = kTableBytes + kCoeffBytes;
+    static constexpr int kStepBytes = KB * 4 * 16;          // [kb][lane % 4] float4: (cos, sin) of kStride theta, 2 pairs
+    static constexpr int kBytes = kTableBytes + kCoeffBytes + kStepBytes;
+    static constexpr bool kRecur = kNT == 1;  // coefficients carried in registers from tile to tile
+    static constexpr int kAnchor = 64;        // tiles between exact coefficients (float32 drift ~1e-6 a turn)
 
     // sin and cos of an angle of any size: reduced to [-pi, pi] (2 pi in two parts), then the fast
     // intrinsic (accurate there; past it its error grows with the angle)
@@ -78,6 +88,67 @@ struct RopeCentre {
                 }
             }
             coeff[i] = make_float4(ab[0], ab[1], ab[2], ab[3]);
+        }
+        float4 *step = reinterpret_cast<float4 *>(smem + kTableBytes + kCoeffBytes);
+        for (int i = tid; i < KB * 4; i += nthreads) {
+            float s0, c0, s1, c1;
+            sincos_any(static_cast<float>(kStride) * __ldg(p.rope_inv_freq + pair_of(i / 4, i % 4, 0)), s0, c0);
+            sincos_any(static_cast<float>(kStride) * __ldg(p.rope_inv_freq + pair_of(i / 4, i % 4, 1)), s1, c1);
+            step[i] = make_float4(c0, s0, c1, s1);
+        }
+    }
+
+    // The coefficients at a tile (kRecur): (A, B) of the lane's pairs h = 0, 1 in each k-block.
+    struct State {
+        float4 ab[KB];
+    };
+
+    // The exact coefficients of the tile starting at key index tile_start.
+    static __device__ __forceinline__ void anchor(const DecodeParams &p, const char *smem, int tile_start, int lane,
+                                                  State &st) {
+        const float4 *coeff = reinterpret_cast<const float4 *>(smem + kTableBytes);
+        const float pos = static_cast<float>(tile_start + p.rope_offset);
+        #pragma unroll
+        for (int kb = 0; kb < KB; ++kb) {
+            float s[2], co[2];
+            #pragma unroll
+            for (int h = 0; h < 2; ++h) { sincos_any(pos * __ldg(p.rope_inv_freq + pair_of(kb, lane, h)), s[h], co[h]); }
+            const float4 ab = coeff[kb * 32 + lane];
+            st.ab[kb] = make_float4(ab.x * co[0] + ab.y * s[0], ab.y * co[0] - ab.x * s[0],
+                                    ab.z * co[1] + ab.w * s[1], ab.w * co[1] - ab.z * s[1]);
+        }
+    }
+
+    // The next tile of the warp (kStride tokens on): each pair turned by kStride theta_m.
+    static __device__ __forceinline__ void advance(const char *smem, int lane, State &st) {
+        const float4 *step = reinterpret_cast<const float4 *>(smem + kTableBytes + kCoeffBytes);
+        #pragma unroll
+        for (int kb = 0; kb < KB; ++kb) {
+            const float4 t = step[kb * 4 + lane % 4];
+            const float4 ab = st.ab[kb];
+            st.ab[kb] = make_float4(ab.x * t.x + ab.y * t.y, ab.y * t.x - ab.x * t.y,
+                                    ab.z * t.z + ab.w * t.w, ab.w * t.z - ab.z * t.w);
+        }
+    }
+
+    // q . R(p) c of a tile from carried coefficients (kRecur; layout as tile_bias).
+    static __device__ __forceinline__ void state_bias(const char *smem, const State &st, int lane,
+                                                      float (&bias)[MT][kNT][4]) {
+        const uint4 *table = reinterpret_cast<const uint4 *>(smem);
+        #pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            #pragma unroll
+            for (int j = 0; j < 4; ++j) { bias[mt][0][j] = 0.f; }
+        }
+        #pragma unroll
+        for (int kb = 0; kb < KB; ++kb) {
+            const uint32_t b0 = pack2<__half>(st.ab[kb].x, st.ab[kb].y), b1 = pack2<__half>(st.ab[kb].z, st.ab[kb].w);
+            #pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                const uint4 t = table[(mt * KB + kb) * 32 + lane];
+                const uint32_t a[4] = {t.x, t.y, t.z, t.w};
+                mma_16816<__half>(bias[mt][0], a, b0, b1);
+            }
         }
     }
 

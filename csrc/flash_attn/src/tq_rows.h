@@ -179,6 +179,18 @@ __device__ __forceinline__ void unrotate_row(const float *rot_signs, float (&o)[
     for (int k = 0; k < kV; ++k) { o[k] *= rot_signs[lane * kV + k] * RowMath<D>::kInvSqrtD; }
 }
 
+// The inverse of unrotate_row: a row (the lane's kV elements) into turbo's rotated domain, as q
+// goes (sign flips, the transform, 1 / sqrt(D)).
+template <int D>
+__device__ __forceinline__ void rotate_row(const float *rot_signs, float (&o)[D / 32], int lane) {
+    constexpr int kV = RowMath<D>::kV;
+    #pragma unroll
+    for (int k = 0; k < kV; ++k) { o[k] *= rot_signs[lane * kV + k]; }
+    fwht_warp<D>(o, lane);
+    #pragma unroll
+    for (int k = 0; k < kV; ++k) { o[k] *= RowMath<D>::kInvSqrtD; }
+}
+
 // Store output row r (o: the lane's kV consecutive elements, normalized; max_log2 / total: the
 // row's base-2 max and probability sum). One split: rotate back (turbo), write out and the lse
 // (natural log; +inf for a row with no visible key, as upstream writes). Several splits: the raw
