@@ -63,7 +63,13 @@ class QuantizedKVCache:
     ``seqlens [batch]`` int32 counts the tokens written per sequence. With ``fp16_window = R > 0``
     the most recent ``R`` tokens of each sequence are also kept unquantized (``k_window [batch, R,
     kv_heads, head_dim]`` in ``dtype``, token ``p`` in slot ``p % R``) and attention reads them in
-    full precision; every token is still quantized when written. ``window_bits`` (2, 3, 4 or 8; default 16:
+    full precision; every token is still quantized when written. ``sink_tokens = S`` keeps the first
+    ``S`` tokens of each sequence unquantized too (attention sinks: the tokens most heads put much
+    weight on). Sinks and the 16-bit window share one tensor, ``kv_side [2, batch, S + R + 1,
+    kv_heads, head_dim]`` (K and V; sink ``p`` in slot ``p``, window token ``p`` in slot
+    ``S + p % R``; the last slot takes the writes of tokens that are neither), which the fused
+    decode kernel attends in the same launch as the codes (its side pass), so the codes are read
+    for positions ``[S, seqlen - R)`` only. ``window_bits`` (2, 3, 4 or 8; default 16:
     the window in ``dtype``) stores the window as codes at that width instead (age-based precision:
     the recent tokens at 4 bits, the older ones at ``k_bits``/``v_bits``), ``k_window [batch, R,
     kv_heads, window code bytes]`` uint8 + ``k_window_meta [batch, R, kv_heads, *]`` float16, with the
@@ -106,6 +112,7 @@ class QuantizedKVCache:
         grid: str = "uniform",
         fp16_window: int = 0,
         window_bits: int = 16,
+        sink_tokens: int = 0,
         page_size: int | None = None,
         num_blocks: int | None = None,
         block_table: torch.Tensor | None = None,
@@ -136,6 +143,8 @@ class QuantizedKVCache:
             raise TypeError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
         if fp16_window < 0:
             raise ValueError(f"fp16_window must be >= 0, got {fp16_window}")
+        if sink_tokens < 0:
+            raise ValueError(f"sink_tokens must be >= 0, got {sink_tokens}")
         for name, val in (("k_bits", k_bits), ("v_bits", v_bits)):
             if val not in fmt.SUPPORTED_BITS:
                 raise ValueError(f"{name} must be one of {fmt.SUPPORTED_BITS}, got {val}")
@@ -146,6 +155,7 @@ class QuantizedKVCache:
         self.k_bits, self.v_bits, self.quantizer, self.grid = k_bits, v_bits, quantizer, grid
         self.fp16_window, self.seed, self.dtype = int(fp16_window), seed, dtype
         self.window_bits = int(window_bits)
+        self.sink_tokens = int(sink_tokens)
         self.streaming, self.alpha, self.fit = streaming, alpha, fit
         if key_scale < 0:
             raise ValueError(f"key_scale must be >= 0, got {key_scale}")
@@ -231,14 +241,15 @@ class QuantizedKVCache:
         self.v_meta = _head_major(rows, cols, H, meta_words, torch.float16, device)
         self.seqlens = torch.zeros(self.batch_size, dtype=torch.int32, device=device)
         R = self.fp16_window
-        self.k_window = self.v_window = self.k_window_meta = self.v_window_meta = None
-        if R and self.window_quantizer is None:
-            self.k_window = torch.zeros(self.batch_size, R, H, head_dim, dtype=dtype, device=device)
-            self.v_window = torch.zeros_like(self.k_window)
-        elif R:
+        # the 16-bit side: sinks + the 16-bit window (+ one slot for the writes of other tokens)
+        self.side_ring = R if self.window_quantizer is None else 0
+        side = self.sink_tokens + self.side_ring
+        self.kv_side = torch.zeros(2, self.batch_size, side + 1, H, head_dim, dtype=dtype, device=device) if side else None
+        self.k_window_codes = self.v_window_codes = self.k_window_meta = self.v_window_meta = None
+        if R and self.window_quantizer is not None:
             wb = fmt.code_bytes(head_dim, self.window_bits)
-            self.k_window = torch.zeros(self.batch_size, R, H, wb, dtype=torch.uint8, device=device)
-            self.v_window = torch.zeros_like(self.k_window)
+            self.k_window_codes = torch.zeros(self.batch_size, R, H, wb, dtype=torch.uint8, device=device)
+            self.v_window_codes = torch.zeros_like(self.k_window_codes)
             self.k_window_meta = torch.zeros(self.batch_size, R, H, meta_words, dtype=torch.float16, device=device)
             self.v_window_meta = torch.zeros_like(self.k_window_meta)
         nan = torch.full((self.batch_size, H), float("nan"), device=device)
@@ -272,10 +283,36 @@ class QuantizedKVCache:
         return self.page_size is not None
 
     @property
+    def k_side(self) -> torch.Tensor | None:
+        """The 16-bit keys ``[batch, sink_tokens + side_ring, kv_heads, d]`` (sinks, then the window's
+        ring): raw with ``key_center='rope'`` (the kernel adds the centre's term to the codes' scores
+        only), else as the codes' keys before quantization (``(k - mu) / s``)."""
+        return None if self.kv_side is None else self.kv_side[0, :, :-1]
+
+    @property
+    def v_side(self) -> torch.Tensor | None:
+        """The 16-bit values, as :attr:`k_side` (reflected with ``value_pca``)."""
+        return None if self.kv_side is None else self.kv_side[1, :, :-1]
+
+    @property
+    def k_window(self) -> torch.Tensor | None:
+        """The recent window's keys: ``[batch, R, kv_heads, d]`` 16-bit (a view of :attr:`kv_side`), or
+        ``window_bits`` codes ``[batch, R, kv_heads, bytes]``; None without a window."""
+        if self.window_quantizer is not None:
+            return self.k_window_codes
+        return None if not self.fp16_window else self.kv_side[0, :, self.sink_tokens:-1]
+
+    @property
+    def v_window(self) -> torch.Tensor | None:
+        if self.window_quantizer is not None:
+            return self.v_window_codes
+        return None if not self.fp16_window else self.kv_side[1, :, self.sink_tokens:-1]
+
+    @property
     def nbytes(self) -> int:
         """Bytes of the cache storage (codes, metadata and the recent window)."""
-        tensors = [self.k_codes, self.v_codes, self.k_meta, self.v_meta, self.k_window, self.v_window,
-                   self.k_window_meta, self.v_window_meta]
+        tensors = [self.k_codes, self.v_codes, self.k_meta, self.v_meta, self.kv_side, self.k_window_codes,
+                   self.v_window_codes, self.k_window_meta, self.v_window_meta]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     def bits_per_element(self) -> float:
@@ -435,8 +472,9 @@ class QuantizedKVCache:
         return x * self.k_div[bidx][:, None] + self.k_shift[bidx][:, None]
 
     def transform_query(self, q: torch.Tensor, batch_idx: torch.Tensor | None = None) -> torch.Tensor:
-        """``q * s`` for queries ``[batch, seqlen_q, heads, d]`` (GQA: kv head ``h // group``), float32."""
-        if not self.key_transform:
+        """``q * s`` for queries ``[batch, seqlen_q, heads, d]`` (GQA: kv head ``h // group``), float32
+        (``q`` itself when nothing scales or reflects it: centring alone leaves queries as they are)."""
+        if not (self.key_scale > 0 or self.key_pca):
             return q
         B, Sq, H, D = q.shape  # GQA through a [b, sq, kv_heads, group, d] view
         qt = q.float().reshape(B, Sq, self.num_kv_heads, -1, D) * self._per_row(self.k_div, batch_idx, B)[:, None, :, None]
@@ -555,10 +593,12 @@ class QuantizedKVCache:
                 raise ValueError(f"cache overflow: cache_seqlens + {n} new tokens exceeds max_seqlen={self.max_seqlen}")
         if n == 0:
             return
+        k_raw = k
         if self.key_transform or self.value_pca:
             pos = start.long().unsqueeze(1) + torch.arange(n, device=self.device) if self.rope_center else None
             if not self._calibration_done and not _capturing():  # (a Python flag: no GPU sync once done)
-                self.calibrate(k, bidx, v=v, q=q, positions=pos)
+                skip = min(n, max(0, self.sink_tokens - int(start.min()))) if self.sink_tokens else 0  # not the sinks
+                self.calibrate(k[:, skip:], bidx, v=v[:, skip:], q=q, positions=None if pos is None else pos[:, skip:])
                 self._calibration_done = bool(self.calibrated.all())
             if self.key_transform:
                 k = self.transform_keys(k, bidx, positions=pos)
@@ -570,27 +610,45 @@ class QuantizedKVCache:
             ops.pack_into(self, k, v, start.contiguous(), raw_idx, flags)
             if checking and error_flags is None:
                 ops.raise_pack_errors(int(flags.item()))
-        if not fused or self.fp16_window:
+        if not fused or self.fp16_window or self.sink_tokens:
             pos = start.long().unsqueeze(1) + torch.arange(n, device=self.device)  # [B, n]
         if not fused:
             rows, cols = self._slots(bidx.unsqueeze(1).expand(B, n), pos)
             packed = self.quantize(k, v, bidx)
             for name in ("k_codes", "v_codes", "k_meta", "v_meta"):
                 getattr(self, name)[rows, cols] = packed[name]
-        if self.fp16_window:
+        if self.kv_side is not None:
+            self._write_side(k_raw if self.rope_center else k, v, bidx, pos)
+        if self.window_quantizer is not None and self.fp16_window:
             R = self.fp16_window
             j0 = max(0, n - R)  # only the last R tokens of this chunk matter (a slice: no sync)
             b2 = bidx.unsqueeze(1).expand(B, n - j0)
             slots = pos[:, j0:] % R
-            if self.window_quantizer is None:
-                self.k_window[b2, slots] = k[:, j0:].to(self.dtype)
-                self.v_window[b2, slots] = v[:, j0:].to(self.dtype)
-            else:
-                for name, x in (("k", k), ("v", v)):
-                    codes, meta = self.window_quantizer.quantize(x[:, j0:].float())
-                    getattr(self, f"{name}_window")[b2, slots] = fmt.pack_codes(codes, self.window_bits, check=False)
-                    getattr(self, f"{name}_window_meta")[b2, slots] = meta[..., :self.k_window_meta.shape[-1]]
+            for name, x in (("k", k), ("v", v)):
+                codes, meta = self.window_quantizer.quantize(x[:, j0:].float())
+                getattr(self, f"{name}_window_codes")[b2, slots] = fmt.pack_codes(codes, self.window_bits, check=False)
+                getattr(self, f"{name}_window_meta")[b2, slots] = meta[..., :self.k_window_meta.shape[-1]]
         self.seqlens[bidx] = start + n
+
+    def _write_side(self, k: torch.Tensor, v: torch.Tensor, bidx: torch.Tensor, pos: torch.Tensor) -> None:
+        """Copy the chunk's sinks and its last ``side_ring`` tokens (``[B, n, kv_heads, d]`` at cache
+        positions ``pos [B, n]`` of rows ``bidx``) into :attr:`kv_side`, one scatter and no sync: sink
+        ``p`` to slot ``p``, window token ``p`` to slot ``S + p % R``; the chunk's first tokens that
+        turn out not to be sinks go to the spare last slot."""
+        n, S, R = k.shape[1], self.sink_tokens, self.side_ring
+        m, j0 = min(n, S), max(0, n - R)  # the first m tokens may be sinks, tokens from j0 are the window's
+        if j0 <= m:  # one run: the whole chunk, window tokens from j0
+            cols, kv, ring_from = pos, torch.stack([k, v]), j0
+        else:  # two runs
+            cols = torch.cat([pos[:, :m], pos[:, j0:]], 1)
+            kv = torch.stack([torch.cat([k[:, :m], k[:, j0:]], 1), torch.cat([v[:, :m], v[:, j0:]], 1)])
+            ring_from = m
+        spare = self.kv_side.shape[2] - 1
+        slots = S + cols % R if R else torch.full_like(cols, spare)
+        if R and ring_from:
+            slots = torch.where(torch.arange(cols.shape[1], device=cols.device) >= ring_from, slots, spare)
+        slots = torch.where(cols < S, cols, slots) if S else slots
+        self.kv_side[:, bidx.unsqueeze(1).expand_as(cols), slots] = kv.to(self.dtype)
 
     # ------------------------------------------------------------------ reading
     def gather(self, batch_idx: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
@@ -607,7 +665,8 @@ class QuantizedKVCache:
         """float32 ``(k, v)`` ``[batch, max_seqlen, kv_heads, d]`` as attention sees them.
 
         Positions at or beyond ``seqlens`` are zero. With an fp16 window the last ``fp16_window``
-        tokens come from the window (``use_window=False`` shows their quantized values instead).
+        tokens come from the window, and the sinks from theirs (``use_window=False`` shows their
+        quantized values instead).
         ``rotated=True`` returns turbo values in the rotated domain (for a key transform: of the
         transformed keys ``(k - mu) / s``; otherwise keys are returned in their original domain).
         """
@@ -615,7 +674,9 @@ class QuantizedKVCache:
         g = self.gather(bidx)
         d = self.head_dim
         out = []
-        windows = self.window_kv(bidx, rotated=True) if use_window and self.fp16_window else (None, None)
+        coded_window = use_window and self.fp16_window and self.window_quantizer is not None
+        windows = self.window_kv(bidx, rotated=True) if coded_window else (None, None)
+        side = self._side_values(bidx, rotated) if use_window and self.kv_side is not None else None
         for name, qz, bits, w in (("k", self.k_quantizer, self.k_bits, windows[0]),
                                   ("v", self.v_quantizer, self.v_bits, windows[1])):
             codes = fmt.unpack_codes(g[f"{name}_codes"], bits, d)
@@ -633,14 +694,39 @@ class QuantizedKVCache:
                 x = self.untransform_keys(x, bidx, positions=pos.expand(len(bidx), -1))
             if name == "v" and not rotated:
                 x = self.transform_values(x, bidx)  # (value_pca: back from the stored reflection)
+            if side is not None:
+                x = torch.where(side[0][:, :, None, None], side[1 if name == "k" else 2], x)
             out.append(x * (pos < lens)[:, :, None, None])
         return out[0], out[1]
 
+    def _side_values(self, bidx: torch.Tensor, rotated: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The 16-bit side at every position of rows ``bidx``: (bool ``[b, max_seqlen]`` where a
+        position is attended from it, its keys and values ``[b, max_seqlen, kv_heads, d]`` float32 in
+        :meth:`dequantize`'s domain)."""
+        S, R, L = self.sink_tokens, self.side_ring, self.max_seqlen
+        pos = torch.arange(L, device=self.device).unsqueeze(0)
+        lens = self.seqlens[bidx].long().unsqueeze(1)
+        used = (pos < lens) & ((pos < S) | ((pos >= lens - R) if R else torch.zeros_like(pos, dtype=torch.bool)))
+        src = torch.where(pos < S, pos, S + pos % R if R else torch.zeros_like(pos)).expand(len(bidx), -1)
+        idx = src[:, :, None, None].expand(-1, -1, self.num_kv_heads, self.head_dim)
+        k, v = (self.kv_side[i][bidx].float().gather(1, idx) for i in (0, 1))
+        positions = pos.expand(len(bidx), -1)
+        if rotated:  # the codes' domain: transformed keys, reflected values, turbo's rotation
+            if self.rope_center:
+                k = self.transform_keys(k, bidx, positions=positions)
+            if self.quantizer == "turbo":
+                k, v = self.k_quantizer.rotate(k), self.v_quantizer.rotate(v)
+        else:
+            if self.key_transform and not self.rope_center:
+                k = self.untransform_keys(k, bidx, positions=positions)
+            v = self.transform_values(v, bidx)
+        return used, k, v
+
     def window_kv(self, rows: torch.Tensor | slice, rotated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 ``(k, v)`` ``[rows, fp16_window, kv_heads, d]`` of the recent window of cache ``rows``
-        (ring order: token ``p`` in slot ``p % fp16_window``), as stored: transformed keys, reflected
-        values; ``rotated=True``: turbo's rotated domain. A quantized window (``window_bits``) is
-        dequantized here."""
+        (ring order: token ``p`` in slot ``p % fp16_window``), as stored (see :attr:`k_side`);
+        ``rotated=True``: turbo's rotated domain. A quantized window (``window_bits``) is dequantized
+        here (its keys in the codes' domain)."""
         out = []
         for win, meta, qz in ((self.k_window, self.k_window_meta, self.k_quantizer),
                               (self.v_window, self.v_window_meta, self.v_quantizer)):
@@ -656,8 +742,8 @@ class QuantizedKVCache:
         return out[0], out[1]
 
     # ------------------------------------------------------------------ movement / serialization
-    _TENSORS = ("k_codes", "v_codes", "k_meta", "v_meta", "seqlens", "k_window", "v_window", "k_window_meta",
-                "v_window_meta", "block_table", "k_range", "v_range", "k_shift", "k_div", "calibrated", "k_house", "v_house",
+    _TENSORS = ("k_codes", "v_codes", "k_meta", "v_meta", "seqlens", "kv_side", "k_window_codes", "v_window_codes",
+                "k_window_meta", "v_window_meta", "block_table", "k_range", "v_range", "k_shift", "k_div", "calibrated", "k_house", "v_house",
                 "rope_inv_freq")
 
     def to(self, device: torch.device | str) -> "QuantizedKVCache":
@@ -671,7 +757,8 @@ class QuantizedKVCache:
     def config(self) -> dict[str, Any]:
         return dict(batch_size=self.batch_size, max_seqlen=self.max_seqlen, num_kv_heads=self.num_kv_heads,
                     head_dim=self.head_dim, k_bits=self.k_bits, v_bits=self.v_bits, quantizer=self.quantizer,
-                    grid=self.grid, fp16_window=self.fp16_window, window_bits=self.window_bits, page_size=self.page_size,
+                    grid=self.grid, fp16_window=self.fp16_window, window_bits=self.window_bits,
+                    sink_tokens=self.sink_tokens, page_size=self.page_size,
                     num_blocks=self.k_codes.shape[0] if self.paged else None, streaming=self.streaming,
                     alpha=self.alpha, seed=self.seed, fit=self.fit,
                     key_center="rope" if self.rope_center else self.key_center,
@@ -690,7 +777,7 @@ class QuantizedKVCache:
         for key, default in (("fit", "norm"), ("key_center", False), ("rope_inv_freq", None), ("rope_position_offset", 0),
                              ("key_scale", 0.0), ("key_scale_q", False), ("key_pca", False), ("value_pca", False),
                              ("calib_min_tokens", 16), ("scale_only", False),
-                             ("window_bits", 16)):
+                             ("window_bits", 16), ("sink_tokens", 0)):
             theirs.setdefault(key, default)  # saved before the option existed
         if mine != theirs:
             diff = {k: (mine.get(k), theirs.get(k)) for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k)}
@@ -698,6 +785,9 @@ class QuantizedKVCache:
         for name in self._TENSORS:
             if name in state:
                 getattr(self, name).copy_(state[name])
+        if "kv_side" not in state and "k_window" in state and self.window_quantizer is None:  # saved without sinks
+            self.k_window.copy_(state["k_window"])
+            self.v_window.copy_(state["v_window"])
         self._calibration_done = False  # re-read from `calibrated` on the next append
 
     @classmethod
@@ -714,4 +804,5 @@ class QuantizedKVCache:
         return (f"QuantizedKVCache({self.quantizer}/{self.grid}, K{self.k_bits}V{self.v_bits}, batch={self.batch_size}, "
                 f"max_seqlen={self.max_seqlen}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, {layout}, "
                 f"fp16_window={self.fp16_window}{'' if self.window_quantizer is None else f' at {self.window_bits} bits'}, "
+                f"sink_tokens={self.sink_tokens}, "
                 f"{self.bits_per_element():.3f} bits/element, device={self.device})")

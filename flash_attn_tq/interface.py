@@ -20,7 +20,6 @@ import math
 from typing import Optional, Union
 
 import torch
-import torch.nn.functional as F
 
 from . import baseline, ops
 from .cache import QuantizedKVCache
@@ -313,19 +312,11 @@ def _quantized_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, cache, 
     return out[seq, row], lse[seq, :, row].transpose(0, 1).contiguous()
 
 
-def _prefix_keys(cache, k: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """Prefix keys ``[B, P, kv_heads, d]`` as stored (TQCache's sinks, at the cache positions
-    ``-P..-1`` before its first token) back in the keys' own domain, of cache rows ``rows``."""
-    pos = torch.arange(-k.shape[1], 0, device=k.device).expand(k.shape[0], -1)
-    return cache.untransform_keys(k, rows, positions=pos)
-
-
-def _window_part(q, cache, bidx, lens, softmax_scale, causal, prefix=None):
-    """Attention of q over the recent window (positions [lens - R, lens); 16-bit, or codes of
-    ``cache.window_bits`` dequantized here) of cache rows bidx
-    (None: 0..batch-1). causal: the queries are the last seqlen_q positions, bottom-right aligned
-    with the window's newest key. prefix: (k, v) ``[batch, P, kv_heads, d]`` 16-bit tokens every query
-    sees, attended in the same pass. Returns (out, lse) with lse -inf for rows without keys."""
+def _window_part(q, cache, bidx, lens, softmax_scale, causal):
+    """Attention of q over a recent window of ``cache.window_bits`` codes (positions [lens - R, lens),
+    dequantized here) of cache rows bidx (None: 0..batch-1). causal: the queries are the last
+    seqlen_q positions, bottom-right aligned with the window's newest key. Returns (out, lse) with
+    lse -inf for rows without keys."""
     R, Sq = cache.fp16_window, q.shape[1]
     rows = slice(0, q.shape[0]) if bidx is None else bidx.long()  # (a slice: no copy of the whole window)
     kw, vw = cache.window_kv(rows)  # ring order: attention does not care, the mask does
@@ -334,33 +325,17 @@ def _window_part(q, cache, bidx, lens, softmax_scale, causal, prefix=None):
     if cache.rope_center:  # keys back from k - R(p) c (slots without a token get garbage: masked below)
         ridx = torch.arange(q.shape[0], device=q.device) if bidx is None else rows
         kw = cache.untransform_keys(kw, ridx, positions=n - 1 - age)
-    visible = (age < n).unsqueeze(1)  # [B, 1, R]: slots holding a token
+    # slots holding a token past the sinks (those are attended from the side)
+    visible = ((age < n) & (n - 1 - age >= cache.sink_tokens)).unsqueeze(1)  # [B, 1, R]
     if causal and Sq > 1:  # query i (of Sq, bottom-right aligned) sees tokens at least Sq - 1 - i old
         visible = visible & (age.unsqueeze(1) >= (Sq - 1 - torch.arange(Sq, device=q.device)).view(1, Sq, 1))
-    if prefix is not None:
-        pk = _prefix_keys(cache, prefix[0], ridx) if cache.rope_center else prefix[0]
-        kw, vw = torch.cat([pk.float(), kw], 1), torch.cat([prefix[1].float(), vw], 1)
-        visible = F.pad(visible, (prefix[0].shape[1], 0), value=True)
     return _dense_part(q, kw, vw, softmax_scale, visible)
-
-
-def _attend_quantized(q, cache, softmax_scale, prefix=None, return_softmax_lse=False):
-    """Causal attention of q ``[B, Sq, Hq, D]`` over ``cache`` rows 0..B-1 (nothing appended), with
-    ``prefix`` tokens ahead of the cache's (see :func:`_quantized_kvcache`): TQCache's call."""
-    return _quantized_kvcache(q, cache, None, None, None, None, None, None, None, None, softmax_scale, True, (-1, -1),
-                              0.0, True, None, 0, return_softmax_lse, prefix=prefix)
 
 
 def _quantized_kvcache(q, cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                        block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
-                       num_splits, return_softmax_lse, prefix=None):
-    """prefix (internal, TQCache's sink tokens): (k, v) ``[batch, P, kv_heads, d]`` 16-bit tokens that
-    come before the cache's first token, stored like its window (transformed keys, reflected values),
-    seen by every query; on the fused path they join the fp16 window's attention pass."""
+                       num_splits, return_softmax_lse):
     _check_query(q, cache)
-    if prefix is not None and (window_size[0] >= 0 or window_size[1] >= 0 or softcap != 0.0
-                               or cache_leftpad is not None or alibi_slopes is not None):
-        raise ValueError("prefix tokens cannot be combined with window_size, softcap, cache_leftpad or alibi_slopes")
     if block_table is not None and block_table is not cache.block_table:
         raise ValueError("block_table: a QuantizedKVCache carries its own block_table (set it on the cache)")
     batch, seqlen_q = q.shape[:2]
@@ -399,37 +374,28 @@ def _quantized_kvcache(q, cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
 
-    R = cache.fp16_window
     reason = ops.fused_decode_supported(cache, q)
     if reason is None:
+        extras = local or softcap != 0.0 or cache_leftpad is not None
         for bad, what in ((alibi_slopes is not None, "alibi_slopes"),
-                          (R and (local or softcap != 0.0 or cache_leftpad is not None),
-                           "window_size / softcap / cache_leftpad with an fp16 window"),
-                          (cache.rope_center and (local or softcap != 0.0 or cache_leftpad is not None),
-                           "window_size / softcap / cache_leftpad with key_center='rope'"),
+                          ((cache.fp16_window or cache.sink_tokens) and extras,
+                           "window_size / softcap / cache_leftpad with an fp16 window or sink tokens"),
+                          (cache.rope_center and extras, "window_size / softcap / cache_leftpad with key_center='rope'"),
                           (softcap != 0.0 and cache.key_transform and cache.key_center,
-                           "softcap with key centring (the kernel's scores lack q . mu)"),
-                          (R and causal and seqlen_q > R, "causal seqlen_q beyond the fp16 window")):
+                           "softcap with key centring (the kernel's scores lack q . mu)")):
             if bad:
                 reason = f"{what} is not supported by the fused kernel"
                 break
     if reason is None:
         _LAST_PATH.set("quantized:fused-cuda")
-        n_quant = (lens - R).clamp(min=0).to(torch.int32) if R else lens
-        qt = cache.transform_query(q, bidx).to(q.dtype) if cache.key_transform else q  # q * s (key transform)
+        qt = cache.transform_query(q, bidx).to(q.dtype)  # q * s (a key scale; else q itself)
         leftpad = None if cache_leftpad is None else cache_leftpad.to(device=device, dtype=torch.int32).contiguous()
-        out, lse = ops.decode(qt, cache, n_quant, bidx, softmax_scale, causal and not R, num_splits,
+        # the codes and the 16-bit side (sinks, the 16-bit window) in one launch
+        out, lse = ops.decode(qt, cache, lens, bidx, softmax_scale, causal, num_splits,
                               window_size if local else (-1, -1), leftpad, softcap)
-        if R:
-            out_w, lse_w = _window_part(qt, cache, bidx, lens, softmax_scale, causal, prefix)
+        if cache.fp16_window and cache.window_quantizer is not None:  # a window of codes: its own pass
+            out_w, lse_w = _window_part(qt, cache, bidx, lens, softmax_scale, causal)
             out, lse = _merge_lse(out, lse, out_w, lse_w)
-        elif prefix is not None:
-            pk = prefix[0]
-            if cache.rope_center:
-                pk = _prefix_keys(cache, pk, bidx.long() if bidx is not None else torch.arange(batch, device=device))
-            out_p, lse_p = _dense_part(qt, pk, prefix[1], softmax_scale, torch.ones(1, 1, dtype=torch.bool,
-                                                                                 device=device))
-            out, lse = _merge_lse(out, lse, out_p, lse_p)
         if cache.key_transform and cache.key_center and not cache.rope_center and return_softmax_lse:
             lse = lse + softmax_scale * cache.query_shift(q, bidx)  # the scores lost q . mu (+inf stays +inf)
         if cache.value_pca:
@@ -439,12 +405,6 @@ def _quantized_kvcache(q, cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
         _LAST_PATH.set(f"quantized:reference ({reason})")
         rows = bidx.long() if bidx is not None else torch.arange(batch, device=device)
         k_deq, v_deq = cache.dequantize(rows)
-        if prefix is not None:  # back to the keys' and values' own domain, ahead of the cache's tokens
-            pk = _prefix_keys(cache, prefix[0], rows)
-            pv = cache.transform_values(prefix[1], rows)  # (the reflection is its own inverse)
-            k_deq = torch.cat([pk.to(k_deq.dtype), k_deq], 1)
-            v_deq = torch.cat([pv.to(v_deq.dtype), v_deq], 1)
-            lens = lens + prefix[0].shape[1]
         out, lse = baseline.attention_reference(
             q, k_deq, v_deq, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
             alibi_slopes=alibi_slopes, key_lengths=lens, key_start=cache_leftpad)

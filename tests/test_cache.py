@@ -278,7 +278,7 @@ def test_nbytes_and_compression(d, kb, vb, R, layout):
         assert slots == B * math.ceil(S / 16) * 16
     mb = 2 if cache.scale_only else 4  # float16 scale (+ offset) a vector
     per_token = H * (d * kb // 8 + d * vb // 8 + 2 * mb)
-    expected = slots * per_token + 2 * B * R * H * d * 2
+    expected = slots * per_token + (2 * B * (R + 1) * H * d * 2 if R else 0)  # (the side's spare slot)
     assert cache.nbytes == expected
     assert cache.compression_ratio() == pytest.approx(2 * slots * H * d * 2 / expected)
     assert cache.bits_per_element() == pytest.approx(((d * kb // 8 + mb) + (d * vb // 8 + mb)) * 4 / d)

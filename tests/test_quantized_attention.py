@@ -521,10 +521,12 @@ def test_quality_peaked_attention():
 
 def _cpu_stand_in_for_the_kernel(q, cache, seqlens_k, batch_idx, softmax_scale, causal, num_splits,
                                  window_size=(-1, -1), leftpad=None, softcap=0.0):
-    """What ops.decode computes, on the CPU: q (in the key transform's domain) over the stored codes
-    of keys [0, seqlens_k) (rotated domain for turbo: q rotated in, the output rotated back)."""
+    """What ops.decode computes, on the CPU: q (in the key transform's domain) over keys [0, seqlens_k)
+    of the codes and the 16-bit side (sinks, a 16-bit window) in one pass (rotated domain for turbo:
+    q rotated in, the output rotated back)."""
+    assert cache.window_quantizer is None  # (a window of codes has its own pass: not emulated here)
     rows = torch.arange(q.shape[0]) if batch_idx is None else batch_idx.long()
-    kr, vr = cache.dequantize(rows, rotated=True, use_window=False)
+    kr, vr = cache.dequantize(rows, rotated=True)
     out, lse = flash_attn_tq.baseline.attention_reference(cache.rotate_query(q.float()), kr, vr,
                                                           softmax_scale=softmax_scale, causal=causal,
                                                           key_lengths=seqlens_k, window_size=window_size,
@@ -532,39 +534,55 @@ def _cpu_stand_in_for_the_kernel(q, cache, seqlens_k, batch_idx, softmax_scale, 
     return cache.unrotate_output(out).to(q.dtype), lse
 
 
-@pytest.mark.parametrize("seqlen_q", [1, 4])
-@pytest.mark.parametrize("options", ["plain", "window", "tqcache-default"])
-def test_prefix_tokens_join_the_window_pass(monkeypatch, seqlen_q, options):
-    """TQCache's sink tokens as a prefix (stored like the window: transformed keys, reflected values):
-    the fused branch (one dense pass with the fp16 window, stand-in kernel) and the reference branch
-    both equal the cache's attention merged with a separate float32 attention over the sinks in
-    their own domain (what TQCache did before)."""
+@pytest.mark.parametrize("seqlen_q", [1, 4, 30])
+@pytest.mark.parametrize("options", ["sinks", "sinks-window", "tqcache-default"])
+def test_sinks_are_kept_in_16_bit(monkeypatch, seqlen_q, options):
+    """sink_tokens: the first tokens of each sequence attended in 16-bit (raw), the rest from the
+    codes (and the window): the reference path equals float32 attention over exactly that, and the
+    fused branch's Python side (stand-in kernel) equals the reference path."""
     from flash_attn_tq import ops
-    from flash_attn_tq.interface import _attend_quantized, _dense_part, _merge_lse
-    kw = {"plain": {}, "window": dict(fp16_window=8),
-          "tqcache-default": dict(fp16_window=8, key_center=True, key_pca=True, value_pca=True, fit="mean")}[options]
+    kw = {"sinks": dict(sink_tokens=4), "sinks-window": dict(sink_tokens=4, fp16_window=8),
+          "tqcache-default": dict(sink_tokens=4, fp16_window=8, key_center=True, key_pca=True, value_pca=True,
+                                  fit="mean")}[options]
     gen = torch.Generator().manual_seed(seqlen_q + 7 * len(options))
     cache = QuantizedKVCache(2, 80, 2, 64, **kw)
-    cache.append((torch.randn(2, 50, 2, 64, generator=gen) + 1.5).half(), torch.randn(2, 50, 2, 64, generator=gen).half())
-    sink_k = (torch.randn(2, 4, 2, 64, generator=gen) * 3 + 1.5).half()  # loud sinks: their share matters
-    sink_v = torch.randn(2, 4, 2, 64, generator=gen).half()
-    stored_k = cache.transform_keys(sink_k.float())
-    stored_v = cache._reflect(sink_v.float(), cache.v_house[:2][:, None]) if cache.value_pca else sink_v.float()
+    k = torch.randn(2, 50, 2, 64, generator=gen) + 1.5
+    k[:, :4] = k[:, :4] * 3  # loud sinks: their share matters
+    v = torch.randn(2, 50, 2, 64, generator=gen)
+    cache.append(k.half(), v.half())
+    kd, vd = cache.dequantize()
+    # the sinks as written (16-bit; stored in the key transform's domain where there is one)
+    assert rel_err(kd[:, :4], k[:, :4]) < 1e-3 and rel_err(vd[:, :4], v[:, :4]) < 1e-3
+    assert rel_err(kd[:, 4:42], k[:, 4:42]) > 0.01  # the codes' keys: quantized
     q = torch.randn(2, seqlen_q, 4, 64, generator=gen).half()
-    out_c, lse_c = flash_attn_with_kvcache(q.float(), cache, causal=True, return_softmax_lse=True)
-    out_s, lse_s = _dense_part(q.float(), sink_k, sink_v, 0.125, torch.ones(1, 1, dtype=torch.bool))
-    expected = _merge_lse(out_c, lse_c, out_s, lse_s)[0]
-    reference = _attend_quantized(q.float(), cache, 0.125, (stored_k, stored_v))
+    expected, expected_lse = flash_attn_tq.baseline.attention_reference(q.float(), kd, vd, softmax_scale=0.125,
+                                                                        causal=True, key_lengths=cache.seqlens)
+    out, lse = flash_attn_with_kvcache(q.float(), cache, causal=True, softmax_scale=0.125, return_softmax_lse=True)
     assert last_path().startswith("quantized:reference")
-    assert rel_err(reference.float(), expected) < 1e-5
+    assert rel_err(out.float(), expected) < 1e-5
     monkeypatch.setattr(ops, "fused_decode_supported", lambda c, x: None)
     monkeypatch.setattr(ops, "decode", _cpu_stand_in_for_the_kernel)
-    fused = _attend_quantized(q, cache, 0.125, (stored_k, stored_v))
+    fused, fused_lse = flash_attn_with_kvcache(q, cache, causal=True, softmax_scale=0.125, return_softmax_lse=True)
     assert last_path() == "quantized:fused-cuda"
     assert rel_err(fused.float(), expected) < 2e-3
-    with pytest.raises(ValueError, match="prefix"):
-        flash_attn_tq.interface._quantized_kvcache(q, cache, None, None, None, None, None, None, None, None, 0.125, True,
-                                                   (10, 0), 0.0, True, None, 0, False, prefix=(stored_k, stored_v))
+    with pytest.raises(ValueError, match="sink_tokens must be"):
+        QuantizedKVCache(1, 8, 1, 64, sink_tokens=-1)
+
+
+def test_side_slots_after_many_appends():
+    """kv_side after a prompt and single-token appends: sink p in slot p, window token p in slot
+    S + p % R, nothing else written over them (the spare slot takes the rest)."""
+    cache = QuantizedKVCache(2, 64, 1, 64, sink_tokens=3, fp16_window=5)
+    x = torch.arange(2 * 40, dtype=torch.float32).reshape(2, 40, 1, 1).expand(2, 40, 1, 64).contiguous()
+    cache.append(x[:, :2], x[:, :2])  # a prompt shorter than the sinks
+    cache.append(x[:, 2:30], x[:, 2:30])
+    for t in range(30, 40):
+        cache.append(x[:, t:t + 1], x[:, t:t + 1])
+    for b in range(2):
+        for p in range(3):
+            assert cache.k_side[b, p, 0, 0].item() == x[b, p, 0, 0].item()
+        for p in range(35, 40):
+            assert cache.k_side[b, 3 + p % 5, 0, 0].item() == x[b, p, 0, 0].item()
 
 
 @pytest.mark.parametrize("seqlen_q", [1, 4])

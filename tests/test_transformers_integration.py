@@ -27,7 +27,8 @@ ORACLE = "tq_oracle_test"
 
 
 def oracle_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """float64 attention of query [B, Hq, Sq, D] over the layer's dequantized cache (+ sinks)."""
+    """float64 attention of query [B, Hq, Sq, D] over the layer's dequantized cache (sinks and window
+    in 16-bit)."""
     layer = getattr(key, "_tq_layer", None)
     if layer is not None:
         layer.commit(query)
@@ -35,16 +36,8 @@ def oracle_attention(module, query, key, value, attention_mask, scaling=None, dr
         ks, vs = key.double(), value.double()
         kvalid = None
     else:
-        parts_k, parts_v = [], []
-        if layer.sink_k is not None:
-            parts_k.append(layer.sink_k.double())
-            parts_v.append(layer.sink_v.double())
-        if layer.caches:
-            kd, vd = layer.dequantize()
-            parts_k.append(kd.double())
-            parts_v.append(vd.double())
-        ks = torch.cat(parts_k, 1).transpose(1, 2)
-        vs = torch.cat(parts_v, 1).transpose(1, 2)
+        kd, vd = layer.dequantize()
+        ks, vs = kd.double().transpose(1, 2), vd.double().transpose(1, 2)
     B, Hq, Sq, D = query.shape
     G = Hq // ks.shape[1]
     ks, vs = ks.repeat_interleave(G, 1), vs.repeat_interleave(G, 1)
@@ -130,9 +123,9 @@ def test_cache_bookkeeping():
     assert cache.get_seq_length() == 35
     layer = cache.layers[0]
     assert isinstance(layer, TQLayer) and layer.length == 35
-    assert layer.sink_k.shape == (1, 3, 2, 64)  # [B, sinks, kv heads, D]
     qc = layer.qcache
-    assert isinstance(qc, QuantizedKVCache) and int(qc.seqlens[0]) == 32 and qc.max_seqlen >= 32
+    assert isinstance(qc, QuantizedKVCache) and int(qc.seqlens[0]) == 35 and qc.max_seqlen >= 35
+    assert qc.sink_tokens == 3 and qc.k_side.shape == (1, 3 + 4, 2, 64)  # [B, sinks + window, kv heads, D]
     assert qc.fp16_window == 4 and qc.k_bits == 3 and qc.key_center
     assert cache.layers[1].get_seq_length() == 35 and not isinstance(cache.layers[1], TQLayer)
     assert cache.quantized_caches()[1] is None

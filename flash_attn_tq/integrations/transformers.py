@@ -20,8 +20,8 @@ reference path on the CPU. Llama-family models (GQA, RoPE applied before the cac
 Per layer, the cache holds
 
 * the first ``sink_tokens`` tokens of each sequence in 16-bit (attention sinks: the tokens most
-  heads put a large share of their weight on), outside the quantized cache;
-* every later token as ``k_bits``/``v_bits`` codes + a float16 scale (``scale_only``; or scale and
+  heads put a large share of their weight on);
+* every token as ``k_bits``/``v_bits`` codes + a float16 scale (``scale_only``; or scale and
   offset), with the most recent ``fp16_window`` of them also kept in 16-bit (handled by
   QuantizedKVCache; ``window_bits=4`` keeps them as 4-bit codes instead: age-based precision, the
   setting without a 16-bit window, see :data:`NO_FP16_WINDOW`); 4-bit keys in the last layers
@@ -58,7 +58,7 @@ except ImportError as e:  # pragma: no cover - exercised only without transforme
 from .. import ops
 from ..cache import QuantizedKVCache, _capturing, scale_only_fits
 from ..format import bits_per_element as _format_bits
-from ..interface import _attend_quantized, _dense_part, _merge_lse
+from ..interface import flash_attn_with_kvcache
 
 ATTN_IMPLEMENTATION = "tq_kvcache"  # (a name containing "flash" would make transformers look for flash-attn)
 
@@ -66,23 +66,16 @@ ATTN_IMPLEMENTATION = "tq_kvcache"  # (a name containing "flash" would make tran
 DEFAULTS = dict(k_bits=3, v_bits=3, quantizer="turbo", grid="uniform", fit="norm", scale_only=True, late_k_bits=4,
                 fp16_window=112, window_bits=16, sink_tokens=16, key_center="rope", key_scale=0.0, key_scale_q=False,
                 key_pca=False, value_pca=False)
-# Per sequence and layer: 16 sink tokens + the last 112 tokens in 16-bit; every other token as 3-bit
-# codes + one float16 scale (turbo's norm fit: the offset is -mid * scale, not stored), keys centred
-# before RoPE (key_center="rope": the keys' constant part follows them as RoPE turns it; the
-# post-RoPE mean of the prompt removes next to nothing thousands of tokens later: session 12,
-# results/key_centre_energy.txt). Session 13 (results/quality.md): TQCache.calibrated(model) with it,
-# its bits measured with the post-RoPE centre (the better placement measured): +0.35% PPL, 97.3% top-1,
-# copy -1.4 / -0.2 points at 1K / 4K (news); GPL-3 +0.21%, 97.2%, -0.6 / -2.0. The history below is
-# with key_center=True, 4 sinks, 124 recent.
-# The 16 bits a vector that the scale-only metadata saves pay for 4-bit keys (late_k_bits) in the last
-# layers: 32 / head_dim of them (half at head_dim 64, a quarter at 128), so the cache stays at
-# 3 + 32 / head_dim bits/element (3.5 at 64, 3.25 at 128), what 3-bit codes + (scale, offset) cost.
-# Measured on SmolLM2 (head_dim 64, news text): +0.12% PPL, 96.7% top-1 agreement vs +0.52% / 95.8%
-# for the previous 3-bit-everywhere default. TQCache.calibrated places the same number of 4-bit-key
-# layers where the model measures most sensitive: +0.10% PPL, 97.4% top-1, copy -2.7 / -6.5 points
-# at 1K / 4K (last layers: -5.1 / -8.3; over three copy seeds -2.2 / -7.9 against -4.4 / -6.0); with
-# the most copy-sensitive kv head at 8-bit keys and values in 10 of those bits (COPY_HEADS): +0.12%,
-# 97.0%, copy -1.6 / -4.4 (three seeds).
+# Per sequence and layer: 16 sink tokens + the last 112 tokens in 16-bit (attended by the same kernel
+# launch as the codes); every other token as 3-bit codes + one float16 scale (turbo's norm fit: the
+# offset is -mid * scale, not stored), keys centred before RoPE (key_center="rope": the keys' constant
+# part follows them as RoPE turns it, where the post-RoPE mean of the prompt removes next to nothing
+# thousands of tokens later, results/key_centre_energy.txt). The 16 bits a vector that the
+# scale-only metadata saves pay for 4-bit keys (late_k_bits) in 32 / head_dim of the layers (half at
+# head_dim 64, a quarter at 128), so the cache stays at 3 + 32 / head_dim bits/element (3.5 at 64,
+# 3.25 at 128), what 3-bit codes + (scale, offset) cost. TQCache.calibrated places those layers, and
+# 8-bit keys and values for the most copy-sensitive kv head, where the model measures most
+# sensitive (measured results: benchmarks/results/quality.md).
 
 # The setting without a 16-bit window (TQCache.calibrated(model, **NO_FP16_WINDOW)): the 128 most recent
 # tokens as 4-bit keys and values instead (age-based precision; each token is also in the 3-bit cache,
@@ -472,13 +465,6 @@ def _check_no_padding(attention_mask) -> None:
             raise NotImplementedError("TQCache does not support padded batches (use equal-length prompts)")
 
 
-def _sink_attention(q, k, v, q_pos, scale):
-    """q [B, Sq, Hq, D] at absolute positions q_pos [Sq]; k, v [B, S0, Hkv, D] at positions 0..S0-1.
-    Causal float32 attention; returns out [B, Sq, Hq, D], lse [B, Hq, Sq] (-inf where no key)."""
-    visible = torch.arange(k.shape[1], device=q.device)[None, None, :] <= q_pos[None, :, None]  # [1, Sq, S0]
-    return _dense_part(q, k, v, scale, visible)
-
-
 class PackErrors:
     """The pack kernel's error bits of a TQCache's layers, read back once a forward pass (one host
     sync a step instead of one a layer) by the last quantized layer."""
@@ -502,7 +488,8 @@ class PackErrors:
 
 
 class TQLayer(CacheLayerMixin):
-    """One decoder layer's cache: 16-bit attention-sink tokens + QuantizedKVCaches for the rest.
+    """One decoder layer's cache: QuantizedKVCaches holding its tokens (their first ``sink_tokens``
+    and the recent window also in 16-bit, attended by the same kernel launch as the codes).
 
     The kv heads are held in one QuantizedKVCache, or, with ``head_options`` (per-head bit widths),
     in one a *head group*: the heads that share their options. Heads attend independently (each query
@@ -522,12 +509,10 @@ class TQLayer(CacheLayerMixin):
         self.sink_tokens = int(sink_tokens)
         self.max_cache_len = max_cache_len
         self.prefill = prefill
-        self.cache_kwargs = cache_kwargs
+        self.cache_kwargs = dict(cache_kwargs, sink_tokens=self.sink_tokens)
         self.head_options = {int(h): dict(o) for h, o in (head_options or {}).items()}
         self.groups: list[tuple[int, ...]] = []  # kv heads of each head group (set on the first update)
-        self.caches: list[QuantizedKVCache] = []  # one a group (created on the first quantized token)
-        self.sink_k = self.sink_v = None  # [B, n_sink, Hkv, D]
-        self.sinks_stored = {}  # per group: the sinks as its cache's window stores tokens (see stored_sinks)
+        self.caches: list[QuantizedKVCache] = []  # one a group (created on the first token)
         self.length = 0  # tokens seen
         self.chunk_start = 0  # tokens seen before the last update
         self.pending = None  # (k, v) of the last update, written by commit() (it needs the queries)
@@ -614,15 +599,8 @@ class TQLayer(CacheLayerMixin):
         v = value_states.transpose(1, 2)
         if k.dtype == torch.float64:  # (float64 models, e.g. for exact checks: the codec takes float32)
             k, v = k.float(), v.float()
-        n_sink = max(0, min(n, self.sink_tokens - self.length))
-        if n_sink:
-            ks, vs = k[:, :n_sink].to(self.store_dtype), v[:, :n_sink].to(self.store_dtype)
-            self.sink_k = ks if self.sink_k is None else torch.cat([self.sink_k, ks], 1)
-            self.sink_v = vs if self.sink_v is None else torch.cat([self.sink_v, vs], 1)
-            self.sinks_stored = {}
-        if n > n_sink:
-            self._ensure_capacity(self.length + n - self.sink_tokens)
-            self.pending = (k[:, n_sink:], v[:, n_sink:])
+        self._ensure_capacity(self.length + n)
+        self.pending = (k, v)
         self.chunk_start = self.length
         self.length += n
         key_states = key_states.view(key_states.shape)
@@ -641,8 +619,6 @@ class TQLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.caches = []
         self.pending = None
-        self.sink_k = self.sink_v = None
-        self.sinks_stored = {}
         self.length = self.chunk_start = 0
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -670,9 +646,8 @@ class TQLayer(CacheLayerMixin):
                 self.pack_errors.check()
 
     def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """What the cache holds, all kv heads: ``(k, v)`` float32 ``[B, n, Hkv, D]`` for the ``n`` quantized
-        tokens (after the sinks; QuantizedKVCache.dequantize of each head group, the window's tokens
-        as it stores them)."""
+        """What the cache holds, all kv heads: ``(k, v)`` float32 ``[B, n, Hkv, D]`` for its ``n`` tokens
+        (QuantizedKVCache.dequantize of each head group: sinks and window in 16-bit)."""
         n = int(self.caches[0].seqlens[0])
         k = torch.empty(self.batch_size, n, self.num_kv_heads, self.head_dim, device=self.device)
         v = torch.empty_like(k)
@@ -682,54 +657,22 @@ class TQLayer(CacheLayerMixin):
         return k, v
 
     # -- attention
-    def stored_sinks(self, group: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """Head group ``group``'s sink tokens in its cache's stored domain (transformed keys, reflected
-        values: how its fp16 window holds tokens), float32, so they join the window's attention pass.
-        Recomputed while the cache's calibration may still change the transforms."""
-        qc = self.caches[group]
-        if group not in self.sinks_stored or ((qc.key_transform or qc.value_pca) and not qc._calibration_done):
-            sk, sv = self._heads(self.sink_k, group).float(), self._heads(self.sink_v, group).float()
-            n = sk.shape[1]  # (at the cache positions before its first token: rope_position_offset = sink_tokens)
-            pos = torch.arange(-n, 0, device=sk.device).expand(sk.shape[0], -1)
-            self.sinks_stored[group] = (qc.transform_keys(sk, positions=pos), qc.transform_values(sv))
-        return self.sinks_stored[group]
-
     def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        """query ``[B, Hq, Sq, D]`` (the last Sq tokens) -> output ``[B, Sq, Hq, D]``."""
+        """query ``[B, Hq, Sq, D]`` (the last Sq tokens) -> output ``[B, Sq, Hq, D]``: causal attention
+        over the layer's caches, one :func:`flash_attn_with_kvcache` call a head group."""
         q = query.transpose(1, 2)
-        Sq = q.shape[1]
-        n_sink = 0 if self.sink_k is None else self.sink_k.shape[1]
-        q_pos = torch.arange(self.length - Sq, self.length, device=q.device)
-        if not self.caches or int(self.length) <= self.sink_tokens:  # only sink tokens so far
-            return _sink_attention(q, self.sink_k, self.sink_v, q_pos, scaling)[0].to(query.dtype)
         G = q.shape[2] // self.num_kv_heads
-        # every query sees every sink: one pass with the fp16 window; else (a chunk that holds sink
-        # positions itself: its first queries must not see later sinks) the sinks apart, merged after
-        sinks_apart = self.length - Sq < n_sink
-        outs, lses = [], []
+        outs = []
         for g, qc in enumerate(self.caches):
             qg = self._heads(q, g, G)
             qq = qg.to(qc.dtype) if qg.is_cuda else (qg.float() if qg.dtype == torch.float64 else qg)
-            if sinks_apart:
-                out, lse = _attend_quantized(qq, qc, scaling, return_softmax_lse=True)
-                lses.append(lse)
-            else:
-                out = _attend_quantized(qq, qc, scaling, self.stored_sinks(g) if n_sink else None)
-            outs.append(out)
+            outs.append(flash_attn_with_kvcache(qq, qc, softmax_scale=scaling, causal=True))
         if len(self.caches) == 1:
-            out, lse = outs[0], (lses[0] if lses else None)
-        else:  # query heads back in place
-            out = q.new_empty(*q.shape[:3], outs[0].shape[-1], dtype=outs[0].dtype)
-            lse = torch.empty(q.shape[0], q.shape[2], Sq, device=q.device) if lses else None
-            for g in range(len(self.caches)):
-                qi = self._head_index(g, G).to(q.device)
-                out[:, :, qi] = outs[g]
-                if lses:
-                    lse[:, qi] = lses[g].float()
-        if not sinks_apart:
-            return out.to(query.dtype)
-        out_s, lse_s = _sink_attention(q, self.sink_k, self.sink_v, q_pos, scaling)
-        return _merge_lse(out, lse, out_s, lse_s)[0].to(query.dtype)
+            return outs[0].to(query.dtype)
+        out = q.new_empty(*q.shape[:3], outs[0].shape[-1], dtype=outs[0].dtype)  # query heads back in place
+        for g in range(len(self.caches)):
+            out[:, :, self._head_index(g, G).to(q.device)] = outs[g]
+        return out.to(query.dtype)
 
 
 class TQCache(Cache):
@@ -739,7 +682,7 @@ class TQCache(Cache):
         config: the model config (optional; its layer count and head_dim place ``late_k_bits``).
         max_cache_len: initial capacity in tokens per layer (grows by doubling when exceeded).
         protected_layers: layer indices kept in a plain 16-bit cache.
-        sink_tokens: leading tokens kept in 16-bit outside the quantized cache.
+        sink_tokens: leading tokens of each sequence kept in 16-bit (QuantizedKVCache's ``sink_tokens``).
         prefill: ``"full"`` (the first forward attends over its own full-precision K/V) or
             ``"quantized"`` (it attends over the quantized cache, as token-by-token decoding would).
         late_k_bits: key bits of the last layers, as many as scale-only metadata pays for (see
@@ -779,12 +722,10 @@ class TQCache(Cache):
         if "key_center" not in cache_kwargs and opts["key_center"] == "rope" and (
                 opts["key_scale"] > 0 or opts["key_pca"] or _rope_centre_freqs(config) is None):
             opts["key_center"] = True  # the default where the RoPE centre cannot apply: the post-RoPE mean
-        if opts.get("key_center") == "rope":  # the cache positions start after the sink tokens
-            if opts.get("rope_inv_freq") is None:
-                if config is None:
-                    raise ValueError("key_center='rope' needs the model config (its RoPE frequencies): TQCache(config, ...)")
-                opts["rope_inv_freq"] = rope_inv_freq(config)
-            opts.setdefault("rope_position_offset", self.sink_tokens)
+        if opts.get("key_center") == "rope" and opts.get("rope_inv_freq") is None:
+            if config is None:
+                raise ValueError("key_center='rope' needs the model config (its RoPE frequencies): TQCache(config, ...)")
+            opts["rope_inv_freq"] = rope_inv_freq(config)
         vdim = head_dim or 64  # (the validation caches below)
         late = set()
         if self.num_layers is not None and head_dim is not None:
@@ -843,7 +784,7 @@ class TQCache(Cache):
 
         ``kwargs``: TQCache options, used for the measurement too (``key_center="rope"``, the default,
         is measured with ``key_center=True``: on SmolLM2 that placement measured 97.3% top-1 against
-        97.0% with its own, copy 1K -1.4 / -1.0 points, session 13); ``layer_options`` are applied on
+        97.0% with its own, copy 1K -1.4 / -1.0 points); ``layer_options`` are applied on
         top of the calibrated bits."""
         if "late_k_bits" in kwargs:
             raise ValueError("late_k_bits: the calibrated cache places its key bits itself")

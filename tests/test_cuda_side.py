@@ -1,0 +1,174 @@
+"""GPU tests of the decode kernel's 16-bit side: the sink tokens and the fp16 window of a
+``QuantizedKVCache`` attended by the same launch as its codes (one more split, merged by the combine
+kernel; csrc/flash_attn/src/tq_decode_kernel.h), against float32 attention over what the cache holds.
+
+Run on the device: ``python -m pytest tests/test_cuda_side.py -q``.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flash_attn_tq as fa
+from flash_attn_tq import baseline, ops
+from flash_attn_tq.cache import QuantizedKVCache, rope_turn
+from gpu_cases import DEV, poison_allocator, shuffled_block_table
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or not ops.extension_available(),
+                       reason="needs a CUDA GPU and the flash_attn_tq_cuda extension"),
+]
+
+
+def _cache(batch, seqlens, kv_heads, d, *, sinks, window, center=False, dtype=torch.float16, page_size=None,
+           k_bits=3, v_bits=3, window_bits=16, seed=0):
+    """A GPU cache filled as a model fills it: a prompt (each row's first 3/4), then token by token,
+    so the window's ring wraps; keys with a large constant part before RoPE (as real keys have)."""
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, d, 2, device=DEV).float() / d)
+    max_len = max(seqlens) + 5
+    bt = shuffled_block_table(batch, max_len, page_size, seed) if page_size is not None else None
+    opts = dict(key_center=center, calib_min_tokens=1)
+    if center == "rope":
+        opts["rope_inv_freq"] = inv_freq
+    cache = QuantizedKVCache(batch, max_len, kv_heads, d, k_bits=k_bits, v_bits=v_bits, fp16_window=window,
+                             window_bits=window_bits, sink_tokens=sinks, page_size=page_size, block_table=bt,
+                             dtype=dtype, device=DEV, seed=seed, **opts)
+    L = max(seqlens)
+    raw = torch.randn(batch, 1, kv_heads, d, device=DEV, generator=gen) * 1.5 + torch.randn(
+        batch, L, kv_heads, d, device=DEV, generator=gen)
+    k = rope_turn(raw, torch.arange(L, device=DEV), inv_freq).to(dtype)
+    v = torch.randn(batch, L, kv_heads, d, device=DEV, generator=gen).to(dtype)
+    for b, n in enumerate(seqlens):
+        idx = torch.tensor([b], dtype=torch.int32, device=DEV)
+        prompt = (3 * n) // 4
+        if prompt:
+            cache.append(k[b:b + 1, :prompt], v[b:b + 1, :prompt], cache_seqlens=0, batch_idx=idx)
+        for t in range(prompt, n):
+            cache.append(k[b:b + 1, t:t + 1], v[b:b + 1, t:t + 1], batch_idx=idx)
+    return cache
+
+
+def _check(q, cache, out, lse, causal, rows=None):
+    """out/lse against float32 attention over cache.dequantize() (sinks and window in 16-bit), within
+    four times what rounding q, K and V to 16 bits costs here (the kernel rounds q after turbo's
+    rotation for the codes and before it for the side, so its rounding errors are of the same size
+    as this reference's, not the same numbers)."""
+    rows = torch.arange(q.shape[0], device=DEV) if rows is None else rows.long()
+    kd, vd = cache.dequantize(rows)
+    lens = cache.seqlens[rows]
+    ref, ref_lse = baseline.attention_reference(q.float(), kd, vd, causal=causal, key_lengths=lens)
+    dt = q.dtype
+    lp, lp_lse = baseline.attention_reference(q, kd.to(dt), vd.to(dt), causal=causal, key_lengths=lens)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    err, err_lp = (out.float() - ref).abs().max().item(), (lp.float() - ref).abs().max().item()
+    term = 0.0
+    if cache.rope_center:  # the centre's float16 term (tests/test_cuda_rope_centre.py)
+        term = 2 ** -11 * q.shape[-1] ** -0.5 * q.float().norm(dim=-1).max().item() * cache.k_shift.norm(dim=-1).max().item()
+    bound = 4 * err_lp + torch.finfo(dt).eps * ref.abs().max().item() + 2e-3 + term
+    assert err <= bound, (err, err_lp)
+    lse_err, lse_lp = (lse - ref_lse).abs().max().item(), (lp_lse - ref_lse).abs().max().item()
+    assert lse_err <= 4 * lse_lp + 1e-3 + term, (lse_err, lse_lp)
+
+
+SIDE_CASES = [
+    # batch, seqlens, q heads, kv heads, sinks, window
+    (1, [1], 8, 2, 16, 112),            # one token: a sink, nothing in the codes
+    (2, [100, 128], 8, 2, 16, 112),     # below and at sinks + window: the codes hold nothing
+    (2, [129, 1000], 32, 8, 16, 112),   # just past, and far past
+    (3, [64, 65, 3000], 9, 3, 0, 64),   # window only, ring at, past and wrapped many times
+    (2, [700, 17], 16, 1, 5, 0),        # sinks only (odd count: the codes start mid-tile)
+    (2, [513, 260], 8, 8, 16, 128),     # MHA, a window of a whole number of tiles
+]
+
+
+@pytest.mark.parametrize("batch,seqlens,hq,hk,sinks,window", SIDE_CASES)
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("center", [False, True, "rope"])
+def test_side_decode(batch, seqlens, hq, hk, sinks, window, d, dtype, center):
+    cache = _cache(batch, seqlens, hk, d, sinks=sinks, window=window, center=center, dtype=dtype)
+    q = torch.randn(batch, 1, hq, d, device=DEV, dtype=dtype)
+    poison_allocator()
+    out, lse = fa.flash_attn_with_kvcache(q, cache, causal=True, return_softmax_lse=True)
+    assert fa.last_path() == "quantized:fused-cuda"
+    _check(q, cache, out, lse, causal=True)
+
+
+@pytest.mark.parametrize("seqlen_q", [3, 16, 100, 300])
+@pytest.mark.parametrize("center", [False, "rope"])
+def test_side_chunk(seqlen_q, center):
+    """Chunked prefill over a cache with sinks and a window: query rows see the side by position
+    (chunks longer than the window too: their own keys are in the codes and the ring already)."""
+    seqlens = [seqlen_q + 40, seqlen_q + 900]
+    cache = _cache(2, seqlens, 2, 128, sinks=16, window=112, center=center)
+    q = torch.randn(2, seqlen_q, 8, 128, device=DEV, dtype=torch.float16)
+    out, lse = fa.flash_attn_with_kvcache(q, cache, causal=True, return_softmax_lse=True)
+    assert fa.last_path() == "quantized:fused-cuda"
+    _check(q, cache, out, lse, causal=True)
+
+
+@pytest.mark.parametrize("page_size", [32, 256])
+@pytest.mark.parametrize("center", [False, "rope"])
+def test_side_paged(page_size, center):
+    cache = _cache(2, [300, 1111], 2, 64, sinks=16, window=112, center=center, page_size=page_size)
+    q = torch.randn(2, 1, 8, 64, device=DEV, dtype=torch.float16)
+    out, lse = fa.flash_attn_with_kvcache(q, cache, causal=True, return_softmax_lse=True)
+    assert fa.last_path() == "quantized:fused-cuda"
+    _check(q, cache, out, lse, causal=True)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 17])
+def test_side_splits_and_batch_idx(num_splits):
+    """Forced code splits (the side is one more) and cache rows picked by cache_batch_idx."""
+    cache = _cache(4, [50, 2000, 130, 700], 2, 128, sinks=16, window=112, center="rope")
+    rows = torch.tensor([3, 1], dtype=torch.int32, device=DEV)
+    q = torch.randn(2, 1, 8, 128, device=DEV, dtype=torch.float16)
+    out, lse = fa.flash_attn_with_kvcache(q, cache, cache_batch_idx=rows, causal=True, num_splits=num_splits,
+                                          return_softmax_lse=True)
+    assert fa.last_path() == "quantized:fused-cuda"
+    _check(q, cache, out, lse, causal=True, rows=rows)
+
+
+def test_side_with_window_codes():
+    """window_bits=4 (the no-16-bit-window setting): the sinks in the kernel's side pass, the 4-bit
+    window in its own pass, the codes up to the window."""
+    cache = _cache(2, [90, 600], 2, 64, sinks=16, window=64, window_bits=4, center="rope")
+    q = torch.randn(2, 5, 8, 64, device=DEV, dtype=torch.float16)
+    out, lse = fa.flash_attn_with_kvcache(q, cache, causal=True, return_softmax_lse=True)
+    assert fa.last_path() == "quantized:fused-cuda"
+    _check(q, cache, out, lse, causal=True)
+
+
+def test_side_8bit_head():
+    """The calibrated default's copy head (K8V8, float16) with sinks, window and the RoPE centre."""
+    cache = _cache(2, [200, 1500], 1, 64, sinks=16, window=112, center="rope", k_bits=8, v_bits=8)
+    q = torch.randn(2, 1, 3, 64, device=DEV, dtype=torch.float16)
+    out, lse = fa.flash_attn_with_kvcache(q, cache, causal=True, return_softmax_lse=True)
+    assert fa.last_path() == "quantized:fused-cuda"
+    _check(q, cache, out, lse, causal=True)
+
+
+def test_side_cuda_graph():
+    """The decode call (codes, side and combine) captured once and replayed after appends."""
+    cache = _cache(2, [500, 300], 2, 128, sinks=16, window=112, center="rope")
+    q = torch.randn(2, 1, 8, 128, device=DEV, dtype=torch.float16)
+    fa.flash_attn_with_kvcache(q, cache, causal=True)  # warm-up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fa.flash_attn_with_kvcache(q, cache, causal=True)
+    for _ in range(3):
+        k = torch.randn(2, 1, 2, 128, device=DEV, dtype=torch.float16)
+        cache.append(k, torch.randn_like(k))
+        graph.replay()
+        want, lse = fa.flash_attn_with_kvcache(q, cache, causal=True, return_softmax_lse=True)
+        torch.testing.assert_close(out, want, atol=0, rtol=0)
+        _check(q, cache, out, lse, causal=True)
+
+
+def test_side_rejects_local_options():
+    cache = _cache(1, [300], 2, 64, sinks=16, window=112)
+    q = torch.randn(1, 1, 8, 64, device=DEV, dtype=torch.float16)
+    fa.flash_attn_with_kvcache(q, cache, causal=True, window_size=(100, 0))
+    assert fa.last_path().startswith("quantized:reference (window_size / softcap / cache_leftpad")
