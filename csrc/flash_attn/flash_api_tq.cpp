@@ -29,7 +29,10 @@ namespace {
 // prologue, a merge and combine work); >= 128 tokens a split. Measured on the H200
 // (benchmarks/results/splits*.md), B=1 x 8 kv heads x 128K tokens: 67 us at 32 splits, 70 us at
 // 16, 98 us at 17 (4 SMs run two CTAs), 81 us at 66; B=8 x 32K: 112 us at 8, 126 us at 2.
-int choose_num_splits(int ctas, int max_seqlen_k, int num_sms) {
+// per_sm_x20: the CTAs an SM to reach, times 20 (38: 1.9). A launch with a 16-bit side asks 2.9:
+// its short side CTAs start after the codes' and take SM slots, and one code split then measured
+// 125 us at 32 x 8K against 94 us with two (92 without the side).
+int choose_num_splits(int ctas, int max_seqlen_k, int num_sms, int per_sm_x20 = 38) {
     const int max_splits = std::max(1, std::min(128, max_seqlen_k / 128));
     auto load = [&](int s) { return static_cast<double>((static_cast<int64_t>(ctas) * s + num_sms - 1) / num_sms) / s; };
     double best = load(1);
@@ -38,7 +41,7 @@ int choose_num_splits(int ctas, int max_seqlen_k, int num_sms) {
     for (int s = 1; s <= max_splits; ++s) {
         if (load(s) > 1.05 * best) continue;
         if (fewest == 0) fewest = s;
-        if (static_cast<int64_t>(ctas) * s * 20 >= static_cast<int64_t>(num_sms) * 38) return s;  // >= 1.9 CTAs an SM
+        if (static_cast<int64_t>(ctas) * s * 20 >= static_cast<int64_t>(num_sms) * per_sm_x20) return s;
     }
     return fewest;
 }
@@ -183,7 +186,7 @@ std::tuple<at::Tensor, at::Tensor> run_decode_op(
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, q.get_device()));
     // keys a row can see at most: the local window's span when there is one
     const int span = p.window_left >= 0 ? std::min<int64_t>(max_seqlen_k, p.window_left + seqlen_q + 1) : max_seqlen_k;
-    p.num_splits = num_splits > 0 ? static_cast<int>(num_splits) : choose_num_splits(ctas, span, num_sms);
+    p.num_splits = num_splits > 0 ? static_cast<int>(num_splits) : choose_num_splits(ctas, span, num_sms, side ? 58 : 38);
     p.num_splits += side ? 1 : 0;  // the side pass: one more split, merged by the combine kernel
     at::Tensor out_accum, lse_accum;
     if (p.num_splits > 1) {
