@@ -63,6 +63,11 @@ ALL_VARIANTS = ("dynamic", "static", "tq", "tq_calibrated", "static_compiled", "
 LLAMA8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=8,
                num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=500000.0,
                max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False)
+# SmolLM2-135M's architecture (--random-weights: its speed without the GGUF; the text does not matter
+# to speed, nor do the weights, but for TQCache.calibrated's placement of its wider heads)
+SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+               num_attention_heads=9, num_key_value_heads=3, head_dim=64, rope_theta=100000.0,
+               max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=True)
 # --quick: tiny random stand-ins (SmolLM2's 3:1 GQA at head_dim 64; the 8B shape's 4:1 at 128)
 TINY = {"smollm2": dict(vocab_size=512, hidden_size=192, intermediate_size=384, num_hidden_layers=2,
                         num_attention_heads=3, num_key_value_heads=1, head_dim=64, rope_theta=100000.0,
@@ -206,9 +211,11 @@ def load_smollm2(data: Path, dtype, device):
     return model.to(device=device, dtype=dtype).eval()
 
 
-def describe(name: str, quick: bool) -> str:
+def describe(name: str, quick: bool, random_weights: bool = False) -> str:
     if quick:
         return f"tiny random Llama standing in for {name}"
+    if name == "smollm2" and random_weights:
+        return "SmolLM2-135M's architecture, random weights"
     if name == "smollm2":
         from eval_quality import GGUF
         return f"SmolLM2-135M-Instruct ({GGUF})"
@@ -350,6 +357,8 @@ def bench_model(name, args) -> list[dict]:
     t0 = time.perf_counter()
     if args.quick:
         model = build_random_llama(TINY[name], dtype, device)
+    elif name == "smollm2" and args.random_weights:
+        model = build_random_llama(SMOLLM2, dtype, device)
     elif name == "smollm2":
         model = load_smollm2(Path(args.data), dtype, device)
     else:
@@ -394,7 +403,7 @@ def bench_model(name, args) -> list[dict]:
     for P in prompts:
         g = torch.Generator().manual_seed(P)
         ids = torch.randint(0, model.config.vocab_size, (B, P), generator=g).to(device)
-        row = dict(model=name, model_desc=describe(name, args.quick), dtype=str(dtype).replace("torch.", ""), B=B,
+        row = dict(model=name, model_desc=describe(name, args.quick, args.random_weights), dtype=str(dtype).replace("torch.", ""), B=B,
                    prompt=P, new_tokens=args.new_tokens, warmup=args.warmup, **calibration)
         row.update({f"{v}_tok_s": None for v in ("dynamic", "static", "tq")})
         results = {}
@@ -500,6 +509,8 @@ def parse_args(argv=None):
     p.add_argument("--no-compile", action="store_true", help="skip static_compiled")
     p.add_argument("--tq-compile", action="store_true", help="also TQCache with the compiled decode step (tq_compiled)")
     p.add_argument("--quick", action="store_true", help="tiny random models and prompts (CPU smoke test)")
+    p.add_argument("--random-weights", action="store_true",
+                   help="SmolLM2-135M's architecture with random weights in place of the GGUF")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--data", default=os.environ.get("TQ_EVAL_DATA", "/tmp/qdata"),
                    help="SmolLM2 assets (see eval_quality.py)")

@@ -52,20 +52,29 @@ def _cache(batch, seqlens, kv_heads, d, *, sinks, window, center=False, dtype=to
 
 def _check(q, cache, out, lse, causal, rows=None):
     """out/lse against float32 attention over cache.dequantize() (sinks and window in 16-bit), within
-    four times what rounding q, K and V to 16 bits costs here (the kernel rounds q after turbo's
-    rotation for the codes and before it for the side, so its rounding errors are of the same size
-    as this reference's, not the same numbers)."""
+    four times what rounding q, K and V to 16 bits costs. That rounding is taken where the kernel
+    rounds: q after turbo's rotation, in the codes' domain (key_center=True: the lse gets the shared
+    q . mu back, as the interface adds it); with the RoPE centre (whose term the kernel adds in
+    float16) before it, plus the term's own rounding."""
     rows = torch.arange(q.shape[0], device=DEV) if rows is None else rows.long()
     kd, vd = cache.dequantize(rows)
     lens = cache.seqlens[rows]
+    scale = q.shape[-1] ** -0.5
     ref, ref_lse = baseline.attention_reference(q.float(), kd, vd, causal=causal, key_lengths=lens)
     dt = q.dtype
-    lp, lp_lse = baseline.attention_reference(q, kd.to(dt), vd.to(dt), causal=causal, key_lengths=lens)
+    term = 0.0
+    if cache.rope_center:
+        lp, lp_lse = baseline.attention_reference(q, kd.to(dt), vd.to(dt), causal=causal, key_lengths=lens)
+        term = 2 ** -11 * scale * q.float().norm(dim=-1).max().item() * cache.k_shift.norm(dim=-1).max().item()
+    else:
+        kr, vr = cache.dequantize(rows, rotated=True)
+        lp, lp_lse = baseline.attention_reference(cache.rotate_query(q.float()).to(dt), kr.to(dt), vr.to(dt),
+                                                  causal=causal, key_lengths=lens)
+        lp = cache.unrotate_output(lp.float())
+        if cache.key_transform:
+            lp_lse = lp_lse + scale * cache.query_shift(q, rows)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     err, err_lp = (out.float() - ref).abs().max().item(), (lp.float() - ref).abs().max().item()
-    term = 0.0
-    if cache.rope_center:  # the centre's float16 term (tests/test_cuda_rope_centre.py)
-        term = 2 ** -11 * q.shape[-1] ** -0.5 * q.float().norm(dim=-1).max().item() * cache.k_shift.norm(dim=-1).max().item()
     bound = 4 * err_lp + torch.finfo(dt).eps * ref.abs().max().item() + 2e-3 + term
     assert err <= bound, (err, err_lp)
     lse_err, lse_lp = (lse - ref_lse).abs().max().item(), (lp_lse - ref_lse).abs().max().item()
