@@ -136,6 +136,127 @@ def run_shape(B, S, Hq, Hk, d, dtype=torch.float16):
     return row
 
 
+PRODUCTION_SHAPES = [  # (B, S, Hq, Hk, d): the issue's table, and short caches
+    (1, 4096, 32, 8, 128), (8, 32768, 32, 8, 128), (64, 2048, 32, 8, 128), (1, 131072, 32, 8, 128),
+    (8, 32768, 32, 8, 64), (1, 1024, 32, 8, 128), (8, 1024, 32, 8, 128), (32, 8192, 32, 8, 128),
+]
+# The default cache (TQCache.calibrated for SmolLM2): every layer keeps 16 sink + 112 recent tokens in
+# 16-bit and centres its keys before RoPE; 32 / head_dim of the layers hold 4-bit keys (what the
+# scale-only metadata pays for), and one layer of the 30 holds its most copy-sensitive kv head at
+# K8V8 (float16) beside 3-bit heads. A layer's attention time at a shape is measured for each kind
+# of layer and weighted as the model holds them.
+DEFAULT_LAYERS = 30
+DEFAULT_OPTS = dict(sink_tokens=16, fp16_window=112, key_center="rope")
+
+
+def rope_freqs(d):
+    return 1.0 / 10000.0 ** (torch.arange(0, d, 2).float() / d)
+
+
+def fill_default(B, S, Hk, d, dtype, k_bits=3, v_bits=3):
+    cache, _, _ = fill_cache(B, S, Hk, d, dtype, k_bits=k_bits, v_bits=v_bits, rope_inv_freq=rope_freqs(d),
+                             **DEFAULT_OPTS)
+    return cache
+
+
+def run_production(B, S, Hq, Hk, d, dtype=torch.float16):
+    """One row of production.json: the plain 3-bit cache and the default cache (see DEFAULT_OPTS),
+    flash_attn_with_kvcache replayed as a CUDA graph and eager, beside cuDNN SDPA on fp16."""
+    q = torch.randn(B, 1, Hq, d, device="cuda", dtype=dtype)
+    row = {"B": B, "S": S, "Hq": Hq, "Hk": Hk, "d": d}
+    plain, k, v = fill_cache(B, S, Hk, d, dtype)
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        row["cudnn_us"] = bench(lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True))
+    del k, v, kt, vt
+    call = lambda c: (lambda: fa.flash_attn_with_kvcache(q, c))  # noqa: E731
+    row["plain_us"], row["plain_eager_us"] = bench_graph(call(plain)), bench(call(plain))
+    del plain
+    torch.cuda.empty_cache()
+    n4 = round(DEFAULT_LAYERS * 32 / d)  # 4-bit-key layers
+    kinds = [("k3", 3, 3, DEFAULT_LAYERS - n4 - 1), ("k4", 4, 3, n4)]
+    graph = eager = 0.0
+    for name, kb, vb, layers in kinds:
+        c = fill_default(B, S, Hk, d, dtype, kb, vb)
+        fn = call(c)
+        fn()
+        assert fa.last_path() == "quantized:fused-cuda", fa.last_path()
+        row[f"{name}_us"], row[f"{name}_eager_us"] = bench_graph(fn), bench(fn)
+        graph, eager = graph + layers * row[f"{name}_us"], eager + layers * row[f"{name}_eager_us"]
+        del c
+        torch.cuda.empty_cache()
+    # the copy-head layer: a K8V8 cache of one kv head beside a K3V3 cache of the rest, as TQLayer attends them
+    wide, rest = fill_default(B, S, 1, d, dtype, 8, 8), fill_default(B, S, Hk - 1, d, dtype)
+    G = Hq // Hk
+    q_wide, q_rest = q[:, :, :G].contiguous(), q[:, :, G:].contiguous()
+    out = torch.empty_like(q)
+
+    def mixed():
+        out[:, :, :G] = fa.flash_attn_with_kvcache(q_wide, wide)
+        out[:, :, G:] = fa.flash_attn_with_kvcache(q_rest, rest)
+
+    row["mixed_us"], row["mixed_eager_us"] = bench_graph(mixed), bench(mixed)
+    row["default_us"] = (graph + row["mixed_us"]) / DEFAULT_LAYERS
+    row["default_eager_us"] = (eager + row["mixed_eager_us"]) / DEFAULT_LAYERS
+    row["default_vs_plain"] = row["default_us"] / row["plain_us"]
+    row["default_speedup_vs_cudnn"] = row["cudnn_us"] / row["default_us"]
+    del wide, rest
+    torch.cuda.empty_cache()
+    return row
+
+
+def write_production(rows, meta, out_dir, prefill=(), generate=()):
+    """production.json / .md / .png; ``generate``: rows of benchmarks/bench_generate.py."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "production.json"), "w") as f:
+        json.dump({"meta": meta, "rows": rows, "prefill": list(prefill), "generate": list(generate)}, f, indent=1)
+    lines = [f"# The default cache vs the plain 3-bit cache ({meta['gpu']}, torch {meta['torch']}, CUDA {meta['cuda']}, "
+             f"commit {meta['commit']})", "",
+             "flash_attn_with_kvcache(q, cache), q_len 1, fp16, µs (do_bench medians; 'graph': the call replayed as a "
+             "CUDA graph). default = TQCache.calibrated's SmolLM2 layout mapped onto the shape: 16 sink + 112 recent "
+             f"tokens in 16-bit, keys centred before RoPE, 32/d of {DEFAULT_LAYERS} layers with 4-bit keys, one layer "
+             "with a K8V8 kv head beside 3-bit ones (two launches); its time is the layers' weighted mean.", "",
+             "| B | S | Hq/Hk | d | cuDNN | plain (graph) | default (graph) | default / plain | cuDNN / default | "
+             "plain eager | default eager | eager default / plain | K3V3 layer | K4V3 layer | copy-head layer |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['B']} | {r['S']} | {r['Hq']}/{r['Hk']} | {r['d']} | {fmt(r['cudnn_us'])} | "
+                     f"{fmt(r['plain_us'])} | {fmt(r['default_us'])} | {r['default_vs_plain']:.2f}x | "
+                     f"{r['default_speedup_vs_cudnn']:.2f}x | {fmt(r['plain_eager_us'])} | {fmt(r['default_eager_us'])} | "
+                     f"{r['default_eager_us'] / r['plain_eager_us']:.2f}x | {fmt(r['k3_us'])} | {fmt(r['k4_us'])} | "
+                     f"{fmt(r['mixed_us'])} |")
+    if generate:
+        lines += ["", "## generate() decode tokens/s (benchmarks/bench_generate.py)", "",
+                  "| model | B | prompt | DynamicCache | StaticCache | TQCache | TQCache / best fp16 |", "|---|---|---|---|---|---|---|"]
+        for g in generate:
+            best = max(x for x in (g.get("dynamic_tok_s"), g.get("static_tok_s")) if x)
+            lines.append(f"| {g.get('model_desc') or g['model']} | {g['B']} | {g['prompt']} | {fmt(g.get('dynamic_tok_s'))} | "
+                         f"{fmt(g.get('static_tok_s'))} | {fmt(g.get('tq_tok_s'))} | {g['tq_tok_s'] / best:.2f}x |")
+    with open(os.path.join(out_dir, "production.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(8, 4))
+        names = [f"{r['B']}x{r['S'] // 1024}K d{r['d']}" for r in rows]
+        x = range(len(rows))
+        for i, (key, label) in enumerate((("cudnn_us", "cuDNN fp16"), ("plain_us", "plain 3-bit"),
+                                          ("default_us", "default cache"))):
+            ax.bar([j + 0.27 * (i - 1) for j in x], [r[key] for r in rows], width=0.27, label=label)
+        ax.set_xticks(list(x), names, rotation=30, fontsize=8)
+        ax.set_ylabel("µs (CUDA graph)")
+        ax.set_title(f"decode, default vs plain 3-bit cache, {meta['gpu']}")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, "production.png"), dpi=120)
+    except Exception as e:  # matplotlib missing: the table is the result
+        print("no plot:", e)
+
+
 PACK_SHAPES = [  # (B, new tokens, kv heads, d): decode appends, a prefill chunk, a long prompt
     (1, 1, 8, 128), (64, 1, 8, 128), (1, 2048, 8, 128), (8, 4096, 8, 128), (1, 32768, 8, 128), (8, 4096, 8, 64),
 ]
@@ -240,10 +361,19 @@ def main():
     ap.add_argument("--name", default="decode")
     ap.add_argument("--head-dims", default="128,64", help="head dims of the length sweep")
     ap.add_argument("--pack-only", action="store_true", help="only the quantize-on-write table")
+    ap.add_argument("--production", action="store_true",
+                    help="only the default-vs-plain table (production.json / production.md)")
     args = ap.parse_args()
     if not torch.cuda.is_available() or not ops.extension_available():
         sys.exit("bench_decode needs a CUDA GPU and the built extension")
     torch.manual_seed(0)
+    if args.production:
+        rows = []
+        for shp in PRODUCTION_SHAPES:
+            rows.append(run_production(*shp))
+            print(rows[-1], flush=True)
+        write_production(rows, stamp(), args.out)
+        return
     rows = []
     for shp in ([] if args.pack_only else ISSUE_SHAPES):
         rows.append(run_shape(*shp))
