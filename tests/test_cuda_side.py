@@ -140,6 +140,17 @@ def test_side_splits_and_batch_idx(num_splits):
     _check(q, cache, out, lse, causal=True, rows=rows)
 
 
+@pytest.mark.parametrize("page_size", [16, 32])
+def test_side_paged_batch_idx(page_size):
+    """A paged cache with cache_batch_idx: block-table rows and side rows of the picked sequences."""
+    cache = _cache(3, [300, 40, 900], 2, 128, sinks=16, window=112, page_size=page_size)
+    rows = torch.tensor([2, 0], dtype=torch.int32, device=DEV)
+    q = torch.randn(2, 1, 8, 128, device=DEV, dtype=torch.float16)
+    out, lse = fa.flash_attn_with_kvcache(q, cache, cache_batch_idx=rows, causal=True, return_softmax_lse=True)
+    assert fa.last_path() == "quantized:fused-cuda"
+    _check(q, cache, out, lse, causal=True, rows=rows)
+
+
 def test_side_with_window_codes():
     """window_bits=4 (the no-16-bit-window setting): the sinks in the kernel's side pass, the 4-bit
     window in its own pass, the codes up to the window."""
