@@ -3,10 +3,11 @@
 #   bash patches/make_series.sh path/to/flash_attn-2.8.3.post2.tar.gz
 # (the sdist: `pip download --no-deps --no-build-isolation flash-attn==2.8.3.post2`). The patches add
 # our files to upstream's tree and three lines to its setup.py; they never carry upstream code beyond
-# the diff context git needs.
+# the diff context git needs. patches/check_series.sh applies them and compares with csrc/.
 set -euo pipefail
 sdist=${1:?usage: make_series.sh flash_attn-2.8.3.post2.tar.gz}
 here=$(cd "$(dirname "$0")/.." && pwd)
+src="$here/csrc/flash_attn/src"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 tar xzf "$sdist" --no-same-owner -C "$work"
@@ -15,28 +16,65 @@ cd "$up"
 git init -q
 git -c user.name=upstream -c user.email=upstream@localhost add -A
 git -c user.name=upstream -c user.email=upstream@localhost commit -qm "flash-attn 2.8.3 (sdist)"
+base=$(git rev-parse HEAD)
 commit() { git -c user.name="flash_attn_tq" -c user.email="dev@flash-attn-tq.local" commit -q -m "$1" -m "$2"; }
+# add FILES... (relative to csrc/flash_attn/src, globs allowed) and commit them
+add() {
+    local subject=$1 body=$2
+    shift 2
+    mkdir -p csrc/flash_attn/src
+    for f in "$@"; do cp "$src"/$f csrc/flash_attn/src/; done
+    git add csrc/flash_attn/src
+    commit "$subject" "$body"
+}
 
-mkdir -p csrc/flash_attn/src
-cp "$here"/csrc/flash_attn/src/tq_*.h "$here"/csrc/flash_attn/src/tq_*.cu "$here"/csrc/flash_attn/src/generate_instantiations.py csrc/flash_attn/src/
-git add csrc/flash_attn/src
-commit "csrc: fused split-KV decode and chunked prefill over a 3-bit packed KV cache" \
-"Adds the packed K/V code format (tq_format.h), two K/V loader policies sharing one kernel body: a
-packed 3/4-bit loader that stages tiles with cp.async and expands them straight into m16n8k16
-fragments, and an fp16/bf16 loader (cp.async + ldmatrix) (tq_kv_loader.h); the split-KV decode kernel
-with its combine pass (tq_decode_kernel.h); a prefill kernel for many query rows that expands each
-packed tile once into shared memory for 256 rows (tq_prefill_kernel.h; on sm_90a builds a variant
-whose warpgroups multiply through wgmma, tq_wgmma.h); the query/output
-row helpers both share (tq_rows.h); the decode kernel's variant that adds each score's RoPE-centre
-term q . R(p) c for caches whose keys are stored less R(p) c (tq_rope_centre.h); quantize-on-write with in-kernel slot resolution and checks
-(tq_pack_kernel.h), launch templates and one instantiation file per (dtype, head dim, loader).
-Nothing upstream changes."
+add "csrc: the packed K/V format, kernel parameters and device helpers" \
+"tq_format.h mirrors flash_attn_tq/format.py (the Python spec, tested against it): codes of one
+vector ordered in 8 groups (the rows a thread owns in an m16n8k16 fragment) and packed into 16-bit
+lanes, unpacked with one lop3 a pair of values straight into tensor-core registers. tq_params.h holds
+the decode and pack parameters, tq_utils.h the MMA, cp.async, ldmatrix and Walsh-Hadamard helpers.
+Nothing upstream changes." \
+    tq_format.h tq_params.h tq_utils.h
 
+add "csrc: quantize-on-write kernel" \
+"Eight threads a vector: the randomized Hadamard rotation in registers with one shared-memory
+transpose, the code run of each thread packed without atomics, cache slots (contiguous, paged or a
+vLLM-style slot mapping) resolved and range-checked in the kernel, errors ORed into one flag word." \
+    tq_pack_kernel.h tq_pack_launch.h 'tq_pack_*.cu'
+
+add "csrc: K/V loader policies, query rows and the RoPE-centre term" \
+"One kernel body, two loaders: PackedKV copies 32-token tiles of codes with cp.async and expands them
+into fragments (K raw, its scale and offset folded into the scores; V centred, folded into the
+probabilities), Fp16KV stages 16-bit tiles for ldmatrix (our FP16 baseline, and the 16-bit side of a
+packed cache). tq_rows.h: causal limits, the query rotation, stores. tq_rope_centre.h: each score's
+q . R(p) c for caches whose keys are stored less R(p) c, one more MMA chain against a cos/sin table,
+its coefficients carried from tile to tile." \
+    tq_kv_loader.h tq_rows.h tq_rope_centre.h
+
+add "csrc: split-KV decode kernel and its combine pass" \
+"S^T = K Q^T and O^T += V^T P^T with the keys as the A operand (the GQA group's rows as N), an online
+softmax per warp, warps then splits merged through their log-sum-exp. A packed cache's sinks and
+recent window (16-bit) are one more split of the same launch. Variants: contiguous / paged (32+ and
+16-token pages), local (window, leftpad, softcap), RoPE centre, 16-bit side." \
+    tq_decode_kernel.h tq_decode_launch.h 'tq_decode_*.cu'
+
+add "csrc: Hopper warpgroup MMA helpers" \
+"wgmma.mma_async descriptors and fences for the prefill kernel's sm_90a variant." \
+    tq_wgmma.h
+
+add "csrc: chunked-prefill kernel over packed K/V" \
+"256-row CTAs (from 128 query rows a kv head) that expand each packed tile once into shared memory
+for all their rows; on sm_90a builds the warpgroups multiply through wgmma." \
+    tq_prefill_kernel.h tq_prefill_launch.h 'tq_prefill_*.cu'
+
+add "csrc: register flash_attn_tq::decode_kvcache, decode_kv16 and pack_kv" \
+"torch.library ops (traceable with fake implementations registered from Python, CUDA-graph safe:
+num_splits is chosen on the host), the dispatch over (dtype, head dim, bits) and the generator of
+the instantiation files. Built inside flash_attn_2_cuda with FLASH_TQ_NO_PYBIND_MODULE." \
+    tq_api.h generate_instantiations.py
 cp "$here"/csrc/flash_attn/flash_api_tq.cpp csrc/flash_attn/
 git add csrc/flash_attn/flash_api_tq.cpp
-commit "csrc: register flash_attn_tq::decode_kvcache, decode_kv16 and pack_kv" \
-"torch.library ops (traceable with fake implementations registered from Python, CUDA-graph safe:
-num_splits is chosen on the host). Built inside flash_attn_2_cuda with FLASH_TQ_NO_PYBIND_MODULE."
+git commit -q --amend --no-edit
 
 python3 - <<'PY'
 import re
@@ -59,5 +97,14 @@ itself stays upstream's (FLASH_TQ_NO_PYBIND_MODULE). Upstream targets sm_90, not
 build runs the mma.sync prefill variant on Hopper (the wgmma one needs FLASH_TQ_SM90A and sm_90a)."
 
 rm -f "$here"/patches/*.patch
-git format-patch -q -o "$here/patches" HEAD~3
+GIT_AUTHOR_NAME=flash_attn_tq GIT_AUTHOR_EMAIL=dev@flash-attn-tq.local GIT_COMMITTER_NAME=flash_attn_tq \
+    GIT_COMMITTER_EMAIL=dev@flash-attn-tq.local git format-patch -q --cover-letter -o "$here/patches" "$base"
+python3 - "$here/patches" "$here/patches/cover-letter.txt" <<'PY'
+import pathlib, sys
+out, text = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]).read_text()
+subject, _, body = text.partition("\n\n")
+cover = out / "0000-cover-letter.patch"
+s = cover.read_text().replace("*** SUBJECT HERE ***", subject.strip()).replace("*** BLURB HERE ***", body.strip())
+cover.write_text(s)
+PY
 ls "$here/patches"
