@@ -409,7 +409,7 @@ def test_head_options():
     with pytest.raises(AttributeError, match="caches"):
         cache.layers[1].qcache
     k, v = cache.layers[1].dequantize()
-    assert k.shape == v.shape == (1, 19, 2, 64)  # 21 tokens, 2 sinks
+    assert k.shape == v.shape == (1, 21, 2, 64)  # 21 tokens (the 2 sinks among them)
     # codes + scale: 3.25 bits at 3 bits, 8.25 at 8, 4.25 at 4; a layer's heads averaged
     k_bits = [3.25, (8.25 + 3.25) / 2, (3.25 + 4.25) / 2]
     assert cache.bits_per_element(64) == pytest.approx(sum((kb + 3.25) / 2 for kb in k_bits) / 3)
@@ -529,16 +529,16 @@ def test_calibrated_copy_heads():
 
 
 def test_copy_sequence_and_copy_span_kl():
-    from flash_attn_tq.integrations.transformers import COPY_SKIP, _copy_sequence, copy_span_kl
+    from flash_attn_tq.integrations.calibration import COPY_SKIP, copy_sequence, copy_span_kl
     cfg = tiny_model(layers=1).config
-    ids = _copy_sequence(cfg, 90, 16, 0, "cpu")
+    ids = copy_sequence(cfg, 90, 16, 0, "cpu")
     assert ids.shape == (1, 106) and torch.equal(ids[0, -16:], ids[0, 30:46])
     text = torch.arange(200, 500)
     for seed, start in ((0, 0), (1, 90), (4, 360 % 211)):  # offsets seed * tokens, wrapping
-        got = _copy_sequence(cfg, 90, 16, seed, "cpu", text_ids=text)[0]
+        got = copy_sequence(cfg, 90, 16, seed, "cpu", text_ids=text)[0]
         assert torch.equal(got[:90], text[start:start + 90]) and torch.equal(got[90:], got[30:46])
     with pytest.raises(ValueError, match="text_ids"):
-        _copy_sequence(cfg, 400, 16, 0, "cpu", text_ids=text)
+        copy_sequence(cfg, 400, 16, 0, "cpu", text_ids=text)
     kl = torch.zeros(106)
     kl[106 - 16 + COPY_SKIP - 1:105] = 1.0  # the predictions of the repeat's tokens COPY_SKIP..15
     assert copy_span_kl(kl, 16) == 1.0 and kl.mean().item() < 0.1
@@ -550,7 +550,7 @@ def test_rope_centre_takes_the_model_rope():
     torch.testing.assert_close(rope_inv_freq(model.config), model.model.rotary_emb.inv_freq.float())
     cache = TQCache(model.config, key_center="rope", sink_tokens=3, fp16_window=4)
     opts = cache.layer_cache_kwargs(0)
-    assert opts["rope_position_offset"] == 3  # the quantized cache's positions start after the sinks
+    assert opts["sink_tokens"] == 3 and "rope_position_offset" not in opts  # cache positions are the model's
     torch.testing.assert_close(opts["rope_inv_freq"], model.model.rotary_emb.inv_freq.float())
     with pytest.raises(ValueError, match="config"):
         TQCache(None, key_center="rope")
