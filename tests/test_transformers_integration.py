@@ -550,7 +550,7 @@ def test_rope_centre_takes_the_model_rope():
     torch.testing.assert_close(rope_inv_freq(model.config), model.model.rotary_emb.inv_freq.float())
     cache = TQCache(model.config, key_center="rope", sink_tokens=3, fp16_window=4)
     opts = cache.layer_cache_kwargs(0)
-    assert opts["sink_tokens"] == 3 and "rope_position_offset" not in opts  # cache positions are the model's
+    assert cache.sink_tokens == 3 and "rope_position_offset" not in opts  # cache positions are the model's
     torch.testing.assert_close(opts["rope_inv_freq"], model.model.rotary_emb.inv_freq.float())
     with pytest.raises(ValueError, match="config"):
         TQCache(None, key_center="rope")
