@@ -227,7 +227,7 @@ CONFIGS.update({
 })
 # The rc configs above place their bits as measured with the post-RoPE centring (kc), as
 # TQCache.calibrated(model) does; "Kcal34rc" measures them with the configuration's own RoPE
-# centring (session 13: news top-1 97.0% against 97.3%, copy 1K -1.0 against -1.4)
+# centring (news top-1 97.0% against 97.3%, copy 1K -1.0 against -1.4)
 _RC16 = dict(_RC, sink_tokens=16, rope_center="exact", cal_own_centre=True)
 CONFIGS.update({
     "Kcal34+copy1+rc+sink16+r128@K4V4": _cfg(k_cal=(3, 4), copy_heads=1, rope_center="exact", recent_window=128,
@@ -374,14 +374,14 @@ HEAD_SENSITIVITY = RESULTS / "head_sensitivity.json"
 
 def load_head_sensitivity(path: Path = HEAD_SENSITIVITY):
     """(options, {(layer, kv head, K bits, V bits): KL}) of a saved head_sensitivity measurement
-    (experiments/head_bits.py), or None."""
+    (head_sensitivity() run over the default options, saved as JSON), or None."""
     if not path.exists():
         return None
     data = json.loads(path.read_text())
     return data["options"], {tuple(int(x) for x in k.split(",")): v for k, v in data["kl"].items()}
 
 
-COPY_SENSITIVITY = RESULTS / "head_objectives.json"  # (experiments/head_objectives.py measure, on the GPU)
+COPY_SENSITIVITY = RESULTS / "head_objectives.json"  # (copy_head_sensitivity per head, measured on the GPU)
 
 
 def load_copy_sensitivity(path: Path = COPY_SENSITIVITY):
@@ -405,7 +405,7 @@ def resolve_heads(cfg, model):
     opts.pop("k_bits")
     prot = protected_layers(cfg, L)
     key = ("heads", tuple(sorted(opts.items())), tuple(sorted(prot)))
-    saved = load_head_sensitivity()  # (experiments/head_bits.py: the same measurement, 15 min on 2 cores)
+    saved = load_head_sensitivity()  # (the same measurement, saved: 15 min on 2 cores)
     if key not in _SENSITIVITY and not prot and saved and all(saved[0].get(k) == v for k, v in opts.items()):
         _SENSITIVITY[key] = saved[1]
     if key not in _SENSITIVITY:  # (every width at once: keys at 3 and 4, values at 3, the 8-bit floor)
