@@ -8,7 +8,8 @@ from typing import Iterable, Mapping
 
 import torch
 
-from .transformers import ATTN_IMPLEMENTATION, TQCache, cache_options, head_dim_of, late_layers
+from .options import DEFAULTS, cache_options, head_dim_of, late_layers
+from .transformers import ATTN_IMPLEMENTATION, TQCache
 
 
 def allocate_key_bits(kl: Mapping[tuple[int, int], float], layers: Iterable[int], extra: int,
@@ -333,3 +334,40 @@ def calibrate_copy_heads(model, *, heads: int = 1, protected_layers: Iterable[in
     gain = {hd: head_kl(sensitivity, hd, *base) - head_kl(sensitivity, hd, F, F) for hd in candidates}
     top = sorted(candidates, key=lambda hd: -gain[hd])[:heads]
     return {hd: {"k_bits": F, "v_bits": F} for hd in sorted(top)}
+
+
+def calibrated_cache(cls, model, *, per_head: bool = False, bits: Iterable[int] | None = None,
+                     widths: Iterable[tuple[int, int]] | None = None, fine_budget: int | None = None,
+                     copy_heads: int | None = None, sensitivity: Mapping[tuple, float] | None = None,
+                     copy_sensitivity: Mapping[tuple, float] | None = None, **kwargs):
+    """What :meth:`TQCache.calibrated` builds (``cls``: the cache class): its widths measured on
+    ``model`` (see there)."""
+    if "late_k_bits" in kwargs:
+        raise ValueError("late_k_bits: the calibrated cache places its key bits itself")
+    tq_only = {k: kwargs.pop(k) for k in ("max_cache_len", "prefill", "layer_options") if k in kwargs}
+    protected = tuple(kwargs.pop("protected_layers", ()))
+    measured = dict(kwargs)  # the options the bits are measured with
+    if kwargs.get("key_center", DEFAULTS["key_center"]) == "rope":
+        measured["key_center"] = True
+    layer_options, head_options = {}, None
+    if per_head:
+        if bits is not None:
+            raise ValueError("bits: per_head=True takes (K bits, V bits) pairs as widths=")
+        if copy_heads is not None or copy_sensitivity is not None:
+            raise ValueError("copy_heads / copy_sensitivity: per-layer calibration options (per_head=False)")
+        head_options = calibrate_head_bits(model, widths=widths or HEAD_WIDTHS, protected_layers=protected,
+                                           sensitivity=sensitivity, fine_budget=fine_budget, **measured)
+    else:
+        if widths is not None or fine_budget is not None:
+            raise ValueError("widths / fine_budget: per-head calibration options (per_head=True)")
+        head_options = calibrate_copy_heads(model, heads=COPY_HEADS if copy_heads is None else copy_heads,
+                                            protected_layers=protected, sensitivity=copy_sensitivity, **measured)
+        opts = cache_options(kwargs)
+        spent = sum(o["k_bits"] - opts["k_bits"] + o["v_bits"] - opts["v_bits"] for o in head_options.values())
+        layer_options = {i: dict(o) for i, o in calibrate_key_bits(
+            model, bits=bits or (3, 4), protected_layers=protected, sensitivity=sensitivity, spent=spent,
+            **measured).items()}
+    for i, o in (tq_only.pop("layer_options", None) or {}).items():
+        layer_options.setdefault(int(i), {}).update(o)
+    return cls(model.config, protected_layers=protected, late_k_bits=None, layer_options=layer_options,
+               head_options=head_options, **tq_only, **kwargs)

@@ -56,84 +56,12 @@ except ImportError as e:  # pragma: no cover - exercised only without transforme
     raise ImportError("flash_attn_tq.integrations.transformers needs transformers >= 5") from e
 
 from .. import ops
-from ..cache import QuantizedKVCache, _capturing, scale_only_fits
+from ..cache import QuantizedKVCache, _capturing
 from ..format import bits_per_element as _format_bits
 from ..interface import flash_attn_with_kvcache
+from .options import DEFAULTS, NO_FP16_WINDOW, cache_options, late_layers, rope_center_freqs, rope_inv_freq
 
 ATTN_IMPLEMENTATION = "tq_kvcache"  # (a name containing "flash" would make transformers look for flash-attn)
-
-# The default configuration (chosen by benchmarks/eval_quality.py; see benchmarks/results/quality.md).
-DEFAULTS = dict(k_bits=3, v_bits=3, quantizer="turbo", grid="uniform", fit="norm", scale_only=True, late_k_bits=4,
-                fp16_window=112, window_bits=16, sink_tokens=16, key_center="rope", key_scale=0.0, key_scale_q=False,
-                key_pca=False, value_pca=False)
-# Per sequence and layer: 16 sink tokens + the last 112 tokens in 16-bit (attended by the same kernel
-# launch as the codes); every other token as 3-bit codes + one float16 scale (turbo's norm fit: the
-# offset is -mid * scale, not stored), keys centred before RoPE (key_center="rope": the keys' constant
-# part follows them as RoPE turns it, where the post-RoPE mean of the prompt removes next to nothing
-# thousands of tokens later, results/key_centre_energy.txt). The 16 bits a vector that the
-# scale-only metadata saves pay for 4-bit keys (late_k_bits) in 32 / head_dim of the layers (half at
-# head_dim 64, a quarter at 128), so the cache stays at 3 + 32 / head_dim bits/element (3.5 at 64,
-# 3.25 at 128), what 3-bit codes + (scale, offset) cost. TQCache.calibrated places those layers, and
-# 8-bit keys and values for the most copy-sensitive kv head, where the model measures most
-# sensitive (measured results: benchmarks/results/quality.md).
-
-# The setting without a 16-bit window (TQCache.calibrated(model, **NO_FP16_WINDOW)): the 128 most recent
-# tokens as 4-bit keys and values instead (age-based precision; each token is also in the 3-bit cache,
-# which attention reads once it is older). On SmolLM2: perplexity +2.75% (news) / +4.04% (GPL-3 text)
-# against +7.37% / +7.34% with every token at the default's bits (benchmarks/results/quality.md).
-NO_FP16_WINDOW = dict(fp16_window=128, window_bits=4)
-
-
-def cache_options(cache_kwargs: Mapping) -> dict:
-    """TQCache options: ``cache_kwargs`` over :data:`DEFAULTS`; ``scale_only`` off where the options
-    do not allow it (the scale-only format needs turbo's uniform norm fit)."""
-    opts = dict(DEFAULTS, **cache_kwargs)
-    if "scale_only" not in cache_kwargs and not scale_only_fits(opts["quantizer"], opts["grid"], opts["fit"]):
-        opts["scale_only"] = False
-    return opts
-
-
-def _rope_centre_freqs(config) -> torch.Tensor | None:
-    """The config's RoPE frequencies when ``key_center="rope"`` applies (rotate-half RoPE over the
-    whole head: ``head_dim / 2`` of them), else None."""
-    if config is None:
-        return None
-    try:
-        inv = rope_inv_freq(config)
-    except (ValueError, KeyError, TypeError, AttributeError):
-        return None
-    return inv if inv.numel() * 2 == head_dim_of(config) and bool(torch.isfinite(inv).all()) else None
-
-
-def head_dim_of(config) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
-def rope_inv_freq(config) -> torch.Tensor:
-    """The RoPE frequencies ``[head_dim / 2]`` a transformers model config gives its rotary
-    embedding (``rope_parameters``: ``"default"`` or one of transformers' scaled kinds), for
-    ``key_center="rope"``."""
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-    params = dict(getattr(config, "rope_parameters", None) or {})
-    kind = params.get("rope_type", "default")
-    if kind != "default":
-        return ROPE_INIT_FUNCTIONS[kind](config, "cpu")[0].float()
-    theta = params.get("rope_theta", getattr(config, "rope_theta", None))
-    if theta is None:
-        raise ValueError("key_center='rope': the config names no rope_theta")
-    d = int(head_dim_of(config) * params.get("partial_rotary_factor", 1.0))
-    return 1.0 / (float(theta) ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
-
-
-def late_layers(quantized: list[int], head_dim: int, k_bits: int, late_k_bits: int | None,
-                 scale_only: bool) -> set[int]:
-    """The layers (the last of ``quantized``) whose keys get ``late_k_bits``: as many as the 16 bits a
-    vector that scale-only metadata saves pay for (none without it)."""
-    if late_k_bits is None or late_k_bits <= k_bits or not scale_only:
-        return set()
-    n = min(len(quantized), (len(quantized) * 32) // (head_dim * (late_k_bits - k_bits)))
-    return set(quantized[len(quantized) - n:])
-
 
 def _check_no_padding(attention_mask) -> None:
     if isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool:
@@ -396,7 +324,7 @@ class TQCache(Cache):
         if late_k_bits is not None and not 2 <= int(late_k_bits) <= 4:
             raise ValueError(f"late_k_bits must be 2, 3, 4 or None, got {late_k_bits}")
         if "key_center" not in cache_kwargs and opts["key_center"] == "rope" and (
-                opts["key_scale"] > 0 or opts["key_pca"] or _rope_centre_freqs(config) is None):
+                opts["key_scale"] > 0 or opts["key_pca"] or rope_center_freqs(config) is None):
             opts["key_center"] = True  # the default where the RoPE centre cannot apply: the post-RoPE mean
         if opts.get("key_center") == "rope" and opts.get("rope_inv_freq") is None:
             if config is None:
@@ -462,35 +390,9 @@ class TQCache(Cache):
         is measured with ``key_center=True``: on SmolLM2 that placement measured 97.3% top-1 against
         97.0% with its own, copy 1K -1.4 / -1.0 points); ``layer_options`` are applied on
         top of the calibrated bits."""
-        if "late_k_bits" in kwargs:
-            raise ValueError("late_k_bits: the calibrated cache places its key bits itself")
-        tq_only = {k: kwargs.pop(k) for k in ("max_cache_len", "prefill", "layer_options") if k in kwargs}
-        protected = tuple(kwargs.pop("protected_layers", ()))
-        measured = dict(kwargs)  # the options the bits are measured with
-        if kwargs.get("key_center", DEFAULTS["key_center"]) == "rope":
-            measured["key_center"] = True
-        layer_options, head_options = {}, None
-        if per_head:
-            if bits is not None:
-                raise ValueError("bits: per_head=True takes (K bits, V bits) pairs as widths=")
-            if copy_heads is not None or copy_sensitivity is not None:
-                raise ValueError("copy_heads / copy_sensitivity: per-layer calibration options (per_head=False)")
-            head_options = calibrate_head_bits(model, widths=widths or HEAD_WIDTHS, protected_layers=protected,
-                                               sensitivity=sensitivity, fine_budget=fine_budget, **measured)
-        else:
-            if widths is not None or fine_budget is not None:
-                raise ValueError("widths / fine_budget: per-head calibration options (per_head=True)")
-            head_options = calibrate_copy_heads(model, heads=COPY_HEADS if copy_heads is None else copy_heads,
-                                                protected_layers=protected, sensitivity=copy_sensitivity, **measured)
-            opts = cache_options(kwargs)
-            spent = sum(o["k_bits"] - opts["k_bits"] + o["v_bits"] - opts["v_bits"] for o in head_options.values())
-            layer_options = {i: dict(o) for i, o in calibrate_key_bits(
-                model, bits=bits or (3, 4), protected_layers=protected, sensitivity=sensitivity, spent=spent,
-                **measured).items()}
-        for i, o in (tq_only.pop("layer_options", None) or {}).items():
-            layer_options.setdefault(int(i), {}).update(o)
-        return cls(model.config, protected_layers=protected, late_k_bits=None, layer_options=layer_options,
-                   head_options=head_options, **tq_only, **kwargs)
+        widths_kw = dict(per_head=per_head, bits=bits, widths=widths, fine_budget=fine_budget, copy_heads=copy_heads,
+                         sensitivity=sensitivity, copy_sensitivity=copy_sensitivity)
+        return calibrated_cache(cls, model, **widths_kw, **kwargs)
 
     def layer_cache_kwargs(self, idx: int) -> dict:
         """The QuantizedKVCache options of layer ``idx`` (the TQCache's, with its layer_options)."""
@@ -573,7 +475,8 @@ register()
 # the calibration functions (their own module; imported last: they build TQCaches)
 from .calibration import (  # noqa: E402
     COPY_HEADS, COPY_SEEDS, FINE_BITS, HEAD_WIDTHS, allocate_head_bits, allocate_key_bits, calibrate_copy_heads,
-    calibrate_head_bits, calibrate_key_bits, copy_head_sensitivity, head_kl, head_sensitivity, key_bit_sensitivity,
+    calibrate_head_bits, calibrate_key_bits, calibrated_cache, copy_head_sensitivity, head_kl, head_sensitivity,
+    key_bit_sensitivity,
 )
 
 __all__ = ["TQCache", "TQLayer", "tq_attention_forward", "register", "calibrate_key_bits", "allocate_key_bits",
