@@ -1,0 +1,99 @@
+"""``python -m flash_attn_tq.verify`` on CPU (the reference path): shape/option combinations, captured
+q/k/v, a deliberately broken attention and the JSON output."""
+import json
+
+import pytest
+import torch
+
+import flash_attn_tq
+from flash_attn_tq import verify
+
+SMALL = ["--batch", "2", "--seqlen", "96", "--q-heads", "4", "--kv-heads", "2", "--device", "cpu"]
+
+
+@pytest.mark.parametrize("extra", [
+    [],
+    ["--quantizer", "asym", "--head-dim", "64", "--seqlen-q", "5"],
+    ["--head-dim", "64", "--sink-tokens", "4", "--fp16-window", "8", "--dtype", "bfloat16"],
+    ["--key-center", "rope", "--k-bits", "4", "--seqlen-q", "3"],
+    ["--key-center", "mean", "--quantizer", "asym", "--k-bits", "8", "--v-bits", "2"],
+    ["--page-size", "16", "--sink-tokens", "2", "--fp16-window", "4"],
+])
+def test_shapes_pass(extra, capsys):
+    assert verify.main(SMALL + extra) == 0
+    out = capsys.readouterr().out
+    assert "all checks passed" in out and "FAIL" not in out
+    assert "path: quantized:reference (q is not on a CUDA device)" in out
+    for row in ("attention output rel. error", "pack/unpack mismatches", "bits/element", "K relative MSE"):
+        assert row in out
+
+
+def test_qkv_file(tmp_path, capsys):
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 2, 4, 64, generator=gen)
+    k = torch.randn(1, 80, 2, 64, generator=gen) * 3 + 1  # not N(0, 1): the error is reported, not judged
+    v = torch.randn(1, 80, 2, 64, generator=gen)
+    path = tmp_path / "qkv.pt"
+    verify.save_qkv(str(path), q, k, v)
+    assert verify.main(["--qkv", str(path), "--device", "cpu", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["config"]["batch"] == 1 and result["config"]["seqlen"] == 80 and result["config"]["seqlen_q"] == 2
+    mse = [c for c in result["checks"] if "relative MSE" in c["check"]]
+    assert len(mse) == 2 and all(c["verdict"] == "INFO" and c["bound"] is None for c in mse)
+    # a (q, k, v) tuple works too; mismatched shapes are a usage error
+    torch.save((q, k, v), tmp_path / "t.pt")
+    assert verify.main(["--qkv", str(tmp_path / "t.pt"), "--device", "cpu"]) == 0
+    torch.save((q, k[..., :32], v[..., :32]), tmp_path / "bad.pt")
+    with pytest.raises(SystemExit) as e:
+        verify.main(["--qkv", str(tmp_path / "bad.pt"), "--device", "cpu"])
+    assert e.value.code == 2
+
+
+def test_broken_attention_fails(monkeypatch, capsys):
+    def garbage(q, cache, **kw):
+        return torch.randn_like(q), torch.randn(q.shape[0], q.shape[2], q.shape[1])
+
+    monkeypatch.setattr(flash_attn_tq, "flash_attn_with_kvcache", garbage)
+    assert verify.main(SMALL) == 1
+    out = capsys.readouterr().out
+    assert "SOME CHECKS FAILED" in out
+    assert [line.split()[-1] for line in out.splitlines() if line.startswith("attention")] == ["FAIL", "FAIL"]
+
+
+def test_nan_output_fails_and_json_stays_strict(monkeypatch, capsys):
+    def nans(q, cache, **kw):
+        out = torch.full_like(q, float("nan"))
+        return out, torch.zeros(q.shape[0], q.shape[2], q.shape[1])
+
+    monkeypatch.setattr(flash_attn_tq, "flash_attn_with_kvcache", nans)
+    assert verify.main(SMALL + ["--json"]) == 1
+    text = capsys.readouterr().out
+    result = json.loads(text, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
+    assert result["passed"] is False
+    assert result["checks"][0]["value"] == "nan" and result["checks"][0]["verdict"] == "FAIL"
+
+
+def test_json_output(capsys):
+    assert verify.main(SMALL + ["--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["passed"] is True and result["device"] == "cpu"
+    assert result["path"].startswith("quantized:reference")
+    assert result["bits_per_element"] == flash_attn_tq.format.bits_per_element(128, 3, 2)
+    for c in result["checks"]:
+        assert set(c) == {"check", "value", "bound", "ok", "verdict"}
+        assert c["verdict"] in ("PASS", "INFO")
+
+
+def test_bounds():
+    # turbo: the grid's Gaussian MSE (3 bits: 0.0375); asym: step^2 / 12 over the expected range
+    assert verify.typical_rel_mse("turbo", 3, 128) == pytest.approx(0.0374, abs=1e-3)
+    assert verify.typical_rel_mse("asym", 3, 128) == pytest.approx(0.046, rel=0.05)
+    assert verify.typical_rel_mse("asym", 3, 64) < verify.typical_rel_mse("asym", 3, 128)
+    assert verify.default_rope_inv_freq(8).tolist() == pytest.approx([1.0, 0.1, 0.01, 0.001])
+
+
+def test_bad_options_are_usage_errors():
+    for bad in (["--head-dim", "96"], ["--seqlen-q", "200"], ["--kv-heads", "3"]):
+        with pytest.raises(SystemExit) as e:
+            verify.main(SMALL + bad)
+        assert e.value.code == 2
