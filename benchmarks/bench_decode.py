@@ -100,7 +100,8 @@ def run_shape(B, S, Hq, Hk, d, dtype=torch.float16):
     scale = d ** -0.5
     lens = cache.seqlens
     row = {"B": B, "S": S, "Hq": Hq, "Hk": Hk, "d": d}
-    row["tq3_kernel"] = bench(lambda: ops.decode(q, cache, lens, None, scale, False, 0))
+    args = cache.kernel_args(B)
+    row["tq3_kernel"] = bench(lambda: ops.decode(q, lens, None, scale, False, 0, **args))
     row["tq3_api"] = bench(lambda: fa.flash_attn_with_kvcache(q, cache))
     assert fa.last_path() == "quantized:fused-cuda", fa.last_path()
     row["tq3_api_graph"] = bench_graph(lambda: fa.flash_attn_with_kvcache(q, cache))  # splits: host-side heuristic
@@ -141,7 +142,7 @@ PRODUCTION_SHAPES = [  # (B, S, Hq, Hk, d): the issue's table, and short caches
     (8, 32768, 32, 8, 64), (1, 1024, 32, 8, 128), (8, 1024, 32, 8, 128), (32, 8192, 32, 8, 128),
 ]
 # The default cache (TQCache.calibrated for SmolLM2): every layer keeps 16 sink + 112 recent tokens in
-# 16-bit and centres its keys before RoPE; 32 / head_dim of the layers hold 4-bit keys (what the
+# 16-bit and centers its keys before RoPE; 32 / head_dim of the layers hold 4-bit keys (what the
 # scale-only metadata pays for), and one layer of the 30 holds its most copy-sensitive kv head at
 # K8V8 (float16) beside 3-bit heads. A layer's attention time at a shape is measured for each kind
 # of layer and weighted as the model holds them.
@@ -215,7 +216,7 @@ def write_production(rows, meta, out_dir, prefill=(), generate=()):
              f"commit {meta['commit']})", "",
              "flash_attn_with_kvcache(q, cache), q_len 1, fp16, µs (do_bench medians; 'graph': the call replayed as a "
              "CUDA graph). default = TQCache.calibrated's SmolLM2 layout mapped onto the shape: 16 sink + 112 recent "
-             f"tokens in 16-bit, keys centred before RoPE, 32/d of {DEFAULT_LAYERS} layers with 4-bit keys, one layer "
+             f"tokens in 16-bit, keys centered before RoPE, 32/d of {DEFAULT_LAYERS} layers with 4-bit keys, one layer "
              "with a K8V8 kv head beside 3-bit ones (two launches); its time is the layers' weighted mean.", "",
              "| B | S | Hq/Hk | d | cuDNN | plain (graph) | default (graph) | default / plain | cuDNN / default | "
              "plain eager | default eager | eager default / plain | K3V3 layer | K4V3 layer | copy-head layer |",
@@ -272,7 +273,7 @@ def run_pack(B, n, Hk, d, dtype=torch.float16):
     nbytes = 2 * k.numel() * k.element_size()
     dst = torch.empty_like(k)
     row = {"B": B, "n": n, "Hk": Hk, "d": d, "input_MB": nbytes / 1e6}
-    row["pack_us"] = bench(lambda: ops.pack_into(cache, k, v, zero, None))
+    row["pack_us"] = bench(lambda: cache.write_codes(k, v, zero))
     row["append_us"] = bench(lambda: cache.append(k, v, cache_seqlens=zero))
     row["copy_us"] = bench(lambda: (dst.copy_(k), dst.copy_(v)))  # reads + writes nbytes each
     row["pack_GBps"] = nbytes / row["pack_us"] / 1e3

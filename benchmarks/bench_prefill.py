@@ -49,14 +49,14 @@ def run_prefill(S: int, q_len: int, dtype=torch.float16) -> dict:
     k_new, v_new = k[:, S - q_len:].clone(), v[:, S - q_len:].clone()
     lens = cache.seqlens
     row = {"S": S, "q_len": q_len}
-    row["tq3_kernel"] = bench(lambda: ops.decode(q, cache, lens, None, D ** -0.5, True, 0))
+    row["tq3_kernel"] = bench(lambda: ops.decode(q, lens, None, D ** -0.5, True, 0, **cache.kernel_args(q.shape[0])))
     os.environ["FLASH_ATTN_TQ_PREFILL_WGMMA"] = "0"  # the prefill kernel's mma.sync variant (other GPUs')
     try:
-        row["tq3_sync_kernel"] = bench(lambda: ops.decode(q, cache, lens, None, D ** -0.5, True, 0))
+        row["tq3_sync_kernel"] = bench(lambda: ops.decode(q, lens, None, D ** -0.5, True, 0, **cache.kernel_args(q.shape[0])))
     finally:
         del os.environ["FLASH_ATTN_TQ_PREFILL_WGMMA"]
     cache_o, _, _ = fill_cache(1, S, HK, D, dtype, scale_only=False)
-    row["tq3o_kernel"] = bench(lambda: ops.decode(q, cache_o, cache_o.seqlens, None, D ** -0.5, True, 0))
+    row["tq3o_kernel"] = bench(lambda: ops.decode(q, cache_o.seqlens, None, D ** -0.5, True, 0, **cache_o.kernel_args(q.shape[0])))
     del cache_o
 
     def tq3_append():  # re-appends the chunk at S - q_len each call (the cache ends where it was)
@@ -96,7 +96,7 @@ def run_paged(B: int, S: int, page_sizes, dtype=torch.float16) -> dict:
             table = torch.randperm(B * per_seq, dtype=torch.int32).reshape(B, per_seq)
         cache = QuantizedKVCache(B, S, HK, D, page_size=ps, block_table=table, device="cuda", dtype=dtype)
         cache.append(k, v)
-        t = bench(lambda: ops.decode(q, cache, cache.seqlens, None, D ** -0.5, False, 0))
+        t = bench(lambda: ops.decode(q, cache.seqlens, None, D ** -0.5, False, 0, **cache.kernel_args(q.shape[0])))
         row["contiguous" if ps is None else f"page{ps}"] = t
         del cache
     for ps in page_sizes:

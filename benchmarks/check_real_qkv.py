@@ -39,7 +39,7 @@ CONFIGS = {
     "kc+pca+vpca+w124": dict(key_center=True, key_pca=True, value_pca=True, fit="mean", fp16_window=124),
     "asym3": dict(quantizer="asym"),
     "K4V3+kc": dict(k_bits=4, key_center=True),
-    # the TQCache default: keys centred before RoPE (the kernel adds q . R(p) c back)
+    # the TQCache default: keys centered before RoPE (the kernel adds q . R(p) c back)
     "rope(K3 layers)": dict(key_center="rope", scale_only=True, fp16_window=112),
     "rope(K4 layers)": dict(k_bits=4, key_center="rope", scale_only=True, fp16_window=112),
     "rope K8V8 heads": dict(k_bits=8, v_bits=8, key_center="rope", scale_only=True, fp16_window=112),

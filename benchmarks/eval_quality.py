@@ -74,7 +74,7 @@ def _cfg(**kw):
 
 
 def _mix(layers, sinks, window):
-    """3-bit keys, 4-bit in `layers` (see k4_layers), scale-only metadata, key centring, sinks + window."""
+    """3-bit keys, 4-bit in `layers` (see k4_layers), scale-only metadata, key centering, sinks + window."""
     return _cfg(k4_layers=layers, scale_only=True, key_center=True, sink_tokens=sinks, fp16_window=window)
 
 
@@ -151,7 +151,7 @@ CONFIGS.update({  # the 128 fp16 tokens split between sinks and the recent windo
                                           fp16_window=96),
 })
 # Transform coding (simulation only, no kernel yet): a per-(sequence, kv head) KLT calibrated on the
-# prompt (eigenvectors of the centred keys' covariance; values likewise), then bits per coordinate by
+# prompt (eigenvectors of the centered keys' covariance; values likewise), then bits per coordinate by
 # greedy reverse water-filling on variance x importance (keys: the queries' energy along the
 # eigenvector), uniform Gaussian-optimal grids per coordinate scaled by one float16 gain a token.
 # "kb"/"vb": average code bits per element. Measured: worse than turbo's random rotation (see the table).
@@ -202,7 +202,7 @@ CONFIGS.update({
     "Kcal34+copy1+kc+sink4": _cfg(k_cal=(3, 4), copy_heads=1, **_CAL),
     "Kcal34+copy1+kc+sink4+r128@K4V4": _cfg(k_cal=(3, 4), copy_heads=1, recent_window=128, **_CAL),
 })
-# RoPE-aware key centring: the keys' constant part taken out before RoPE (R(p) c, c the prompt's mean
+# RoPE-aware key centering: the keys' constant part taken out before RoPE (R(p) c, c the prompt's mean
 # pre-RoPE key) instead of the prompt's mean post-RoPE key, which only matches near the prompt
 _RC = dict(_CAL, key_center=False)
 CONFIGS.update({
@@ -215,7 +215,7 @@ CONFIGS.update({
     "Kcal34+copy1+rc+sink4": _cfg(k_cal=(3, 4), copy_heads=1, rope_center="exact", **_RC),
     "Kcal34+copy1+rc+sink4+r128@K4V4": _cfg(k_cal=(3, 4), copy_heads=1, rope_center="exact", recent_window=128,
                                             **_RC),
-    # value centring (the prompt's mean value out before quantizing, added to the output back)
+    # value centering (the prompt's mean value out before quantizing, added to the output back)
     "Kcal34+copy1+kc+vc+sink4+w124": _cfg(k_cal=(3, 4), copy_heads=1, value_center=True, fp16_window=124, **_CAL),
     "Kcal34+copy1+rc+vc+sink4+w124": _cfg(k_cal=(3, 4), copy_heads=1, rope_center="exact", value_center=True,
                                           fp16_window=124, **_RC),
@@ -225,10 +225,10 @@ CONFIGS.update({
     "Kcal34+copy1+rc+sink16+w112": _cfg(k_cal=(3, 4), copy_heads=1, rope_center="exact", fp16_window=112,
                                         **dict(_RC, sink_tokens=16)),
 })
-# The rc configs above place their bits as measured with the post-RoPE centring (kc), as
+# The rc configs above place their bits as measured with the post-RoPE centering (kc), as
 # TQCache.calibrated(model) does; "Kcal34rc" measures them with the configuration's own RoPE
-# centring (news top-1 97.0% against 97.3%, copy 1K -1.0 against -1.4)
-_RC16 = dict(_RC, sink_tokens=16, rope_center="exact", cal_own_centre=True)
+# centering (news top-1 97.0% against 97.3%, copy 1K -1.0 against -1.4)
+_RC16 = dict(_RC, sink_tokens=16, rope_center="exact", cal_own_center=True)
 CONFIGS.update({
     "Kcal34+copy1+rc+sink16+r128@K4V4": _cfg(k_cal=(3, 4), copy_heads=1, rope_center="exact", recent_window=128,
                                              **dict(_RC, sink_tokens=16)),
@@ -236,7 +236,7 @@ CONFIGS.update({
     "Kcal34rc+copy1+rc+sink16": _cfg(k_cal=(3, 4), copy_heads=1, **_RC16),
     "Kcal34rc+copy1+rc+sink16+r128@K4V4": _cfg(k_cal=(3, 4), copy_heads=1, recent_window=128, **_RC16),
     "K3.5mix(last)+V3+rc+sink16+w112": _cfg(k4_layers="last_half", fp16_window=112,
-                                            **{k: v for k, v in _RC16.items() if k != "cal_own_centre"}),
+                                            **{k: v for k, v in _RC16.items() if k != "cal_own_center"}),
 })
 
 DEFAULT = "Kcal34+copy1+rc+sink16+w112"  # = TQCache.calibrated(model) (flash_attn_tq.integrations.transformers)
@@ -317,7 +317,7 @@ def simulation_only(cfg) -> list[str]:
 def tq_cache(model, cfg, prefill="full"):
     """The TQCache that holds a (resolved) config the way the simulation applies it: its options, per-layer
     key bits (k_cal / k4_layers), 2-bit value layers, per-head widths (k_hcal / copy heads), protected
-    layers. ValueError for what only the simulation has (klt, qjl, value centring, the tile-wise RoPE centre)."""
+    layers. ValueError for what only the simulation has (klt, qjl, value centering, the tile-wise RoPE center)."""
     from flash_attn_tq.integrations.transformers import TQCache
     sim_only = simulation_only(cfg)
     if sim_only:
@@ -346,8 +346,8 @@ def resolve(cfg, model):
     L = model.config.num_hidden_layers
     opts = tq_options(cfg)
     opts.pop("k_bits")
-    if cfg.get("rope_center") and not cfg.get("cal_own_centre"):  # the bits placed as measured with the
-        opts["key_center"] = True  # post-RoPE centring (the session-12 tables; "Kcal34rc": with its own)
+    if cfg.get("rope_center") and not cfg.get("cal_own_center"):  # the bits placed as measured with the
+        opts["key_center"] = True  # post-RoPE centering (the session-12 tables; "Kcal34rc": with its own)
     prot = protected_layers(cfg, L)
     tokens = cfg.get("k_cal_tokens", 1024)
     key = (tuple(sorted(opts.items())), tuple(sorted(prot)), tuple(cfg["k_cal"]), tokens)
@@ -572,7 +572,7 @@ class Sim:
 
     @staticmethod
     def rope_shift(k, s0, n_cal, tile=32, max_drift=0.1):
-        """A tile-wise RoPE-aware key centre [B, N, H, D] for post-RoPE keys k [B, N, H, D] at
+        """A tile-wise RoPE-aware key center [B, N, H, D] for post-RoPE keys k [B, N, H, D] at
         positions s0..s0+N-1 (what a kernel adding one bias a tile and query could use): R(p_t) c, c
         the mean pre-RoPE key R(-p) k_p of the first n_cal tokens, at the tile's middle position p_t
         for the pairs that turn by less than max_drift radians over half a tile; the prompt's post-RoPE
@@ -1121,7 +1121,11 @@ def markdown(res) -> str:
 
 
 def plot(res, path):
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # the tables are the result; the plot is optional
+        print("no plot: matplotlib is not installed")
+        return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     sim = [r for r in res["configs"] if r.get("path", "simulation") == "simulation"]  # (the simulation's rows)

@@ -34,7 +34,7 @@ def main():
         cache.append(torch.randn(B, S, 8, 128, device="cuda", dtype=torch.float16),
                      torch.randn(B, S, 8, 128, device="cuda", dtype=torch.float16))
         q = torch.randn(B, 1, 32, 128, device="cuda", dtype=torch.float16)
-        fn_tok = lambda: ops.decode(q, cache, cache.seqlens, None, 0.088, False, 0)  # noqa: E731
+        fn_tok = lambda: ops.decode(q, cache.seqlens, None, 0.088, False, 0, **cache.kernel_args(q.shape[0]))  # noqa: E731
         ref = fn_tok()[0]
         t_tok = graph_us(fn_tok)
         for name in ("k_codes", "v_codes", "k_meta", "v_meta"):

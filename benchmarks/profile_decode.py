@@ -32,7 +32,7 @@ for s0 in range(0, S, 8192):
                  torch.randn(B, n, Hk, d, device="cuda", dtype=torch.float16))
 q = torch.randn(B, args.q_len, args.q_heads, d, device="cuda", dtype=torch.float16)
 for _ in range(10):
-    ops.decode(q, cache, cache.seqlens, None, d ** -0.5, args.q_len > 1, 0)
+    ops.decode(q, cache.seqlens, None, d ** -0.5, args.q_len > 1, 0, **cache.kernel_args(q.shape[0]))
 torch.cuda.synchronize()
 print("done")
 if args.pack:  # quantize-on-write of a 32K-token prompt (ncu --kernel-name regex:pack_kv)
@@ -40,6 +40,6 @@ if args.pack:  # quantize-on-write of a 32K-token prompt (ncu --kernel-name rege
     big = QuantizedKVCache(1, 32768, Hk, d, device="cuda")
     zero = torch.zeros(1, dtype=torch.int32, device="cuda")
     for _ in range(10):
-        ops.pack_into(big, x, x, zero, None)
+        big.write_codes(x, x, zero)
     torch.cuda.synchronize()
     print("pack done")

@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from flash_attn_tq import ops  # noqa: E402
+from flash_attn_tq.cache import QuantizedKVCache  # noqa: E402
 
 
 class CountByFunction(TorchDispatchMode):
@@ -44,10 +45,10 @@ class CountByFunction(TorchDispatchMode):
 
 def stub_kernels() -> None:
     """The GPU branches of the Python code, with shape-correct stand-ins for the two kernels."""
-    ops.pack_supported = lambda cache, x: True
-    ops.pack_into = lambda cache, k, v, start, batch_idx, error_flags=None: None
-    ops.fused_decode_supported = lambda cache, q: None
-    ops.decode = lambda q, cache, lens, bidx, scale, causal, splits, *local: (
+    QuantizedKVCache.pack_reason = lambda self, x: None
+    QuantizedKVCache.write_codes = lambda self, k, v, start, batch_idx=None, error_flags=None: None
+    QuantizedKVCache.fused_reason = lambda self, q: None
+    ops.decode = lambda q, lens, bidx, scale, causal, splits, *local, **args: (
         torch.zeros_like(q), torch.zeros(q.shape[0], q.shape[2], q.shape[1]))
 
 

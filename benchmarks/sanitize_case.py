@@ -35,7 +35,7 @@ for page_size, d, dtype in ((None, 128, torch.float16), (16, 64, torch.bfloat16)
         ops.decode_kv16(q, k16.view(38, 16, 2, d), v16.view(38, 16, 2, d), lens, None, pages, d ** -0.5, False, splits)
     torch.cuda.synchronize()
     assert torch.isfinite(out).all() and torch.isfinite(out16).all() and torch.isfinite(outp).all()
-# the 16-bit side (sinks + window) in the decode launch: plain, RoPE centre, paged, chunk rows, the K8V8 head
+# the 16-bit side (sinks + window) in the decode launch: plain, RoPE center, paged, chunk rows, the K8V8 head
 inv_freq = 1.0 / 10000.0 ** (torch.arange(0, 64, 2).float() / 64)
 for opts in (dict(), dict(key_center="rope", rope_inv_freq=inv_freq), dict(page_size=32),
              dict(k_bits=8, v_bits=8, key_center="rope", rope_inv_freq=inv_freq)):

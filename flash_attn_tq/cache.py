@@ -42,6 +42,58 @@ def _head_major(rows: int, cols: int, heads: int, last: int, dtype: torch.dtype,
     return torch.zeros(rows, heads, cols, last, dtype=dtype, device=device).permute(0, 2, 1, 3)
 
 
+# ---------------------------------------------------------------------- attention helpers (PyTorch)
+
+def merge_lse(out_a, lse_a, out_b, lse_b):
+    """Merge two partial attentions over disjoint keys (lse +inf or -inf marks an empty part; rows
+    empty in both get lse +inf and output 0). Few ops: decode runs this once a layer and step."""
+    la = lse_a.masked_fill(lse_a == math.inf, -math.inf)
+    lb = lse_b.masked_fill(lse_b == math.inf, -math.inf)
+    lse = torch.logaddexp(la, lb)
+    empty = lse == -math.inf
+    safe = lse.masked_fill(empty, 0.0)
+    wa = torch.exp(la - safe).transpose(1, 2).unsqueeze(-1)  # [b, sq, h, 1]
+    wb = torch.exp(lb - safe).transpose(1, 2).unsqueeze(-1)
+    out = torch.addcmul(out_a.float() * wa, out_b.float(), wb)
+    return out, lse.masked_fill(empty, math.inf)
+
+
+def dense_attention(q, k, v, scale, visible):
+    """float32 attention of q ``[B, Sq, Hq, D]`` over a short 16-bit key set k, v ``[B, S, Hkv, D]``
+    (the fp16 window, sink tokens); ``visible`` bool, broadcastable to ``[B, Sq, S]``. GQA through a
+    view (no repeated K/V). Returns out ``[B, Sq, Hq, D]``, lse ``[B, Hq, Sq]`` (-inf: no key)."""
+    B, Sq, Hq, D = q.shape
+    S, Hkv = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    qh = q.reshape(B, Sq, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * Sq, D).float()
+    s = torch.matmul(qh, k.float().permute(0, 2, 3, 1)).mul_(scale).view(B, Hkv, G, Sq, S)
+    s.masked_fill_(~visible.view(-1, 1, 1, *visible.shape[-2:]), -math.inf)
+    lse = torch.logsumexp(s, -1)  # [B, Hkv, G, Sq]
+    p = s.sub_(lse.masked_fill(lse == -math.inf, 0.0).unsqueeze(-1)).exp_().view(B, Hkv, G * Sq, S)
+    out = torch.matmul(p, v.float().transpose(1, 2)).view(B, Hkv, G, Sq, D).permute(0, 3, 1, 2, 4)
+    return out.reshape(B, Sq, Hq, D), lse.view(B, Hq, Sq)
+
+
+def window_attention(q, cache: "QuantizedKVCache", bidx, lens, softmax_scale, causal):
+    """Attention of q over a recent window of ``cache.window_bits`` codes (positions [lens - R, lens),
+    dequantized here) of cache rows bidx (None: 0..batch-1). causal: the queries are the last
+    seqlen_q positions, bottom-right aligned with the window's newest key. Returns (out, lse) with
+    lse -inf for rows without keys."""
+    R, Sq = cache.fp16_window, q.shape[1]
+    rows = slice(0, q.shape[0]) if bidx is None else bidx.long()  # (a slice: no copy of the whole window)
+    kw, vw = cache.window_kv(rows)  # ring order: attention does not care, the mask does
+    n = lens.long().unsqueeze(1)
+    age = (n - 1 - torch.arange(R, device=q.device)) % R  # [B, R]: 0 = the newest token's slot
+    if cache.rope_center:  # keys back from k - R(p) c (slots without a token get garbage: masked below)
+        ridx = torch.arange(q.shape[0], device=q.device) if bidx is None else rows
+        kw = cache.untransform_keys(kw, ridx, positions=n - 1 - age)
+    # slots holding a token past the sinks (those are attended from the side)
+    visible = ((age < n) & (n - 1 - age >= cache.sink_tokens)).unsqueeze(1)  # [B, 1, R]
+    if causal and Sq > 1:  # query i (of Sq, bottom-right aligned) sees tokens at least Sq - 1 - i old
+        visible = visible & (age.unsqueeze(1) >= (Sq - 1 - torch.arange(Sq, device=q.device)).view(1, Sq, 1))
+    return dense_attention(q, kw, vw, softmax_scale, visible)
+
+
 class QuantizedKVCache:
     """A per-layer K/V cache holding ``k_bits``/``v_bits``-bit codes plus float16 (scale, offset).
 
@@ -92,9 +144,9 @@ class QuantizedKVCache:
     rotate-half pairs as transformers' Llama): keys are stored as ``k - R(p) c``, ``c`` the first
     chunk's mean key turned back by RoPE (``R(-p) k``) and ``R(p)`` RoPE at the key's cache position
     ``p`` plus ``rope_position_offset``. RoPE turns a key's constant part with its position, so a
-    post-RoPE mean only matches near the prompt; this centre matches at every position (SmolLM2, 3K
+    post-RoPE mean only matches near the prompt; this center matches at every position (SmolLM2, 3K
     tokens from the prompt: 2-7x less key energy to code). Each score then lacks a different
-    ``q . R(p) c``, which the fused decode kernel adds back (csrc/flash_attn/src/tq_rope_centre.h;
+    ``q . R(p) c``, which the fused decode kernel adds back (csrc/flash_attn/src/tq_rope_center.h;
     chunks of any length run it, window_size / softcap / cache_leftpad and pages of fewer than 32
     tokens take the reference path); the fp16 window's keys get ``R(p) c`` back before their pass.
     """
@@ -265,7 +317,7 @@ class QuantizedKVCache:
         # key_pca: Householder vector w (P = I - 2 w w^T, w = 0: identity) taking the calibration keys'
         # main direction to e_0, whose component the turbo offset (fit="mean") then stores exactly
         self.k_house = torch.zeros(self.batch_size, H, head_dim, device=device) if self.key_pca else None
-        # value_pca: the same for values (their uncentred main direction); outputs are mapped back
+        # value_pca: the same for values (their uncentered main direction); outputs are mapped back
         self.v_house = torch.zeros(self.batch_size, H, head_dim, device=device) if self.value_pca else None
 
     # ------------------------------------------------------------------ properties
@@ -275,7 +327,7 @@ class QuantizedKVCache:
 
     @property
     def key_transform(self) -> bool:
-        """True when keys are stored centred and/or scaled (see the class docstring)."""
+        """True when keys are stored centered and/or scaled (see the class docstring)."""
         return self.key_center or self.key_scale > 0 or self.key_pca
 
     @property
@@ -285,7 +337,7 @@ class QuantizedKVCache:
     @property
     def k_side(self) -> torch.Tensor | None:
         """The 16-bit keys ``[batch, sink_tokens + side_ring, kv_heads, d]`` (sinks, then the window's
-        ring): raw with ``key_center='rope'`` (the kernel adds the centre's term to the codes' scores
+        ring): raw with ``key_center='rope'`` (the kernel adds the center's term to the codes' scores
         only), else as the codes' keys before quantization (``(k - mu) / s``)."""
         return None if self.kv_side is None else self.kv_side[0, :, :-1]
 
@@ -348,7 +400,7 @@ class QuantizedKVCache:
         """Set the key transform (and the value_pca direction, from ``v``) of rows ``batch_idx`` from
         ``k [batch, n, kv_heads, d]`` (rows already calibrated are left alone unless ``force``).
         Called by :meth:`append` on a row's first chunk. ``positions [batch, n]``: the keys' cache
-        positions (``key_center='rope'``: the centre is the mean of the keys turned back by RoPE)."""
+        positions (``key_center='rope'``: the center is the mean of the keys turned back by RoPE)."""
         if not (self.key_transform or self.value_pca):
             return
         B, n = k.shape[:2]
@@ -418,7 +470,7 @@ class QuantizedKVCache:
 
     def _positions(self, positions: torch.Tensor | None, k: torch.Tensor) -> torch.Tensor:
         if positions is None or tuple(positions.shape) != tuple(k.shape[:2]):
-            raise ValueError(f"positions: key_center='rope' centres keys by position, so it needs their cache "
+            raise ValueError(f"positions: key_center='rope' centers keys by position, so it needs their cache "
                              f"positions [batch, n] = {tuple(k.shape[:2])}")
         return positions.to(self.device)
 
@@ -427,8 +479,8 @@ class QuantizedKVCache:
         transformers' Llama) to ``positions [batch, n]`` plus ``rope_position_offset`` (float32)."""
         return rope_turn(x, positions.float() + self.rope_position_offset, self.rope_inv_freq, inverse)
 
-    def key_centre(self, batch_idx: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor:
-        """What key centring subtracts from keys at ``positions [batch, n]`` of rows ``batch_idx``:
+    def key_center_at(self, batch_idx: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor:
+        """What key centering subtracts from keys at ``positions [batch, n]`` of rows ``batch_idx``:
         ``mu`` (``[batch, 1, kv_heads, d]``), or for ``key_center='rope'`` ``R(p) c``
         (``[batch, n, kv_heads, d]``), float32."""
         B = positions.shape[0]
@@ -445,7 +497,7 @@ class QuantizedKVCache:
             return k
         bidx = torch.arange(k.shape[0], device=self.device) if batch_idx is None else batch_idx.to(self.device).long()
         if self.rope_center:
-            return (k.float() - self.key_centre(bidx, self._positions(positions, k))).to(k.dtype)
+            return (k.float() - self.key_center_at(bidx, self._positions(positions, k))).to(k.dtype)
         kt = (k.float() - self.k_shift[bidx][:, None]) / self.k_div[bidx][:, None]
         if self.key_pca:
             kt = self._householder(kt, bidx)
@@ -466,14 +518,14 @@ class QuantizedKVCache:
         bidx = torch.arange(kt.shape[0], device=self.device) if batch_idx is None else batch_idx.to(self.device).long()
         x = kt.float()
         if self.rope_center:
-            return x + self.key_centre(bidx, self._positions(positions, kt))
+            return x + self.key_center_at(bidx, self._positions(positions, kt))
         if self.key_pca:
             x = self._householder(x, bidx)
         return x * self.k_div[bidx][:, None] + self.k_shift[bidx][:, None]
 
     def transform_query(self, q: torch.Tensor, batch_idx: torch.Tensor | None = None) -> torch.Tensor:
         """``q * s`` for queries ``[batch, seqlen_q, heads, d]`` (GQA: kv head ``h // group``), float32
-        (``q`` itself when nothing scales or reflects it: centring alone leaves queries as they are)."""
+        (``q`` itself when nothing scales or reflects it: centering alone leaves queries as they are)."""
         if not (self.key_scale > 0 or self.key_pca):
             return q
         B, Sq, H, D = q.shape  # GQA through a [b, sq, kv_heads, group, d] view
@@ -483,7 +535,7 @@ class QuantizedKVCache:
         return qt.reshape(B, Sq, H, D)
 
     def query_shift(self, q: torch.Tensor, batch_idx: torch.Tensor | None = None) -> torch.Tensor:
-        """``q . mu`` ``[batch, heads, seqlen_q]``: what the key centring removes from every score."""
+        """``q . mu`` ``[batch, heads, seqlen_q]``: what the key centering removes from every score."""
         if self.rope_center:
             raise ValueError("key_center='rope' removes a different q . R(p) c from each score: no shared shift")
         B, Sq, H, D = q.shape
@@ -557,7 +609,7 @@ class QuantizedKVCache:
         and the call does not read it back; the caller checks later, e.g. once for all the layers
         of a forward pass (:func:`flash_attn_tq.ops.raise_pack_errors`), saving a sync a call.
         """
-        fused = isinstance(k, torch.Tensor) and ops.pack_supported(self, k)
+        fused = isinstance(k, torch.Tensor) and self.pack_reason(k) is None
         self.check_new_kv(k, v, check_values=not fused)
         if error_flags is not None and (not isinstance(error_flags, torch.Tensor) or error_flags.dtype != torch.int32
                                         or error_flags.numel() != 1 or error_flags.device.type != self.device.type):
@@ -607,7 +659,7 @@ class QuantizedKVCache:
         if fused:  # quantize-on-write kernel: slots, range and value checks on the GPU
             flags = torch.zeros(1, dtype=torch.int32, device=self.device) if error_flags is None else error_flags
             raw_idx = None if batch_idx is None else batch_idx.to(self.device, torch.int32).contiguous()
-            ops.pack_into(self, k, v, start.contiguous(), raw_idx, flags)
+            self.write_codes(k, v, start.contiguous(), raw_idx, flags)
             if checking and error_flags is None:
                 ops.raise_pack_errors(int(flags.item()))
         if not fused or self.fp16_window or self.sink_tokens:
@@ -649,6 +701,66 @@ class QuantizedKVCache:
             slots = torch.where(torch.arange(cols.shape[1], device=cols.device) >= ring_from, slots, spare)
         slots = torch.where(cols < S, cols, slots) if S else slots
         self.kv_side[:, bidx.unsqueeze(1).expand_as(cols), slots] = kv.to(self.dtype)
+
+    def pack_reason(self, x: torch.Tensor) -> str | None:
+        """None if the quantize-on-write kernel can write ``x`` into this cache, else why not."""
+        return ops.pack_reason(x, self.head_dim, self.quantizer, self.grid, self.fit, self.streaming)
+
+    def write_codes(self, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, batch_idx: torch.Tensor | None = None,
+                    error_flags: torch.Tensor | None = None) -> None:
+        """The quantize-on-write kernel alone: ``k, v [batch, n, kv_heads, d]`` (already in the codes'
+        domain: transformed keys) into positions ``start[i] + j`` (int32 ``[batch]``) of cache rows
+        ``batch_idx`` (int32, None: 0..batch-1); no bookkeeping (``seqlens``, window, sinks). Error
+        bits go to ``error_flags`` (int32 [1]; see :data:`flash_attn_tq.ops.PACK_ERRORS`)."""
+        quant = ops.QUANT_IDS[(self.quantizer, self.grid, self.fit)]
+        for x, codes, meta, qz, bits in ((k, self.k_codes, self.k_meta, self.k_quantizer, self.k_bits),
+                                         (v, self.v_codes, self.v_meta, self.v_quantizer, self.v_bits)):
+            signs = qz.signs_on(x.device) if self.quantizer == "turbo" else None
+            levels = qz.codebook(x.device) if self.quantizer == "turbo" and self.grid == "lloyd_max" else None
+            ops.pack(x, codes, meta, start, batch_idx, self.block_table, error_flags, self.max_seqlen, bits, quant,
+                     signs, levels)
+
+    # ------------------------------------------------------------------ attention (the fused kernels)
+    def fused_reason(self, q: torch.Tensor) -> str | None:
+        """None if the fused kernels can attend ``q`` over this cache, else the reason they cannot."""
+        return ops.fused_decode_reason(q, self.head_dim, self.k_bits, self.v_bits, self.grid, self.rope_center,
+                                       self.page_size)
+
+    def kernel_args(self, batch: int, batch_idx: torch.Tensor | None = None) -> dict[str, Any]:
+        """The cache's tensors and options as :func:`flash_attn_tq.ops.decode` takes them, for a batch of
+        ``batch`` sequences, cache rows ``batch_idx`` (int32 ``[batch]``; None: 0..batch-1)."""
+        args: dict[str, Any] = dict(k_codes=self.k_codes, k_meta=self.k_meta, v_codes=self.v_codes, v_meta=self.v_meta,
+                                    k_bits=self.k_bits, v_bits=self.v_bits, block_table=self.block_table,
+                                    codes_tail=self.fp16_window)
+        if self.quantizer == "turbo":
+            args["rot_signs"] = self.k_quantizer.signs_on(self.device)
+        if self.rope_center:  # the kernel adds each score's q . R(p) c back
+            args.update(rope_center=self._per_row(self.k_shift, batch_idx, batch).float().contiguous(),
+                        rope_inv_freq=self.rope_inv_freq, rope_offset=self.rope_position_offset)
+        if self.kv_side is not None:  # sinks and the 16-bit window, in the same launch
+            args.update(side_k=self.kv_side[0], side_v=self.kv_side[1], side_sinks=self.sink_tokens,
+                        side_ring=self.side_ring)
+        return args
+
+    def attend(self, q: torch.Tensor, seqlens: torch.Tensor, batch_idx: torch.Tensor | None, softmax_scale: float,
+               causal: bool, num_splits: int = 0, window_size: tuple[int, int] = (-1, -1),
+               leftpad: torch.Tensor | None = None, softcap: float = 0.0,
+               with_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fused kernels' attention of ``q [batch, seqlen_q, heads, d]`` over cache rows ``batch_idx``
+        holding ``seqlens [batch]`` tokens: the query transform, the decode kernel over the codes and
+        the 16-bit side, a window of codes' own pass, the output transform. Returns (out like q, lse
+        ``[batch, heads, seqlen_q]``; ``with_lse=False`` skips the key centering's lse shift)."""
+        qt = self.transform_query(q, batch_idx).to(q.dtype)  # q * s (a key scale; else q itself)
+        out, lse = ops.decode(qt, seqlens, batch_idx, softmax_scale, causal, num_splits, window_size, leftpad, softcap,
+                              **self.kernel_args(q.shape[0], batch_idx))
+        if self.fp16_window and self.window_quantizer is not None:  # a window of codes: its own pass
+            out_w, lse_w = window_attention(qt, self, batch_idx, seqlens, softmax_scale, causal)
+            out, lse = merge_lse(out, lse, out_w, lse_w)
+        if self.key_transform and self.key_center and not self.rope_center and with_lse:
+            lse = lse + softmax_scale * self.query_shift(q, batch_idx)  # the scores lost q . mu (+inf stays +inf)
+        if self.value_pca:
+            out = self.untransform_output(out, batch_idx)  # values were stored reflected (value_pca)
+        return out.to(q.dtype), lse
 
     # ------------------------------------------------------------------ reading
     def gather(self, batch_idx: torch.Tensor | None = None) -> dict[str, torch.Tensor]:

@@ -231,36 +231,6 @@ def _check_query(q, cache: QuantizedKVCache) -> None:
         raise ValueError(f"q batch {q.shape[0]} exceeds the cache's batch_size {cache.batch_size}")
 
 
-def _merge_lse(out_a, lse_a, out_b, lse_b):
-    """Merge two partial attentions over disjoint keys (lse +inf or -inf marks an empty part; rows
-    empty in both get lse +inf and output 0). Few ops: decode runs this once a layer and step."""
-    la = lse_a.masked_fill(lse_a == math.inf, -math.inf)
-    lb = lse_b.masked_fill(lse_b == math.inf, -math.inf)
-    lse = torch.logaddexp(la, lb)
-    empty = lse == -math.inf
-    safe = lse.masked_fill(empty, 0.0)
-    wa = torch.exp(la - safe).transpose(1, 2).unsqueeze(-1)  # [b, sq, h, 1]
-    wb = torch.exp(lb - safe).transpose(1, 2).unsqueeze(-1)
-    out = torch.addcmul(out_a.float() * wa, out_b.float(), wb)
-    return out, lse.masked_fill(empty, math.inf)
-
-
-def _dense_part(q, k, v, scale, visible):
-    """float32 attention of q ``[B, Sq, Hq, D]`` over a short 16-bit key set k, v ``[B, S, Hkv, D]``
-    (the fp16 window, sink tokens); ``visible`` bool, broadcastable to ``[B, Sq, S]``. GQA through a
-    view (no repeated K/V). Returns out ``[B, Sq, Hq, D]``, lse ``[B, Hq, Sq]`` (-inf: no key)."""
-    B, Sq, Hq, D = q.shape
-    S, Hkv = k.shape[1], k.shape[2]
-    G = Hq // Hkv
-    qh = q.reshape(B, Sq, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * Sq, D).float()
-    s = torch.matmul(qh, k.float().permute(0, 2, 3, 1)).mul_(scale).view(B, Hkv, G, Sq, S)
-    s.masked_fill_(~visible.view(-1, 1, 1, *visible.shape[-2:]), -math.inf)
-    lse = torch.logsumexp(s, -1)  # [B, Hkv, G, Sq]
-    p = s.sub_(lse.masked_fill(lse == -math.inf, 0.0).unsqueeze(-1)).exp_().view(B, Hkv, G * Sq, S)
-    out = torch.matmul(p, v.float().transpose(1, 2)).view(B, Hkv, G, Sq, D).permute(0, 3, 1, 2, 4)
-    return out.reshape(B, Sq, Hq, D), lse.view(B, Hq, Sq)
-
-
 def _quantized_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, cache, softmax_scale, causal, window_size,
                       softcap, alibi_slopes):
     """Varlen batch over a QuantizedKVCache: append each sequence's new K/V (one append for all the
@@ -312,26 +282,6 @@ def _quantized_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, cache, 
     return out[seq, row], lse[seq, :, row].transpose(0, 1).contiguous()
 
 
-def _window_part(q, cache, bidx, lens, softmax_scale, causal):
-    """Attention of q over a recent window of ``cache.window_bits`` codes (positions [lens - R, lens),
-    dequantized here) of cache rows bidx (None: 0..batch-1). causal: the queries are the last
-    seqlen_q positions, bottom-right aligned with the window's newest key. Returns (out, lse) with
-    lse -inf for rows without keys."""
-    R, Sq = cache.fp16_window, q.shape[1]
-    rows = slice(0, q.shape[0]) if bidx is None else bidx.long()  # (a slice: no copy of the whole window)
-    kw, vw = cache.window_kv(rows)  # ring order: attention does not care, the mask does
-    n = lens.long().unsqueeze(1)
-    age = (n - 1 - torch.arange(R, device=q.device)) % R  # [B, R]: 0 = the newest token's slot
-    if cache.rope_center:  # keys back from k - R(p) c (slots without a token get garbage: masked below)
-        ridx = torch.arange(q.shape[0], device=q.device) if bidx is None else rows
-        kw = cache.untransform_keys(kw, ridx, positions=n - 1 - age)
-    # slots holding a token past the sinks (those are attended from the side)
-    visible = ((age < n) & (n - 1 - age >= cache.sink_tokens)).unsqueeze(1)  # [B, 1, R]
-    if causal and Sq > 1:  # query i (of Sq, bottom-right aligned) sees tokens at least Sq - 1 - i old
-        visible = visible & (age.unsqueeze(1) >= (Sq - 1 - torch.arange(Sq, device=q.device)).view(1, Sq, 1))
-    return _dense_part(q, kw, vw, softmax_scale, visible)
-
-
 def _quantized_kvcache(q, cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                        block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
                        num_splits, return_softmax_lse):
@@ -374,7 +324,7 @@ def _quantized_kvcache(q, cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
 
-    reason = ops.fused_decode_supported(cache, q)
+    reason = cache.fused_reason(q)
     if reason is None:
         extras = local or softcap != 0.0 or cache_leftpad is not None
         for bad, what in ((alibi_slopes is not None, "alibi_slopes"),
@@ -382,25 +332,15 @@ def _quantized_kvcache(q, cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
                            "window_size / softcap / cache_leftpad with an fp16 window or sink tokens"),
                           (cache.rope_center and extras, "window_size / softcap / cache_leftpad with key_center='rope'"),
                           (softcap != 0.0 and cache.key_transform and cache.key_center,
-                           "softcap with key centring (the kernel's scores lack q . mu)")):
+                           "softcap with key centering (the kernel's scores lack q . mu)")):
             if bad:
                 reason = f"{what} is not supported by the fused kernel"
                 break
     if reason is None:
         _LAST_PATH.set("quantized:fused-cuda")
-        qt = cache.transform_query(q, bidx).to(q.dtype)  # q * s (a key scale; else q itself)
         leftpad = None if cache_leftpad is None else cache_leftpad.to(device=device, dtype=torch.int32).contiguous()
-        # the codes and the 16-bit side (sinks, the 16-bit window) in one launch
-        out, lse = ops.decode(qt, cache, lens, bidx, softmax_scale, causal, num_splits,
-                              window_size if local else (-1, -1), leftpad, softcap)
-        if cache.fp16_window and cache.window_quantizer is not None:  # a window of codes: its own pass
-            out_w, lse_w = _window_part(qt, cache, bidx, lens, softmax_scale, causal)
-            out, lse = _merge_lse(out, lse, out_w, lse_w)
-        if cache.key_transform and cache.key_center and not cache.rope_center and return_softmax_lse:
-            lse = lse + softmax_scale * cache.query_shift(q, bidx)  # the scores lost q . mu (+inf stays +inf)
-        if cache.value_pca:
-            out = cache.untransform_output(out, bidx)  # values were stored reflected (value_pca)
-        out = out.to(q.dtype)
+        out, lse = cache.attend(q, lens, bidx, softmax_scale, causal, num_splits, window_size if local else (-1, -1),
+                                leftpad, softcap, with_lse=return_softmax_lse)
     else:
         _LAST_PATH.set(f"quantized:reference ({reason})")
         rows = bidx.long() if bidx is not None else torch.arange(batch, device=device)

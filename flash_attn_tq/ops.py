@@ -3,12 +3,12 @@
 The extension ``flash_attn_tq_cuda`` registers three ops:
 
 * ``decode_kvcache(q, k_codes, k_meta, v_codes, v_meta, seqlens_k, cache_batch_idx, block_table,
-  rot_signs, k_bits, v_bits, softmax_scale, is_causal, num_splits, ..., rope_centre, rope_inv_freq,
+  rot_signs, k_bits, v_bits, softmax_scale, is_causal, num_splits, ..., rope_center, rope_inv_freq,
   rope_offset, side_k, side_v, side_sinks, side_ring, codes_tail) -> (out, softmax_lse)``: split-KV
   attention of ``q [batch, seqlen_q, heads, d]`` over packed K/V and, in the same launch, a 16-bit
   side (sink tokens and a recent-token ring): the decode kernel, or from :data:`PREFILL_MIN_ROWS`
-  query rows a kv head the prefill kernel (not with ``rope_centre``, whose ``q . R(p) c`` the decode
-  kernel adds, nor with a side or ``codes_tail``).
+  query rows a kv head the prefill kernel (not with ``rope_center``, whose ``q . R(p) c`` the decode
+  kernel adds, nor with a side or ``codes_tail``). :func:`decode` takes its tensors.
 * ``decode_kv16(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, softmax_scale,
   is_causal, num_splits) -> (out, softmax_lse)``: the same kernel body over a float16/bfloat16
   cache (its Fp16KV loader policy): our FP16 decode baseline.
@@ -56,7 +56,7 @@ def _register_fakes() -> None:
     @torch.library.register_fake("flash_attn_tq::decode_kvcache")
     def _decode_fake(q, k_codes, k_meta, v_codes, v_meta, seqlens_k, cache_batch_idx, block_table, rot_signs,
                      k_bits, v_bits, softmax_scale, is_causal, num_splits, window_left=-1, window_right=-1,
-                     cache_leftpad=None, softcap=0.0, rope_centre=None, rope_inv_freq=None, rope_offset=0,
+                     cache_leftpad=None, softcap=0.0, rope_center=None, rope_inv_freq=None, rope_offset=0,
                      side_k=None, side_v=None, side_sinks=0, side_ring=0, codes_tail=0):
         b, sq, h, _ = q.shape
         return torch.empty_like(q), q.new_empty((b, h, sq), dtype=torch.float32)
@@ -73,24 +73,26 @@ def _register_fakes() -> None:
         return None
 
 
-def fused_decode_supported(cache, q: torch.Tensor) -> str | None:
-    """None if the fused decode kernel can serve ``q`` over ``cache``, else the reason it cannot."""
+def fused_decode_reason(q: torch.Tensor, head_dim: int, k_bits: int, v_bits: int, grid: str = "uniform",
+                        rope_center: bool = False, page_size: int | None = None) -> str | None:
+    """None if the fused decode kernel can serve ``q`` over a cache of these codes (``page_size``:
+    None for a contiguous cache), else the reason it cannot."""
     if not q.is_cuda:
         return "q is not on a CUDA device"
     if not extension_available():
         return "the CUDA extension flash_attn_tq_cuda is not built"
     if q.dtype not in (torch.float16, torch.bfloat16):
         return f"q dtype {q.dtype} (the kernel takes float16/bfloat16)"
-    if cache.head_dim not in FUSED_HEAD_DIMS:
-        return f"head_dim {cache.head_dim} (kernels: {FUSED_HEAD_DIMS})"
-    if (cache.k_bits, cache.v_bits) not in FUSED_DECODE_BITS:
-        return f"K{cache.k_bits}V{cache.v_bits} (kernels: {FUSED_DECODE_BITS})"
-    if (cache.k_bits, cache.v_bits) in FP16_ONLY_BITS and q.dtype != torch.float16:
-        return f"K{cache.k_bits}V{cache.v_bits} with {q.dtype} queries (its kernel takes float16)"
-    if cache.grid != "uniform":
+    if head_dim not in FUSED_HEAD_DIMS:
+        return f"head_dim {head_dim} (kernels: {FUSED_HEAD_DIMS})"
+    if (k_bits, v_bits) not in FUSED_DECODE_BITS:
+        return f"K{k_bits}V{v_bits} (kernels: {FUSED_DECODE_BITS})"
+    if (k_bits, v_bits) in FP16_ONLY_BITS and q.dtype != torch.float16:
+        return f"K{k_bits}V{v_bits} with {q.dtype} queries (its kernel takes float16)"
+    if grid != "uniform":
         return "the Lloyd-Max grid (the kernel folds the uniform grid's affine levels)"
-    if getattr(cache, "rope_center", False) and cache.paged and cache.page_size < 32:
-        return f"key_center='rope' with {cache.page_size}-token pages (its kernel takes 32 or more)"
+    if rope_center and page_size is not None and page_size < 32:
+        return f"key_center='rope' with {page_size}-token pages (its kernel takes 32 or more)"
     return None
 
 
@@ -103,32 +105,32 @@ def _aligned_rows(q: torch.Tensor) -> torch.Tensor:
     return q
 
 
-def decode(q: torch.Tensor, cache, seqlens_k: torch.Tensor, batch_idx: torch.Tensor | None,
-           softmax_scale: float, causal: bool, num_splits: int, window_size: tuple[int, int] = (-1, -1),
-           leftpad: torch.Tensor | None = None, softcap: float = 0.0):
-    """Fused attention of ``q [batch, seqlen_q, heads, d]`` over ``cache``'s tokens: its codes and,
-    in the same launch, its 16-bit side (sinks and the 16-bit window; a window of ``window_bits``
-    codes is left to the caller: the codes are read up to ``seqlens_k - fp16_window`` either way).
+def decode(q: torch.Tensor, seqlens_k: torch.Tensor, batch_idx: torch.Tensor | None, softmax_scale: float,
+           causal: bool, num_splits: int, window_size: tuple[int, int] = (-1, -1), leftpad: torch.Tensor | None = None,
+           softcap: float = 0.0, *, k_codes: torch.Tensor, k_meta: torch.Tensor, v_codes: torch.Tensor,
+           v_meta: torch.Tensor, k_bits: int, v_bits: int, block_table: torch.Tensor | None = None,
+           rot_signs: torch.Tensor | None = None, rope_center: torch.Tensor | None = None,
+           rope_inv_freq: torch.Tensor | None = None, rope_offset: int = 0, side_k: torch.Tensor | None = None,
+           side_v: torch.Tensor | None = None, side_sinks: int = 0, side_ring: int = 0, codes_tail: int = 0):
+    """Fused attention of ``q [batch, seqlen_q, heads, d]`` over packed K/V (``k_codes [rows, cols,
+    kv_heads, bytes]`` uint8, ``k_meta [rows, cols, kv_heads, 1 or 2]`` float16, the same for v; rows
+    are sequences, or pages with ``block_table``) and, in the same launch, a 16-bit side
+    (``side_k``/``side_v [rows, side_sinks + side_ring, kv_heads, d]``: sink tokens and a recent-token
+    ring; the codes are read up to ``seqlens_k - codes_tail``). ``QuantizedKVCache.kernel_args`` gives
+    the keyword arguments for a cache.
 
     ``seqlens_k [batch]`` int32: keys ``[leftpad[b], seqlens_k[b])`` are attended (``leftpad``: int32
     ``[batch]`` or None), within ``window_size`` (upstream's local attention, bottom-right aligned;
-    -1: unbounded), scores soft-capped at ``softcap`` (0: off). For turbo caches the kernel
-    rotates q into the codes' domain and the output back. Returns (out, lse ``[batch, heads, seqlen_q]``).
+    -1: unbounded), scores soft-capped at ``softcap`` (0: off). ``rot_signs [d]``: turbo's rotation
+    (the kernel rotates q in and the output back); ``rope_center [batch, kv_heads, d]`` float32 and
+    ``rope_inv_freq [d / 2]``: each score gets ``q . R(p + rope_offset) c`` back (key_center='rope').
+    Returns (out like q, lse ``[batch, heads, seqlen_q]`` float32).
     """
-    signs = cache.k_quantizer.signs_on(q.device) if cache.quantizer == "turbo" else None
-    q = _aligned_rows(q)
-    centre = inv_freq = None
-    if getattr(cache, "rope_center", False):  # the kernel adds each score's q . R(p) c back
-        centre = cache._per_row(cache.k_shift, batch_idx, q.shape[0]).float().contiguous()
-        inv_freq = cache.rope_inv_freq
-    side = cache.kv_side
     return torch.ops.flash_attn_tq.decode_kvcache(
-        q, cache.k_codes, cache.k_meta, cache.v_codes, cache.v_meta, seqlens_k,
-        batch_idx, cache.block_table, signs, cache.k_bits, cache.v_bits, float(softmax_scale), bool(causal),
-        int(num_splits), int(window_size[0]), int(window_size[1]), leftpad, float(softcap),
-        centre, inv_freq, int(cache.rope_position_offset) if centre is not None else 0,
-        None if side is None else side[0], None if side is None else side[1], cache.sink_tokens,
-        cache.side_ring, cache.fp16_window)
+        _aligned_rows(q), k_codes, k_meta, v_codes, v_meta, seqlens_k, batch_idx, block_table, rot_signs, k_bits,
+        v_bits, float(softmax_scale), bool(causal), int(num_splits), int(window_size[0]), int(window_size[1]), leftpad,
+        float(softcap), rope_center, rope_inv_freq, int(rope_offset), side_k, side_v, int(side_sinks), int(side_ring),
+        int(codes_tail))
 
 
 def kv16_decode_unsupported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -165,10 +167,15 @@ def decode_kv16(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, s
                                                float(softmax_scale), bool(causal), int(num_splits))
 
 
-def pack_supported(cache, x: torch.Tensor) -> bool:
-    return (x.is_cuda and extension_available() and x.dtype in (torch.float16, torch.bfloat16)
-            and cache.head_dim in FUSED_HEAD_DIMS and not cache.streaming
-            and (cache.quantizer, cache.grid, getattr(cache, "fit", "norm")) in QUANT_IDS)
+def pack_reason(x: torch.Tensor, head_dim: int, quantizer: str, grid: str, fit: str, streaming: bool) -> str | None:
+    """None if the quantize-on-write kernel can write ``x`` into a cache of these options, else why not."""
+    if not (x.is_cuda and extension_available()):
+        return "not a CUDA tensor, or the extension is not built"
+    if x.dtype not in (torch.float16, torch.bfloat16) or head_dim not in FUSED_HEAD_DIMS:
+        return "the kernel takes float16/bfloat16 at head_dim 64/128"
+    if streaming or (quantizer, grid, fit) not in QUANT_IDS:
+        return f"no kernel for {quantizer}/{grid}/fit={fit}{' (streaming)' if streaming else ''}"
+    return None
 
 
 PACK_ERRORS = {1: "contains NaN or Inf: a quantized cache cannot store them",
@@ -177,24 +184,20 @@ PACK_ERRORS = {1: "contains NaN or Inf: a quantized cache cannot store them",
                8: "block_table maps a new token to a page outside the cache"}
 
 
-def pack_into(cache, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, batch_idx: torch.Tensor | None,
-              error_flags: torch.Tensor | None = None) -> None:
-    """Quantize ``k, v [batch, n, kv_heads, d]`` on the GPU into positions ``start[i] + j`` of cache
-    rows ``batch_idx[i]`` (int32 ``[batch]``; None: row i). The kernel resolves paged slots, skips
-    tokens it cannot place or store and ORs :data:`PACK_ERRORS` bits into ``error_flags`` (int32 [1])."""
-    quant = QUANT_IDS[(cache.quantizer, cache.grid, getattr(cache, "fit", "norm"))]
-    for x, codes, meta, qz, bits in ((k, cache.k_codes, cache.k_meta, cache.k_quantizer, cache.k_bits),
-                                     (v, cache.v_codes, cache.v_meta, cache.v_quantizer, cache.v_bits)):
-        signs = levels = None
-        if cache.quantizer == "turbo":
-            signs = qz.signs_on(x.device)
-            levels = qz.codebook(x.device) if cache.grid == "lloyd_max" else None
-        x3 = x.reshape(-1, cache.num_kv_heads, cache.head_dim)
-        misaligned = not torch.compiler.is_compiling() and x3.data_ptr() % 16  # (the op checks it too)
-        if x3.stride(-1) != 1 or x3.stride(0) % 8 or x3.stride(1) % 8 or misaligned:
-            x3 = x3.clone(memory_format=torch.contiguous_format)  # the kernel loads 16-byte aligned rows
-        torch.ops.flash_attn_tq.pack_kv(x3, None, start, batch_idx, cache.block_table, codes, meta, error_flags,
-                                        cache.max_seqlen, bits, quant, signs, levels, float(uniform_step(bits)))
+def pack(x: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, start: torch.Tensor,
+         batch_idx: torch.Tensor | None, block_table: torch.Tensor | None, error_flags: torch.Tensor | None,
+         capacity: int, bits: int, quant: int, signs: torch.Tensor | None = None,
+         levels: torch.Tensor | None = None) -> None:
+    """Quantize ``x [batch, n, kv_heads, d]`` on the GPU into positions ``start[i] + j`` of cache rows
+    ``batch_idx[i]`` (int32 ``[batch]``; None: row i) of ``codes``/``meta`` (paged through
+    ``block_table``). The kernel resolves the slots, skips tokens it cannot place or store and ORs
+    :data:`PACK_ERRORS` bits into ``error_flags`` (int32 [1]). ``quant``: a :data:`QUANT_IDS` value."""
+    x3 = x.reshape(-1, x.shape[-2], x.shape[-1])
+    misaligned = not torch.compiler.is_compiling() and x3.data_ptr() % 16  # (the op checks it too)
+    if x3.stride(-1) != 1 or x3.stride(0) % 8 or x3.stride(1) % 8 or misaligned:
+        x3 = x3.clone(memory_format=torch.contiguous_format)  # the kernel loads 16-byte aligned rows
+    torch.ops.flash_attn_tq.pack_kv(x3, None, start, batch_idx, block_table, codes, meta, error_flags, capacity, bits,
+                                    quant, signs, levels, float(uniform_step(bits)))
 
 
 def raise_pack_errors(flags: int, names: str = "k/v") -> None:

@@ -308,7 +308,7 @@ class AsymQuantizer:
     ``(scale, -scale * zero)``. With ``streaming=True`` the scale is ``2 r / (2**bits - 1)`` where
     ``r`` is a per-head range updated on each :meth:`quantize` call as
     ``alpha * max|x_new| + (1 - alpha) * r`` (the first call sets ``r = max|x_new|``), and the zero
-    point centres each vector's own [min, max] in the code range. Pass the running range tensor as
+    point centers each vector's own [min, max] in the code range. Pass the running range tensor as
     ``ema`` and take the updated one from the return value; the quantizer keeps no state itself.
     """
 

@@ -82,15 +82,15 @@ def main(argv: list[str] | None = None) -> int:
     errc = ((outc.float() - refc).norm() / refc.norm()).item()
     ok &= _check(f"chunked prefill ({n_chunk} queries, causal), {fa.last_path()}", errc < 2e-3,
                  f"relative error {errc:.2e}")
-    # keys centred before RoPE (TQCache's default): the kernel adds each score's q . R(p) c back
+    # keys centered before RoPE (TQCache's default): the kernel adds each score's q . R(p) c back
     inv_freq = 1.0 / 10000.0 ** (torch.arange(0, d, 2, device=dev).float() / d)
     raw = torch.randn(B, 1, hk, d, generator=gen, device=dev) + torch.randn(B, S, hk, d, generator=gen, device=dev)
     k_rope = rope_turn(raw, torch.arange(S, device=dev), inv_freq).half()
-    centred = fa.QuantizedKVCache(B, S + 1, hk, d, device=dev, key_center="rope", rope_inv_freq=inv_freq)
-    centred.append(k_rope, v)
-    outr = fa.flash_attn_with_kvcache(q, centred)
-    krd, vrd = centred.dequantize()
-    refr, _ = baseline.attention_reference(q.float(), krd, vrd, key_lengths=centred.seqlens)
+    centered = fa.QuantizedKVCache(B, S + 1, hk, d, device=dev, key_center="rope", rope_inv_freq=inv_freq)
+    centered.append(k_rope, v)
+    outr = fa.flash_attn_with_kvcache(q, centered)
+    krd, vrd = centered.dequantize()
+    refr, _ = baseline.attention_reference(q.float(), krd, vrd, key_lengths=centered.seqlens)
     errr = ((outr.float() - refr).norm() / refr.norm()).item()
     ok &= _check(f"key_center='rope' cache, {fa.last_path()}", errr < 5e-3, f"relative error {errr:.2e}")
     full, _ = baseline.attention_reference(q.float(), k.float(), v.float())

@@ -83,7 +83,7 @@ def default_rope_inv_freq(head_dim: int, theta: float = 10000.0) -> torch.Tensor
 
 
 def synthetic_qkv(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gaussian float32 ``q [B, Sq, Hq, D]``, ``k, v [B, S, Hkv, D]`` (CPU, seeded). With key centring
+    """Gaussian float32 ``q [B, Sq, Hq, D]``, ``k, v [B, S, Hkv, D]`` (CPU, seeded). With key centering
     the keys get a common part per (sequence, head) for it to remove, turned by RoPE for ``rope``."""
     gen = torch.Generator().manual_seed(args.seed)
     B, S, D = args.batch, args.seqlen, args.head_dim

@@ -42,20 +42,20 @@ transpose, the code run of each thread packed without atomics, cache slots (cont
 vLLM-style slot mapping) resolved and range-checked in the kernel, errors ORed into one flag word." \
     tq_pack_kernel.h tq_pack_launch.h 'tq_pack_*.cu'
 
-add "csrc: K/V loader policies, query rows and the RoPE-centre term" \
+add "csrc: K/V loader policies, query rows and the RoPE-center term" \
 "One kernel body, two loaders: PackedKV copies 32-token tiles of codes with cp.async and expands them
-into fragments (K raw, its scale and offset folded into the scores; V centred, folded into the
+into fragments (K raw, its scale and offset folded into the scores; V centered, folded into the
 probabilities), Fp16KV stages 16-bit tiles for ldmatrix (our FP16 baseline, and the 16-bit side of a
-packed cache). tq_rows.h: causal limits, the query rotation, stores. tq_rope_centre.h: each score's
+packed cache). tq_rows.h: causal limits, the query rotation, stores. tq_rope_center.h: each score's
 q . R(p) c for caches whose keys are stored less R(p) c, one more MMA chain against a cos/sin table,
 its coefficients carried from tile to tile." \
-    tq_kv_loader.h tq_rows.h tq_rope_centre.h
+    tq_kv_loader.h tq_rows.h tq_rope_center.h
 
 add "csrc: split-KV decode kernel and its combine pass" \
 "S^T = K Q^T and O^T += V^T P^T with the keys as the A operand (the GQA group's rows as N), an online
 softmax per warp, warps then splits merged through their log-sum-exp. A packed cache's sinks and
 recent window (16-bit) are one more split of the same launch. Variants: contiguous / paged (32+ and
-16-token pages), local (window, leftpad, softcap), RoPE centre, 16-bit side." \
+16-token pages), local (window, leftpad, softcap), RoPE center, 16-bit side." \
     tq_decode_kernel.h tq_decode_launch.h 'tq_decode_*.cu'
 
 add "csrc: Hopper warpgroup MMA helpers" \

@@ -358,7 +358,7 @@ def test_torch_compile_traces_the_op():
     q = torch.randn(2, 1, 4, 64, device=DEV, dtype=torch.bfloat16)
 
     def f(qq):
-        return ops.decode(qq, cache, cache.seqlens, None, 0.125, False, 2)[0]
+        return ops.decode(qq, cache.seqlens, None, 0.125, False, 2, **cache.kernel_args(qq.shape[0]))[0]
 
     compiled = torch.compile(f, fullgraph=True)
     torch.testing.assert_close(compiled(q), f(q))
@@ -369,11 +369,11 @@ def test_unsupported_calls_fall_back_to_the_reference():
     q = torch.randn(1, 1, 4, 128, device=DEV, dtype=torch.float16)
     fa.flash_attn_with_kvcache(q, cache, softcap=30.0)
     assert fa.last_path() == "quantized:fused-cuda"
-    centred = QuantizedKVCache(1, 64, 2, 128, key_center=True, device=DEV)
-    centred.append(torch.randn(1, 8, 2, 128, device=DEV, dtype=torch.float16),
+    centered = QuantizedKVCache(1, 64, 2, 128, key_center=True, device=DEV)
+    centered.append(torch.randn(1, 8, 2, 128, device=DEV, dtype=torch.float16),
                    torch.randn(1, 8, 2, 128, device=DEV, dtype=torch.float16))
-    fa.flash_attn_with_kvcache(q, centred, softcap=30.0)
-    assert fa.last_path().startswith("quantized:reference (softcap with key centring")
+    fa.flash_attn_with_kvcache(q, centered, softcap=30.0)
+    assert fa.last_path().startswith("quantized:reference (softcap with key centering")
     lloyd = QuantizedKVCache(1, 64, 2, 128, grid="lloyd_max", device=DEV)
     lloyd.append(torch.randn(1, 8, 2, 128, device=DEV, dtype=torch.float16),
                  torch.randn(1, 8, 2, 128, device=DEV, dtype=torch.float16))
@@ -450,7 +450,7 @@ def test_pack_kernel_fit_mean_matches_reference(bits, d, dtype):
     gen = torch.Generator(device=DEV).manual_seed(31 * bits + d)
     x = (torch.randn(1, n, h, d, device=DEV, generator=gen) + 0.7).to(dtype)  # a nonzero mean to fit
     cache = QuantizedKVCache(1, n, h, d, k_bits=bits, v_bits=bits, fit="mean", device=DEV)
-    assert ops.pack_supported(cache, x)
+    assert cache.pack_reason(x) is None
     cache.k_codes.fill_(0xCD)
     cache.k_meta.fill_(float("nan"))
     cache.append(x, x)
@@ -500,5 +500,5 @@ def test_decode_kernel_many_query_rows(dtype):
     cache, _, _ = _make_cache(2, [700, 1500], 2, 128, dtype=dtype, seed=17)
     q = torch.randn(2, 257, 8, 128, device=DEV, dtype=dtype)
     poison_allocator()
-    out, lse = ops.decode(q, cache, cache.seqlens, None, 128 ** -0.5, True, 0)
+    out, lse = ops.decode(q, cache.seqlens, None, 128 ** -0.5, True, 0, **cache.kernel_args(q.shape[0]))
     _check_against_reference(q, cache, out, lse, True)

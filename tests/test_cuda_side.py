@@ -54,7 +54,7 @@ def _check(q, cache, out, lse, causal, rows=None):
     """out/lse against float32 attention over cache.dequantize() (sinks and window in 16-bit), within
     four times what rounding q, K and V to 16 bits costs. That rounding is taken where the kernel
     rounds: q after turbo's rotation, in the codes' domain (key_center=True: the lse gets the shared
-    q . mu back, as the interface adds it); with the RoPE centre (whose term the kernel adds in
+    q . mu back, as the interface adds it); with the RoPE center (whose term the kernel adds in
     float16) before it, plus the term's own rounding."""
     rows = torch.arange(q.shape[0], device=DEV) if rows is None else rows.long()
     kd, vd = cache.dequantize(rows)
@@ -162,7 +162,7 @@ def test_side_with_window_codes():
 
 
 def test_side_8bit_head():
-    """The calibrated default's copy head (K8V8, float16) with sinks, window and the RoPE centre."""
+    """The calibrated default's copy head (K8V8, float16) with sinks, window and the RoPE center."""
     cache = _cache(2, [200, 1500], 1, 64, sinks=16, window=112, center="rope", k_bits=8, v_bits=8)
     q = torch.randn(2, 1, 3, 64, device=DEV, dtype=torch.float16)
     out, lse = fa.flash_attn_with_kvcache(q, cache, causal=True, return_softmax_lse=True)

@@ -1,4 +1,4 @@
-"""Key centring / per-channel key scaling (QuantizedKVCache(key_center=, key_scale=)) and the
+"""Key centering / per-channel key scaling (QuantizedKVCache(key_center=, key_scale=)) and the
 per-vector fits of TurboQuantizer(fit=...), on the CPU reference path."""
 import math
 
@@ -231,7 +231,7 @@ def roped_keys(B, S, H, d, seed=0, theta=10000.0):
     return rope(raw, torch.arange(S), inv), inv
 
 
-def test_rope_centre_is_the_mean_pre_rope_key_and_exact():
+def test_rope_center_is_the_mean_pre_rope_key_and_exact():
     B, S, H, d, first = 2, 600, 2, 64, 48
     k, inv = roped_keys(B, S, H, d)
     v = torch.randn(B, S, H, d)
@@ -257,24 +257,24 @@ def test_rope_centre_is_the_mean_pre_rope_key_and_exact():
     torch.testing.assert_close(back.dequantize()[0], k_hat)
 
 
-def test_rope_centre_codes_far_keys_better_than_the_post_rope_mean():
+def test_rope_center_codes_far_keys_better_than_the_post_rope_mean():
     """The post-RoPE mean of the first chunk stops matching as RoPE turns the keys' constant part;
     R(p) c follows it: far from the first chunk the 3-bit keys come out several times closer."""
     B, S, H, d, first = 1, 4096, 2, 64, 256
     k, inv = roped_keys(B, S, H, d, seed=1)
     v = torch.randn(B, S, H, d)
     err = {}
-    for centre in (True, "rope"):
-        extra = dict(rope_inv_freq=inv) if centre == "rope" else {}
-        cache = QuantizedKVCache(B, S, H, d, key_center=centre, **extra)
+    for center in (True, "rope"):
+        extra = dict(rope_inv_freq=inv) if center == "rope" else {}
+        cache = QuantizedKVCache(B, S, H, d, key_center=center, **extra)
         cache.append(k[:, :first], v[:, :first])
         cache.append(k[:, first:], v[:, first:])
         k_hat = cache.dequantize()[0]
-        err[centre] = rel(k_hat[:, 3000:], k[:, 3000:])
+        err[center] = rel(k_hat[:, 3000:], k[:, 3000:])
     assert err["rope"] < 0.5 * err[True], err
 
 
-def test_rope_centre_errors():
+def test_rope_center_errors():
     inv = torch.ones(32)
     with pytest.raises(ValueError, match="rope_inv_freq"):
         QuantizedKVCache(1, 8, 1, 64, key_center="rope")

@@ -283,10 +283,10 @@ def test_fp16_window(quantizer, window_bits, seqlen_q, causal):
 @pytest.mark.parametrize("batch_idx", [None, [2, 0]])
 @pytest.mark.parametrize("window_bits", [16, 4])
 def test_window_part_of_the_fused_path(seqlen_q, causal, batch_idx, window_bits):
-    """The fp16-window attention the fused GPU path merges with the kernel's output (interface._window_part),
+    """The window attention the fused GPU path merges with the kernel's output (cache.window_attention),
     against float64 attention over the window's tokens: causal queries must not see newer window keys,
     rows shorter than the window only their own tokens."""
-    from flash_attn_tq.interface import _window_part
+    from flash_attn_tq.cache import window_attention
     R = 8
     gen = torch.Generator().manual_seed(seqlen_q + 2 * causal)
     cache = QuantizedKVCache(3, 60, 2, 64, fp16_window=R, window_bits=window_bits)
@@ -295,7 +295,7 @@ def test_window_part_of_the_fused_path(seqlen_q, causal, batch_idx, window_bits)
     rows = [0, 1] if batch_idx is None else batch_idx
     q = torch.randn(len(rows), seqlen_q, 4, 64, generator=gen)
     lens = cache.seqlens[rows]
-    out, lse = _window_part(q, cache, bidx, lens, 0.125, causal)
+    out, lse = window_attention(q, cache, bidx, lens, 0.125, causal)
     lse = lse.masked_fill(lse == -INF, INF)  # (internal parts mark a row without keys -inf, the API +inf)
     kd, vd = cache.dequantize(torch.tensor(rows))  # window tokens as stored (exact, or window_bits codes)
     for i, (row, n) in enumerate(zip(rows, lens.tolist())):
@@ -519,8 +519,23 @@ def test_quality_peaked_attention():
         assert cos > 0.8
 
 
-def _cpu_stand_in_for_the_kernel(q, cache, seqlens_k, batch_idx, softmax_scale, causal, num_splits,
-                                 window_size=(-1, -1), leftpad=None, softcap=0.0):
+def _stand_in_kernel(monkeypatch, cache):
+    """Let the fused branch run on the CPU: the cache's kernels report themselves usable and ops.decode
+    becomes _cpu_stand_in_for_the_kernel over ``cache`` (checking it gets the cache's own tensors)."""
+    from flash_attn_tq import ops
+
+    def decode(q, seqlens_k, batch_idx, softmax_scale, causal, num_splits, window_size=(-1, -1), leftpad=None,
+               softcap=0.0, **args):
+        assert args["k_codes"] is cache.k_codes and args["codes_tail"] == cache.fp16_window
+        return _cpu_stand_in_for_the_kernel(q, cache, seqlens_k, batch_idx, softmax_scale, causal, window_size,
+                                            leftpad, softcap)
+
+    monkeypatch.setattr(QuantizedKVCache, "fused_reason", lambda self, q: None)
+    monkeypatch.setattr(ops, "decode", decode)
+
+
+def _cpu_stand_in_for_the_kernel(q, cache, seqlens_k, batch_idx, softmax_scale, causal, window_size=(-1, -1),
+                                 leftpad=None, softcap=0.0):
     """What ops.decode computes, on the CPU: q (in the key transform's domain) over keys [0, seqlens_k)
     of the codes and the 16-bit side (sinks, a 16-bit window) in one pass (rotated domain for turbo:
     q rotated in, the output rotated back)."""
@@ -540,7 +555,6 @@ def test_sinks_are_kept_in_16_bit(monkeypatch, seqlen_q, options):
     """sink_tokens: the first tokens of each sequence attended in 16-bit (raw), the rest from the
     codes (and the window): the reference path equals float32 attention over exactly that, and the
     fused branch's Python side (stand-in kernel) equals the reference path."""
-    from flash_attn_tq import ops
     kw = {"sinks": dict(sink_tokens=4), "sinks-window": dict(sink_tokens=4, fp16_window=8),
           "tqcache-default": dict(sink_tokens=4, fp16_window=8, key_center=True, key_pca=True, value_pca=True,
                                   fit="mean")}[options]
@@ -560,8 +574,7 @@ def test_sinks_are_kept_in_16_bit(monkeypatch, seqlen_q, options):
     out, lse = flash_attn_with_kvcache(q.float(), cache, causal=True, softmax_scale=0.125, return_softmax_lse=True)
     assert last_path().startswith("quantized:reference")
     assert rel_err(out.float(), expected) < 1e-5
-    monkeypatch.setattr(ops, "fused_decode_supported", lambda c, x: None)
-    monkeypatch.setattr(ops, "decode", _cpu_stand_in_for_the_kernel)
+    _stand_in_kernel(monkeypatch, cache)
     fused, fused_lse = flash_attn_with_kvcache(q, cache, causal=True, softmax_scale=0.125, return_softmax_lse=True)
     assert last_path() == "quantized:fused-cuda"
     assert rel_err(fused.float(), expected) < 2e-3
@@ -591,7 +604,6 @@ def test_side_slots_after_many_appends():
 def test_fused_branch_python_side_matches_reference_path(monkeypatch, seqlen_q, options, batch_idx):
     """The GPU path's Python side (window part, log-sum-exp merge, key/value transforms, lse shift)
     run on the CPU with a stand-in for the kernel, against the reference path on the same cache."""
-    from flash_attn_tq import ops
     kw = {"plain": {}, "window": dict(fp16_window=8), "local": {}, "leftpad-softcap": {},
           "tqcache-default": dict(fp16_window=8, key_center=True, key_pca=True, value_pca=True, fit="mean")}[options]
     local = (20, 0) if options == "local" else (-1, -1)  # window_size
@@ -604,8 +616,7 @@ def test_fused_branch_python_side_matches_reference_path(monkeypatch, seqlen_q, 
     expected, expected_lse = flash_attn_with_kvcache(q.float(), cache, cache_batch_idx=bidx, causal=True,
                                                      window_size=local, return_softmax_lse=True, **extra)
     assert last_path().startswith("quantized:reference")
-    monkeypatch.setattr(ops, "fused_decode_supported", lambda c, x: None)
-    monkeypatch.setattr(ops, "decode", _cpu_stand_in_for_the_kernel)
+    _stand_in_kernel(monkeypatch, cache)
     out, lse = flash_attn_with_kvcache(q, cache, cache_batch_idx=bidx, causal=True, window_size=local,
                                        return_softmax_lse=True, **extra)
     assert last_path() == "quantized:fused-cuda"

@@ -474,9 +474,9 @@ def test_asym_streaming_ema():
     assert torch.equal(c2, c2b) and torch.equal(m2, m2b) and torch.equal(r2, r2b)
 
 
-def test_asym_streaming_centres_vector():
+def test_asym_streaming_centers_vector():
     q = AsymQuantizer(3, streaming=True, alpha=0.95)
-    # a vector with values in [5, 6] and range r = 6: codes are centred, error small
+    # a vector with values in [5, 6] and range r = 6: codes are centered, error small
     x = torch.linspace(5, 6, 64).reshape(1, 1, 1, 64)
     codes, meta, r = q.quantize(x, None)
     assert r.item() == 6.0

@@ -86,7 +86,7 @@ CASES = [
     # per-head bits: a layer's kv heads in two caches (8-bit keys in one head), or three layers' worth
     dict(fp16_window=4, sink_tokens=2, head_options={(0, 1): dict(k_bits=8), (2, 0): dict(k_bits=4, v_bits=4)}),
     dict(fp16_window=0, sink_tokens=3, prefill="quantized", key_scale=0.5, head_options={(1, 0): dict(k_bits=8)}),
-    # RoPE-aware key centring (the reference path): sinks and window at their positions, head groups
+    # RoPE-aware key centering (the reference path): sinks and window at their positions, head groups
     dict(fp16_window=8, sink_tokens=4, key_center="rope"),
     dict(fp16_window=4, sink_tokens=2, key_center="rope", prefill="quantized", head_options={(1, 0): dict(k_bits=8)}),
     dict(fp16_window=8, window_bits=4, sink_tokens=0, key_center="rope"),
@@ -269,7 +269,7 @@ def test_pack_errors_surface_in_the_same_forward_on_the_gpu():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU and the built extension")
 @pytest.mark.parametrize("opts", [dict(), NO_FP16_WINDOW, dict(head_options={(2, 1): {"k_bits": 8}, (0, 0): {"k_bits": 4}}),
                                   dict(key_center="rope", head_options={(1, 0): {"k_bits": 4}})],
-                         ids=["default", "no_fp16_window", "head_options", "rope_centre"])
+                         ids=["default", "no_fp16_window", "head_options", "rope_center"])
 def test_fused_decode_matches_the_oracle_on_the_gpu(opts):
     """A float16 model on the GPU: the prompt, a 5-token chunk and single tokens through the fused
     kernel (+ the recent window: 16-bit, or 4-bit codes; per-head bits: the last layer's second head
@@ -544,7 +544,7 @@ def test_copy_sequence_and_copy_span_kl():
     assert copy_span_kl(kl, 16) == 1.0 and kl.mean().item() < 0.1
 
 
-def test_rope_centre_takes_the_model_rope():
+def test_rope_center_takes_the_model_rope():
     from flash_attn_tq.integrations.transformers import rope_inv_freq
     model = tiny_model(layers=2)
     torch.testing.assert_close(rope_inv_freq(model.config), model.model.rotary_emb.inv_freq.float())

@@ -159,16 +159,16 @@ std::tuple<at::Tensor, at::Tensor> run_decode_op(
         C10_CUDA_CHECK(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, q.get_device()));
         return smem_optin >= kPrefillSmemBudget;
     };
-    if (p.rope_centre != nullptr) {  // (the kernels' RoPE-centre variant: tq_decode_launch.h)
-        TQ_CHECK(!p.local(), "rope_centre does not combine with window_size, softcap or cache_leftpad");
-        TQ_CHECK(p.block_table == nullptr || p.page_block_size >= 32, "rope_centre needs pages of 32 tokens or more");
+    if (p.rope_center != nullptr) {  // (the kernels' RoPE-center variant: tq_decode_launch.h)
+        TQ_CHECK(!p.local(), "rope_center does not combine with window_size, softcap or cache_leftpad");
+        TQ_CHECK(p.block_table == nullptr || p.page_block_size >= 32, "rope_center needs pages of 32 tokens or more");
     }
     const bool side = p.side_k != nullptr;
     TQ_CHECK(!(side || p.codes_tail > 0) || !p.local(),
              "a 16-bit side or codes_tail does not combine with window_size, softcap or cache_leftpad");
     // (8-bit keys: the decode kernel for every row count; no prefill instantiations for them; the
-    // RoPE centre, a 16-bit side or a tail: the decode kernel too, which takes any row count)
-    const bool prefill = k_bits != 16 && k_bits != 8 && p.rope_centre == nullptr && !side && p.codes_tail == 0 &&
+    // RoPE center, a 16-bit side or a tail: the decode kernel too, which takes any row count)
+    const bool prefill = k_bits != 16 && k_bits != 8 && p.rope_center == nullptr && !side && p.codes_tail == 0 &&
                          rows >= kPrefillMinRows && prefill_fits();
 #ifdef FLASH_TQ_SM90A
     if (prefill) {  // Hopper's wgmma variant of the prefill kernel (FLASH_ATTN_TQ_PREFILL_WGMMA=0: the mma.sync one)
@@ -233,7 +233,7 @@ std::tuple<at::Tensor, at::Tensor> decode_kvcache(
     const std::optional<at::Tensor> &rot_signs,  // turbo: [d] float32 Hadamard signs (rotate q in, output out)
     int64_t k_bits, int64_t v_bits, double softmax_scale, bool is_causal, int64_t num_splits, int64_t window_left,
     int64_t window_right, const std::optional<at::Tensor> &cache_leftpad, double softcap,
-    const std::optional<at::Tensor> &rope_centre,    // key_center='rope': [b, h_k, d] float32, each batch entry's c
+    const std::optional<at::Tensor> &rope_center,    // key_center='rope': [b, h_k, d] float32, each batch entry's c
     const std::optional<at::Tensor> &rope_inv_freq,  // [d / 2] float32
     int64_t rope_offset,                             // a key's RoPE position = its index + rope_offset
     const std::optional<at::Tensor> &side_k,         // [rows, side_sinks + side_ring (+ more), h_k, d], q's dtype
@@ -270,18 +270,18 @@ std::tuple<at::Tensor, at::Tensor> decode_kvcache(
     p.km_batch_stride = k_meta.stride(0); p.km_row_stride = k_meta.stride(1); p.km_head_stride = k_meta.stride(2);
     p.vm_batch_stride = v_meta.stride(0); p.vm_row_stride = v_meta.stride(1); p.vm_head_stride = v_meta.stride(2);
     p.meta_words = static_cast<int>(k_meta.size(3));
-    TQ_CHECK(rope_centre.has_value() == rope_inv_freq.has_value(), "rope_centre and rope_inv_freq must be given together");
-    if (rope_centre.has_value()) {
-        CHECK_CUDA(*rope_centre);
+    TQ_CHECK(rope_center.has_value() == rope_inv_freq.has_value(), "rope_center and rope_inv_freq must be given together");
+    if (rope_center.has_value()) {
+        CHECK_CUDA(*rope_center);
         CHECK_CUDA(*rope_inv_freq);
-        TQ_CHECK(rope_centre->scalar_type() == at::kFloat && rope_centre->dim() == 3 && rope_centre->size(0) == q.size(0) &&
-                 rope_centre->size(1) == k_codes.size(2) && rope_centre->size(2) == d && rope_centre->stride(2) == 1 &&
-                 rope_centre->stride(1) == d, "rope_centre must be float32 [batch, kv_heads, head_dim] with contiguous rows");
+        TQ_CHECK(rope_center->scalar_type() == at::kFloat && rope_center->dim() == 3 && rope_center->size(0) == q.size(0) &&
+                 rope_center->size(1) == k_codes.size(2) && rope_center->size(2) == d && rope_center->stride(2) == 1 &&
+                 rope_center->stride(1) == d, "rope_center must be float32 [batch, kv_heads, head_dim] with contiguous rows");
         TQ_CHECK(rope_inv_freq->scalar_type() == at::kFloat && rope_inv_freq->numel() == d / 2 && rope_inv_freq->is_contiguous(),
                  "rope_inv_freq must be contiguous float32 [head_dim / 2]");
         TQ_CHECK(std::abs(rope_offset) < (1 << 24), "rope_offset must be below 2^24 in magnitude");
-        p.rope_centre = rope_centre->data_ptr<float>();
-        p.rope_centre_batch_stride = rope_centre->stride(0);
+        p.rope_center = rope_center->data_ptr<float>();
+        p.rope_center_batch_stride = rope_center->stride(0);
         p.rope_inv_freq = rope_inv_freq->data_ptr<float>();
         p.rope_offset = static_cast<int>(rope_offset);
     }
@@ -466,7 +466,7 @@ TORCH_LIBRARY(flash_attn_tq, m) {
           "Tensor? cache_batch_idx, Tensor? block_table, Tensor? rot_signs, int k_bits, int v_bits, float softmax_scale, "
           "bool is_causal, "
           "int num_splits, int window_left=-1, int window_right=-1, Tensor? cache_leftpad=None, float softcap=0.0, "
-          "Tensor? rope_centre=None, Tensor? rope_inv_freq=None, int rope_offset=0, Tensor? side_k=None, "
+          "Tensor? rope_center=None, Tensor? rope_inv_freq=None, int rope_offset=0, Tensor? side_k=None, "
           "Tensor? side_v=None, int side_sinks=0, int side_ring=0, int codes_tail=0) -> (Tensor, Tensor)");
     m.def("decode_kv16(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seqlens_k, Tensor? cache_batch_idx, "
           "Tensor? block_table, float softmax_scale, bool is_causal, int num_splits) -> (Tensor, Tensor)");

@@ -14,9 +14,9 @@ DEFAULTS = dict(k_bits=3, v_bits=3, quantizer="turbo", grid="uniform", fit="norm
                 key_pca=False, value_pca=False)
 # Per sequence and layer: 16 sink tokens + the last 112 tokens in 16-bit (attended by the same kernel
 # launch as the codes); every other token as 3-bit codes + one float16 scale (turbo's norm fit: the
-# offset is -mid * scale, not stored), keys centred before RoPE (key_center="rope": the keys' constant
+# offset is -mid * scale, not stored), keys centered before RoPE (key_center="rope": the keys' constant
 # part follows them as RoPE turns it, where the post-RoPE mean of the prompt removes next to nothing
-# thousands of tokens later, results/key_centre_energy.txt). The 16 bits a vector that the
+# thousands of tokens later, results/key_center_energy.txt). The 16 bits a vector that the
 # scale-only metadata saves pay for 4-bit keys (late_k_bits) in 32 / head_dim of the layers (half at
 # head_dim 64, a quarter at 128), so the cache stays at 3 + 32 / head_dim bits/element (3.5 at 64,
 # 3.25 at 128), what 3-bit codes + (scale, offset) cost. TQCache.calibrated places those layers, and

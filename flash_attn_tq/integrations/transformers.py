@@ -26,7 +26,7 @@ Per layer, the cache holds
   QuantizedKVCache; ``window_bits=4`` keeps them as 4-bit codes instead: age-based precision, the
   setting without a 16-bit window, see :data:`NO_FP16_WINDOW`); 4-bit keys in the last layers
   (``late_k_bits``), paid for by the scale-only metadata;
-* keys centred (``key_center="rope"``, the default: by the prompt's mean pre-RoPE key turned to
+* keys centered (``key_center="rope"``, the default: by the prompt's mean pre-RoPE key turned to
   each key's position, the frequencies from the config, whose term the decode kernel adds back to
   each score; ``key_center=True``: by the prompt's mean post-RoPE key, what the default falls back to
   without a config or rotate-half RoPE over the whole head); optionally reflected so that their main direction is stored exactly
@@ -325,7 +325,7 @@ class TQCache(Cache):
             raise ValueError(f"late_k_bits must be 2, 3, 4 or None, got {late_k_bits}")
         if "key_center" not in cache_kwargs and opts["key_center"] == "rope" and (
                 opts["key_scale"] > 0 or opts["key_pca"] or rope_center_freqs(config) is None):
-            opts["key_center"] = True  # the default where the RoPE centre cannot apply: the post-RoPE mean
+            opts["key_center"] = True  # the default where the RoPE center cannot apply: the post-RoPE mean
         if opts.get("key_center") == "rope" and opts.get("rope_inv_freq") is None:
             if config is None:
                 raise ValueError("key_center='rope' needs the model config (its RoPE frequencies): TQCache(config, ...)")

@@ -11,7 +11,7 @@
 // fold into the scores and the probabilities (see tq_kv_loader.h). Each of the 4 warps streams its
 // own tiles through its own cp.async pipeline with an online softmax; warps, then splits (combine
 // kernel), are merged through their log-sum-exp. kRope: each score also gets q . R(p) c back
-// (key_center='rope', tq_rope_centre.h), a table and the rows' coefficients after the pipeline.
+// (key_center='rope', tq_rope_center.h), a table and the rows' coefficients after the pipeline.
 //
 // A packed cache with a 16-bit side (sink tokens and the recent-token ring, DecodeParams::side_k)
 // is attended by one launch: the last split's CTAs run the same body over the side with the Fp16KV
@@ -24,7 +24,7 @@
 
 #include "tq_kv_loader.h"
 #include "tq_params.h"
-#include "tq_rope_centre.h"
+#include "tq_rope_center.h"
 #include "tq_rows.h"
 #include "tq_utils.h"
 
@@ -47,7 +47,7 @@ struct DecodeTraits {
     // merge: per-warp max/sum and O slices, merged row stats
     static constexpr int kMergeBytes = (kNWarps * kRows * (kHeadDim + 2) + 2 * kRows) * 4;
     static constexpr int kSmemBytes = kPipeBytes > kMergeBytes ? kPipeBytes : kMergeBytes;
-    using Rope = RopeCentre<kHeadDim, kTileN, kNT, kNWarps * kTileN>;  // (a warp's tiles are kNWarps apart)
+    using Rope = RopeCenter<kHeadDim, kTileN, kNT, kNWarps * kTileN>;  // (a warp's tiles are kNWarps apart)
     static constexpr int kRopeSmemBytes = kPipeBytes + Rope::kBytes > kMergeBytes ? kPipeBytes + Rope::kBytes : kMergeBytes;
 };
 

@@ -66,7 +66,7 @@ void launch_split(void (*kernel)(const DecodeParams), const DecodeParams &p, cud
 
 // Contiguous and paged packed caches get their own kernels (no paging code in the former), and a
 // lower key bound or softcap the kLocal variant: the common case runs none of their instructions.
-// The RoPE centre (packed caches: contiguous, or pages of 32 tokens or more; no kLocal, checked on
+// The RoPE center (packed caches: contiguous, or pages of 32 tokens or more; no kLocal, checked on
 // the host) has its own variant too, and a 16-bit side (sinks and recent ring; no kLocal either)
 // its own split.
 template <typename Traits>
@@ -92,7 +92,7 @@ void launch_decode_split(const DecodeParams &p, cudaStream_t stream) {
     using Rows16 = std::integral_constant<Paging, Paging::kRows16>;
     using NoPages = std::integral_constant<Paging, Paging::kNone>;
     if constexpr (Traits::KV::kAffine) {
-        if (p.rope_centre != nullptr) {
+        if (p.rope_center != nullptr) {
             p.block_table != nullptr ? go_plain(Rows{}, std::true_type{}) : go_plain(NoPages{}, std::true_type{});
         } else if (p.block_table != nullptr && p.page_block_size < Traits::KV::kTileN) {  // 16-token pages
             go(Rows16{});

@@ -104,7 +104,7 @@ __device__ __forceinline__ uint32_t lane_field(uint32_t word) {
 
 // 3-bit fast path (whole 16-slot blocks): slot j of a word (j < 5) is read at 8^e(j) times its
 // value, e(j) = 0,1,2,1,2 (fp16, 10 mantissa bits) or 0,1,0,1,0 (bf16, 7 mantissa bits); the
-// spare slot at scale 1. K folds the scale into Q, V into its centring multiply-add.
+// spare slot at scale 1. K folds the scale into Q, V into its centering multiply-add.
 template <uint32_t kMagic>
 __host__ __device__ constexpr int fast_scale_exp(int slot_in_block) {
     constexpr bool kFp16 = kMagic == 0x64006400u;

@@ -99,7 +99,7 @@ struct PackedKV {
     static_assert(kKMetaOff % 16 == 0, "stage layout keeps 16-byte alignment");
     static constexpr uint32_t kMagic = Magic<Elem>::kBits2;
     static constexpr float kMagicValue = Magic<Elem>::kValue;
-    // V values enter the tensor cores as code - kVCenter (exact small integers): centring keeps the
+    // V values enter the tensor cores as code - kVCenter (exact small integers): centering keeps the
     // fp32 accumulators near the size of the result over long sequences.
     static constexpr int kVCenter = 1 << (kVBits - 1);
     static constexpr float kVMid = kVCenter - 0.5f;  // middle of the code range
@@ -286,7 +286,7 @@ struct PackedKV {
         }
     }
 
-    // V centring constants: code k of a thread group arrives as magic + code * 8^e; times 8^-e
+    // V centering constants: code k of a thread group arrives as magic + code * 8^e; times 8^-e
     // minus (magic * 8^-e + center) gives code - center exactly.
     struct Consts {
         uint32_t v_mul[kGroupCodes], v_add[kGroupCodes];
@@ -303,7 +303,7 @@ struct PackedKV {
         return k;
     }
 
-    // V^T A-fragments (centred codes) of 16-token block mt: d block m in a[m].
+    // V^T A-fragments (centered codes) of 16-token block mt: d block m in a[m].
     __device__ static void v_frags(const char *stage, const Consts &k, int mt, int lane, uint32_t (&a)[kHeadDim / 16][4]) {
         const int g = lane / 4, u = mt * 16 + 2 * (lane % 4);
         uint32_t x01[kGroupCodes], x89[kGroupCodes];  // tokens (u, u + 1) and (u + 8, u + 9)

@@ -42,11 +42,11 @@ struct DecodeParams {
     // load and rotates the output back. nullptr: q and the codes share a domain (asym).
     const float *rot_signs;
 
-    // key_center='rope' (tq_rope_centre.h): the codes hold k - R(pos) c at pos = key index + rope_offset;
-    // rope_centre [b, h_k, d] (float, c of each batch entry and kv head; batch stride in floats) and
+    // key_center='rope' (tq_rope_center.h): the codes hold k - R(pos) c at pos = key index + rope_offset;
+    // rope_center [b, h_k, d] (float, c of each batch entry and kv head; batch stride in floats) and
     // rope_inv_freq [d / 2] (the model's RoPE frequencies, rotate-half pairs). nullptr: no such term.
-    const float *rope_centre;
-    int64_t rope_centre_batch_stride;
+    const float *rope_center;
+    int64_t rope_center_batch_stride;
     const float *rope_inv_freq;
     int rope_offset;
 

@@ -1,7 +1,7 @@
-"""GPU tests of the decode kernel's RoPE-centre term (``key_center='rope'``: the codes hold
-``k - R(p) c``, the kernel adds each score's ``q . R(p) c`` back; csrc/flash_attn/src/tq_rope_centre.h).
+"""GPU tests of the decode kernel's RoPE-center term (``key_center='rope'``: the codes hold
+``k - R(p) c``, the kernel adds each score's ``q . R(p) c`` back; csrc/flash_attn/src/tq_rope_center.h).
 
-Run on the device: ``python -m pytest tests/test_cuda_rope_centre.py -q``.
+Run on the device: ``python -m pytest tests/test_cuda_rope_center.py -q``.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ pytestmark = [
 def _rope_cache(batch, seqlens, kv_heads, d, *, quantizer="turbo", k_bits=3, v_bits=3, dtype=torch.float16,
                 offset=0, page_size=None, seed=0, window=0, max_seqlen=None):
     """A GPU cache with key_center='rope' filled through the pack kernel with post-RoPE keys whose
-    pre-RoPE form has a large constant part per (row, head), as real keys have. The centre is
+    pre-RoPE form has a large constant part per (row, head), as real keys have. The center is
     calibrated on each row's first append: its first half (the rest follows in a second append)."""
     scale_only = quantizer == "turbo-scale"
     gen = torch.Generator(device=DEV).manual_seed(seed)
@@ -86,7 +86,7 @@ ROPE_CASES = DECODE_CASES + [
 @pytest.mark.parametrize("bits", [(3, 3), (4, 3)])
 @pytest.mark.parametrize("quantizer", ["turbo", "asym", "turbo-scale"])
 @pytest.mark.parametrize("case", ROPE_CASES)
-def test_rope_centre_decode_matches_reference(dtype, d, bits, quantizer, case):
+def test_rope_center_decode_matches_reference(dtype, d, bits, quantizer, case):
     batch, seqlens, hq, hk, sq = case[:5]
     seed = zlib.crc32(repr(("rope", str(dtype), d, bits, quantizer, seqlens, sq)).encode()) % 10000
     cache = _rope_cache(batch, seqlens, hk, d, quantizer=quantizer, k_bits=bits[0], v_bits=bits[1], dtype=dtype,
@@ -102,7 +102,7 @@ def test_rope_centre_decode_matches_reference(dtype, d, bits, quantizer, case):
 @pytest.mark.parametrize("offset", [0, 37, 250_000])
 @pytest.mark.parametrize("page_size", [None, 32, 256])
 @pytest.mark.parametrize("num_splits", [1, 3, 0])
-def test_rope_centre_offsets_pages_and_splits(offset, page_size, num_splits):
+def test_rope_center_offsets_pages_and_splits(offset, page_size, num_splits):
     """Positions from rope_offset (up to 250K: the angle reduction), shuffled pages, split counts."""
     seqlens = [1, 600, 4097]
     cache = _rope_cache(3, seqlens, 4, 128, offset=offset, page_size=page_size, seed=offset % 97 + num_splits)
@@ -115,7 +115,7 @@ def test_rope_centre_offsets_pages_and_splits(offset, page_size, num_splits):
 
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("v_bits", [3, 8])
-def test_rope_centre_with_8bit_keys(d, v_bits):
+def test_rope_center_with_8bit_keys(d, v_bits):
     cache = _rope_cache(2, [129, 1000], 3, d, k_bits=8, v_bits=v_bits, seed=5)
     q = torch.randn(2, 1, 9, d, device=DEV, dtype=torch.float16)
     poison_allocator()
@@ -125,7 +125,7 @@ def test_rope_centre_with_8bit_keys(d, v_bits):
 
 
 @pytest.mark.parametrize("seqlen_q", [1, 4])
-def test_rope_centre_with_fp16_window(seqlen_q):
+def test_rope_center_with_fp16_window(seqlen_q):
     """The window's tokens (stored as k - R(p) c too) get R(p) c back in the window pass."""
     cache = _rope_cache(2, [300, 40], 2, 128, window=64, seed=11)
     q = torch.randn(2, seqlen_q, 8, 128, device=DEV, dtype=torch.float16)
@@ -134,7 +134,7 @@ def test_rope_centre_with_fp16_window(seqlen_q):
     _check(q, cache, out, lse, seqlen_q > 1, [300, 40])
 
 
-def test_rope_centre_unsupported_calls_take_the_reference():
+def test_rope_center_unsupported_calls_take_the_reference():
     q = torch.randn(1, 1, 4, 64, device=DEV, dtype=torch.float16)
     cache = _rope_cache(1, [100], 2, 64, seed=3)
     for kwargs in (dict(window_size=(50, 0)), dict(softcap=20.0)):
@@ -147,19 +147,19 @@ def test_rope_centre_unsupported_calls_take_the_reference():
     _check(q, paged16, out, lse, False, [100])
 
 
-def test_rope_centre_op_errors_name_the_argument():
+def test_rope_center_op_errors_name_the_argument():
     cache = _rope_cache(1, [40], 2, 64, seed=2)
     q = torch.randn(1, 1, 4, 64, device=DEV, dtype=torch.float16)
     args = (q, cache.k_codes, cache.k_meta, cache.v_codes, cache.v_meta, cache.seqlens, None, None, None, 3, 3, 0.1,
             False, 0, -1, -1, None, 0.0)
-    centre, inv = cache.k_shift[:1].contiguous(), cache.rope_inv_freq
+    center, inv = cache.k_shift[:1].contiguous(), cache.rope_inv_freq
     with pytest.raises(RuntimeError, match="together"):
-        torch.ops.flash_attn_tq.decode_kvcache(*args, centre, None, 0)
-    with pytest.raises(RuntimeError, match="rope_centre must be"):
-        torch.ops.flash_attn_tq.decode_kvcache(*args, centre.half(), inv, 0)
-    with pytest.raises(RuntimeError, match="rope_centre must be"):
-        torch.ops.flash_attn_tq.decode_kvcache(*args, centre[:, :1].contiguous(), inv, 0)
+        torch.ops.flash_attn_tq.decode_kvcache(*args, center, None, 0)
+    with pytest.raises(RuntimeError, match="rope_center must be"):
+        torch.ops.flash_attn_tq.decode_kvcache(*args, center.half(), inv, 0)
+    with pytest.raises(RuntimeError, match="rope_center must be"):
+        torch.ops.flash_attn_tq.decode_kvcache(*args, center[:, :1].contiguous(), inv, 0)
     with pytest.raises(RuntimeError, match="rope_inv_freq must be"):
-        torch.ops.flash_attn_tq.decode_kvcache(*args, centre, inv[:16], 0)
-    with pytest.raises(RuntimeError, match="rope_centre does not combine"):
-        torch.ops.flash_attn_tq.decode_kvcache(*(args[:14] + (20, 0) + args[16:]), centre, inv, 0)
+        torch.ops.flash_attn_tq.decode_kvcache(*args, center, inv[:16], 0)
+    with pytest.raises(RuntimeError, match="rope_center does not combine"):
+        torch.ops.flash_attn_tq.decode_kvcache(*(args[:14] + (20, 0) + args[16:]), center, inv, 0)

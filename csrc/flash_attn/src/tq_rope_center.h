@@ -1,5 +1,5 @@
 // key_center='rope' (flash_attn_tq/cache.py): the codes hold k - R(p) c, a key less its kv head's
-// centre c (the prompt's mean pre-RoPE key) turned by RoPE to the key's position p; the decode
+// center c (the prompt's mean pre-RoPE key) turned by RoPE to the key's position p; the decode
 // kernel adds each score's q . R(p) c back with this.
 //
 // With rotate-half pairs (m, m' = m + D/2) and frequencies theta_m,
@@ -29,7 +29,7 @@
 namespace flash_tq {
 
 template <int D, int kTileN, int kNT, int kStride>
-struct RopeCentre {
+struct RopeCenter {
     static constexpr int KB = D / 16;      // k-blocks of the interleaved (A, B) pairs: 8 pairs each
     static constexpr int MT = kTileN / 16;
     static constexpr int kTableBytes = MT * KB * 32 * 16;   // [mt][kb][lane] uint4: A fragments
@@ -54,7 +54,7 @@ struct RopeCentre {
 
     // Before the first tile, all the CTA's threads (a barrier follows): the table's fragments, and
     // each query row's (alpha, beta) from q (the RoPE domain, before turbo's rotation) and the
-    // centre c of (batch entry b, kv head hk). Rows past total_rows get zeros.
+    // center c of (batch entry b, kv head hk). Rows past total_rows get zeros.
     template <typename Elem, int kRows>
     static __device__ void setup(const DecodeParams &p, int b, int hk, int row0, int total_rows, char *smem, int tid,
                                  int nthreads) {
@@ -71,7 +71,7 @@ struct RopeCentre {
             table[i] = make_uint4(r[0], r[1], r[2], r[3]);
         }
         float4 *coeff = reinterpret_cast<float4 *>(smem + kTableBytes);
-        const float *centre = p.rope_centre + b * p.rope_centre_batch_stride + hk * D;
+        const float *center = p.rope_center + b * p.rope_center_batch_stride + hk * D;
         for (int i = tid; i < kNT * KB * 32; i += nthreads) {
             const int lane = i % 32, kb = (i / 32) % KB, nt = i / (32 * KB);
             const int r = row0 + nt * 8 + lane / 4;
@@ -82,7 +82,7 @@ struct RopeCentre {
                 for (int h = 0; h < 2; ++h) {
                     const int m = pair_of(kb, lane, h);
                     const float qa = to_float(q[m]), qb = to_float(q[m + D / 2]);
-                    const float ca = __ldg(centre + m), cb = __ldg(centre + m + D / 2);
+                    const float ca = __ldg(center + m), cb = __ldg(center + m + D / 2);
                     ab[2 * h] = qa * ca + qb * cb;
                     ab[2 * h + 1] = qb * ca - qa * cb;
                 }

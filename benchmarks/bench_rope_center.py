@@ -1,14 +1,14 @@
-"""What the RoPE-centre term costs the decode kernel: the same packed cache timed with and without it.
+"""What the RoPE-center term costs the decode kernel: the same packed cache timed with and without it.
 
-    python benchmarks/bench_rope_centre.py [--out benchmarks/results]
+    python benchmarks/bench_rope_center.py [--out benchmarks/results]
 
 ``key_center='rope'`` caches store ``k - R(p) c``; the decode kernel then adds each score's
-``q . R(p) c`` (tq_rope_centre.h: one more m16n8k16 chain a 16-token block, D / 8 sincos a lane a
+``q . R(p) c`` (tq_rope_center.h: one more m16n8k16 chain a 16-token block, D / 8 sincos a lane a
 tile). For each shape (batch B, cache length S, q heads, kv heads, head_dim d; q_len 1), with
 ``triton.testing.do_bench`` medians (CUDA events, warm-up, random data, caches above L2), side by
 side in one run: ``rope`` (the fused op with the term), ``plain`` (the same codes without it: what
 ``key_center=True`` runs) and ``kv16`` (our FP16 decode over the fp16 cache). Writes
-``rope_centre_decode.json`` / ``.md`` stamped with the GPU, torch, CUDA and commit.
+``rope_center_decode.json`` / ``.md`` stamped with the GPU, torch, CUDA and commit.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def run_shape(B, S, Hq, Hk, d, dtype=torch.float16):
     scale, lens = d ** -0.5, cache.seqlens
     row = {"B": B, "S": S, "Hq": Hq, "Hk": Hk, "d": d}
     row["rope_us"] = bench(lambda: ops.decode(q, cache, lens, None, scale, False, 0))
-    cache.rope_center = False  # the same codes, no term (ops.decode passes no centre)
+    cache.rope_center = False  # the same codes, no term (ops.decode passes no center)
     row["plain_us"] = bench(lambda: ops.decode(q, cache, lens, None, scale, False, 0))
     cache.rope_center = True
     row["kv16_us"] = bench(lambda: ops.decode_kv16(q, k, v, lens, None, None, scale, False, 0))
@@ -61,9 +61,9 @@ def main():
               f"kv16 {r['kv16_us']:.1f} us (FP16 / rope {r['kv16_over_rope']:.2f}x)", flush=True)
     meta = stamp()
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "rope_centre_decode.json"), "w") as f:
+    with open(os.path.join(args.out, "rope_center_decode.json"), "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    lines = [f"# Decode with the RoPE-centre term ({meta['gpu']}, torch {meta['torch']}, CUDA {meta['cuda']}, "
+    lines = [f"# Decode with the RoPE-center term ({meta['gpu']}, torch {meta['torch']}, CUDA {meta['cuda']}, "
              f"commit {meta['commit']}, {meta['date']})", "",
              "Fused 3-bit decode (K3V3, float16 queries), medians of `triton.testing.do_bench`. `rope`: with "
              "`q . R(p) c` added to each score (`key_center='rope'`); `plain`: the same codes without it; "
@@ -73,7 +73,7 @@ def main():
     for r in rows:
         lines.append(f"| {r['B']} | {r['S']} | {r['Hq']}/{r['Hk']} | {r['d']} | {r['rope_us']:.1f} | {r['plain_us']:.1f} | "
                      f"{r['rope_over_plain']:.3f} | {r['kv16_over_rope']:.2f}x | {r['kv16_over_plain']:.2f}x |")
-    with open(os.path.join(args.out, "rope_centre_decode.md"), "w") as f:
+    with open(os.path.join(args.out, "rope_center_decode.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 
 

@@ -1,0 +1,82 @@
+"""The Python side of the fused path against the ops' C++ schemas, on the CPU: the schemas are read
+from csrc/flash_attn/flash_api_tq.cpp and registered here with recording implementations (when the
+extension is not built), so a call through QuantizedKVCache checks that every tensor and option lands
+in its argument of the kernel."""
+from __future__ import annotations
+
+import pathlib
+import re
+
+import pytest
+import torch
+
+from flash_attn_tq import ops
+from flash_attn_tq.cache import QuantizedKVCache
+
+API = pathlib.Path(__file__).resolve().parents[1] / "csrc" / "flash_attn" / "flash_api_tq.cpp"
+
+pytestmark = pytest.mark.skipif(ops.extension_available(), reason="the real ops are registered (the GPU tests run them)")
+
+
+def _schemas() -> dict[str, str]:
+    """op name -> schema, from the m.def("...") calls (adjacent C++ string literals joined)."""
+    src = API.read_text()
+    out = {}
+    for call in re.findall(r'm\.def\(((?:\s*"[^"]*")+)\s*\)', src):
+        schema = "".join(re.findall(r'"([^"]*)"', call))
+        out[schema.split("(", 1)[0]] = schema
+    return out
+
+
+@pytest.fixture(scope="module")
+def recorded():
+    calls = {}
+    lib = torch.library.Library("flash_attn_tq", "DEF")
+    schemas = _schemas()
+    lib.define(schemas["decode_kvcache"])
+    lib.define(schemas["pack_kv"])
+    names = {name: [a.name for a in getattr(torch.ops.flash_attn_tq, name).default._schema.arguments]
+             for name in ("decode_kvcache", "pack_kv")}
+
+    def decode(*args):
+        calls.setdefault("decode_kvcache", []).append(dict(zip(names["decode_kvcache"], args)))
+        q = args[0]
+        return torch.zeros_like(q), q.new_zeros(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32)
+
+    def pack(*args):
+        calls.setdefault("pack_kv", []).append(dict(zip(names["pack_kv"], args)))
+
+    lib.impl("decode_kvcache", decode, "CPU")
+    lib.impl("pack_kv", pack, "CPU")
+    yield calls
+    lib._destroy()
+
+
+def test_decode_arguments(recorded):
+    inv = 1.0 / 10000.0 ** (torch.arange(0, 64, 2).float() / 64)
+    cache = QuantizedKVCache(3, 200, 2, 64, k_bits=4, sink_tokens=16, fp16_window=112, key_center="rope",
+                             rope_inv_freq=inv, calib_min_tokens=1)
+    cache.append(torch.randn(3, 150, 2, 64).half(), torch.randn(3, 150, 2, 64).half())
+    rows = torch.tensor([2, 0], dtype=torch.int32)
+    q = torch.randn(2, 1, 8, 64).half()
+    cache.attend(q, cache.seqlens[rows.long()], rows, 0.125, True, 5)
+    a = recorded["decode_kvcache"][-1]
+    assert a["k_codes"] is cache.k_codes and a["v_meta"] is cache.v_meta and a["cache_batch_idx"] is rows
+    assert (a["k_bits"], a["v_bits"], a["num_splits"], a["is_causal"], a["softmax_scale"]) == (4, 3, 5, True, 0.125)
+    assert torch.equal(a["rot_signs"], cache.k_quantizer.signs_on("cpu"))
+    assert torch.equal(a["rope_center"], cache.k_shift[rows.long()]) and a["rope_inv_freq"] is cache.rope_inv_freq
+    assert torch.equal(a["side_k"], cache.kv_side[0]) and torch.equal(a["side_v"], cache.kv_side[1])
+    assert (a["side_sinks"], a["side_ring"], a["codes_tail"]) == (16, 112, 112)
+    assert a["window_left"] == a["window_right"] == -1 and a["cache_leftpad"] is None and a["softcap"] == 0.0
+
+
+def test_pack_arguments(recorded, monkeypatch):
+    cache = QuantizedKVCache(2, 64, 2, 64, v_bits=4)
+    monkeypatch.setattr(QuantizedKVCache, "pack_reason", lambda self, x: None)  # the CPU stands in for the GPU
+    recorded.pop("pack_kv", None)
+    flags = torch.zeros(1, dtype=torch.int32)
+    cache.append(torch.randn(2, 3, 2, 64).half(), torch.randn(2, 3, 2, 64).half(), error_flags=flags)
+    k_call, v_call = recorded["pack_kv"]
+    assert k_call["codes"] is cache.k_codes and v_call["meta"] is cache.v_meta and k_call["error_flags"] is flags
+    assert (k_call["bits"], v_call["bits"], k_call["capacity"], k_call["quant"]) == (3, 4, 64, 0)
+    assert k_call["x"].shape == (6, 2, 64) and torch.equal(k_call["start"], torch.zeros(2, dtype=torch.int32))
