@@ -24,17 +24,10 @@ import functools
 
 import torch
 
+# which (head_dim, k_bits, v_bits) cases have fused kernels: generated with the C++ case table
+from .kernel_cases import FP16_ONLY_BITS, FUSED_DECODE_BITS, FUSED_HEAD_DIMS, PREFILL_MIN_ROWS  # noqa: F401
 from .quantizers import uniform_step
 
-FUSED_HEAD_DIMS = (64, 128)
-FUSED_DECODE_BITS = ((3, 3), (4, 3), (8, 3), (8, 8))  # (k_bits, v_bits) with a fused decode kernel
-# (k_bits, v_bits) whose fused kernel takes float16 queries only (an 8-bit code in the magic number
-# needs float16's mantissa) and runs the decode kernel for every row count (no prefill kernel)
-FP16_ONLY_BITS = ((8, 3), (8, 8))
-# Query rows a kv head (GQA group size * seqlen_q) from which decode_kvcache runs its prefill kernel
-# (256-row CTAs, each packed tile expanded once into shared memory) instead of the decode kernel
-# (16-row CTAs, each expanding every tile itself); mirrors kPrefillMinRows in flash_api_tq.cpp.
-PREFILL_MIN_ROWS = 128
 # Rows a kv head decode_kv16 (the fp16 cache, decode kernel only) takes; more take the reference path.
 MAX_KV16_ROWS = 256
 QUANT_IDS = {("turbo", "uniform", "norm"): 0, ("turbo", "lloyd_max", "norm"): 1, ("asym", "uniform", "norm"): 2,

@@ -69,9 +69,9 @@ for all their rows; on sm_90a builds the warpgroups multiply through wgmma." \
 
 add "csrc: register flash_attn_tq::decode_kvcache, decode_kv16 and pack_kv" \
 "torch.library ops (traceable with fake implementations registered from Python, CUDA-graph safe:
-num_splits is chosen on the host), the dispatch over (dtype, head dim, bits) and the generator of
-the instantiation files. Built inside flash_attn_2_cuda with FLASH_TQ_NO_PYBIND_MODULE." \
-    tq_api.h generate_instantiations.py
+num_splits is chosen on the host), the dispatch over the generated case table (tq_cases.h) and
+the generator of the instantiation files, that table and the Python list of cases. Built inside flash_attn_2_cuda with FLASH_TQ_NO_PYBIND_MODULE." \
+    tq_api.h tq_cases.h generate_instantiations.py
 cp "$here"/csrc/flash_attn/flash_api_tq.cpp csrc/flash_attn/
 git add csrc/flash_attn/flash_api_tq.cpp
 git commit -q --amend --no-edit

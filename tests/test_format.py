@@ -484,3 +484,15 @@ def test_wrong_packed_length_or_dtype():
         unpack_codes(good.to(torch.int8), 3, 128)
     with pytest.raises(ValueError, match="uint8"):
         unpack_codes(good, 4, 128)  # 48 bytes is a 3-bit vector, not 4-bit
+
+
+def test_kernel_cases_are_generated_from_one_list():
+    """The .cu instantiations, the C++ case table (tq_cases.h) and flash_attn_tq/kernel_cases.py are all
+    what csrc/flash_attn/src/generate_instantiations.py writes from its one list."""
+    import pathlib
+    import subprocess
+    import sys
+
+    gen = pathlib.Path(__file__).resolve().parents[1] / "csrc" / "flash_attn" / "src" / "generate_instantiations.py"
+    done = subprocess.run([sys.executable, str(gen), "--check"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr

@@ -10,8 +10,10 @@
 #include <cmath>
 #include <cstdlib>
 #include <limits>
+#include <type_traits>
 
 #include "src/tq_api.h"
+#include "src/tq_cases.h"
 
 namespace flash_tq {
 namespace {
@@ -46,52 +48,72 @@ int choose_num_splits(int ctas, int max_seqlen_k, int num_sms, int per_sm_x20 = 
     return fewest;
 }
 
-// Query rows a kv head (GQA group x seqlen_q) from which the prefill kernel (256-row CTAs, each tile
-// expanded once into shared memory) replaces the decode kernel (16-row CTAs, each expanding every
-// tile in registers itself); mirrored by flash_attn_tq.ops.PREFILL_MIN_ROWS.
-constexpr int kPrefillMinRows = 128;
+// (kPrefillMinRows, tq_cases.h: the query rows a kv head from which the prefill kernel, 256-row CTAs
+// expanding each tile once into shared memory, replaces the decode kernel, 16-row CTAs expanding
+// every tile in registers themselves)
 constexpr int kPrefillRowsPerCta = 256;
 // ... and from which its wgmma variant (H200: 12-28% less time than mma.sync at 256 rows,
 // 17-26% at 512; a tie at 128)
 constexpr int kWgmmaMinRows = 256;
 
-template <int kHeadDim, int kKBits, int kVBits, typename Elem>
-void run_packed(bool prefill, bool scale_only, const DecodeParams &p, cudaStream_t stream) {
-    if (scale_only) {
-        prefill ? run_prefill<Elem, kHeadDim, kKBits, kVBits, true>(p, stream) : run_decode<Elem, kHeadDim, kKBits, kVBits, true>(p, stream);
-    } else {
-        prefill ? run_prefill<Elem, kHeadDim, kKBits, kVBits, false>(p, stream) : run_decode<Elem, kHeadDim, kKBits, kVBits, false>(p, stream);
-    }
+template <typename Elem>
+constexpr at::ScalarType scalar_type_of() {
+    return std::is_same_v<Elem, __half> ? at::kHalf : at::kBFloat16;
 }
 
-template <int kHeadDim>
-void dispatch_decode(const at::ScalarType dtype, int k_bits, int v_bits, bool prefill, bool scale_only,
-                     const DecodeParams &p, cudaStream_t stream) {
-    const bool fp16 = dtype == at::kHalf;
-    if (k_bits == 16) {  // float16 / bfloat16 cache: the Fp16KV loader
-        fp16 ? run_decode_fp16<__half, kHeadDim>(p, stream) : run_decode_fp16<__nv_bfloat16, kHeadDim>(p, stream);
-    } else if (k_bits == 3 && v_bits == 3) {
-        fp16 ? run_packed<kHeadDim, 3, 3, __half>(prefill, scale_only, p, stream)
-             : run_packed<kHeadDim, 3, 3, __nv_bfloat16>(prefill, scale_only, p, stream);
-    } else if (k_bits == 4 && v_bits == 3) {
-        fp16 ? run_packed<kHeadDim, 4, 3, __half>(prefill, scale_only, p, stream)
-             : run_packed<kHeadDim, 4, 3, __nv_bfloat16>(prefill, scale_only, p, stream);
-    } else if (k_bits == 8 && (v_bits == 3 || v_bits == 8)) {  // the few heads held at 8 bits: float16, the decode kernel
-        TQ_CHECK(fp16 && !prefill, "8-bit codes: float16 queries and the decode kernel only");
-        if (v_bits == 3) {
-            scale_only ? run_decode<__half, kHeadDim, 8, 3, true>(p, stream) : run_decode<__half, kHeadDim, 8, 3, false>(p, stream);
-        } else {
-            scale_only ? run_decode<__half, kHeadDim, 8, 8, true>(p, stream) : run_decode<__half, kHeadDim, 8, 8, false>(p, stream);
-        }
-    } else {
-        TQ_CHECK(false, "no fused decode kernel for these k_bits/v_bits");
-    }
+// Whether the case table (tq_cases.h) has a prefill kernel for these codes; the others run the decode
+// kernel for every row count.
+bool has_prefill(at::ScalarType dtype, int d, int k_bits, int v_bits, bool scale_only) {
+#define TQ_HAS_PREFILL(Elem, D, K, V, S, P) \
+    if (dtype == scalar_type_of<Elem>() && d == D && k_bits == K && v_bits == V && scale_only == S) return P;
+    TQ_FOR_EACH_PACKED_CASE(TQ_HAS_PREFILL)
+#undef TQ_HAS_PREFILL
+    return false;
 }
+
+template <typename Elem, int kHeadDim, int kKBits, int kVBits, bool kScaleOnly, bool kHasPrefill>
+void run_packed_case(bool prefill, const DecodeParams &p, cudaStream_t stream) {
+    if constexpr (kHasPrefill) {
+        if (prefill) {
+            run_prefill<Elem, kHeadDim, kKBits, kVBits, kScaleOnly>(p, stream);
+            return;
+        }
+    }
+    run_decode<Elem, kHeadDim, kKBits, kVBits, kScaleOnly>(p, stream);
+}
+
+// A packed cache: the case table's entry for (dtype, head dim, bits, metadata).
+void dispatch_packed(at::ScalarType dtype, int d, int k_bits, int v_bits, bool scale_only, bool prefill,
+                     const DecodeParams &p, cudaStream_t stream) {
+#define TQ_RUN_PACKED(Elem, D, K, V, S, P)                                                            \
+    if (dtype == scalar_type_of<Elem>() && d == D && k_bits == K && v_bits == V && scale_only == S) { \
+        run_packed_case<Elem, D, K, V, S, P>(prefill, p, stream);                                    \
+        return;                                                                                      \
+    }
+    TQ_FOR_EACH_PACKED_CASE(TQ_RUN_PACKED)
+#undef TQ_RUN_PACKED
+    TQ_CHECK(false, "no fused kernel for this dtype, head_dim, k_bits and v_bits (flash_attn_tq.kernel_cases)");
+}
+
+// A float16/bfloat16 cache: the Fp16KV loader.
+void dispatch_kv16(at::ScalarType dtype, int d, const DecodeParams &p, cudaStream_t stream) {
+#define TQ_RUN_KV16(Elem, D)                             \
+    if (dtype == scalar_type_of<Elem>() && d == D) {     \
+        run_decode_fp16<Elem, D>(p, stream);             \
+        return;                                          \
+    }
+    TQ_FOR_EACH_KV16_CASE(TQ_RUN_KV16)
+#undef TQ_RUN_KV16
+    TQ_CHECK(false, "no float16-cache kernel for this dtype and head_dim");
+}
+
+// What the K/V store holds: packed codes (PackedKV) or the float16/bfloat16 cache itself (Fp16KV).
+enum class Store { kPacked, kFp16 };
 
 // Everything but the K/V pointers and strides: q/out/lse, lengths, batch map, block table, signs,
-// num_splits; then the launch. k_bits == 16 selects the float16/bfloat16 cache loader.
+// num_splits; then the launch (k_bits / v_bits: the packed store's).
 std::tuple<at::Tensor, at::Tensor> run_decode_op(
-    DecodeParams &p, const at::Tensor &q, const at::Tensor &k_store, const at::Tensor &seqlens_k,
+    Store store, DecodeParams &p, const at::Tensor &q, const at::Tensor &k_store, const at::Tensor &seqlens_k,
     const std::optional<at::Tensor> &cache_batch_idx, const std::optional<at::Tensor> &block_table,
     const std::optional<at::Tensor> &rot_signs, int k_bits, int v_bits, double softmax_scale, bool is_causal,
     int64_t num_splits, int64_t window_left, int64_t window_right, const std::optional<at::Tensor> &cache_leftpad,
@@ -168,8 +190,9 @@ std::tuple<at::Tensor, at::Tensor> run_decode_op(
              "a 16-bit side or codes_tail does not combine with window_size, softcap or cache_leftpad");
     // (8-bit keys: the decode kernel for every row count; no prefill instantiations for them; the
     // RoPE center, a 16-bit side or a tail: the decode kernel too, which takes any row count)
-    const bool prefill = k_bits != 16 && k_bits != 8 && p.rope_center == nullptr && !side && p.codes_tail == 0 &&
-                         rows >= kPrefillMinRows && prefill_fits();
+    const bool prefill = store == Store::kPacked && p.rope_center == nullptr && !side && p.codes_tail == 0 &&
+                         rows >= kPrefillMinRows && has_prefill(q.scalar_type(), d, k_bits, v_bits, p.meta_words == 1) &&
+                         prefill_fits();
 #ifdef FLASH_TQ_SM90A
     if (prefill) {  // Hopper's wgmma variant of the prefill kernel (FLASH_ATTN_TQ_PREFILL_WGMMA=0: the mma.sync one)
         int major = 0, minor = 0;
@@ -196,10 +219,10 @@ std::tuple<at::Tensor, at::Tensor> run_decode_op(
         p.lse_accum = lse_accum.data_ptr<float>();
     }
     auto stream = c10::cuda::getCurrentCUDAStream().stream();
-    if (d == 64) {
-        dispatch_decode<64>(q.scalar_type(), k_bits, v_bits, prefill, p.meta_words == 1, p, stream);
+    if (store == Store::kFp16) {
+        dispatch_kv16(q.scalar_type(), d, p, stream);
     } else {
-        dispatch_decode<128>(q.scalar_type(), k_bits, v_bits, prefill, p.meta_words == 1, p, stream);
+        dispatch_packed(q.scalar_type(), d, k_bits, v_bits, p.meta_words == 1, prefill, p, stream);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     return {out, lse};
@@ -249,7 +272,6 @@ std::tuple<at::Tensor, at::Tensor> decode_kvcache(
     TQ_CHECK(k_codes.dim() == 4 && v_codes.dim() == 4 && k_meta.dim() == 4 && v_meta.dim() == 4, "codes/meta must be 4-D");
     TQ_CHECK(k_codes.stride(-1) == 1 && v_codes.stride(-1) == 1 && k_meta.stride(-1) == 1 && v_meta.stride(-1) == 1,
              "codes/meta need a contiguous last dim");
-    TQ_CHECK(k_bits != 16, "k_bits 16 is the float16 cache (decode_kv16)");
     const int d = q.size(3);
     TQ_CHECK(k_codes.size(3) == d * k_bits / 8 && v_codes.size(3) == d * v_bits / 8, "code bytes do not match head_dim and bits");
     TQ_CHECK(k_meta.size(3) == v_meta.size(3) && (k_meta.size(3) == 2 || k_meta.size(3) == 1),
@@ -309,7 +331,7 @@ std::tuple<at::Tensor, at::Tensor> decode_kvcache(
         p.side_ring = static_cast<int>(side_ring);
     }
     p.codes_tail = static_cast<int>(codes_tail);
-    return run_decode_op(p, q, k_codes, seqlens_k, cache_batch_idx, block_table, rot_signs, k_bits, v_bits,
+    return run_decode_op(Store::kPacked, p, q, k_codes, seqlens_k, cache_batch_idx, block_table, rot_signs, k_bits, v_bits,
                          softmax_scale, is_causal, num_splits, window_left, window_right, cache_leftpad, softcap);
 }
 
@@ -341,7 +363,7 @@ std::tuple<at::Tensor, at::Tensor> decode_kv16(
     p.v_codes = reinterpret_cast<const uint8_t *>(v_cache.data_ptr());
     p.kc_batch_stride = 2 * k_cache.stride(0); p.kc_row_stride = 2 * k_cache.stride(1); p.kc_head_stride = 2 * k_cache.stride(2);
     p.vc_batch_stride = 2 * v_cache.stride(0); p.vc_row_stride = 2 * v_cache.stride(1); p.vc_head_stride = 2 * v_cache.stride(2);
-    return run_decode_op(p, q, k_cache, seqlens_k, cache_batch_idx, block_table, std::nullopt, 16, 16,
+    return run_decode_op(Store::kFp16, p, q, k_cache, seqlens_k, cache_batch_idx, block_table, std::nullopt, 0, 0,
                          softmax_scale, is_causal, num_splits, -1, -1, std::nullopt, 0.0);
 }
 
