@@ -542,7 +542,7 @@ def flash_attn_varlen_func(
 # ---------------------------------------------------------------------- kv cache
 
 
-def _rotary(x, cos, sin, positions, interleaved):
+def rotary_at(x, cos, sin, positions, interleaved):
     """Rotate the first rotary_dim channels of x (B, S, H, d) at positions (B, S)."""
     rot = cos.shape[1] * 2
     c = cos.float()[positions].unsqueeze(2)  # (B, S, 1, rot/2)
@@ -707,11 +707,11 @@ def flash_attn_with_kvcache(
         pos_k = seqlens.view(batch, 1) + torch.arange(seqlen_new, device=device)
         k_new = k
         if rotary_cos is not None:
-            k_new = _rotary(k, rotary_cos, rotary_sin, pos_k, rotary_interleaved)
+            k_new = rotary_at(k, rotary_cos, rotary_sin, pos_k, rotary_interleaved)
             q_off = torch.arange(seqlen_q, device=device) if (causal or local) else \
                 torch.zeros(seqlen_q, dtype=torch.long, device=device)
             pos_q = seqlens.view(batch, 1) + q_off
-            q_used = _rotary(q, rotary_cos, rotary_sin, pos_q, rotary_interleaved).to(q.dtype)
+            q_used = rotary_at(q, rotary_cos, rotary_sin, pos_q, rotary_interleaved).to(q.dtype)
         with torch.no_grad():
             if paged:
                 blk = torch.gather(block_table.long(), 1, pos_k // page)

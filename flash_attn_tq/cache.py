@@ -19,7 +19,7 @@ def scale_only_fits(quantizer: str, grid: str, fit: str) -> bool:
     return quantizer == "turbo" and grid == "uniform" and fit == "norm"
 
 
-def _capturing() -> bool:
+def capturing() -> bool:
     """True while a CUDA graph is being captured: value checks that read the GPU are skipped then."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
@@ -588,7 +588,7 @@ class QuantizedKVCache:
                 raise TypeError(f"{name} must be float16, bfloat16 or float32, got {x.dtype}")
             if x.device != self.device:
                 raise ValueError(f"{name} is on {x.device} but the cache is on {self.device}")
-            if check_values and not _capturing() and not torch.isfinite(x).all():
+            if check_values and not capturing() and not torch.isfinite(x).all():
                 raise ValueError(f"{name} contains NaN or Inf: a quantized cache cannot store them")
         if k.shape != v.shape:
             raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
@@ -615,7 +615,7 @@ class QuantizedKVCache:
                                         or error_flags.numel() != 1 or error_flags.device.type != self.device.type):
             raise ValueError(f"error_flags must be an int32 [1] tensor on the cache's device ({self.device})")
         B, n = k.shape[:2]
-        checking = B > 0 and not _capturing()
+        checking = B > 0 and not capturing()
         if batch_idx is None:
             if B > self.batch_size:
                 raise ValueError(f"batch {B} exceeds the cache's batch_size {self.batch_size}")
@@ -648,7 +648,7 @@ class QuantizedKVCache:
         k_raw = k
         if self.key_transform or self.value_pca:
             pos = start.long().unsqueeze(1) + torch.arange(n, device=self.device) if self.rope_center else None
-            if not self._calibration_done and not _capturing():  # (a Python flag: no GPU sync once done)
+            if not self._calibration_done and not capturing():  # (a Python flag: no GPU sync once done)
                 skip = min(n, max(0, self.sink_tokens - int(start.min()))) if self.sink_tokens else 0  # not the sinks
                 self.calibrate(k[:, skip:], bidx, v=v[:, skip:], q=q, positions=None if pos is None else pos[:, skip:])
                 self._calibration_done = bool(self.calibrated.all())

@@ -314,10 +314,10 @@ def _quantized_kvcache(q, cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
         if k is None:
             raise ValueError("rotary_cos/rotary_sin need the new k and v to be given")
         kpos = start.long().unsqueeze(1) + torch.arange(seqlen_new, device=device)
-        k = baseline._rotary(k, rotary_cos, rotary_sin, kpos, rotary_interleaved).to(k.dtype)
+        k = baseline.rotary_at(k, rotary_cos, rotary_sin, kpos, rotary_interleaved).to(k.dtype)
         qpos = start.long().unsqueeze(1) + (torch.arange(seqlen_q, device=device) if (causal or local)
                                             else torch.zeros(seqlen_q, dtype=torch.long, device=device))
-        q = baseline._rotary(q, rotary_cos, rotary_sin, qpos, rotary_interleaved).to(q.dtype)
+        q = baseline.rotary_at(q, rotary_cos, rotary_sin, qpos, rotary_interleaved).to(q.dtype)
     if k is not None:
         cache.append(k, v, cache_seqlens=start, batch_idx=bidx, q=q)
     lens = (start + seqlen_new).to(torch.int32) if seqlen_new else start

@@ -56,7 +56,7 @@ except ImportError as e:  # pragma: no cover - exercised only without transforme
     raise ImportError("flash_attn_tq.integrations.transformers needs transformers >= 5") from e
 
 from .. import ops
-from ..cache import QuantizedKVCache, _capturing
+from ..cache import QuantizedKVCache, capturing
 from ..format import bits_per_element as _format_bits
 from ..interface import flash_attn_with_kvcache
 from .options import DEFAULTS, NO_FP16_WINDOW, cache_options, late_layers, rope_center_freqs, rope_inv_freq
@@ -83,7 +83,7 @@ class PackErrors:
 
     def check(self) -> None:
         """Raise ValueError for any error bit set since the last check (and clear them)."""
-        if self.flags is None or _capturing():
+        if self.flags is None or capturing():
             return
         bits = int(self.flags.item())
         if bits:
