@@ -6,6 +6,7 @@ attends over with the fused CUDA kernel (or the reference path on CPU). :func:`l
 which path the last call took.
 """
 from .cache import QuantizedKVCache
+from .cpu import CpuQuantizedKVCache
 from .format import bits_per_element, code_bytes, pack_codes, unpack_codes
 from .interface import (
     flash_attn_func,
@@ -31,6 +32,7 @@ __all__ = [
     "flash_attn_with_kvcache",
     "last_path",
     "QuantizedKVCache",
+    "CpuQuantizedKVCache",
     "TurboQuantizer",
     "AsymQuantizer",
     "pack_codes",

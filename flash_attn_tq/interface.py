@@ -21,7 +21,7 @@ from typing import Optional, Union
 
 import torch
 
-from . import baseline, ops
+from . import baseline, cpu, ops
 from .cache import QuantizedKVCache
 
 _LAST_PATH: contextvars.ContextVar[str] = contextvars.ContextVar("flash_attn_tq_last_path", default="none")
@@ -148,6 +148,14 @@ def flash_attn_with_kvcache(
     cache's ``seqlens`` are advanced. Returns out (batch, seqlen_q, nheads, headdim)
     [, softmax_lse (batch, nheads, seqlen_q) float32].
     """
+    if isinstance(kv_cache, cpu.CpuQuantizedKVCache) or isinstance(k_cache, cpu.CpuQuantizedKVCache):
+        cache = kv_cache if kv_cache is not None else k_cache
+        if v_cache is not None and v_cache is not cache:
+            raise ValueError("v_cache: pass None (or the same cache) when k_cache is a CpuQuantizedKVCache")
+        _LAST_PATH.set("quantized:cpu-int8-keys")
+        return cpu.flash_attn_with_kvcache(q, cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
+                                           cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
+                                           rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse)
     if kv_cache is None and isinstance(k_cache, QuantizedKVCache):
         kv_cache = k_cache
     if kv_cache is not None:
@@ -319,7 +327,7 @@ def _quantized_kvcache(q, cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
                                             else torch.zeros(seqlen_q, dtype=torch.long, device=device))
         q = baseline.rotary_at(q, rotary_cos, rotary_sin, qpos, rotary_interleaved).to(q.dtype)
     if k is not None:
-        cache.append(k, v, cache_seqlens=start, batch_idx=bidx, q=q)
+        cache.append(k, v, cache_seqlens=start, batch_idx=bidx)
     lens = (start + seqlen_new).to(torch.int32) if seqlen_new else start
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
@@ -331,7 +339,7 @@ def _quantized_kvcache(q, cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
                           ((cache.fp16_window or cache.sink_tokens) and extras,
                            "window_size / softcap / cache_leftpad with an fp16 window or sink tokens"),
                           (cache.rope_center and extras, "window_size / softcap / cache_leftpad with key_center='rope'"),
-                          (softcap != 0.0 and cache.key_transform and cache.key_center,
+                          (softcap != 0.0 and cache.key_center,
                            "softcap with key centering (the kernel's scores lack q . mu)")):
             if bad:
                 reason = f"{what} is not supported by the fused kernel"
