@@ -36,7 +36,6 @@ CONFIGS = {
     # the few heads TQCache.calibrated(model, per_head=True) holds finer: 8-bit keys (and values)
     "K8V3 heads": dict(k_bits=8, key_center=True, scale_only=True, fp16_window=124),
     "K8V8 heads": dict(k_bits=8, v_bits=8, key_center=True, scale_only=True, fp16_window=124),
-    "kc+pca+vpca+w124": dict(key_center=True, key_pca=True, value_pca=True, fit="mean", fp16_window=124),
     "asym3": dict(quantizer="asym"),
     "K4V3+kc": dict(k_bits=4, key_center=True),
     # the TQCache default: keys centered before RoPE (the kernel adds q . R(p) c back)
@@ -76,7 +75,7 @@ def check_layers(data, device, dtype, lengths):
                 rope = opts.get("key_center") == "rope"  # (the dumped keys sit at positions 0..S-1)
                 cache = QuantizedKVCache(1, L, Hkv, D, dtype=dtype if dtype != torch.float32 else torch.float16,
                                          device=device, **dict(opts, rope_inv_freq=inv_freq) if rope else opts)
-                if cache.key_transform:
+                if cache.key_center:
                     n = min(L, 256)  # a 256-token prompt's statistics
                     cache.calibrate(k[:, :n], positions=torch.arange(n, device=device)[None] if rope else None)
                 cache.append(k, v)
@@ -144,10 +143,7 @@ def bench_generate(data, device, dtype, prompt, new, repeats):
             # per-head widths (TQCache.calibrated(model, per_head=True)): the layers with a finer head hold
             # two caches, two kernel launches; widths as calibrated on SmolLM2 when its measurement is here
             ("TQCache (per-head widths)", ATTN_IMPLEMENTATION,
-             lambda: TQCache(config, max_cache_len=cap, late_k_bits=None, head_options=_head_options(config))),
-            # the previous default: fit="mean" with the pca reflections in PyTorch before the pack kernel
-            ("TQCache (pca, fit=mean)", ATTN_IMPLEMENTATION,
-             lambda: TQCache(config, max_cache_len=cap, fit="mean", key_pca=True, value_pca=True, late_k_bits=None))):
+             lambda: TQCache(config, max_cache_len=cap, late_k_bits=None, head_options=_head_options(config)))):
         t1 = timed(impl, make, 1)
         tn = timed(impl, make, new)
         rows.append((name, (new - 1) / max(tn - t1, 1e-9), t1))

@@ -293,7 +293,7 @@ def key_bits_of(cfg, layer, num_layers):
 def tq_options(cfg):
     """TQCache keyword options of a config (besides its per-layer ones)."""
     opts = {k: cfg[k] for k in ("quantizer", "k_bits", "v_bits", "fit", "fp16_window", "sink_tokens", "key_center",
-                                "key_scale", "key_scale_q", "key_pca", "value_pca", "scale_only")}
+                                "scale_only")}
     if opts["quantizer"] == "asym":
         opts.pop("fit")
     if cfg.get("rope_center") == "exact":  # (TQCache takes the RoPE frequencies from the model config)
@@ -308,7 +308,7 @@ def tq_options(cfg):
 
 def simulation_only(cfg) -> list[str]:
     """The options of a config that only the simulation implements (no TQCache equivalent)."""
-    out = [k for k in ("klt", "qjl", "value_center") if cfg and cfg.get(k)]
+    out = [k for k in ("klt", "qjl", "value_center", *RESEARCH_TRANSFORMS) if cfg and cfg.get(k)]
     if cfg and cfg.get("rope_center") not in (None, False, "exact"):
         out.append(f"rope_center={cfg['rope_center']}")
     return out
@@ -506,6 +506,61 @@ def load_model(model_dir: Path):
 
 # --------------------------------------------------------------------------- simulated attention
 
+RESEARCH_TRANSFORMS = ("key_scale", "key_scale_q", "key_pca", "value_pca")
+
+
+def _reflect(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x - 2 (x . w) w: the Householder reflection by unit w (its own inverse)."""
+    return torch.addcmul(x, (x * w).sum(-1, keepdim=True), w, value=-2.0)
+
+
+def _main_direction_householder(x: torch.Tensor) -> torch.Tensor:
+    """Householder vectors w [B, H, d] with (I - 2 w w^T) u = +-e_0 for the main direction u of x [B, n, H, d]."""
+    cov = torch.einsum("bnhi,bnhj->bhij", x, x) / x.shape[1]
+    vec = torch.linalg.eigh(cov.double())[1][..., -1].float()
+    vec = torch.where(vec[..., :1] > 0, -vec, vec)  # u[0] <= 0, so |u - e_0| >= 1
+    w = vec.clone()
+    w[..., 0] -= 1.0
+    return w / w.norm(dim=-1, keepdim=True)
+
+
+class KeyValueTransform:
+    """Transforms only the simulation has (no default uses them and no kernel fuses them), fitted on
+    a prompt's first tokens ``k, v [B, n, H, d]`` (queries ``q [B, n, Hq, d]`` for key_scale_q) and
+    exact for attention: keys ``(k - mu) / s`` (mu: the mean key with key_center, s: per-channel
+    ``rms(k - mu) ** key_scale``, or ``(rms_k / rms_q) ** key_scale`` with key_scale_q, queries
+    multiplied by s), then reflected so their main direction is e_0 (key_pca; with fit="mean" the
+    offset stores it exactly); values reflected likewise (value_pca). The attention of q over the
+    transformed keys differs from the original only by the shift q . mu shared by every key."""
+
+    def __init__(self, cfg, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor | None = None):
+        kf, B, H, D = k.float(), k.shape[0], k.shape[2], k.shape[3]
+        self.shift = kf.mean(1) if cfg["key_center"] else kf.new_zeros(B, H, D)
+        self.div = kf.new_ones(B, H, D)
+        if cfg["key_scale"] > 0:
+            rms = (kf - self.shift[:, None]).pow(2).mean(1).sqrt()
+            rms = rms.clamp(min=1e-3 * float(rms.max().clamp(min=1e-30)))
+            if cfg["key_scale_q"] and q is not None:  # balance against the queries: s = (rms_k / rms_q) ** a
+                rq = q.float().reshape(q.shape[0], q.shape[1], H, -1, D).pow(2).mean((1, 3)).sqrt()
+                rms = rms / rq.clamp(min=1e-3 * float(rq.max().clamp(min=1e-30)))
+            div = rms.pow(cfg["key_scale"])
+            self.div = div / div.pow(2).mean(-1, keepdim=True).sqrt()  # unit mean square: only the shape matters
+        self.house = _main_direction_householder((kf - self.shift[:, None]) / self.div[:, None]) if cfg["key_pca"] else None
+        self.vhouse = _main_direction_householder(v.float()) if cfg["value_pca"] else None
+
+    def keys(self, k: torch.Tensor) -> torch.Tensor:
+        kt = (k.float() - self.shift[:, None]) / self.div[:, None]
+        return kt if self.house is None else _reflect(kt, self.house[:, None])
+
+    def keys_back(self, kt: torch.Tensor) -> torch.Tensor:
+        x = kt.float() if self.house is None else _reflect(kt.float(), self.house[:, None])
+        return x * self.div[:, None] + self.shift[:, None]
+
+    def values(self, v: torch.Tensor) -> torch.Tensor:
+        """value_pca's reflection (its own inverse: it also maps stored values back)."""
+        return v.float() if self.vhouse is None else _reflect(v.float(), self.vhouse[:, None])
+
+
 class Sim:
     """The attention function that quantizes each layer's K/V through QuantizedKVCache."""
 
@@ -529,10 +584,12 @@ class Sim:
         k16, v16 = key.half().float(), value.half().float()
         if S - s0 == 0:
             return kh, vh, k16, v16
-        opts = {n: cfg[n] for n in ("quantizer", "k_bits", "v_bits", "fit", "key_center", "key_scale", "key_scale_q",
-                                    "key_pca", "value_pca", "scale_only")}
+        opts = {n: cfg[n] for n in ("quantizer", "k_bits", "v_bits", "fit", "key_center", "scale_only")}
         if opts["quantizer"] == "asym":
             opts.pop("fit")
+        research = any(cfg.get(n) for n in RESEARCH_TRANSFORMS)
+        if research:  # the simulation's own transforms (KeyValueTransform) center the keys too
+            opts["key_center"] = False
         if cfg.get("rope_center") == "exact":  # QuantizedKVCache(key_center="rope"), positions after the sinks
             opts.update(key_center="rope", rope_inv_freq=Sim.inv_freq, rope_position_offset=s0)
         cache = QuantizedKVCache(B, S - s0, H, D, dtype=torch.float16, device=key.device, **opts)
@@ -547,17 +604,22 @@ class Sim:
         if cfg.get("value_center"):  # exact too: the quantized part's normalised output plus the mean
             v_mean = v[:, :c].mean(1, keepdim=True)
             v = v - v_mean
-        if cache.key_transform or cache.value_pca:
+        tf = None
+        if research:  # the prompt's statistics, then fixed
             q = None if query is None else query.transpose(1, 2)[:, s0:s0 + c]
-            cache.calibrate(k[:, :c], v=v[:, :c], q=q)  # the prompt's statistics, then fixed
-        if cache.key_transform:
+            tf = KeyValueTransform(cfg, k[:, :c], v[:, :c], q)
+            k16[:, :, s0:] = tf.keys_back(tf.keys(k).half()).transpose(1, 2)
+            v16[:, :, s0:] = tf.values(tf.values(v).half()).transpose(1, 2)
+            k, v = tf.keys(k), tf.values(v)
+        elif cache.key_center:
+            cache.calibrate(k[:, :c], positions=torch.arange(c, device=k.device).expand(B, -1))
             pos = torch.arange(S - s0, device=k.device).expand(B, -1)
             k16[:, :, s0:] = cache.untransform_keys(cache.transform_keys(k, positions=pos).half(),
                                                     positions=pos).transpose(1, 2)
-        if cache.value_pca:
-            v16[:, :, s0:] = cache.transform_values(cache.transform_values(v).half()).transpose(1, 2)
         cache.append(k, v)
         kd, vd = cache.dequantize(use_window=False)
+        if tf is not None:  # back from the transformed domain the cache held
+            kd, vd = tf.keys_back(kd), tf.values(vd)
         kh[:, :, s0:] = (kd if shift is None else kd + shift).transpose(1, 2)
         vh[:, :, s0:] = (vd if v_mean is None else vd + v_mean).transpose(1, 2)
         Sim.sketch = None

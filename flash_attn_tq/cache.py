@@ -130,15 +130,12 @@ class QuantizedKVCache:
     For ``quantizer="turbo"`` codes live in the Hadamard-rotated space; :meth:`rotate_query` and
     :meth:`unrotate_output` move queries and attention outputs in and out of it.
 
-    **Key transform** (``key_center=True`` and/or ``key_scale=a > 0``): keys are stored as
-    ``k' = (k - mu) / s`` with a per-(sequence, kv head) channel mean ``mu`` and per-channel
-    ``s = rms(k - mu) ** a`` (``key_scale_q=True``: ``(rms(k - mu) / rms(q)) ** a`` with the queries
-    of the first :func:`flash_attn_with_kvcache` call, when it brings new k/v), both measured on the first chunk a sequence appends (its prompt) and
-    then fixed (:meth:`calibrate`; a first chunk shorter than ``calib_min_tokens`` leaves the
-    identity). Queries become ``q * s``: ``q' . k' = q . k - q . mu``, a shift shared by every key
-    of a query, so the softmax (and the output) is unchanged while the quantizer sees keys without
-    their common offset (RoPE keys carry a large one). Returned ``softmax_lse`` adds ``q . mu``
-    back. Storage: two float32 ``[batch, kv_heads, head_dim]`` tensors, no per-token metadata.
+    **Key centering** (``key_center=True``): keys are stored as ``k - mu``, ``mu`` the per-(sequence,
+    kv head) mean key of the first chunk a sequence appends (its prompt; :meth:`calibrate`, then fixed;
+    a first chunk shorter than ``calib_min_tokens`` leaves ``mu = 0``). ``q . (k - mu) = q . k - q . mu``,
+    a shift shared by every key of a query, so the softmax (and the output) is unchanged while the
+    quantizer sees keys without their common offset (RoPE keys carry a large one); the returned
+    ``softmax_lse`` adds ``q . mu`` back. Storage: one float32 ``[batch, kv_heads, head_dim]`` tensor.
 
     ``key_center='rope'`` (with ``rope_inv_freq``, the model's ``head_dim / 2`` RoPE frequencies,
     rotate-half pairs as transformers' Llama): keys are stored as ``k - R(p) c``, ``c`` the first
@@ -175,10 +172,6 @@ class QuantizedKVCache:
         key_center: bool | str = False,
         rope_inv_freq: torch.Tensor | Sequence[float] | None = None,
         rope_position_offset: int = 0,
-        key_scale: float = 0.0,
-        key_scale_q: bool = False,
-        key_pca: bool = False,
-        value_pca: bool = False,
         calib_min_tokens: int = 16,
         scale_only: bool | None = None,
         dtype: torch.dtype = torch.float16,
@@ -209,8 +202,6 @@ class QuantizedKVCache:
         self.window_bits = int(window_bits)
         self.sink_tokens = int(sink_tokens)
         self.streaming, self.alpha, self.fit = streaming, alpha, fit
-        if key_scale < 0:
-            raise ValueError(f"key_scale must be >= 0, got {key_scale}")
         if key_center not in (False, True, "rope"):
             raise ValueError(f"key_center must be True, False or 'rope', got {key_center!r}")
         self.rope_center = key_center == "rope"
@@ -222,17 +213,10 @@ class QuantizedKVCache:
             if inv.numel() != head_dim // 2 or not bool(torch.isfinite(inv).all()):
                 raise ValueError(f"rope_inv_freq must hold head_dim / 2 = {head_dim // 2} finite values, got "
                                  f"{inv.numel()}")
-            if key_scale > 0 or key_pca:
-                raise ValueError("key_center='rope' combines with neither key_scale nor key_pca")
             self.rope_inv_freq = inv.to(device)
         elif rope_inv_freq is not None:
             raise ValueError("rope_inv_freq is only used with key_center='rope'")
-        self.key_center, self.key_scale, self.calib_min_tokens = bool(key_center), float(key_scale), int(calib_min_tokens)
-        self.key_pca, self.value_pca = bool(key_pca), bool(value_pca)
-        self.key_scale_q = bool(key_scale_q)
-        if (self.key_pca or self.value_pca) and (quantizer != "turbo" or fit != "mean"):
-            raise ValueError("key_pca/value_pca need quantizer='turbo' with fit='mean' (the offset stores the main "
-                             "direction)")
+        self.key_center, self.calib_min_tokens = bool(key_center), int(calib_min_tokens)
         norm_fit = scale_only_fits(quantizer, grid, fit)
         self.scale_only = norm_fit if scale_only is None else bool(scale_only)
         if self.scale_only and not norm_fit:
@@ -307,28 +291,18 @@ class QuantizedKVCache:
         nan = torch.full((self.batch_size, H), float("nan"), device=device)
         self.k_range = nan.clone() if streaming else None  # asym streaming: per-head EMA of max|x|
         self.v_range = nan.clone() if streaming else None
-        if self.key_transform or self.value_pca:
+        if self.key_center:
             self.k_shift = torch.zeros(self.batch_size, H, head_dim, device=device)
-            self.k_div = torch.ones(self.batch_size, H, head_dim, device=device)
             self.calibrated = torch.zeros(self.batch_size, dtype=torch.bool, device=device)
         else:
-            self.k_shift = self.k_div = self.calibrated = None
+            self.k_shift = self.calibrated = None
         self._calibration_done = False
-        # key_pca: Householder vector w (P = I - 2 w w^T, w = 0: identity) taking the calibration keys'
-        # main direction to e_0, whose component the turbo offset (fit="mean") then stores exactly
-        self.k_house = torch.zeros(self.batch_size, H, head_dim, device=device) if self.key_pca else None
-        # value_pca: the same for values (their uncentered main direction); outputs are mapped back
-        self.v_house = torch.zeros(self.batch_size, H, head_dim, device=device) if self.value_pca else None
 
     # ------------------------------------------------------------------ properties
     @property
     def device(self) -> torch.device:
         return self.k_codes.device
 
-    @property
-    def key_transform(self) -> bool:
-        """True when keys are stored centered and/or scaled (see the class docstring)."""
-        return self.key_center or self.key_scale > 0 or self.key_pca
 
     @property
     def paged(self) -> bool:
@@ -343,7 +317,7 @@ class QuantizedKVCache:
 
     @property
     def v_side(self) -> torch.Tensor | None:
-        """The 16-bit values, as :attr:`k_side` (reflected with ``value_pca``)."""
+        """The 16-bit values, as :attr:`k_side`."""
         return None if self.kv_side is None else self.kv_side[1, :, :-1]
 
     @property
@@ -395,13 +369,12 @@ class QuantizedKVCache:
 
     # ------------------------------------------------------------------ key transform
     def calibrate(self, k: torch.Tensor, batch_idx: torch.Tensor | None = None, force: bool = False,
-                  v: torch.Tensor | None = None, q: torch.Tensor | None = None,
                   positions: torch.Tensor | None = None) -> None:
-        """Set the key transform (and the value_pca direction, from ``v``) of rows ``batch_idx`` from
-        ``k [batch, n, kv_heads, d]`` (rows already calibrated are left alone unless ``force``).
-        Called by :meth:`append` on a row's first chunk. ``positions [batch, n]``: the keys' cache
-        positions (``key_center='rope'``: the center is the mean of the keys turned back by RoPE)."""
-        if not (self.key_transform or self.value_pca):
+        """Set the key center of rows ``batch_idx`` from ``k [batch, n, kv_heads, d]`` (rows already
+        calibrated are left alone unless ``force``). Called by :meth:`append` on a row's first chunk.
+        ``positions [batch, n]``: the keys' cache positions (``key_center='rope'``: the center is the
+        mean of the keys turned back by RoPE)."""
+        if not self.key_center:
             return
         B, n = k.shape[:2]
         bidx = torch.arange(B, device=self.device) if batch_idx is None else batch_idx.to(self.device).long()
@@ -409,64 +382,15 @@ class QuantizedKVCache:
         if not bool(todo.any()):
             return
         shift = torch.zeros(B, self.num_kv_heads, self.head_dim, device=self.device)
-        div = torch.ones_like(shift)
-        house = torch.zeros_like(shift)
-        vhouse = torch.zeros_like(shift)
-        if n >= self.calib_min_tokens and self.value_pca and v is not None:
-            vhouse = self._main_direction_householder(v.float())
         if n >= self.calib_min_tokens:
             kf = k.float()
             if self.rope_center:
                 shift = self._rope_turn(kf, self._positions(positions, k), inverse=True).mean(1)
-            elif self.key_center:
+            else:
                 shift = kf.mean(1)
-            if self.key_scale > 0:
-                rms = (kf - shift[:, None]).pow(2).mean(1).sqrt()
-                rms = rms.clamp(min=1e-3 * float(rms.max().clamp(min=1e-30)))
-                if self.key_scale_q and q is not None:  # balance against the queries: s = (rms_k / rms_q) ** a
-                    group = q.shape[2] // self.num_kv_heads
-                    qf = q.float().reshape(q.shape[0], q.shape[1], self.num_kv_heads, group, self.head_dim)
-                    rq = qf.pow(2).mean((1, 3)).sqrt()
-                    rms = rms / rq.clamp(min=1e-3 * float(rq.max().clamp(min=1e-30)))
-                div = rms.pow(self.key_scale)
-                div = div / div.pow(2).mean(-1, keepdim=True).sqrt()  # unit mean square: only the shape matters
-            if self.key_pca:
-                house = self._main_direction_householder((kf - shift[:, None]) / div[:, None])
         rows = bidx[todo]
         self.k_shift[rows] = shift[todo]
-        self.k_div[rows] = div[todo]
-        if self.key_pca:
-            self.k_house[rows] = house[todo]
-        if self.value_pca:
-            self.v_house[rows] = vhouse[todo]
         self.calibrated[rows] = True
-
-    @staticmethod
-    def _main_direction_householder(x: torch.Tensor) -> torch.Tensor:
-        """Householder vectors w [B, H, d] with (I - 2 w w^T) u = +-e_0 for the main direction u of x [B, n, H, d]."""
-        cov = torch.einsum("bnhi,bnhj->bhij", x, x) / x.shape[1]
-        vec = torch.linalg.eigh(cov.double())[1][..., -1].float()
-        vec = torch.where(vec[..., :1] > 0, -vec, vec)  # u[0] <= 0, so |u - e_0| >= 1
-        w = vec.clone()
-        w[..., 0] -= 1.0
-        return w / w.norm(dim=-1, keepdim=True)
-
-    @staticmethod
-    def _reflect(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """x - 2 (x . w) w (three ops: decode runs it a few times a layer)."""
-        return torch.addcmul(x, (x * w).sum(-1, keepdim=True), w, value=-2.0)
-
-    def untransform_output(self, out: torch.Tensor, batch_idx: torch.Tensor | None = None) -> torch.Tensor:
-        """value_pca: map attention outputs ``[batch, seqlen_q, heads, d]`` over transformed values back."""
-        if not self.value_pca:
-            return out
-        B, Sq, H, D = out.shape
-        w = self._per_row(self.v_house, batch_idx, B)[:, None, :, None]  # [b, 1, kv_heads, 1, d]
-        return self._reflect(out.float().reshape(B, Sq, self.num_kv_heads, -1, D), w).reshape(B, Sq, H, D)
-
-    def _householder(self, x: torch.Tensor, bidx: torch.Tensor) -> torch.Tensor:
-        """P x for x [b, n, H, d] (P symmetric orthogonal: its own inverse)."""
-        return self._reflect(x, self.k_house[bidx][:, None])
 
     def _positions(self, positions: torch.Tensor | None, k: torch.Tensor) -> torch.Tensor:
         if positions is None or tuple(positions.shape) != tuple(k.shape[:2]):
@@ -483,7 +407,7 @@ class QuantizedKVCache:
         """What key centering subtracts from keys at ``positions [batch, n]`` of rows ``batch_idx``:
         ``mu`` (``[batch, 1, kv_heads, d]``), or for ``key_center='rope'`` ``R(p) c``
         (``[batch, n, kv_heads, d]``), float32."""
-        B = positions.shape[0]
+        B = positions.shape[0] if positions is not None else len(batch_idx)
         c = self._per_row(self.k_shift, batch_idx, B)[:, None]
         if not self.rope_center:
             return c
@@ -491,48 +415,22 @@ class QuantizedKVCache:
 
     def transform_keys(self, k: torch.Tensor, batch_idx: torch.Tensor | None = None,
                        positions: torch.Tensor | None = None) -> torch.Tensor:
-        """``(k - mu) / s`` for keys ``[batch, n, kv_heads, d]`` of rows ``batch_idx`` (same dtype);
-        ``key_center='rope'``: ``k - R(p) c`` at cache ``positions [batch, n]``."""
-        if not self.key_transform:
+        """Keys ``[batch, n, kv_heads, d]`` of rows ``batch_idx`` as the codes store them (same dtype):
+        ``k - mu``, or for ``key_center='rope'`` ``k - R(p) c`` at cache ``positions [batch, n]``."""
+        if not self.key_center:
             return k
         bidx = torch.arange(k.shape[0], device=self.device) if batch_idx is None else batch_idx.to(self.device).long()
-        if self.rope_center:
-            return (k.float() - self.key_center_at(bidx, self._positions(positions, k))).to(k.dtype)
-        kt = (k.float() - self.k_shift[bidx][:, None]) / self.k_div[bidx][:, None]
-        if self.key_pca:
-            kt = self._householder(kt, bidx)
-        return kt.to(k.dtype)
-
-    def transform_values(self, v: torch.Tensor, batch_idx: torch.Tensor | None = None) -> torch.Tensor:
-        """value_pca: values ``[batch, n, kv_heads, d]`` of rows ``batch_idx`` as stored, reflected (float32;
-        the reflection is its own inverse, so this also maps stored values back). Else ``v`` unchanged."""
-        if not self.value_pca:
-            return v
-        return self._reflect(v.float(), self._per_row(self.v_house, batch_idx, v.shape[0])[:, None])
+        positions = self._positions(positions, k) if self.rope_center else positions
+        return (k.float() - self.key_center_at(bidx, positions)).to(k.dtype)
 
     def untransform_keys(self, kt: torch.Tensor, batch_idx: torch.Tensor | None = None,
                          positions: torch.Tensor | None = None) -> torch.Tensor:
         """Inverse of :meth:`transform_keys` (float32)."""
-        if not self.key_transform:
+        if not self.key_center:
             return kt.float()
         bidx = torch.arange(kt.shape[0], device=self.device) if batch_idx is None else batch_idx.to(self.device).long()
-        x = kt.float()
-        if self.rope_center:
-            return x + self.key_center_at(bidx, self._positions(positions, kt))
-        if self.key_pca:
-            x = self._householder(x, bidx)
-        return x * self.k_div[bidx][:, None] + self.k_shift[bidx][:, None]
-
-    def transform_query(self, q: torch.Tensor, batch_idx: torch.Tensor | None = None) -> torch.Tensor:
-        """``q * s`` for queries ``[batch, seqlen_q, heads, d]`` (GQA: kv head ``h // group``), float32
-        (``q`` itself when nothing scales or reflects it: centering alone leaves queries as they are)."""
-        if not (self.key_scale > 0 or self.key_pca):
-            return q
-        B, Sq, H, D = q.shape  # GQA through a [b, sq, kv_heads, group, d] view
-        qt = q.float().reshape(B, Sq, self.num_kv_heads, -1, D) * self._per_row(self.k_div, batch_idx, B)[:, None, :, None]
-        if self.key_pca:
-            qt = self._reflect(qt, self._per_row(self.k_house, batch_idx, B)[:, None, :, None])
-        return qt.reshape(B, Sq, H, D)
+        positions = self._positions(positions, kt) if self.rope_center else positions
+        return kt.float() + self.key_center_at(bidx, positions)
 
     def query_shift(self, q: torch.Tensor, batch_idx: torch.Tensor | None = None) -> torch.Tensor:
         """``q . mu`` ``[batch, heads, seqlen_q]``: what the key centering removes from every score."""
@@ -594,8 +492,7 @@ class QuantizedKVCache:
             raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
 
     def append(self, k: torch.Tensor, v: torch.Tensor, cache_seqlens: torch.Tensor | int | None = None,
-               batch_idx: torch.Tensor | None = None, q: torch.Tensor | None = None,
-               error_flags: torch.Tensor | None = None) -> None:
+               batch_idx: torch.Tensor | None = None, error_flags: torch.Tensor | None = None) -> None:
         """Quantize ``k, v [batch, n, kv_heads, d]`` and write them at positions ``cache_seqlens ...``.
 
         ``cache_seqlens`` (int or int32 ``[batch]``) defaults to :attr:`seqlens`; ``batch_idx``
@@ -625,7 +522,7 @@ class QuantizedKVCache:
             if bidx.numel() != B:
                 raise ValueError(f"batch_idx must hold {B} indices in [0, {self.batch_size})")
             # (the kernel checks them too, but calibration and the key/value transforms index rows first)
-            host_check = not fused or self.key_transform or self.value_pca
+            host_check = not fused or self.key_center
             if checking and host_check and (int(bidx.min()) < 0 or int(bidx.max()) >= self.batch_size):
                 raise ValueError(f"batch_idx must hold {B} indices in [0, {self.batch_size})")
             if fused:  # the kernel flags bad indices; gathers below must not fault on them
@@ -646,16 +543,13 @@ class QuantizedKVCache:
         if n == 0:
             return
         k_raw = k
-        if self.key_transform or self.value_pca:
+        if self.key_center:
             pos = start.long().unsqueeze(1) + torch.arange(n, device=self.device) if self.rope_center else None
             if not self._calibration_done and not capturing():  # (a Python flag: no GPU sync once done)
                 skip = min(n, max(0, self.sink_tokens - int(start.min()))) if self.sink_tokens else 0  # not the sinks
-                self.calibrate(k[:, skip:], bidx, v=v[:, skip:], q=q, positions=None if pos is None else pos[:, skip:])
+                self.calibrate(k[:, skip:], bidx, positions=None if pos is None else pos[:, skip:])
                 self._calibration_done = bool(self.calibrated.all())
-            if self.key_transform:
-                k = self.transform_keys(k, bidx, positions=pos)
-            if self.value_pca:
-                v = self.transform_values(v, bidx).to(v.dtype)
+            k = self.transform_keys(k, bidx, positions=pos)
         if fused:  # quantize-on-write kernel: slots, range and value checks on the GPU
             flags = torch.zeros(1, dtype=torch.int32, device=self.device) if error_flags is None else error_flags
             raw_idx = None if batch_idx is None else batch_idx.to(self.device, torch.int32).contiguous()
@@ -747,19 +641,16 @@ class QuantizedKVCache:
                leftpad: torch.Tensor | None = None, softcap: float = 0.0,
                with_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """The fused kernels' attention of ``q [batch, seqlen_q, heads, d]`` over cache rows ``batch_idx``
-        holding ``seqlens [batch]`` tokens: the query transform, the decode kernel over the codes and
-        the 16-bit side, a window of codes' own pass, the output transform. Returns (out like q, lse
-        ``[batch, heads, seqlen_q]``; ``with_lse=False`` skips the key centering's lse shift)."""
-        qt = self.transform_query(q, batch_idx).to(q.dtype)  # q * s (a key scale; else q itself)
-        out, lse = ops.decode(qt, seqlens, batch_idx, softmax_scale, causal, num_splits, window_size, leftpad, softcap,
+        holding ``seqlens [batch]`` tokens: the decode kernel over the codes and the 16-bit side, a
+        window of codes' own pass. Returns (out like q, lse ``[batch, heads, seqlen_q]``;
+        ``with_lse=False`` skips the key centering's lse shift)."""
+        out, lse = ops.decode(q, seqlens, batch_idx, softmax_scale, causal, num_splits, window_size, leftpad, softcap,
                               **self.kernel_args(q.shape[0], batch_idx))
         if self.fp16_window and self.window_quantizer is not None:  # a window of codes: its own pass
-            out_w, lse_w = window_attention(qt, self, batch_idx, seqlens, softmax_scale, causal)
+            out_w, lse_w = window_attention(q, self, batch_idx, seqlens, softmax_scale, causal)
             out, lse = merge_lse(out, lse, out_w, lse_w)
-        if self.key_transform and self.key_center and not self.rope_center and with_lse:
+        if self.key_center and not self.rope_center and with_lse:
             lse = lse + softmax_scale * self.query_shift(q, batch_idx)  # the scores lost q . mu (+inf stays +inf)
-        if self.value_pca:
-            out = self.untransform_output(out, batch_idx)  # values were stored reflected (value_pca)
         return out.to(q.dtype), lse
 
     # ------------------------------------------------------------------ reading
@@ -779,8 +670,8 @@ class QuantizedKVCache:
         Positions at or beyond ``seqlens`` are zero. With an fp16 window the last ``fp16_window``
         tokens come from the window, and the sinks from theirs (``use_window=False`` shows their
         quantized values instead).
-        ``rotated=True`` returns turbo values in the rotated domain (for a key transform: of the
-        transformed keys ``(k - mu) / s``; otherwise keys are returned in their original domain).
+        ``rotated=True`` returns turbo values in the rotated domain (with key centering: of the
+        centered keys; otherwise keys are returned in their original domain).
         """
         bidx = torch.arange(self.batch_size, device=self.device) if batch_idx is None else batch_idx.to(self.device).long()
         g = self.gather(bidx)
@@ -802,10 +693,8 @@ class QuantizedKVCache:
                 x = torch.where(in_win[:, :, None, None], w.gather(1, idx), x)
             if not rotated and self.quantizer == "turbo":
                 x = qz.unrotate(x)
-            if name == "k" and self.key_transform and not rotated:
+            if name == "k" and self.key_center and not rotated:
                 x = self.untransform_keys(x, bidx, positions=pos.expand(len(bidx), -1))
-            if name == "v" and not rotated:
-                x = self.transform_values(x, bidx)  # (value_pca: back from the stored reflection)
             if side is not None:
                 x = torch.where(side[0][:, :, None, None], side[1 if name == "k" else 2], x)
             out.append(x * (pos < lens)[:, :, None, None])
@@ -823,15 +712,13 @@ class QuantizedKVCache:
         idx = src[:, :, None, None].expand(-1, -1, self.num_kv_heads, self.head_dim)
         k, v = (self.kv_side[i][bidx].float().gather(1, idx) for i in (0, 1))
         positions = pos.expand(len(bidx), -1)
-        if rotated:  # the codes' domain: transformed keys, reflected values, turbo's rotation
+        if rotated:  # the codes' domain: centered keys, turbo's rotation
             if self.rope_center:
                 k = self.transform_keys(k, bidx, positions=positions)
             if self.quantizer == "turbo":
                 k, v = self.k_quantizer.rotate(k), self.v_quantizer.rotate(v)
-        else:
-            if self.key_transform and not self.rope_center:
-                k = self.untransform_keys(k, bidx, positions=positions)
-            v = self.transform_values(v, bidx)
+        elif self.key_center and not self.rope_center:
+            k = self.untransform_keys(k, bidx, positions=positions)
         return used, k, v
 
     def window_kv(self, rows: torch.Tensor | slice, rotated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -855,7 +742,7 @@ class QuantizedKVCache:
 
     # ------------------------------------------------------------------ movement / serialization
     _TENSORS = ("k_codes", "v_codes", "k_meta", "v_meta", "seqlens", "kv_side", "k_window_codes", "v_window_codes",
-                "k_window_meta", "v_window_meta", "block_table", "k_range", "v_range", "k_shift", "k_div", "calibrated", "k_house", "v_house",
+                "k_window_meta", "v_window_meta", "block_table", "k_range", "v_range", "k_shift", "calibrated",
                 "rope_inv_freq")
 
     def to(self, device: torch.device | str) -> "QuantizedKVCache":
@@ -876,7 +763,8 @@ class QuantizedKVCache:
                     key_center="rope" if self.rope_center else self.key_center,
                     rope_inv_freq=None if self.rope_inv_freq is None else self.rope_inv_freq.tolist(),
                     rope_position_offset=self.rope_position_offset,
-                    key_scale=self.key_scale, key_scale_q=self.key_scale_q, key_pca=self.key_pca, value_pca=self.value_pca, calib_min_tokens=self.calib_min_tokens, scale_only=self.scale_only, dtype=str(self.dtype).replace("torch.", ""))
+                    calib_min_tokens=self.calib_min_tokens, scale_only=self.scale_only,
+                    dtype=str(self.dtype).replace("torch.", ""))
 
     def state_dict(self) -> dict[str, Any]:
         sd = {name: getattr(self, name) for name in self._TENSORS if getattr(self, name) is not None}
@@ -887,10 +775,11 @@ class QuantizedKVCache:
         mine = self.config()
         theirs = dict(state["config"])
         for key, default in (("fit", "norm"), ("key_center", False), ("rope_inv_freq", None), ("rope_position_offset", 0),
-                             ("key_scale", 0.0), ("key_scale_q", False), ("key_pca", False), ("value_pca", False),
-                             ("calib_min_tokens", 16), ("scale_only", False),
-                             ("window_bits", 16), ("sink_tokens", 0)):
+                             ("calib_min_tokens", 16), ("scale_only", False), ("window_bits", 16), ("sink_tokens", 0)):
             theirs.setdefault(key, default)  # saved before the option existed
+        for key, off in (("key_scale", 0.0), ("key_scale_q", False), ("key_pca", False), ("value_pca", False)):
+            if theirs.get(key, off) == off:  # options a cache no longer has, saved switched off
+                theirs.pop(key, None)
         if mine != theirs:
             diff = {k: (mine.get(k), theirs.get(k)) for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k)}
             raise ValueError(f"state_dict was saved from a cache with another configuration: {diff}")

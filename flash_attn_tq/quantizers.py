@@ -150,8 +150,8 @@ class TurboQuantizer:
             ``"unbiased"``: same codes, scale with ``<x_hat, x> = |x|^2``. ``"search"``: the step is
             searched per vector over :data:`SEARCH_STEPS` times the N(0, 1) step, keeping the codes
             closest in angle to ``x``, then norm correction. ``"mean"``: the offset stores the mean
-            of the rotated vector exactly (the component along ``+-e_0`` of the input, which
-            ``QuantizedKVCache(key_pca=True)`` turns into the keys' main direction) and the codes
+            of the rotated vector exactly (the component along ``+-e_0`` of the input: what the
+            evaluation's key_pca simulation turns into the keys' main direction) and the codes
             + norm-corrected scale the rest. All stay in the stored format (the fused decode reads
             any per-vector affine); only quantize-on-write falls back to PyTorch.
     """

@@ -71,7 +71,7 @@ def _check(q, cache, out, lse, causal, rows=None):
         lp, lp_lse = baseline.attention_reference(cache.rotate_query(q.float()).to(dt), kr.to(dt), vr.to(dt),
                                                   causal=causal, key_lengths=lens)
         lp = cache.unrotate_output(lp.float())
-        if cache.key_transform:
+        if cache.key_center:
             lp_lse = lp_lse + scale * cache.query_shift(q, rows)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     err, err_lp = (out.float() - ref).abs().max().item(), (lp.float() - ref).abs().max().item()

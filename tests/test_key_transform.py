@@ -1,6 +1,8 @@
-"""Key centering / per-channel key scaling (QuantizedKVCache(key_center=, key_scale=)) and the
-per-vector fits of TurboQuantizer(fit=...), on the CPU reference path."""
-import math
+"""Key centering (QuantizedKVCache(key_center=)), the per-vector fits of TurboQuantizer(fit=...) on
+the CPU reference path, and the key/value transforms only the evaluation's simulation has
+(benchmarks/eval_quality.py: key_scale, key_scale_q, key_pca, value_pca)."""
+import pathlib
+import sys
 
 import pytest
 import torch
@@ -21,34 +23,28 @@ def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-@pytest.mark.parametrize("quantizer", ["turbo", "asym", "turbo-pca"])
-@pytest.mark.parametrize("center,scale", [(True, 0.0), (True, 0.5), (False, 0.5)])
-def test_transform_is_exact_on_scores(quantizer, center, scale):
-    extra = {}
-    if quantizer == "turbo-pca":
-        quantizer, extra = "turbo", dict(key_pca=True, fit="mean")
+@pytest.mark.parametrize("quantizer", ["turbo", "asym"])
+def test_centering_is_exact_on_scores(quantizer):
     B, S, H, Hq, d = 2, 40, 2, 4, 64
     k = keys_with_offset(B, S, H, d)
     v = torch.randn(B, S, H, d)
     q = torch.randn(B, 3, Hq, d)
-    cache = QuantizedKVCache(B, 64, H, d, quantizer=quantizer, key_center=center, key_scale=scale, **extra)
+    cache = QuantizedKVCache(B, 64, H, d, quantizer=quantizer, key_center=True)
     cache.append(k, v)
     assert bool(cache.calibrated.all())
     torch.testing.assert_close(cache.untransform_keys(cache.transform_keys(k)), k, rtol=1e-5, atol=1e-4)
-    if center:
-        torch.testing.assert_close(cache.k_shift, k.mean(1))
-    # q' . k' + q . mu == q . k for the transformed keys the quantizer sees
+    torch.testing.assert_close(cache.k_shift, k.mean(1))
+    # q . (k - mu) + q . mu == q . k for the centered keys the quantizer sees
     kt = cache.transform_keys(k)
-    qt = cache.transform_query(q)
     group = Hq // H
-    s_t = torch.einsum("bqhd,bkhd->bhqk", qt, kt.float().repeat_interleave(group, 2))
+    s_t = torch.einsum("bqhd,bkhd->bhqk", q, kt.float().repeat_interleave(group, 2))
     s = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(group, 2))
-    shift = cache.query_shift(q) if center else torch.zeros(B, Hq, 3)
+    shift = cache.query_shift(q)
     torch.testing.assert_close(s_t + shift.unsqueeze(-1), s, rtol=1e-4, atol=1e-3)
-    # attention over the transformed (quantized) keys with q' == attention over the dequantized keys with q
+    # attention over the centered (quantized) keys == attention over the dequantized keys
     k_hat, v_hat = cache.dequantize()
     k_hat_t = cache.transform_keys(k_hat[:, :S])
-    out_t, lse_t = attention_reference(qt, k_hat_t, v_hat[:, :S], softmax_scale=d ** -0.5)
+    out_t, lse_t = attention_reference(q, k_hat_t, v_hat[:, :S], softmax_scale=d ** -0.5)
     out, lse = attention_reference(q, k_hat[:, :S], v_hat[:, :S], softmax_scale=d ** -0.5)
     torch.testing.assert_close(out_t, out, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(lse_t + shift * d ** -0.5, lse, rtol=1e-4, atol=1e-4)
@@ -66,7 +62,7 @@ def test_centering_reduces_key_error_and_api_matches_reference():
         err[center] = rel(k_hat, k)
     assert err[True] < 0.5 * err[False]
     # flash_attn_with_kvcache (new k/v given, causal) == float attention over the dequantized cache
-    cache = QuantizedKVCache(B, S + 8, H, d, key_center=True, key_scale=0.5, fp16_window=16)
+    cache = QuantizedKVCache(B, S + 8, H, d, key_center=True, fp16_window=16)
     q = torch.randn(B, 5, Hq, d)
     out, lse = flash_attn_with_kvcache(q, cache, k=k, v=v, causal=True, return_softmax_lse=True)
     k_hat, v_hat = cache.dequantize()
@@ -75,10 +71,10 @@ def test_centering_reduces_key_error_and_api_matches_reference():
     torch.testing.assert_close(lse, ref_lse, rtol=1e-4, atol=1e-4)
 
 
-def test_window_holds_transformed_keys_and_state_dict():
+def test_window_holds_centered_keys_and_state_dict():
     B, S, H, d = 2, 50, 1, 64
     k, v = keys_with_offset(B, S, H, d, seed=5), torch.randn(B, S, H, d)
-    cache = QuantizedKVCache(B, 64, H, d, key_center=True, key_scale=0.5, fp16_window=8)
+    cache = QuantizedKVCache(B, 64, H, d, key_center=True, fp16_window=8)
     cache.append(k[:, :30], v[:, :30])
     cache.append(k[:, 30:], v[:, 30:])  # calibration stays the first chunk's
     torch.testing.assert_close(cache.k_shift, k[:, :30].mean(1))
@@ -89,57 +85,17 @@ def test_window_holds_transformed_keys_and_state_dict():
     assert clone.config() == cache.config()
 
 
-def test_key_pca_stores_main_direction_exactly():
-    B, S, H, d = 1, 200, 2, 64
-    g = torch.Generator().manual_seed(4)
-    main = torch.nn.functional.normalize(torch.randn(H, d, generator=g), dim=-1)
-    k = torch.randn(B, S, H, d, generator=g) * 0.3 + torch.randn(B, S, H, 1, generator=g) * 4 * main
-    v = torch.randn(B, S, H, d, generator=g)
-    err = {}
-    for pca in (False, True):
-        cache = QuantizedKVCache(B, S, H, d, key_center=True, key_pca=pca, fit="mean" if pca else "norm")
-        cache.append(k, v)
-        err[pca] = rel(cache.dequantize()[0], k)
-        if pca:  # P maps the main direction to +-e_0
-            pv = cache._householder(main[None, None], torch.zeros(1, dtype=torch.long))[0, 0]
-            assert torch.allclose(pv.abs()[:, 0], torch.ones(H), atol=0.02)
-    assert err[True] < 0.6 * err[False]  # (0.097 vs 0.187 here)
-    with pytest.raises(ValueError):
-        QuantizedKVCache(1, 8, 1, 64, key_pca=True)  # needs fit="mean"
-
-
-def test_value_pca():
-    B, S, H, Hq, d = 1, 160, 2, 4, 64
-    g = torch.Generator().manual_seed(6)
-    main = torch.nn.functional.normalize(torch.randn(H, d, generator=g), dim=-1)
-    k = keys_with_offset(B, S, H, d, seed=6)
-    v = torch.randn(B, S, H, d, generator=g) * 0.3 + (2 + torch.randn(B, S, H, 1, generator=g)) * 3 * main
-    err = {}
-    for pca in (False, True):
-        cache = QuantizedKVCache(B, S + 4, H, d, value_pca=pca, fit="mean" if pca else "norm", fp16_window=8)
-        cache.append(k, v)
-        err[pca] = rel(cache.dequantize(use_window=False)[1][:, :S], v)
-    assert err[True] < 0.6 * err[False]
-    # what the fused path does: attend over the stored (reflected) values, reflect the output back
-    q = torch.randn(B, 2, Hq, d, generator=g)
-    k_hat, v_hat = cache.dequantize()
-    out, _ = attention_reference(q, k_hat[:, :S], v_hat[:, :S])
-    v_stored = cache._reflect(v_hat[:, :S], cache.v_house[:, None])
-    out_t, _ = attention_reference(q, k_hat[:, :S], v_stored)
-    torch.testing.assert_close(cache.untransform_output(out_t), out, rtol=1e-4, atol=1e-4)
-    got = flash_attn_with_kvcache(q, cache)
-    torch.testing.assert_close(got.float(), out, rtol=1e-4, atol=1e-4)
-    clone = QuantizedKVCache.from_state_dict(cache.state_dict())
-    torch.testing.assert_close(clone.dequantize()[1], v_hat)
-
-
 def test_short_first_chunk_keeps_identity():
-    cache = QuantizedKVCache(1, 32, 1, 64, key_center=True, key_scale=0.5, calib_min_tokens=16)
+    cache = QuantizedKVCache(1, 32, 1, 64, key_center=True, calib_min_tokens=16)
     cache.append(torch.randn(1, 4, 1, 64) + 3, torch.randn(1, 4, 1, 64))
     assert bool(cache.calibrated.all())
-    assert float(cache.k_shift.abs().max()) == 0.0 and float((cache.k_div - 1).abs().max()) == 0.0
-    with pytest.raises(ValueError):
-        QuantizedKVCache(1, 8, 1, 64, key_scale=-1.0)
+    assert float(cache.k_shift.abs().max()) == 0.0
+
+
+def test_research_options_are_not_in_the_product():
+    for name in ("key_scale", "key_scale_q", "key_pca", "value_pca"):
+        with pytest.raises(TypeError):
+            QuantizedKVCache(1, 8, 1, 64, **{name: 1})
 
 
 def test_fits():
@@ -168,49 +124,89 @@ def test_fits():
     assert rel(cache.dequantize()[0], k) < 0.25
 
 
-def test_key_scale_balanced_against_queries():
-    B, S, H, Hq, d = 1, 64, 2, 4, 64
-    k = keys_with_offset(B, S, H, d, seed=8)
-    v = torch.randn(B, S, H, d)
+# ------------------------------------------------- the simulation's transforms (eval_quality.py)
+
+def _eval_quality():
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+    import eval_quality
+    return eval_quality
+
+
+def _cfg(**kw):
+    return dict(dict(key_center=True, key_scale=0.0, key_scale_q=False, key_pca=False, value_pca=False), **kw)
+
+
+@pytest.mark.parametrize("opts", [dict(key_scale=0.5), dict(key_scale=0.5, key_scale_q=True), dict(key_pca=True),
+                                  dict(key_center=False, key_scale=0.5, key_pca=True)])
+def test_simulated_key_transform_is_exact_on_attention(opts):
+    """keys() / keys_back() invert each other, and attention over transformed keys with q * s (then
+    reflected) equals attention over the keys themselves up to the shared q . mu."""
+    eq = _eval_quality()
+    B, S, H, Hq, d = 2, 40, 2, 4, 64
+    k, v = keys_with_offset(B, S, H, d), torch.randn(B, S, H, d)
     q = torch.randn(B, S, Hq, d) * torch.linspace(0.5, 2, d)
-    cache = QuantizedKVCache(B, S, H, d, key_center=True, key_scale=0.5, key_scale_q=True)
-    out = flash_attn_with_kvcache(q, cache, k=k, v=v, causal=True)  # the first call calibrates with q
+    tf = eq.KeyValueTransform(_cfg(**opts), k, v, q)
+    torch.testing.assert_close(tf.keys_back(tf.keys(k)), k, rtol=1e-5, atol=1e-4)
+    group = Hq // H
+    kt = tf.keys(k).repeat_interleave(group, 2)
+    qs = q * tf.div.repeat_interleave(group, 1)[:, None]
+    if tf.house is not None:
+        qs = eq._reflect(qs, tf.house.repeat_interleave(group, 1)[:, None])
+    shift = torch.einsum("bqhd,bhd->bhq", q, tf.shift.repeat_interleave(group, 1))
+    s_t = torch.einsum("bqhd,bkhd->bhqk", qs, kt) + shift.unsqueeze(-1)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(group, 2))
+    torch.testing.assert_close(s_t, s, rtol=1e-4, atol=1e-3)
+
+
+def test_simulated_key_scale_balanced_against_queries():
+    eq = _eval_quality()
+    B, S, H, Hq, d = 1, 64, 2, 4, 64
+    k, v = keys_with_offset(B, S, H, d, seed=8), torch.randn(B, S, H, d)
+    q = torch.randn(B, S, Hq, d) * torch.linspace(0.5, 2, d)
+    tf = eq.KeyValueTransform(_cfg(key_scale=0.5, key_scale_q=True), k, v, q)
     rk = (k - k.mean(1, keepdim=True)).pow(2).mean(1).sqrt()
     rq = q.reshape(B, S, H, Hq // H, d).pow(2).mean((1, 3)).sqrt()
     s = (rk / rq).sqrt()
-    s = s / s.pow(2).mean(-1, keepdim=True).sqrt()
-    torch.testing.assert_close(cache.k_div, s, rtol=1e-4, atol=1e-5)
-    k_hat, v_hat = cache.dequantize()
-    ref, _ = attention_reference(q, k_hat, v_hat, causal=True)
-    torch.testing.assert_close(out.float(), ref, rtol=1e-4, atol=1e-4)
-    plain = QuantizedKVCache(B, S, H, d, key_center=True, key_scale=0.5, key_scale_q=True)
-    plain.append(k, v)  # no queries: falls back to rms(k) ** a
-    torch.testing.assert_close(plain.k_div, rk.sqrt() / rk.sqrt().pow(2).mean(-1, keepdim=True).sqrt(), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(tf.div, s / s.pow(2).mean(-1, keepdim=True).sqrt(), rtol=1e-4, atol=1e-5)
+    plain = eq.KeyValueTransform(_cfg(key_scale=0.5, key_scale_q=True), k, v)  # no queries: rms(k) ** a
+    torch.testing.assert_close(plain.div, rk.sqrt() / rk.sqrt().pow(2).mean(-1, keepdim=True).sqrt(),
+                               rtol=1e-4, atol=1e-5)
 
 
-def test_transforms_of_selected_rows():
-    """transform_query / query_shift / untransform_output for cache rows picked by batch_idx (the
-    fused path's GQA views) against the per-q-head formulas."""
+def test_simulated_pca_stores_main_directions_exactly():
+    """key_pca / value_pca with fit="mean": the main direction reflected onto e_0, whose component the
+    offset stores exactly, so the codes' error drops."""
+    eq = _eval_quality()
+    B, S, H, d = 1, 200, 2, 64
+    g = torch.Generator().manual_seed(4)
+    main = torch.nn.functional.normalize(torch.randn(H, d, generator=g), dim=-1)
+    k = torch.randn(B, S, H, d, generator=g) * 0.3 + torch.randn(B, S, H, 1, generator=g) * 4 * main
+    v = torch.randn(B, S, H, d, generator=g) * 0.3 + (2 + torch.randn(B, S, H, 1, generator=g)) * 3 * main
+    tf = eq.KeyValueTransform(_cfg(key_pca=True, value_pca=True), k, v)
+    pk = eq._reflect(main[None], tf.house)[0]
+    assert torch.allclose(pk.abs()[:, 0], torch.ones(H), atol=0.02)
+    torch.testing.assert_close(tf.values(tf.values(v)), v, rtol=1e-5, atol=1e-5)  # its own inverse
+    err = {}
+    for pca in (False, True):
+        cache = QuantizedKVCache(B, S, H, d, fit="mean" if pca else "norm")
+        kk, vv = (tf.keys(k), tf.values(v)) if pca else (k - k.mean(1, keepdim=True), v)
+        cache.append(kk, vv)
+        kd, vd = cache.dequantize()
+        kd, vd = (tf.keys_back(kd), tf.values(vd)) if pca else (kd + k.mean(1, keepdim=True), vd)
+        err[pca] = (rel(kd, k), rel(vd, v))
+    assert err[True][0] < 0.6 * err[False][0] and err[True][1] < 0.6 * err[False][1]
+
+
+def test_query_shift_of_selected_rows():
+    """query_shift for cache rows picked by batch_idx (the fused path's GQA views)."""
     B, S, H, Hq, d = 3, 40, 2, 6, 64
-    cache = QuantizedKVCache(B, 64, H, d, key_center=True, key_scale=0.5, key_pca=True, value_pca=True, fit="mean")
+    cache = QuantizedKVCache(B, 64, H, d, key_center=True)
     cache.append(keys_with_offset(B, S, H, d, seed=9), torch.randn(B, S, H, d))
-    assert bool(cache.calibrated.all())
     rows = torch.tensor([2, 0], dtype=torch.int32)
-    q, o = torch.randn(2, 3, Hq, d), torch.randn(2, 3, Hq, d)
-    group = Hq // H
-
-    def per_q_head(table):
-        return table[rows.long()].repeat_interleave(group, 1)  # [2, Hq, d]
-
-    div, w, wv = per_q_head(cache.k_div)[:, None], per_q_head(cache.k_house)[:, None], per_q_head(cache.v_house)[:, None]
-    qt = q * div
-    torch.testing.assert_close(cache.transform_query(q, rows), qt - 2 * (qt * w).sum(-1, keepdim=True) * w)
-    torch.testing.assert_close(cache.query_shift(q, rows), torch.einsum("bshd,bhd->bhs", q, per_q_head(cache.k_shift)))
-    torch.testing.assert_close(cache.untransform_output(o, rows), o - 2 * (o * wv).sum(-1, keepdim=True) * wv)
-    first_rows = torch.tensor([0, 1])  # the default: rows 0..batch-1
-    torch.testing.assert_close(cache.transform_query(q), cache.transform_query(q, first_rows))
-    torch.testing.assert_close(cache.query_shift(q), cache.query_shift(q, first_rows))
-    torch.testing.assert_close(cache.untransform_output(o), cache.untransform_output(o, first_rows))
+    q = torch.randn(2, 3, Hq, d)
+    mu = cache.k_shift[rows.long()].repeat_interleave(Hq // H, 1)
+    torch.testing.assert_close(cache.query_shift(q, rows), torch.einsum("bshd,bhd->bhs", q, mu))
+    torch.testing.assert_close(cache.query_shift(q), cache.query_shift(q, torch.tensor([0, 1])))
 
 
 # ---------------------------------------------------------------- key_center="rope"
@@ -284,8 +280,6 @@ def test_rope_center_errors():
         QuantizedKVCache(1, 8, 1, 64, key_center="rope", rope_inv_freq=torch.full((32,), float("nan")))
     with pytest.raises(ValueError, match="rope_inv_freq"):
         QuantizedKVCache(1, 8, 1, 64, key_center=True, rope_inv_freq=inv)
-    with pytest.raises(ValueError, match="key_scale nor key_pca"):
-        QuantizedKVCache(1, 8, 1, 64, key_center="rope", rope_inv_freq=inv, key_scale=0.5)
     with pytest.raises(ValueError, match="key_center"):
         QuantizedKVCache(1, 8, 1, 64, key_center="pre")
     cache = QuantizedKVCache(1, 8, 1, 64, key_center="rope", rope_inv_freq=inv)

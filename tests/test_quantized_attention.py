@@ -556,7 +556,7 @@ def test_sinks_are_kept_in_16_bit(monkeypatch, seqlen_q, options):
     codes (and the window): the reference path equals float32 attention over exactly that, and the
     fused branch's Python side (stand-in kernel) equals the reference path."""
     kw = {"sinks": dict(sink_tokens=4), "sinks-window": dict(sink_tokens=4, fp16_window=8),
-          "tqcache-default": dict(sink_tokens=4, fp16_window=8, key_center=True, key_pca=True, value_pca=True,
+          "tqcache-default": dict(sink_tokens=4, fp16_window=8, key_center=True,
                                   fit="mean")}[options]
     gen = torch.Generator().manual_seed(seqlen_q + 7 * len(options))
     cache = QuantizedKVCache(2, 80, 2, 64, **kw)
@@ -605,7 +605,7 @@ def test_fused_branch_python_side_matches_reference_path(monkeypatch, seqlen_q, 
     """The GPU path's Python side (window part, log-sum-exp merge, key/value transforms, lse shift)
     run on the CPU with a stand-in for the kernel, against the reference path on the same cache."""
     kw = {"plain": {}, "window": dict(fp16_window=8), "local": {}, "leftpad-softcap": {},
-          "tqcache-default": dict(fp16_window=8, key_center=True, key_pca=True, value_pca=True, fit="mean")}[options]
+          "tqcache-default": dict(fp16_window=8, key_center=True, fit="mean")}[options]
     local = (20, 0) if options == "local" else (-1, -1)  # window_size
     extra = dict(cache_leftpad=torch.tensor([5, 12], dtype=torch.int32), softcap=2.5) if options == "leftpad-softcap" else {}
     gen = torch.Generator().manual_seed(seqlen_q + 11 * len(options))

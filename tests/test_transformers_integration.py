@@ -31,7 +31,7 @@ def oracle_attention(module, query, key, value, attention_mask, scaling=None, dr
     in 16-bit)."""
     layer = getattr(key, "_tq_layer", None)
     if layer is not None:
-        layer.commit(query)
+        layer.commit()
     if layer is None or (layer.prefill == "full" and layer.chunk_start == 0):  # plain / protected / prefill
         ks, vs = key.double(), value.double()
         kvalid = None
@@ -74,10 +74,9 @@ CASES = [
     dict(),  # the defaults (window larger than these sequences: every token 16-bit)
     dict(fp16_window=0, sink_tokens=0, key_center=False),
     dict(fp16_window=8, sink_tokens=4, key_center=True),
-    dict(fp16_window=8, sink_tokens=2, key_center=True, key_scale=0.5, prefill="quantized"),
+    dict(fp16_window=8, sink_tokens=2, key_center=True, prefill="quantized"),
     dict(fp16_window=0, sink_tokens=0, quantizer="asym", prefill="quantized"),
-    dict(fp16_window=4, sink_tokens=4, key_center=True, key_scale=0.5, key_scale_q=True, key_pca=True,
-         value_pca=True, fit="mean"),
+    dict(fp16_window=4, sink_tokens=4, key_center=True, fit="mean"),
     dict(fp16_window=16, sink_tokens=0, k_bits=4, v_bits=3, protected_layers=(0,)),
     dict(fp16_window=4, sink_tokens=2, key_center=True, layer_options={1: dict(k_bits=4), 2: dict(k_bits=4)}),
     dict(fp16_window=4, sink_tokens=2, scale_only=False, late_k_bits=None),  # (scale, offset), 3-bit keys everywhere
@@ -85,7 +84,7 @@ CASES = [
     dict(fp16_window=8, window_bits=4, sink_tokens=0, quantizer="asym", prefill="quantized"),
     # per-head bits: a layer's kv heads in two caches (8-bit keys in one head), or three layers' worth
     dict(fp16_window=4, sink_tokens=2, head_options={(0, 1): dict(k_bits=8), (2, 0): dict(k_bits=4, v_bits=4)}),
-    dict(fp16_window=0, sink_tokens=3, prefill="quantized", key_scale=0.5, head_options={(1, 0): dict(k_bits=8)}),
+    dict(fp16_window=0, sink_tokens=3, prefill="quantized", key_center=True, head_options={(1, 0): dict(k_bits=8)}),
     # RoPE-aware key centering (the reference path): sinks and window at their positions, head groups
     dict(fp16_window=8, sink_tokens=4, key_center="rope"),
     dict(fp16_window=4, sink_tokens=2, key_center="rope", prefill="quantized", head_options={(1, 0): dict(k_bits=8)}),
@@ -331,8 +330,7 @@ def test_defaults_are_the_quality_study_default():
             assert opts["k_bits"] == eval_quality.key_bits_of(cfg, i, layers), (name, i)
             assert opts["v_bits"] == (2 if i in eval_quality.v2_layers(cfg, layers) else cfg["v_bits"]), i
             want = eval_quality.tq_options(cfg)  # (rope_center="exact" is key_center="rope")
-            for o in ("quantizer", "fit", "fp16_window", "key_center", "key_scale", "key_scale_q", "key_pca",
-                      "value_pca", "scale_only"):
+            for o in ("quantizer", "fit", "fp16_window", "key_center", "scale_only"):
                 assert opts[o] == want[o], (name, i, o)
         assert cache.bits_per_element(64) == pytest.approx(eval_quality.config_bits(cfg, 64, layers))
     assert TQCache(config).bits_per_element(64) == pytest.approx(3.5)  # the budget at head_dim 64

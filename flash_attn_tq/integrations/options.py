@@ -10,8 +10,7 @@ from ..cache import scale_only_fits
 
 # The default configuration (chosen by benchmarks/eval_quality.py; see benchmarks/results/quality.md).
 DEFAULTS = dict(k_bits=3, v_bits=3, quantizer="turbo", grid="uniform", fit="norm", scale_only=True, late_k_bits=4,
-                fp16_window=112, window_bits=16, sink_tokens=16, key_center="rope", key_scale=0.0, key_scale_q=False,
-                key_pca=False, value_pca=False)
+                fp16_window=112, window_bits=16, sink_tokens=16, key_center="rope")
 # Per sequence and layer: 16 sink tokens + the last 112 tokens in 16-bit (attended by the same kernel
 # launch as the codes); every other token as 3-bit codes + one float16 scale (turbo's norm fit: the
 # offset is -mid * scale, not stored), keys centered before RoPE (key_center="rope": the keys' constant

@@ -29,10 +29,8 @@ Per layer, the cache holds
 * keys centered (``key_center="rope"``, the default: by the prompt's mean pre-RoPE key turned to
   each key's position, the frequencies from the config, whose term the decode kernel adds back to
   each score; ``key_center=True``: by the prompt's mean post-RoPE key, what the default falls back to
-  without a config or rotate-half RoPE over the whole head); optionally reflected so that their main direction is stored exactly
-  (``key_pca``, with ``fit="mean"``), values likewise (``value_pca``), per-channel key scaling
-  (``key_scale``/``key_scale_q``); all exact for attention (see QuantizedKVCache), calibrated on the
-  prompt.
+  without a config or rotate-half RoPE over the whole head); exact for attention (see
+  QuantizedKVCache), calibrated on the prompt.
 
 The prompt (the first forward) attends in full precision over its own keys (``prefill="full"``,
 the usual practice; its K/V are quantized into the cache as they are written); later tokens attend
@@ -234,18 +232,14 @@ class TQLayer(CacheLayerMixin):
     def prefetch(self):
         pass
 
-    def commit(self, query: torch.Tensor) -> None:
-        """Quantize the pending K/V into the cache (the queries ``[B, Hq, Sq, D]`` serve the key calibration
-        of ``key_scale_q`` on the first chunk)."""
+    def commit(self) -> None:
+        """Quantize the pending K/V into the cache (each head group its heads')."""
         if self.pending is not None:
             k, v = self.pending
             self.pending = None
-            q = query.transpose(1, 2)
-            q = q.float() if q.dtype == torch.float64 else q
-            G = q.shape[2] // self.num_kv_heads
             flags = self.pack_errors.buffer(k.device) if self.pack_errors is not None and k.is_cuda else None
             for g, qc in enumerate(self.caches):
-                qc.append(self._heads(k, g), self._heads(v, g), q=self._heads(q, g, G), error_flags=flags)
+                qc.append(self._heads(k, g), self._heads(v, g), error_flags=flags)
             if flags is not None and self.checks_pack_errors:
                 self.pack_errors.check()
 
@@ -298,7 +292,7 @@ class TQCache(Cache):
             keys for the few heads copying depends on: :meth:`calibrated`); a layer then holds its
             kv heads in one QuantizedKVCache per distinct set of options (see :class:`TQLayer`).
         **cache_kwargs: QuantizedKVCache options (k_bits, v_bits, quantizer, grid, fit, scale_only,
-            fp16_window, key_center, key_scale, seed, ...). Missing ones come from :data:`DEFAULTS`;
+            fp16_window, key_center, seed, ...). Missing ones come from :data:`DEFAULTS`;
             ``scale_only`` defaults to False where the options do not allow it (asym, Lloyd-Max grid,
             ``fit="mean"``).
     """
@@ -323,8 +317,7 @@ class TQCache(Cache):
             head_dim = config.hidden_size // config.num_attention_heads
         if late_k_bits is not None and not 2 <= int(late_k_bits) <= 4:
             raise ValueError(f"late_k_bits must be 2, 3, 4 or None, got {late_k_bits}")
-        if "key_center" not in cache_kwargs and opts["key_center"] == "rope" and (
-                opts["key_scale"] > 0 or opts["key_pca"] or rope_center_freqs(config) is None):
+        if "key_center" not in cache_kwargs and opts["key_center"] == "rope" and rope_center_freqs(config) is None:
             opts["key_center"] = True  # the default where the RoPE center cannot apply: the post-RoPE mean
         if opts.get("key_center") == "rope" and opts.get("rope_inv_freq") is None:
             if config is None:
@@ -452,7 +445,7 @@ def tq_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torc
     """
     layer = getattr(key, "_tq_layer", None)
     if layer is not None:
-        layer.commit(query)
+        layer.commit()
     if layer is None or (layer.prefill == "full" and layer.chunk_start == 0):
         if layer is not None:
             _check_no_padding(attention_mask)
