@@ -31,7 +31,7 @@ Clipped means, on the uniform grid, that the code before the clamp (``floor(y / 
 :func:`register_fake_quant_attention` registers a transformers attention function that fake-quantizes
 the key states (after RoPE, as the cache stores them) and the value states, then runs transformers'
 SDPA attention. Its options mirror :class:`~flash_attn_tq.integrations.transformers.TQCache`'s where
-they apply to training: ``k_bits``, ``v_bits``, ``grid``, ``seed``, ``sink_tokens`` (the first tokens
+they apply to training: ``k_bits``, ``v_bits``, ``grid``, ``seed``, ``scale_only``, ``sink_tokens`` (the first tokens
 of each sequence stay in full precision), ``protected_layers`` and ``layer_options`` (per-layer
 ``k_bits`` / ``v_bits``). No 16-bit recent window (``fp16_window=0``) and no key centering: the cache
 to decode with afterwards is ``TQCache(config, fp16_window=0, sink_tokens=..., key_center=False,
@@ -72,8 +72,10 @@ def clip_mask(quantizer: TurboQuantizer, r: torch.Tensor) -> torch.Tensor:
 
 class _FakeQuant(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, quantizer: TurboQuantizer):
+    def forward(ctx, x: torch.Tensor, quantizer: TurboQuantizer, scale_only: bool):
         codes, meta = quantizer.quantize(x)
+        if scale_only:  # the stored format keeps the scale alone: offset = -mid * scale, not rounded to float16
+            meta = meta[..., :1]
         ctx.quantizer = quantizer
         ctx.save_for_backward(clip_mask(quantizer, quantizer.rotate(x)))
         return quantizer.dequantize(codes, meta).to(x.dtype)
@@ -82,25 +84,34 @@ class _FakeQuant(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         (mask,) = ctx.saved_tensors
         q = ctx.quantizer
-        return q.unrotate(q.rotate(grad) * mask).to(grad.dtype), None
+        return q.unrotate(q.rotate(grad) * mask).to(grad.dtype), None, None
 
 
 def fake_quant(x: torch.Tensor, bits: int = 3, quantizer: str = "turbo", seed: int = 0,
-               grid: str = "uniform") -> torch.Tensor:
+               grid: str = "uniform", scale_only: bool | None = None) -> torch.Tensor:
     """Fake-quantize K or V vectors ``x [..., head_dim]`` with the cache's codec.
 
-    Forward: ``TurboQuantizer(head_dim, bits, grid, seed).dequantize(*quantize(x))`` in ``x``'s dtype
-    (the cache's round trip of each vector). Backward: the straight-through estimator of the module
+    Forward: ``q.dequantize(codes, meta)`` of ``codes, meta = q.quantize(x)``,
+    ``q = TurboQuantizer(head_dim, bits, grid, seed)``, in ``x``'s dtype: the cache's round trip of
+    each vector. ``scale_only`` (default: True on the uniform grid, as QuantizedKVCache's default)
+    dequantizes from the scale alone (``meta[..., :1]``: offset ``-mid * scale`` exactly, what the
+    scale-only cache stores); False: from the float16 (scale, offset) pair (``scale_only=False``
+    caches, the Lloyd-Max grid). The float16 rounding of that offset moves SmolLM2's large keys
+    enough to matter (logits differ by several units), so match the cache you will decode with. Backward: the straight-through estimator of the module
     docstring (identity, except the rotated directions the grid clipped get zero gradient).
     Only ``quantizer="turbo"`` with its default fit (``"norm"``, what the cache uses) is supported.
     """
     if quantizer != "turbo":
         raise NotImplementedError(f"fake_quant supports quantizer='turbo' only, got {quantizer!r}")
-    return _FakeQuant.apply(x, _quantizer(int(x.shape[-1]), int(bits), grid, int(seed)))
+    if scale_only is None:
+        scale_only = grid == "uniform"
+    if scale_only and grid != "uniform":
+        raise ValueError("scale_only needs the uniform grid")
+    return _FakeQuant.apply(x, _quantizer(int(x.shape[-1]), int(bits), grid, int(seed)), bool(scale_only))
 
 
 def fake_quant_kv(key: torch.Tensor, value: torch.Tensor, *, k_bits: int = 3, v_bits: int = 3, grid: str = "uniform",
-                  seed: int = 0, sink_tokens: int = 0, seq_dim: int = -2) -> tuple[torch.Tensor, torch.Tensor]:
+                  seed: int = 0, sink_tokens: int = 0, scale_only: bool | None = None, seq_dim: int = -2) -> tuple[torch.Tensor, torch.Tensor]:
     """Fake-quantize ``key``/``value`` (``[B, Hkv, S, D]`` by default: ``seq_dim=-2``), keeping the first
     ``sink_tokens`` positions in full precision (bits 16 or more: that tensor untouched)."""
     def one(x, bits):
@@ -108,14 +119,14 @@ def fake_quant_kv(key: torch.Tensor, value: torch.Tensor, *, k_bits: int = 3, v_
             return x
         s = min(int(sink_tokens), x.shape[seq_dim])
         if s == 0:
-            return fake_quant(x, bits, seed=seed, grid=grid)
+            return fake_quant(x, bits, seed=seed, grid=grid, scale_only=scale_only)
         head, tail = x.split([s, x.shape[seq_dim] - s], dim=seq_dim)
-        return torch.cat([head, fake_quant(tail, bits, seed=seed, grid=grid)], dim=seq_dim)
+        return torch.cat([head, fake_quant(tail, bits, seed=seed, grid=grid, scale_only=scale_only)], dim=seq_dim)
     return one(key, k_bits), one(value, v_bits)
 
 
 def make_fake_quant_attention(*, k_bits: int = 3, v_bits: int = 3, quantizer: str = "turbo", grid: str = "uniform",
-                              seed: int = 0, sink_tokens: int = 0, fp16_window: int = 0,
+                              seed: int = 0, sink_tokens: int = 0, fp16_window: int = 0, scale_only: bool | None = None,
                               protected_layers: Iterable[int] = (), layer_options: Mapping[int, Mapping] | None = None):
     """The attention function (transformers' AttentionInterface signature) that
     :func:`register_fake_quant_attention` registers; see the module docstring for the options."""
@@ -142,7 +153,7 @@ def make_fake_quant_attention(*, k_bits: int = 3, v_bits: int = 3, quantizer: st
         if idx not in protected:
             o = per_layer.get(idx, {})
             key, value = fake_quant_kv(key, value, k_bits=o.get("k_bits", k_bits), v_bits=o.get("v_bits", v_bits),
-                                       grid=grid, seed=seed, sink_tokens=sink_tokens)
+                                       grid=grid, seed=seed, sink_tokens=sink_tokens, scale_only=scale_only)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
 
@@ -154,7 +165,7 @@ def register_fake_quant_attention(name: str = FAKE_QUANT_ATTENTION, **options) -
     (re-registering a name replaces its options); returns ``name`` for
     ``model.set_attn_implementation(name)`` or ``from_pretrained(..., attn_implementation=name)``.
     ``options``: those of :func:`make_fake_quant_attention` (``k_bits=3, v_bits=3, grid="uniform",
-    seed=0, sink_tokens=0, protected_layers=(), layer_options=None``)."""
+    seed=0, scale_only=None, sink_tokens=0, protected_layers=(), layer_options=None``)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 

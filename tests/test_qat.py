@@ -23,13 +23,22 @@ def test_forward_is_codec_round_trip(bits, grid):
     x = torch.randn(2, 3, 7, D) * 3
     x[0, 0, 0] = 0  # a zero vector stays zero
     q = TurboQuantizer(D, bits, grid, seed=5)
-    ref = q.dequantize(*q.quantize(x))
+    codes, meta = q.quantize(x)
+    scale_only = grid == "uniform"  # the default: the cache's scale-only format on the uniform grid
+    ref = q.dequantize(codes, meta[..., :1] if scale_only else meta)
     out = fake_quant(x, bits, seed=5, grid=grid)
     assert out.dtype == x.dtype and torch.equal(out, ref)
     assert torch.equal(out[0, 0, 0], torch.zeros(D))
+    if scale_only:  # the (scale, offset) pair of scale_only=False caches
+        assert torch.equal(fake_quant(x, bits, seed=5, scale_only=False), q.dequantize(codes, meta))
+    else:
+        with pytest.raises(ValueError):
+            fake_quant(x, bits, grid=grid, scale_only=True)
     # the lower-precision input dtype is kept
     xb = x.to(torch.bfloat16)
-    assert torch.equal(fake_quant(xb, bits, seed=5, grid=grid), q.dequantize(*q.quantize(xb)).to(torch.bfloat16))
+    cb, mb = q.quantize(xb)
+    assert torch.equal(fake_quant(xb, bits, seed=5, grid=grid),
+                       q.dequantize(cb, mb[..., :1] if scale_only else mb).to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("grid", ["uniform", "lloyd_max"])
@@ -121,7 +130,8 @@ def test_gradients_flow_through_a_llama_model():
             assert float(grad.abs().max()) > 0, (i, name)
 
 
-def test_forward_matches_the_real_cache():
+@pytest.mark.parametrize("scale_only", [True, False])
+def test_forward_matches_the_real_cache(scale_only):
     """The fake-quant forward equals attending over a TQCache with the same codec (no window, no sinks,
     no key centering; every token, the prompt included, over the quantized cache)."""
     from flash_attn_tq.integrations.transformers import ATTN_IMPLEMENTATION, TQCache
@@ -129,11 +139,11 @@ def test_forward_matches_the_real_cache():
     model = tiny_llama(seed=2).eval()
     ids = torch.randint(3, 96, (1, 40), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        model.set_attn_implementation(register_fake_quant_attention(k_bits=3, v_bits=3))
+        model.set_attn_implementation(register_fake_quant_attention(k_bits=3, v_bits=3, scale_only=scale_only))
         fq = model(ids, use_cache=False).logits
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         cache = TQCache(model.config, fp16_window=0, sink_tokens=0, key_center=False, late_k_bits=None,
-                        scale_only=False, prefill="quantized")
+                        scale_only=scale_only, prefill="quantized")
         real = model(ids, past_key_values=cache, use_cache=True).logits
         model.set_attn_implementation("sdpa")
         full = model(ids, use_cache=False).logits
