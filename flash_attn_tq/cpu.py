@@ -60,7 +60,7 @@ class CpuQuantizedKVCache:
     """
 
     def __init__(self, batch_size: int, max_seqlen: int, num_kv_heads: int, head_dim: int, *,
-                 key_group: Optional[int] = None, v_bits: int = 3, seed: int = 0, block_size: int = 512,
+                 key_group: Optional[int] = None, v_bits: int = 3, seed: int = 0, block_size: int = 256,
                  compute_dtype: torch.dtype = torch.float32, score_dtype: Optional[torch.dtype] = None,
                  device: Union[torch.device, str] = "cpu"):
         for name, val in (("batch_size", batch_size), ("max_seqlen", max_seqlen), ("num_kv_heads", num_kv_heads),
