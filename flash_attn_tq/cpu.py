@@ -12,10 +12,10 @@ the keys' outlier channels over all coordinates, so one int8 scale per token los
   norm fit, scale-only), ``v_codes [batch, kv_heads, max_seqlen, code_bytes]`` uint8 and
   ``v_scale [batch, kv_heads, max_seqlen]`` float16 (3 bits: 3.125 bits/element at head_dim 128).
 
-Keys 8.125 + values 3.125 = 5.625 bits/element on average at head_dim 128 (2.84x smaller than fp16).
+Keys 8.125 and values 3.125: 5.625 bits/element on average at head_dim 128 (2.84x smaller than fp16).
 
-Attention (:func:`attend`) never materializes the float cache: the scores come from int8 key blocks
-of ``block_size`` tokens converted to ``compute_dtype`` and multiplied by the turned queries (the
+Attention (:meth:`CpuQuantizedKVCache.attend`) never materializes the float cache: the scores come from int8 key blocks
+of ``block_size`` tokens converted to ``score_dtype`` and multiplied by the turned queries (the
 scales applied to the small score block), then one float32 softmax over all the scores, then the
 values are decoded from their 16-bit code lanes block by block with masks (no gather)
 and multiplied by the probabilities times the value scales; the output is turned back once (the
