@@ -15,6 +15,7 @@ Writes benchmarks/results/cpu.json and cpu.md (stamped: CPU model, torch version
 
     python benchmarks/bench_cpu.py [--threads 1,2] [--repeats 9] [--no-quality]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,8 +57,9 @@ def cpu_model() -> str:
 
 def commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
@@ -79,6 +81,7 @@ def interleaved_ms(fns: dict, repeats: int, warmup: int = 1) -> dict:
 
 # ------------------------------------------------------------------------------------ timing
 
+
 def timing(batch: int, seqlen: int, hq: int, hk: int, d: int, repeats: int, ref_repeats: int) -> list[dict]:
     gen = torch.Generator().manual_seed(0)
     k = torch.randn(batch, seqlen, hk, d, generator=gen) + torch.randn(1, 1, hk, d, generator=gen)
@@ -92,9 +95,11 @@ def timing(batch: int, seqlen: int, hq: int, hk: int, d: int, repeats: int, ref_
         name = f"SDPA {str(dt).replace('torch.', '')} K/V"
         fns[name] = lambda a=a, b=b, c=c: F.scaled_dot_product_attention(a, b, c, enable_gqa=True)
         info[name] = (bits, "")
-    for name, kw in (("CpuQuantizedKVCache int8 K (per token) + 3-bit V", {}),
-                     ("same, bfloat16 compute", dict(compute_dtype=torch.bfloat16)),
-                     ("same, int8 K scale per 32 channels", dict(key_group=32))):
+    for name, kw in (
+        ("CpuQuantizedKVCache int8 K (per token) + 3-bit V", {}),
+        ("same, bfloat16 compute", dict(compute_dtype=torch.bfloat16)),
+        ("same, int8 K scale per 32 channels", dict(key_group=32)),
+    ):
         cache = CpuQuantizedKVCache(batch, seqlen, hk, d, **kw)
         cache.append(k, v)
         fns[name] = lambda cache=cache: fa.flash_attn_with_kvcache(q, cache)
@@ -119,6 +124,7 @@ def timing(batch: int, seqlen: int, hq: int, hk: int, d: int, repeats: int, ref_
 
 # ----------------------------------------------------------------------------------- quality
 
+
 class Attn:
     """The attention function the quality run installs: ``mode`` picks what each layer does."""
 
@@ -132,7 +138,7 @@ class Attn:
         B, hq, S, d = query.shape
         hk = key.shape[1]
         if scaling is None:
-            scaling = d ** -0.5
+            scaling = d**-0.5
         mode = Attn.mode
         if mode in ("full", "fp16"):
             k, v = (key, value) if mode == "full" else (key.half().float(), value.half().float())
@@ -143,8 +149,11 @@ class Attn:
             v_bits = int(mode[-1])
             cache = CpuQuantizedKVCache(B, S, hk, d, v_bits=v_bits)
             for group in (None, 32):  # key quantization error on the model's own keys
-                kq, ks = cache.quantize_keys(k) if group is None else \
-                    CpuQuantizedKVCache(1, 1, hk, d, key_group=32).quantize_keys(k)
+                kq, ks = (
+                    cache.quantize_keys(k)
+                    if group is None
+                    else CpuQuantizedKVCache(1, 1, hk, d, key_group=32).quantize_keys(k)
+                )
                 g = d if group is None else 32
                 kr = (kq.float().unflatten(-1, (-1, g)) * ks.float().unsqueeze(-1)).flatten(-2)
                 err = ((cache.quantizer.unrotate(kr) - k.float()).norm() / k.float().norm()).item()
@@ -168,12 +177,16 @@ def quality(window: int, windows_per_text: int) -> dict:
     for path in TEXTS:
         ids = tok(Path(path).read_text(), return_tensors="pt").input_ids[0]
         for w in range(windows_per_text):
-            chunk = ids[w * window:(w + 1) * window]
+            chunk = ids[w * window : (w + 1) * window]
             if chunk.numel() == window:
                 windows.append((Path(path).name, chunk.unsqueeze(0)))
-    modes = {"full": "full precision (fp32 K/V)", "fp16": "fp16 K/V (SDPA)",
-             "cpu3": "CpuQuantizedKVCache int8 K + 3-bit V", "cpu4": "CpuQuantizedKVCache int8 K + 4-bit V",
-             "k3v3": "QuantizedKVCache 3-bit K + 3-bit V (reference path)"}
+    modes = {
+        "full": "full precision (fp32 K/V)",
+        "fp16": "fp16 K/V (SDPA)",
+        "cpu3": "CpuQuantizedKVCache int8 K + 3-bit V",
+        "cpu4": "CpuQuantizedKVCache int8 K + 4-bit V",
+        "k3v3": "QuantizedKVCache 3-bit K + 3-bit V (reference path)",
+    }
     logits = {}
     result = dict(window=window, windows=[f"{n}[{i}]" for i, (n, _) in enumerate(windows)], configs={})
     with torch.no_grad():
@@ -187,17 +200,27 @@ def quality(window: int, windows_per_text: int) -> dict:
             for (_, ids), lp, lr in zip(windows, logits[mode], ref):
                 target = ids[0, 1:]
                 top1.append((lp.argmax(-1) == lr.argmax(-1)).float().mean().item())
-                kl.append(F.kl_div(lp.log_softmax(-1), lr.log_softmax(-1), log_target=True,
-                                   reduction="batchmean").item())
+                kl.append(
+                    F.kl_div(lp.log_softmax(-1), lr.log_softmax(-1), log_target=True, reduction="batchmean").item()
+                )
                 nll.append(F.cross_entropy(lp, target).item())
-            row = dict(label=label, top1_agreement=round(statistics.mean(top1), 4),
-                       kl_mean=round(statistics.mean(kl), 5), ppl=round(math.exp(statistics.mean(nll)), 3),
-                       seconds=round(secs, 1))
+            row = dict(
+                label=label,
+                top1_agreement=round(statistics.mean(top1), 4),
+                kl_mean=round(statistics.mean(kl), 5),
+                ppl=round(math.exp(statistics.mean(nll)), 3),
+                seconds=round(secs, 1),
+            )
             result["configs"][mode] = row
-            print(f"  {label:52s} top-1 {row['top1_agreement']:.4f}  KL {row['kl_mean']:.5f}  PPL {row['ppl']:.3f}"
-                  f"  ({secs:.0f} s)", flush=True)
-    result["key_rel_error"] = {("per token" if g == "token" else "per 32 channels"): round(statistics.mean(v), 5)
-                               for g, v in Attn.key_err.items()}
+            print(
+                f"  {label:52s} top-1 {row['top1_agreement']:.4f}  KL {row['kl_mean']:.5f}  PPL {row['ppl']:.3f}"
+                f"  ({secs:.0f} s)",
+                flush=True,
+            )
+    result["key_rel_error"] = {
+        ("per token" if g == "token" else "per 32 channels"): round(statistics.mean(v), 5)
+        for g, v in Attn.key_err.items()
+    }
     print(f"  int8 key relative error on SmolLM2 keys (rotated): {result['key_rel_error']}")
     return result
 
@@ -207,12 +230,17 @@ def write(res: dict) -> None:
     (RESULTS / "cpu.json").write_text(json.dumps(res, indent=1) + "\n")
     s = res["stamp"]
     shape = res["shape"]
-    lines = ["# CPU mode: CpuQuantizedKVCache (int8 keys, 3-bit values)", "",
-             f"{s['cpu']} ({s['cpus']} CPUs; load average {s['load_avg']:.2f} at the start: the machine was shared), "
-             f"torch {s['torch']}, commit {s['commit']}, {s['date']}. Produced by `python benchmarks/bench_cpu.py"
-             f" --threads {','.join(map(str, s['threads']))}`.", "",
-             f"## Decode time (B={shape['batch']}, S={shape['seqlen']}, heads {shape['heads_q']}/{shape['heads_kv']}, "
-             f"d={shape['head_dim']}, one query token, median of {res['repeats']} round-robin calls)", ""]
+    lines = [
+        "# CPU mode: CpuQuantizedKVCache (int8 keys, 3-bit values)",
+        "",
+        f"{s['cpu']} ({s['cpus']} CPUs; load average {s['load_avg']:.2f} at the start: the machine was shared), "
+        f"torch {s['torch']}, commit {s['commit']}, {s['date']}. Produced by `python benchmarks/bench_cpu.py"
+        f" --threads {','.join(map(str, s['threads']))}`.",
+        "",
+        f"## Decode time (B={shape['batch']}, S={shape['seqlen']}, heads {shape['heads_q']}/{shape['heads_kv']}, "
+        f"d={shape['head_dim']}, one query token, median of {res['repeats']} round-robin calls)",
+        "",
+    ]
     for n, rows in res["timing"].items():
         lines += [f"{n} thread(s):", "", "| path | ms / call | bits / element | note |", "|---|---:|---:|---|"]
         for r in rows:
@@ -220,20 +248,30 @@ def write(res: dict) -> None:
         lines.append("")
     q = res.get("quality")
     if q:
-        lines += [f"## SmolLM2-135M-Instruct quality ({len(q['windows'])} windows of {q['window']} tokens: "
-                  f"{', '.join(q['windows'])}; every token attends through the cache)", "",
-                  "| K/V | top-1 agreement | KL(full ‖ config) | PPL |", "|---|---:|---:|---:|"]
+        lines += [
+            f"## SmolLM2-135M-Instruct quality ({len(q['windows'])} windows of {q['window']} tokens: "
+            f"{', '.join(q['windows'])}; every token attends through the cache)",
+            "",
+            "| K/V | top-1 agreement | KL(full ‖ config) | PPL |",
+            "|---|---:|---:|---:|",
+        ]
         for r in q["configs"].values():
             lines.append(f"| {r['label']} | {r['top1_agreement']:.4f} | {r['kl_mean']:.5f} | {r['ppl']:.3f} |")
-        lines += ["", "int8 key relative error on the model's keys (after the Hadamard rotation): "
-                  + ", ".join(f"{k} {v:.5f}" for k, v in q["key_rel_error"].items())]
+        lines += [
+            "",
+            "int8 key relative error on the model's keys (after the Hadamard rotation): "
+            + ", ".join(f"{k} {v:.5f}" for k, v in q["key_rel_error"].items()),
+        ]
     (RESULTS / "cpu.md").write_text("\n".join(lines) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--threads", default="0", help="comma-separated torch thread counts to time with (0: torch's "
-                    "default); the quality run uses the last")
+    ap.add_argument(
+        "--threads",
+        default="0",
+        help="comma-separated torch thread counts to time with (0: torch's default); the quality run uses the last",
+    )
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--ref-repeats", type=int, default=3)
     ap.add_argument("--batch", type=int, default=4)
@@ -243,10 +281,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-quality", action="store_true")
     args = ap.parse_args(argv)
     threads = [int(t) or torch.get_num_threads() for t in args.threads.split(",")]
-    stamp = dict(cpu=cpu_model(), cpus=os.cpu_count(), threads=threads, torch=torch.__version__, commit=commit(),
-                 load_avg=os.getloadavg()[0], date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
-    print(f"{stamp['cpu']} | {stamp['cpus']} CPUs, load {stamp['load_avg']:.2f} | torch {stamp['torch']} | "
-          f"commit {stamp['commit']}")
+    stamp = dict(
+        cpu=cpu_model(),
+        cpus=os.cpu_count(),
+        threads=threads,
+        torch=torch.__version__,
+        commit=commit(),
+        load_avg=os.getloadavg()[0],
+        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    )
+    print(
+        f"{stamp['cpu']} | {stamp['cpus']} CPUs, load {stamp['load_avg']:.2f} | torch {stamp['torch']} | "
+        f"commit {stamp['commit']}"
+    )
     shape = dict(batch=args.batch, seqlen=args.seqlen, heads_q=32, heads_kv=8, head_dim=128)
     res = dict(stamp=stamp, shape=shape, repeats=args.repeats, timing={})
     for n in threads:

@@ -17,6 +17,7 @@ FA2, our kv16). GB/s counts the bytes the kernel must read
 the GPU, torch, CUDA and git commit. A second table times quantize-on-write (the pack kernel, K and
 V) against a device copy of the same fp16 bytes.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -76,6 +77,7 @@ def bench_graph(fn, reps_ms=200):
 def upstream_fa2():
     try:
         from flash_attn import flash_attn_with_kvcache as f
+
         return f
     except Exception:
         return None
@@ -88,8 +90,8 @@ def fill_cache(B, S, Hk, d, dtype, chunk=8192, **cache_kwargs):
     for s0 in range(0, S, chunk):
         kc = torch.randn(B, min(chunk, S - s0), Hk, d, device="cuda", dtype=dtype)
         vc = torch.randn_like(kc)
-        k[:, s0:s0 + kc.shape[1]] = kc
-        v[:, s0:s0 + kc.shape[1]] = vc
+        k[:, s0 : s0 + kc.shape[1]] = kc
+        v[:, s0 : s0 + kc.shape[1]] = vc
         cache.append(kc, vc)
     return cache, k, v
 
@@ -97,7 +99,7 @@ def fill_cache(B, S, Hk, d, dtype, chunk=8192, **cache_kwargs):
 def run_shape(B, S, Hq, Hk, d, dtype=torch.float16):
     cache, k, v = fill_cache(B, S, Hk, d, dtype)
     q = torch.randn(B, 1, Hq, d, device="cuda", dtype=dtype)
-    scale = d ** -0.5
+    scale = d**-0.5
     lens = cache.seqlens
     row = {"B": B, "S": S, "Hq": Hq, "Hk": Hk, "d": d}
     args = cache.kernel_args(B)
@@ -138,8 +140,14 @@ def run_shape(B, S, Hq, Hk, d, dtype=torch.float16):
 
 
 PRODUCTION_SHAPES = [  # (B, S, Hq, Hk, d): the issue's table, and short caches
-    (1, 4096, 32, 8, 128), (8, 32768, 32, 8, 128), (64, 2048, 32, 8, 128), (1, 131072, 32, 8, 128),
-    (8, 32768, 32, 8, 64), (1, 1024, 32, 8, 128), (8, 1024, 32, 8, 128), (32, 8192, 32, 8, 128),
+    (1, 4096, 32, 8, 128),
+    (8, 32768, 32, 8, 128),
+    (64, 2048, 32, 8, 128),
+    (1, 131072, 32, 8, 128),
+    (8, 32768, 32, 8, 64),
+    (1, 1024, 32, 8, 128),
+    (8, 1024, 32, 8, 128),
+    (32, 8192, 32, 8, 128),
 ]
 # The default cache (TQCache.calibrated for SmolLM2): every layer keeps 16 sink + 112 recent tokens in
 # 16-bit and centers its keys before RoPE; 32 / head_dim of the layers hold 4-bit keys (what the
@@ -155,8 +163,9 @@ def rope_freqs(d):
 
 
 def fill_default(B, S, Hk, d, dtype, k_bits=3, v_bits=3):
-    cache, _, _ = fill_cache(B, S, Hk, d, dtype, k_bits=k_bits, v_bits=v_bits, rope_inv_freq=rope_freqs(d),
-                             **DEFAULT_OPTS)
+    cache, _, _ = fill_cache(
+        B, S, Hk, d, dtype, k_bits=k_bits, v_bits=v_bits, rope_inv_freq=rope_freqs(d), **DEFAULT_OPTS
+    )
     return cache
 
 
@@ -168,10 +177,11 @@ def run_production(B, S, Hq, Hk, d, dtype=torch.float16):
     plain, k, v = fill_cache(B, S, Hk, d, dtype)
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     from torch.nn.attention import SDPBackend, sdpa_kernel
+
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         row["cudnn_us"] = bench(lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True))
     del k, v, kt, vt
-    call = lambda c: (lambda: fa.flash_attn_with_kvcache(q, c))  # noqa: E731
+    call = lambda c: lambda: fa.flash_attn_with_kvcache(q, c)  # noqa: E731
     row["plain_us"], row["plain_eager_us"] = bench_graph(call(plain)), bench(call(plain))
     del plain
     torch.cuda.empty_cache()
@@ -212,41 +222,56 @@ def write_production(rows, meta, out_dir, prefill=(), generate=()):
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "production.json"), "w") as f:
         json.dump({"meta": meta, "rows": rows, "prefill": list(prefill), "generate": list(generate)}, f, indent=1)
-    lines = [f"# The default cache vs the plain 3-bit cache ({meta['gpu']}, torch {meta['torch']}, CUDA {meta['cuda']}, "
-             f"commit {meta['commit']})", "",
-             "flash_attn_with_kvcache(q, cache), q_len 1, fp16, µs (do_bench medians; 'graph': the call replayed as a "
-             "CUDA graph). default = TQCache.calibrated's SmolLM2 layout mapped onto the shape: 16 sink + 112 recent "
-             f"tokens in 16-bit, keys centered before RoPE, 32/d of {DEFAULT_LAYERS} layers with 4-bit keys, one layer "
-             "with a K8V8 kv head beside 3-bit ones (two launches); its time is the layers' weighted mean.", "",
-             "| B | S | Hq/Hk | d | cuDNN | plain (graph) | default (graph) | default / plain | cuDNN / default | "
-             "plain eager | default eager | eager default / plain | K3V3 layer | K4V3 layer | copy-head layer |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# The default cache vs the plain 3-bit cache ({meta['gpu']}, torch {meta['torch']}, CUDA {meta['cuda']}, "
+        f"commit {meta['commit']})",
+        "",
+        "flash_attn_with_kvcache(q, cache), q_len 1, fp16, µs (do_bench medians; 'graph': the call replayed as a "
+        "CUDA graph). default = TQCache.calibrated's SmolLM2 layout mapped onto the shape: 16 sink + 112 recent "
+        f"tokens in 16-bit, keys centered before RoPE, 32/d of {DEFAULT_LAYERS} layers with 4-bit keys, one layer "
+        "with a K8V8 kv head beside 3-bit ones (two launches); its time is the layers' weighted mean.",
+        "",
+        "| B | S | Hq/Hk | d | cuDNN | plain (graph) | default (graph) | default / plain | cuDNN / default | "
+        "plain eager | default eager | eager default / plain | K3V3 layer | K4V3 layer | copy-head layer |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['B']} | {r['S']} | {r['Hq']}/{r['Hk']} | {r['d']} | {fmt(r['cudnn_us'])} | "
-                     f"{fmt(r['plain_us'])} | {fmt(r['default_us'])} | {r['default_vs_plain']:.2f}x | "
-                     f"{r['default_speedup_vs_cudnn']:.2f}x | {fmt(r['plain_eager_us'])} | {fmt(r['default_eager_us'])} | "
-                     f"{r['default_eager_us'] / r['plain_eager_us']:.2f}x | {fmt(r['k3_us'])} | {fmt(r['k4_us'])} | "
-                     f"{fmt(r['mixed_us'])} |")
+        lines.append(
+            f"| {r['B']} | {r['S']} | {r['Hq']}/{r['Hk']} | {r['d']} | {fmt(r['cudnn_us'])} | "
+            f"{fmt(r['plain_us'])} | {fmt(r['default_us'])} | {r['default_vs_plain']:.2f}x | "
+            f"{r['default_speedup_vs_cudnn']:.2f}x | {fmt(r['plain_eager_us'])} | {fmt(r['default_eager_us'])} | "
+            f"{r['default_eager_us'] / r['plain_eager_us']:.2f}x | {fmt(r['k3_us'])} | {fmt(r['k4_us'])} | "
+            f"{fmt(r['mixed_us'])} |"
+        )
     if generate:
-        lines += ["", "## generate() decode tokens/s (benchmarks/bench_generate.py)", "",
-                  "| model | B | prompt | DynamicCache | StaticCache | TQCache | TQCache / best fp16 |", "|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "## generate() decode tokens/s (benchmarks/bench_generate.py)",
+            "",
+            "| model | B | prompt | DynamicCache | StaticCache | TQCache | TQCache / best fp16 |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for g in generate:
             best = max(x for x in (g.get("dynamic_tok_s"), g.get("static_tok_s")) if x)
-            lines.append(f"| {g.get('model_desc') or g['model']} | {g['B']} | {g['prompt']} | {fmt(g.get('dynamic_tok_s'))} | "
-                         f"{fmt(g.get('static_tok_s'))} | {fmt(g.get('tq_tok_s'))} | {g['tq_tok_s'] / best:.2f}x |")
+            lines.append(
+                f"| {g.get('model_desc') or g['model']} | {g['B']} | {g['prompt']} | {fmt(g.get('dynamic_tok_s'))} | "
+                f"{fmt(g.get('static_tok_s'))} | {fmt(g.get('tq_tok_s'))} | {g['tq_tok_s'] / best:.2f}x |"
+            )
     with open(os.path.join(out_dir, "production.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(8, 4))
         names = [f"{r['B']}x{r['S'] // 1024}K d{r['d']}" for r in rows]
         x = range(len(rows))
-        for i, (key, label) in enumerate((("cudnn_us", "cuDNN fp16"), ("plain_us", "plain 3-bit"),
-                                          ("default_us", "default cache"))):
+        for i, (key, label) in enumerate(
+            (("cudnn_us", "cuDNN fp16"), ("plain_us", "plain 3-bit"), ("default_us", "default cache"))
+        ):
             ax.bar([j + 0.27 * (i - 1) for j in x], [r[key] for r in rows], width=0.27, label=label)
         ax.set_xticks(list(x), names, rotation=30, fontsize=8)
         ax.set_ylabel("µs (CUDA graph)")
@@ -259,7 +284,12 @@ def write_production(rows, meta, out_dir, prefill=(), generate=()):
 
 
 PACK_SHAPES = [  # (B, new tokens, kv heads, d): decode appends, a prefill chunk, a long prompt
-    (1, 1, 8, 128), (64, 1, 8, 128), (1, 2048, 8, 128), (8, 4096, 8, 128), (1, 32768, 8, 128), (8, 4096, 8, 64),
+    (1, 1, 8, 128),
+    (64, 1, 8, 128),
+    (1, 2048, 8, 128),
+    (8, 4096, 8, 128),
+    (1, 32768, 8, 128),
+    (8, 4096, 8, 64),
 ]
 
 
@@ -288,12 +318,18 @@ def stamp():
     commit = os.environ.get("GIT_COMMIT")  # set by the caller where the checkout has no (current) .git
     if not commit:
         try:
-            commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
-                                             stderr=subprocess.DEVNULL).strip()
+            commit = subprocess.check_output(
+                ["git", "rev-parse", "--short", "HEAD"], text=True, stderr=subprocess.DEVNULL
+            ).strip()
         except Exception:
             commit = "unknown"
-    return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
-            "commit": commit, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    return {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "commit": commit,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
 
 
 def fmt(x, spec=".1f"):
@@ -304,36 +340,50 @@ def write_results(rows, pack_rows, meta, out_dir, name):
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
         json.dump({"meta": meta, "rows": rows, "pack": pack_rows}, f, indent=1)
-    lines = [f"# Decode attention, fused 3-bit vs FP16 ({meta['gpu']}, torch {meta['torch']}, CUDA {meta['cuda']}, "
-             f"commit {meta['commit']})", "",
-             "µs are do_bench medians (random data, warm-up); speedup = fastest FP16 path (SDPA flash, SDPA cuDNN, "
-             "upstream FA2, our kv16 = this kernel body over the fp16 cache) / ours. 'kernel' is the fused op alone; 'API' is flash_attn_with_kvcache end to end "
-             "(argument handling + the kernel), eager and replayed as a CUDA graph as serving engines "
-             "run decode. GB/s = bytes that must be read (packed codes + metadata, or fp16 K/V) / time.", "",
-             "| B | S | Hq/Hk | d | tq3 kernel µs | tq3 API µs (eager) | tq3 API µs (graph) | SDPA flash µs | SDPA cuDNN µs | "
-             "FA2 µs | kv16 µs | speedup (kernel) | speedup (API, graph) | tq3 GB/s | fp16 GB/s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Decode attention, fused 3-bit vs FP16 ({meta['gpu']}, torch {meta['torch']}, CUDA {meta['cuda']}, "
+        f"commit {meta['commit']})",
+        "",
+        "µs are do_bench medians (random data, warm-up); speedup = fastest FP16 path (SDPA flash, SDPA cuDNN, "
+        "upstream FA2, our kv16 = this kernel body over the fp16 cache) / ours. 'kernel' is the fused op alone; 'API' is flash_attn_with_kvcache end to end "
+        "(argument handling + the kernel), eager and replayed as a CUDA graph as serving engines "
+        "run decode. GB/s = bytes that must be read (packed codes + metadata, or fp16 K/V) / time.",
+        "",
+        "| B | S | Hq/Hk | d | tq3 kernel µs | tq3 API µs (eager) | tq3 API µs (graph) | SDPA flash µs | SDPA cuDNN µs | "
+        "FA2 µs | kv16 µs | speedup (kernel) | speedup (API, graph) | tq3 GB/s | fp16 GB/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['B']} | {r['S']} | {r['Hq']}/{r['Hk']} | {r['d']} | {fmt(r['tq3_kernel'])} | "
-                     f"{fmt(r['tq3_api'])} | {fmt(r['tq3_api_graph'])} | {fmt(r['sdpa_flash'])} | {fmt(r['sdpa_cudnn'])} | "
-                     f"{fmt(r['fa2'])} | {fmt(r.get('kv16'))} | {fmt(r['speedup_kernel'], '.2f')}x | "
-                     f"{fmt(r['speedup_api_graph'], '.2f')}x | {fmt(r['tq3_GBps'], '.0f')} | {fmt(r['fp16_GBps'], '.0f')} |")
+        lines.append(
+            f"| {r['B']} | {r['S']} | {r['Hq']}/{r['Hk']} | {r['d']} | {fmt(r['tq3_kernel'])} | "
+            f"{fmt(r['tq3_api'])} | {fmt(r['tq3_api_graph'])} | {fmt(r['sdpa_flash'])} | {fmt(r['sdpa_cudnn'])} | "
+            f"{fmt(r['fa2'])} | {fmt(r.get('kv16'))} | {fmt(r['speedup_kernel'], '.2f')}x | "
+            f"{fmt(r['speedup_api_graph'], '.2f')}x | {fmt(r['tq3_GBps'], '.0f')} | {fmt(r['fp16_GBps'], '.0f')} |"
+        )
     if pack_rows:
-        lines += ["", "## Quantize-on-write (turbo 3-bit, K and V)", "",
-                  "GB/s count the fp16 K+V input; 'copy' is a device copy of the same bytes (read + write) in the "
-                  "same run; 'of 4.2 TB/s' is the pack kernel's input rate over the H200's measured copy rate.", "",
-                  "| B | new tokens | Hk | d | input MB | pack kernel µs | append API µs | copy µs | pack GB/s | "
-                  "append GB/s | pack / copy time | of 4.2 TB/s |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "## Quantize-on-write (turbo 3-bit, K and V)",
+            "",
+            "GB/s count the fp16 K+V input; 'copy' is a device copy of the same bytes (read + write) in the "
+            "same run; 'of 4.2 TB/s' is the pack kernel's input rate over the H200's measured copy rate.",
+            "",
+            "| B | new tokens | Hk | d | input MB | pack kernel µs | append API µs | copy µs | pack GB/s | "
+            "append GB/s | pack / copy time | of 4.2 TB/s |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for r in pack_rows:
-            lines.append(f"| {r['B']} | {r['n']} | {r['Hk']} | {r['d']} | {r['input_MB']:.2f} | {fmt(r['pack_us'])} | "
-                         f"{fmt(r['append_us'])} | {fmt(r['copy_us'])} | {fmt(r['pack_GBps'], '.0f')} | "
-                         f"{fmt(r['append_GBps'], '.0f')} | {r['pack_vs_copy_read']:.2f} | {100 * r['pack_vs_hbm_copy']:.0f}% |")
+            lines.append(
+                f"| {r['B']} | {r['n']} | {r['Hk']} | {r['d']} | {r['input_MB']:.2f} | {fmt(r['pack_us'])} | "
+                f"{fmt(r['append_us'])} | {fmt(r['copy_us'])} | {fmt(r['pack_GBps'], '.0f')} | "
+                f"{fmt(r['append_GBps'], '.0f')} | {r['pack_vs_copy_read']:.2f} | {100 * r['pack_vs_hbm_copy']:.0f}% |"
+            )
     with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
@@ -362,8 +412,9 @@ def main():
     ap.add_argument("--name", default="decode")
     ap.add_argument("--head-dims", default="128,64", help="head dims of the length sweep")
     ap.add_argument("--pack-only", action="store_true", help="only the quantize-on-write table")
-    ap.add_argument("--production", action="store_true",
-                    help="only the default-vs-plain table (production.json / production.md)")
+    ap.add_argument(
+        "--production", action="store_true", help="only the default-vs-plain table (production.json / production.md)"
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available() or not ops.extension_available():
         sys.exit("bench_decode needs a CUDA GPU and the built extension")
@@ -376,10 +427,10 @@ def main():
         write_production(rows, stamp(), args.out)
         return
     rows = []
-    for shp in ([] if args.pack_only else ISSUE_SHAPES):
+    for shp in [] if args.pack_only else ISSUE_SHAPES:
         rows.append(run_shape(*shp))
         print(rows[-1], flush=True)
-    for shp in ([] if args.pack_only else sweep_shapes(args.quick, tuple(int(x) for x in args.head_dims.split(",")))):
+    for shp in [] if args.pack_only else sweep_shapes(args.quick, tuple(int(x) for x in args.head_dims.split(","))):
         r = run_shape(*shp)
         r["sweep"] = True
         rows.append(r)

@@ -36,6 +36,7 @@ with ``model, B, prompt, dynamic_tok_s, static_tok_s, tq_tok_s`` and more) and `
 ``--out`` (default benchmarks/results; with ``--quick``, /tmp/bench_generate_quick). ``--quick``:
 tiny random Llamas in place of both models, tiny prompts (a CPU smoke test).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,43 +61,100 @@ ATTN_KEYWORDS = ("decode", "flash", "attention", "sdpa", "fmha", "combine")
 FP16_VARIANTS = ("dynamic", "static", "static_compiled")
 ALL_VARIANTS = ("dynamic", "static", "tq", "tq_calibrated", "static_compiled", "tq_compiled")
 
-LLAMA8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=8,
-               num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=500000.0,
-               max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False)
+LLAMA8B = dict(
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=8,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    rope_theta=500000.0,
+    max_position_embeddings=131072,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+)
 # SmolLM2-135M's architecture (--random-weights: its speed without the GGUF; the text does not matter
 # to speed, nor do the weights, but for TQCache.calibrated's placement of its wider heads)
-SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-               num_attention_heads=9, num_key_value_heads=3, head_dim=64, rope_theta=100000.0,
-               max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=True)
+SMOLLM2 = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    rope_theta=100000.0,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+)
 # --quick: tiny random stand-ins (SmolLM2's 3:1 GQA at head_dim 64; the 8B shape's 4:1 at 128)
-TINY = {"smollm2": dict(vocab_size=512, hidden_size=192, intermediate_size=384, num_hidden_layers=2,
-                        num_attention_heads=3, num_key_value_heads=1, head_dim=64, rope_theta=100000.0,
-                        max_position_embeddings=4096, tie_word_embeddings=True),
-        "llama8b": dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=1, head_dim=128, rope_theta=500000.0,
-                        max_position_embeddings=4096, tie_word_embeddings=False)}
+TINY = {
+    "smollm2": dict(
+        vocab_size=512,
+        hidden_size=192,
+        intermediate_size=384,
+        num_hidden_layers=2,
+        num_attention_heads=3,
+        num_key_value_heads=1,
+        head_dim=64,
+        rope_theta=100000.0,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+    ),
+    "llama8b": dict(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=128,
+        rope_theta=500000.0,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    ),
+}
 MODELS = {  # batch, prompts (None: --prompts), variants; GPU dtype
-    "smollm2": dict(B=1, prompts=None, dtype=torch.float16,
-                    variants=("dynamic", "static", "tq", "tq_calibrated", "static_compiled", "tq_compiled")),
-    "llama8b": dict(B=8, prompts=(32768,), dtype=torch.bfloat16,
-                    variants=("dynamic", "static", "tq", "static_compiled", "tq_compiled")),
+    "smollm2": dict(
+        B=1,
+        prompts=None,
+        dtype=torch.float16,
+        variants=("dynamic", "static", "tq", "tq_calibrated", "static_compiled", "tq_compiled"),
+    ),
+    "llama8b": dict(
+        B=8,
+        prompts=(32768,),
+        dtype=torch.bfloat16,
+        variants=("dynamic", "static", "tq", "static_compiled", "tq_compiled"),
+    ),
 }
 
 
 # --------------------------------------------------------------------------- helpers
 
+
 def meta() -> dict:
     import transformers
+
     commit = os.environ.get("GIT_COMMIT")
     if not commit:
         try:
-            commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
-                                             stderr=subprocess.DEVNULL).strip()
+            commit = subprocess.check_output(
+                ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True, stderr=subprocess.DEVNULL
+            ).strip()
         except Exception:
             commit = "unknown"
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    return {"gpu": gpu, "torch": torch.__version__, "cuda": torch.version.cuda,
-            "transformers": transformers.__version__, "commit": commit, "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    return {
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "transformers": transformers.__version__,
+        "commit": commit,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
 
 
 def sync(device):
@@ -149,6 +207,7 @@ def cache_bytes(cache) -> int:
 def timed_attention(model, clock, spans):
     """Within: each call of the model's attention function appends its (start, end) marks to ``spans``."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
     name = model.config._attn_implementation
     had_local = name in ALL_ATTENTION_FUNCTIONS._local_mapping
     original = ALL_ATTENTION_FUNCTIONS[name]
@@ -173,6 +232,7 @@ def kernel_share(prof, cuda: bool) -> tuple[float | None, list]:
     """(attention kernels' share of the device time, the top kernels [(name, us)]) from a profile;
     on the CPU the same over the operators' self time (a rough stand-in)."""
     from torch.autograd import DeviceType
+
     rows = []
     for e in prof.key_averages():
         if cuda:
@@ -195,8 +255,10 @@ def kernel_share(prof, cuda: bool) -> tuple[float | None, list]:
 
 # --------------------------------------------------------------------------- models
 
+
 def build_random_llama(kw: dict, dtype, device, seed=0):
     from transformers import LlamaConfig, LlamaForCausalLM
+
     cfg = LlamaConfig(**kw)
     torch.manual_seed(seed)
     with torch.device(device):
@@ -206,6 +268,7 @@ def build_random_llama(kw: dict, dtype, device, seed=0):
 
 def load_smollm2(data: Path, dtype, device):
     from eval_quality import ensure_model, load_model
+
     _, model = load_model(ensure_model(data))
     model.set_attn_implementation("sdpa")
     return model.to(device=device, dtype=dtype).eval()
@@ -218,22 +281,31 @@ def describe(name: str, quick: bool, random_weights: bool = False) -> str:
         return "SmolLM2-135M's architecture, random weights"
     if name == "smollm2":
         from eval_quality import GGUF
+
         return f"SmolLM2-135M-Instruct ({GGUF})"
     return "Llama-3-8B-shaped, 8 layers, random weights"
 
 
 # --------------------------------------------------------------------------- one run
 
+
 def make_cache(variant, model, capacity, calibrated):
     from transformers import DynamicCache, StaticCache
+
     if variant == "dynamic":
         return DynamicCache(config=model.config)
     if variant.startswith("static"):
         return StaticCache(config=model.config, max_cache_len=capacity)
     from flash_attn_tq.integrations.transformers import TQCache
+
     if variant == "tq_calibrated":  # the calibrated widths, this run's capacity
-        return TQCache(model.config, max_cache_len=capacity, late_k_bits=None,
-                       layer_options=calibrated.layer_options, head_options=calibrated.head_options)
+        return TQCache(
+            model.config,
+            max_cache_len=capacity,
+            late_k_bits=None,
+            layer_options=calibrated.layer_options,
+            head_options=calibrated.head_options,
+        )
     return TQCache(model.config, max_cache_len=capacity)
 
 
@@ -245,12 +317,13 @@ def warm_up(model, device, B):
     from transformers import DynamicCache
 
     from flash_attn_tq.integrations.transformers import ATTN_IMPLEMENTATION, TQCache
+
     ids = torch.randint(0, model.config.vocab_size, (B, 256), device=device)
     for impl, cache in (("sdpa", DynamicCache(config=model.config)), (ATTN_IMPLEMENTATION, TQCache(model.config))):
         model.set_attn_implementation(impl)
         model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
         for t in range(2):
-            model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True, logits_to_keep=1)
+            model(input_ids=ids[:, t : t + 1], past_key_values=cache, use_cache=True, logits_to_keep=1)
     sync(device)
 
 
@@ -258,6 +331,7 @@ def warm_up(model, device, B):
 def run_variant(model, variant, ids, args, calibrated=None) -> dict:
     """Prefill ``ids`` [B, P], then ``warmup + new_tokens (+ 2 x profile_steps)`` greedy decode steps."""
     from flash_attn_tq.integrations.transformers import ATTN_IMPLEMENTATION
+
     device = ids.device
     cuda = device.type == "cuda"
     clock = Clock(device)
@@ -309,6 +383,7 @@ def run_variant(model, variant, ids, args, calibrated=None) -> dict:
     out["warmup_s"] = round(time.perf_counter() - t_w, 2)
     if variant.startswith("tq"):
         import flash_attn_tq
+
         out["path"] = flash_attn_tq.last_path()  # the attention path the last decode step took
     t_d = time.perf_counter()
     for _ in range(steps):
@@ -323,6 +398,7 @@ def run_variant(model, variant, ids, args, calibrated=None) -> dict:
     if prof_steps:
         try:  # kernel-name share of the device time
             from torch.profiler import ProfilerActivity, profile
+
             acts = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
             with profile(activities=acts) as prof:
                 for _ in range(prof_steps):
@@ -386,13 +462,16 @@ def bench_model(name, args) -> list[dict]:
     calibrated, calibration = None, {}
     if "tq_calibrated" in wanted:
         from flash_attn_tq.integrations.transformers import TQCache
+
         try:
             t0 = time.perf_counter()
             calibrated = TQCache.calibrated(model)
             sync(device)
-            calibration = dict(calibration_s=round(time.perf_counter() - t0, 2),
-                               calibrated_layer_options={str(k): v for k, v in calibrated.layer_options.items()},
-                               calibrated_head_options={f"{i},{h}": v for (i, h), v in calibrated.head_options.items()})
+            calibration = dict(
+                calibration_s=round(time.perf_counter() - t0, 2),
+                calibrated_layer_options={str(k): v for k, v in calibrated.layer_options.items()},
+                calibrated_head_options={f"{i},{h}": v for (i, h), v in calibrated.head_options.items()},
+            )
             print(f"[{name}] TQCache.calibrated: {calibration['calibration_s']} s", flush=True)
         except Exception as e:
             traceback.print_exc()
@@ -403,8 +482,16 @@ def bench_model(name, args) -> list[dict]:
     for P in prompts:
         g = torch.Generator().manual_seed(P)
         ids = torch.randint(0, model.config.vocab_size, (B, P), generator=g).to(device)
-        row = dict(model=name, model_desc=describe(name, args.quick, args.random_weights), dtype=str(dtype).replace("torch.", ""), B=B,
-                   prompt=P, new_tokens=args.new_tokens, warmup=args.warmup, **calibration)
+        row = dict(
+            model=name,
+            model_desc=describe(name, args.quick, args.random_weights),
+            dtype=str(dtype).replace("torch.", ""),
+            B=B,
+            prompt=P,
+            new_tokens=args.new_tokens,
+            warmup=args.warmup,
+            **calibration,
+        )
         row.update({f"{v}_tok_s": None for v in ("dynamic", "static", "tq")})
         results = {}
         for v in wanted:
@@ -424,10 +511,12 @@ def bench_model(name, args) -> list[dict]:
             for k, x in r.items():
                 if k != "tokens":
                     row[f"{v}_{k}"] = x
-            print(f"[{name} B={B} P={P}] {v}: {r['tok_s']:.1f} tok/s (step {r['step_ms']:.3f} ms, prefill "
-                  f"{r['prefill_ms']:.1f} ms, cache {r['cache_bytes'] / 2**20:.1f} MiB, attention share "
-                  f"{fmt(r.get('attn_share'), '.2f')} kernels / {fmt(r.get('attn_wall_share'), '.2f')} wall)",
-                  flush=True)
+            print(
+                f"[{name} B={B} P={P}] {v}: {r['tok_s']:.1f} tok/s (step {r['step_ms']:.3f} ms, prefill "
+                f"{r['prefill_ms']:.1f} ms, cache {r['cache_bytes'] / 2**20:.1f} MiB, attention share "
+                f"{fmt(r.get('attn_share'), '.2f')} kernels / {fmt(r.get('attn_wall_share'), '.2f')} wall)",
+                flush=True,
+            )
         for v, r in results.items():  # greedy tokens against the reference run (a sanity check)
             ref = results.get("tq" if v == "tq_compiled" else "dynamic")
             if ref is not None and v != ("tq" if v == "tq_compiled" else "dynamic"):
@@ -450,6 +539,7 @@ def bench_model(name, args) -> list[dict]:
 
 # --------------------------------------------------------------------------- output
 
+
 def fmt(x, spec=".1f"):
     return "–" if x is None else format(x, spec)
 
@@ -460,28 +550,35 @@ def mib(x):
 
 def markdown(res) -> str:
     m = res["meta"]
-    lines = [f"# End-to-end decode, TQCache vs transformers' caches ({m['gpu']}, torch {m['torch']}, CUDA {m['cuda']}, "
-             f"transformers {m['transformers']}, commit {m['commit']})", "",
-             "Decode tokens/s = B / median step time (CUDA events, one greedy token a step after "
-             f"{res['setup']['warmup']} warm-up steps, {res['setup']['new_tokens']} timed). static+compile: "
-             "StaticCache with torch.compile(mode='reduce-overhead'). TQ / best: TQCache(config) over the fastest "
-             "transformers cache. KV MiB: the cache as held after the run (dynamic: its K/V; TQCache: codes, "
-             "metadata, window and sinks). Attention share: attention kernels' share of the step's CUDA time "
-             "(profiler; in brackets: the time inside the attention function over the step time).", "",
-             "| model | dtype | B | prompt | dynamic | static | static+compile | TQCache | TQCache.calibrated "
-             "| TQ / best | KV MiB dynamic | KV MiB TQ | fp16/TQ bytes | attn share dynamic | attn share TQ "
-             "| prefill ms dyn / TQ | calibration s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# End-to-end decode, TQCache vs transformers' caches ({m['gpu']}, torch {m['torch']}, CUDA {m['cuda']}, "
+        f"transformers {m['transformers']}, commit {m['commit']})",
+        "",
+        "Decode tokens/s = B / median step time (CUDA events, one greedy token a step after "
+        f"{res['setup']['warmup']} warm-up steps, {res['setup']['new_tokens']} timed). static+compile: "
+        "StaticCache with torch.compile(mode='reduce-overhead'). TQ / best: TQCache(config) over the fastest "
+        "transformers cache. KV MiB: the cache as held after the run (dynamic: its K/V; TQCache: codes, "
+        "metadata, window and sinks). Attention share: attention kernels' share of the step's CUDA time "
+        "(profiler; in brackets: the time inside the attention function over the step time).",
+        "",
+        "| model | dtype | B | prompt | dynamic | static | static+compile | TQCache | TQCache.calibrated "
+        "| TQ / best | KV MiB dynamic | KV MiB TQ | fp16/TQ bytes | attn share dynamic | attn share TQ "
+        "| prefill ms dyn / TQ | calibration s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in res["rows"]:
+
         def share(v):
             return f"{fmt(r.get(f'{v}_attn_share'), '.2f')} ({fmt(r.get(f'{v}_attn_wall_share'), '.2f')})"
+
         lines.append(
             f"| {r['model']} | {r['dtype']} | {r['B']} | {r['prompt']} | {fmt(r.get('dynamic_tok_s'))} "
             f"| {fmt(r.get('static_tok_s'))} | {fmt(r.get('static_compiled_tok_s'))} | {fmt(r.get('tq_tok_s'))} "
             f"| {fmt(r.get('tq_calibrated_tok_s'))} | {fmt(r.get('tq_vs_best_fp16'), '.2f')}x "
             f"| {mib(r.get('dynamic_cache_bytes'))} | {mib(r.get('tq_cache_bytes'))} "
             f"| {fmt(r.get('kv_bytes_ratio'), '.2f')} | {share('dynamic')} | {share('tq')} "
-            f"| {fmt(r.get('dynamic_prefill_ms'))} / {fmt(r.get('tq_prefill_ms'))} | {fmt(r.get('calibration_s'))} |")
+            f"| {fmt(r.get('dynamic_prefill_ms'))} / {fmt(r.get('tq_prefill_ms'))} | {fmt(r.get('calibration_s'))} |"
+        )
     notes = []
     for r in res["rows"]:
         for k, x in r.items():
@@ -490,8 +587,10 @@ def markdown(res) -> str:
             if k.endswith("_path") and x and not str(x).startswith("quantized:fused"):
                 notes.append(f"- {r['model']} B={r['B']} prompt {r['prompt']}: {k[:-5]} decode took `{x}`")
             if k.endswith("_tokens_agree") and x is not None and x < 1.0:
-                notes.append(f"- {r['model']} B={r['B']} prompt {r['prompt']}: {k[:-13]} greedy tokens agree with "
-                             f"the reference run at {x:.3f}")
+                notes.append(
+                    f"- {r['model']} B={r['B']} prompt {r['prompt']}: {k[:-13]} greedy tokens agree with "
+                    f"the reference run at {x:.3f}"
+                )
     return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
 
 
@@ -509,11 +608,15 @@ def parse_args(argv=None):
     p.add_argument("--no-compile", action="store_true", help="skip static_compiled")
     p.add_argument("--tq-compile", action="store_true", help="also TQCache with the compiled decode step (tq_compiled)")
     p.add_argument("--quick", action="store_true", help="tiny random models and prompts (CPU smoke test)")
-    p.add_argument("--random-weights", action="store_true",
-                   help="SmolLM2-135M's architecture with random weights in place of the GGUF")
+    p.add_argument(
+        "--random-weights",
+        action="store_true",
+        help="SmolLM2-135M's architecture with random weights in place of the GGUF",
+    )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--data", default=os.environ.get("TQ_EVAL_DATA", "/tmp/qdata"),
-                   help="SmolLM2 assets (see eval_quality.py)")
+    p.add_argument(
+        "--data", default=os.environ.get("TQ_EVAL_DATA", "/tmp/qdata"), help="SmolLM2 assets (see eval_quality.py)"
+    )
     p.add_argument("--out", help="output directory (default benchmarks/results; --quick: /tmp/bench_generate_quick)")
     p.add_argument("--tag", default="generate", help="output file stem")
     args = p.parse_args(argv)
@@ -539,9 +642,14 @@ def parse_args(argv=None):
 def run_benchmark(args, done=None) -> dict:
     """Every model's rows; ``done(result so far)`` after each model (main writes the files there)."""
     rows = []
-    setup = dict(new_tokens=args.new_tokens, warmup=args.warmup,
-                 profile_steps=0 if args.no_profile else args.profile_steps, quick=args.quick,
-                 device=str(args.device), attention_keywords=list(ATTN_KEYWORDS))
+    setup = dict(
+        new_tokens=args.new_tokens,
+        warmup=args.warmup,
+        profile_steps=0 if args.no_profile else args.profile_steps,
+        quick=args.quick,
+        device=str(args.device),
+        attention_keywords=list(ATTN_KEYWORDS),
+    )
     res = {"meta": meta(), "setup": setup, "rows": rows}
     for name in args.models:
         rows += bench_model(name, args)

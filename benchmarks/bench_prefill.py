@@ -19,6 +19,7 @@ pages of 16-256 tokens (shuffled block table), as a ratio to contiguous.
 ``triton.testing.do_bench`` medians (CUDA events, warm-up), random data, all paths in one run.
 Writes ``<name>.json``, ``<name>.md`` and ``<name>.png`` stamped with GPU, torch, CUDA and commit.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,17 +47,21 @@ def attended_keys(S: int, q_len: int) -> int:
 def run_prefill(S: int, q_len: int, dtype=torch.float16) -> dict:
     cache, k, v = fill_cache(1, S, HK, D, dtype)
     q = torch.randn(1, q_len, HQ, D, device="cuda", dtype=dtype)
-    k_new, v_new = k[:, S - q_len:].clone(), v[:, S - q_len:].clone()
+    k_new, v_new = k[:, S - q_len :].clone(), v[:, S - q_len :].clone()
     lens = cache.seqlens
     row = {"S": S, "q_len": q_len}
-    row["tq3_kernel"] = bench(lambda: ops.decode(q, lens, None, D ** -0.5, True, 0, **cache.kernel_args(q.shape[0])))
+    row["tq3_kernel"] = bench(lambda: ops.decode(q, lens, None, D**-0.5, True, 0, **cache.kernel_args(q.shape[0])))
     os.environ["FLASH_ATTN_TQ_PREFILL_WGMMA"] = "0"  # the prefill kernel's mma.sync variant (other GPUs')
     try:
-        row["tq3_sync_kernel"] = bench(lambda: ops.decode(q, lens, None, D ** -0.5, True, 0, **cache.kernel_args(q.shape[0])))
+        row["tq3_sync_kernel"] = bench(
+            lambda: ops.decode(q, lens, None, D**-0.5, True, 0, **cache.kernel_args(q.shape[0]))
+        )
     finally:
         del os.environ["FLASH_ATTN_TQ_PREFILL_WGMMA"]
     cache_o, _, _ = fill_cache(1, S, HK, D, dtype, scale_only=False)
-    row["tq3o_kernel"] = bench(lambda: ops.decode(q, cache_o.seqlens, None, D ** -0.5, True, 0, **cache_o.kernel_args(q.shape[0])))
+    row["tq3o_kernel"] = bench(
+        lambda: ops.decode(q, cache_o.seqlens, None, D**-0.5, True, 0, **cache_o.kernel_args(q.shape[0]))
+    )
     del cache_o
 
     def tq3_append():  # re-appends the chunk at S - q_len each call (the cache ends where it was)
@@ -96,7 +101,7 @@ def run_paged(B: int, S: int, page_sizes, dtype=torch.float16) -> dict:
             table = torch.randperm(B * per_seq, dtype=torch.int32).reshape(B, per_seq)
         cache = QuantizedKVCache(B, S, HK, D, page_size=ps, block_table=table, device="cuda", dtype=dtype)
         cache.append(k, v)
-        t = bench(lambda: ops.decode(q, cache.seqlens, None, D ** -0.5, False, 0, **cache.kernel_args(q.shape[0])))
+        t = bench(lambda: ops.decode(q, cache.seqlens, None, D**-0.5, False, 0, **cache.kernel_args(q.shape[0])))
         row["contiguous" if ps is None else f"page{ps}"] = t
         del cache
     for ps in page_sizes:
@@ -111,24 +116,35 @@ def write_results(prefill_rows, paged_rows, page_sizes, meta, out_dir, name):
     with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
         json.dump({"meta": meta, "prefill": prefill_rows, "paged": paged_rows}, f, indent=1)
     head = f"({meta['gpu']}, torch {meta['torch']}, CUDA {meta['cuda']}, commit {meta['commit']})"
-    lines = [f"# Chunked prefill over the 3-bit cache vs FP16 FA2 {head}", "",
-             "B=1, 32 q / 8 kv heads, head_dim 128, fp16, causal (bottom-right): q_len new queries over a cache "
-             "of S tokens that holds them. µs are do_bench medians; speedup = FA2 time / ours. 'append' = the "
-             "whole flash_attn_with_kvcache call with k/v: the chunk is written into the cache (quantized for "
-             "ours) and attended. On Hopper the prefill kernel uses wgmma from 256 query rows a kv head "
-             "(q_len 64 here); 'mma.sync' = its other variant (FLASH_ATTN_TQ_PREFILL_WGMMA=0), what other GPUs run.", "",
-             "| S | q_len | tq3 µs | FA2 µs | speedup | tq3 TFLOP/s | FA2 TFLOP/s | tq3 append µs | FA2 append µs | speedup (append) | tq3 (scale, offset) µs | speedup (scale, offset) | tq3 mma.sync µs | speedup (mma.sync) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Chunked prefill over the 3-bit cache vs FP16 FA2 {head}",
+        "",
+        "B=1, 32 q / 8 kv heads, head_dim 128, fp16, causal (bottom-right): q_len new queries over a cache "
+        "of S tokens that holds them. µs are do_bench medians; speedup = FA2 time / ours. 'append' = the "
+        "whole flash_attn_with_kvcache call with k/v: the chunk is written into the cache (quantized for "
+        "ours) and attended. On Hopper the prefill kernel uses wgmma from 256 query rows a kv head "
+        "(q_len 64 here); 'mma.sync' = its other variant (FLASH_ATTN_TQ_PREFILL_WGMMA=0), what other GPUs run.",
+        "",
+        "| S | q_len | tq3 µs | FA2 µs | speedup | tq3 TFLOP/s | FA2 TFLOP/s | tq3 append µs | FA2 append µs | speedup (append) | tq3 (scale, offset) µs | speedup (scale, offset) | tq3 mma.sync µs | speedup (mma.sync) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in prefill_rows:
-        lines.append(f"| {r['S']} | {r['q_len']} | {fmt(r['tq3_kernel'])} | {fmt(r['fa2'])} | "
-                     f"{fmt(r.get('speedup'), '.2f')}x | {fmt(r['tq3_TFLOPs'], '.0f')} | {fmt(r.get('fa2_TFLOPs'), '.0f')} | "
-                     f"{fmt(r['tq3_append'])} | {fmt(r['fa2_append'])} | {fmt(r.get('speedup_append'), '.2f')}x | "
-                     f"{fmt(r['tq3o_kernel'])} | {fmt(r.get('speedup_offset'), '.2f')}x | "
-                     f"{fmt(r.get('tq3_sync_kernel'))} | {fmt(r.get('speedup_sync'), '.2f')}x |")
-    lines += ["", "## Decode over a paged cache (3-bit turbo, kernel alone)", "",
-              "Same tokens, contiguous vs pages of P tokens with a shuffled block table; overhead = paged / contiguous - 1.", "",
-              "| B | S | contiguous µs | " + " | ".join(f"P={ps} µs (overhead)" for ps in page_sizes) + " |",
-              "|---|---|---|" + "---|" * len(page_sizes)]
+        lines.append(
+            f"| {r['S']} | {r['q_len']} | {fmt(r['tq3_kernel'])} | {fmt(r['fa2'])} | "
+            f"{fmt(r.get('speedup'), '.2f')}x | {fmt(r['tq3_TFLOPs'], '.0f')} | {fmt(r.get('fa2_TFLOPs'), '.0f')} | "
+            f"{fmt(r['tq3_append'])} | {fmt(r['fa2_append'])} | {fmt(r.get('speedup_append'), '.2f')}x | "
+            f"{fmt(r['tq3o_kernel'])} | {fmt(r.get('speedup_offset'), '.2f')}x | "
+            f"{fmt(r.get('tq3_sync_kernel'))} | {fmt(r.get('speedup_sync'), '.2f')}x |"
+        )
+    lines += [
+        "",
+        "## Decode over a paged cache (3-bit turbo, kernel alone)",
+        "",
+        "Same tokens, contiguous vs pages of P tokens with a shuffled block table; overhead = paged / contiguous - 1.",
+        "",
+        "| B | S | contiguous µs | " + " | ".join(f"P={ps} µs (overhead)" for ps in page_sizes) + " |",
+        "|---|---|---|" + "---|" * len(page_sizes),
+    ]
     for r in paged_rows:
         cells = " | ".join(f"{fmt(r[f'page{ps}'])} ({r[f'page{ps}_overhead_pct']:+.1f}%)" for ps in page_sizes)
         lines.append(f"| {r['B']} | {r['S']} | {fmt(r['contiguous'])} | {cells} |")
@@ -175,7 +191,7 @@ def main():
             prefill_rows.append(r)
     page_sizes = [16, 32, 64, 128, 256]
     paged_rows = []
-    for B, S in ([(8, 32768)] if args.quick else [(1, 131072), (8, 32768), (32, 8192)]):
+    for B, S in [(8, 32768)] if args.quick else [(1, 131072), (8, 32768), (32, 8192)]:
         r = run_paged(B, S, page_sizes)
         print(r, flush=True)
         paged_rows.append(r)

@@ -10,6 +10,7 @@ side in one run: ``rope`` (the fused op with the term), ``plain`` (the same code
 ``key_center=True`` runs) and ``kv16`` (our FP16 decode over the fp16 cache). Writes
 ``rope_center_decode.json`` / ``.md`` stamped with the GPU, torch, CUDA and commit.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,8 +26,13 @@ from bench_decode import bench, fill_cache, stamp  # noqa: E402
 from flash_attn_tq import ops  # noqa: E402
 
 SHAPES = [  # (B, S, Hq, Hk, d)
-    (1, 131072, 32, 8, 128), (8, 32768, 32, 8, 128), (32, 8192, 32, 8, 128), (64, 2048, 32, 8, 128),
-    (1, 4096, 9, 3, 64), (16, 32768, 9, 3, 64), (64, 8192, 9, 3, 64),  # SmolLM2's heads
+    (1, 131072, 32, 8, 128),
+    (8, 32768, 32, 8, 128),
+    (32, 8192, 32, 8, 128),
+    (64, 2048, 32, 8, 128),
+    (1, 4096, 9, 3, 64),
+    (16, 32768, 9, 3, 64),
+    (64, 8192, 9, 3, 64),  # SmolLM2's heads
 ]
 
 
@@ -34,7 +40,7 @@ def run_shape(B, S, Hq, Hk, d, dtype=torch.float16):
     inv_freq = 1.0 / 10000.0 ** (torch.arange(0, d, 2, device="cuda").float() / d)
     cache, k, v = fill_cache(B, S, Hk, d, dtype, key_center="rope", rope_inv_freq=inv_freq)
     q = torch.randn(B, 1, Hq, d, device="cuda", dtype=dtype)
-    scale, lens = d ** -0.5, cache.seqlens
+    scale, lens = d**-0.5, cache.seqlens
     row = {"B": B, "S": S, "Hq": Hq, "Hk": Hk, "d": d}
     row["rope_us"] = bench(lambda: ops.decode(q, cache, lens, None, scale, False, 0))
     cache.rope_center = False  # the same codes, no term (ops.decode passes no center)
@@ -57,22 +63,31 @@ def main():
     for shape in SHAPES:
         rows.append(run_shape(*shape))
         r = rows[-1]
-        print(f"{shape}: rope {r['rope_us']:.1f} us, plain {r['plain_us']:.1f} us ({r['rope_over_plain']:.3f}x), "
-              f"kv16 {r['kv16_us']:.1f} us (FP16 / rope {r['kv16_over_rope']:.2f}x)", flush=True)
+        print(
+            f"{shape}: rope {r['rope_us']:.1f} us, plain {r['plain_us']:.1f} us ({r['rope_over_plain']:.3f}x), "
+            f"kv16 {r['kv16_us']:.1f} us (FP16 / rope {r['kv16_over_rope']:.2f}x)",
+            flush=True,
+        )
     meta = stamp()
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "rope_center_decode.json"), "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    lines = [f"# Decode with the RoPE-center term ({meta['gpu']}, torch {meta['torch']}, CUDA {meta['cuda']}, "
-             f"commit {meta['commit']}, {meta['date']})", "",
-             "Fused 3-bit decode (K3V3, float16 queries), medians of `triton.testing.do_bench`. `rope`: with "
-             "`q . R(p) c` added to each score (`key_center='rope'`); `plain`: the same codes without it; "
-             "`kv16`: our FP16 decode over the fp16 cache.", "",
-             "| B | S | Hq/Hk | d | rope µs | plain µs | rope / plain | FP16 / rope | FP16 / plain |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Decode with the RoPE-center term ({meta['gpu']}, torch {meta['torch']}, CUDA {meta['cuda']}, "
+        f"commit {meta['commit']}, {meta['date']})",
+        "",
+        "Fused 3-bit decode (K3V3, float16 queries), medians of `triton.testing.do_bench`. `rope`: with "
+        "`q . R(p) c` added to each score (`key_center='rope'`); `plain`: the same codes without it; "
+        "`kv16`: our FP16 decode over the fp16 cache.",
+        "",
+        "| B | S | Hq/Hk | d | rope µs | plain µs | rope / plain | FP16 / rope | FP16 / plain |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['B']} | {r['S']} | {r['Hq']}/{r['Hk']} | {r['d']} | {r['rope_us']:.1f} | {r['plain_us']:.1f} | "
-                     f"{r['rope_over_plain']:.3f} | {r['kv16_over_rope']:.2f}x | {r['kv16_over_plain']:.2f}x |")
+        lines.append(
+            f"| {r['B']} | {r['S']} | {r['Hq']}/{r['Hk']} | {r['d']} | {r['rope_us']:.1f} | {r['plain_us']:.1f} | "
+            f"{r['rope_over_plain']:.3f} | {r['kv16_over_rope']:.2f}x | {r['kv16_over_plain']:.2f}x |"
+        )
     with open(os.path.join(args.out, "rope_center_decode.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 

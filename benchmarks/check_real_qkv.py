@@ -13,6 +13,7 @@
    initialised model of the dumped config (weights do not matter for speed), fp16 on the GPU, with
    TQCache vs transformers' default DynamicCache (SDPA) after a ``--prompt``-token prompt.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,8 +55,10 @@ def _rope_freqs(data):
     """The dumped model's RoPE frequencies (for the key_center='rope' configs)."""
     from transformers import LlamaConfig
     from flash_attn_tq.integrations.transformers import rope_inv_freq
-    return rope_inv_freq(LlamaConfig(**{k: v for k, v in data["config"].items() if k in LlamaConfig().to_dict()
-                                        or k == "head_dim"}))
+
+    return rope_inv_freq(
+        LlamaConfig(**{k: v for k, v in data["config"].items() if k in LlamaConfig().to_dict() or k == "head_dim"})
+    )
 
 
 def check_layers(data, device, dtype, lengths):
@@ -73,8 +76,15 @@ def check_layers(data, device, dtype, lengths):
             fp, _ = attention_reference(q, k, v, softmax_scale=data["scaling"])
             for name, opts in CONFIGS.items():
                 rope = opts.get("key_center") == "rope"  # (the dumped keys sit at positions 0..S-1)
-                cache = QuantizedKVCache(1, L, Hkv, D, dtype=dtype if dtype != torch.float32 else torch.float16,
-                                         device=device, **dict(opts, rope_inv_freq=inv_freq) if rope else opts)
+                cache = QuantizedKVCache(
+                    1,
+                    L,
+                    Hkv,
+                    D,
+                    dtype=dtype if dtype != torch.float32 else torch.float16,
+                    device=device,
+                    **dict(opts, rope_inv_freq=inv_freq) if rope else opts,
+                )
                 if cache.key_center:
                     n = min(L, 256)  # a 256-token prompt's statistics
                     cache.calibrate(k[:, :n], positions=torch.arange(n, device=device)[None] if rope else None)
@@ -95,6 +105,7 @@ def _head_options(config):
     head_sensitivity.json), else 9 heads with 8-bit keys spread over the layers."""
     from eval_quality import load_head_sensitivity
     from flash_attn_tq.integrations.transformers import allocate_head_bits
+
     H, L = config.num_key_value_heads, config.num_hidden_layers
     heads = [(i, h) for i in range(L) for h in range(H)]
     saved = load_head_sensitivity()
@@ -113,6 +124,7 @@ def bench_generate(data, device, dtype, prompt, new, repeats):
         print("--bench skipped: transformers is not installed")
         return
     from flash_attn_tq.integrations.transformers import ATTN_IMPLEMENTATION, TQCache
+
     cfg = dict(data["config"])
     cfg = {k: v for k, v in cfg.items() if k in LlamaConfig().to_dict() or k in ("head_dim",)}
     config = LlamaConfig(**cfg)
@@ -129,8 +141,14 @@ def bench_generate(data, device, dtype, prompt, new, repeats):
             cache = make_cache()
             sync()
             t = time.perf_counter()
-            model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=n,
-                           min_new_tokens=n, do_sample=False)
+            model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                past_key_values=cache,
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+            )
             sync()
             best = min(best, time.perf_counter() - t)
         return best
@@ -138,18 +156,24 @@ def bench_generate(data, device, dtype, prompt, new, repeats):
     rows = []
     cap = prompt + new
     for name, impl, make in (
-            ("DynamicCache (sdpa)", "sdpa", lambda: None),
-            ("TQCache (default)", ATTN_IMPLEMENTATION, lambda: TQCache(config, max_cache_len=cap)),
-            # per-head widths (TQCache.calibrated(model, per_head=True)): the layers with a finer head hold
-            # two caches, two kernel launches; widths as calibrated on SmolLM2 when its measurement is here
-            ("TQCache (per-head widths)", ATTN_IMPLEMENTATION,
-             lambda: TQCache(config, max_cache_len=cap, late_k_bits=None, head_options=_head_options(config)))):
+        ("DynamicCache (sdpa)", "sdpa", lambda: None),
+        ("TQCache (default)", ATTN_IMPLEMENTATION, lambda: TQCache(config, max_cache_len=cap)),
+        # per-head widths (TQCache.calibrated(model, per_head=True)): the layers with a finer head hold
+        # two caches, two kernel launches; widths as calibrated on SmolLM2 when its measurement is here
+        (
+            "TQCache (per-head widths)",
+            ATTN_IMPLEMENTATION,
+            lambda: TQCache(config, max_cache_len=cap, late_k_bits=None, head_options=_head_options(config)),
+        ),
+    ):
         t1 = timed(impl, make, 1)
         tn = timed(impl, make, new)
         rows.append((name, (new - 1) / max(tn - t1, 1e-9), t1))
-    print(f"generate: prompt {prompt}, {new} new tokens, {dtype}, {device}, transformers {transformers.__version__}, "
-          f"model {config.num_hidden_layers} layers x {config.num_attention_heads}/{config.num_key_value_heads} heads "
-          f"x {config.head_dim}")
+    print(
+        f"generate: prompt {prompt}, {new} new tokens, {dtype}, {device}, transformers {transformers.__version__}, "
+        f"model {config.num_hidden_layers} layers x {config.num_attention_heads}/{config.num_key_value_heads} heads "
+        f"x {config.head_dim}"
+    )
     for name, tps, t1 in rows:
         print(f"  {name:>24}: {tps:8.1f} decode tokens/s (prefill + 1 token: {t1:.3f} s)")
 
@@ -172,8 +196,9 @@ def main(argv=None):
     data = torch.load(args.qkv, map_location="cpu")
     check_layers(data, device, dtype, [int(x) for x in args.lengths.split(",")])
     if args.bench:
-        bench_generate(data, device, dtype if device.type == "cuda" else torch.float32, args.prompt, args.new,
-                       args.repeats)
+        bench_generate(
+            data, device, dtype if device.type == "cuda" else torch.float32, args.prompt, args.new, args.repeats
+        )
 
 
 if __name__ == "__main__":

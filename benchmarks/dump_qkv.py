@@ -6,6 +6,7 @@ Output (torch.save, float16): {"q": {layer: [1, Hq, S, D]}, "k"/"v": {layer: [1,
 "scaling", "model", "text", "config": the model's LlamaConfig as a dict}. About 9.4 KB per token
 and layer (4096 tokens x 5 layers: ~40 MB). Model and text are fetched as in eval_quality.py.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,7 +34,7 @@ def main(argv=None):
     text = Path(args.text) if args.text else default_text
     tok, model = EQ.load_model(model_dir)
     layers = [int(x) for x in args.layers.split(",")]
-    ids = tok(text.read_text(errors="replace"), return_tensors="pt").input_ids[0][args.start:args.start + args.tokens]
+    ids = tok(text.read_text(errors="replace"), return_tensors="pt").input_ids[0][args.start : args.start + args.tokens]
     dump = {"q": {}, "k": {}, "v": {}}
 
     def capture(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -41,24 +42,29 @@ def main(argv=None):
             for name, t in (("q", query), ("k", key), ("v", value)):
                 dump[name][module.layer_idx] = t.detach().to(torch.float16).contiguous()
         G = query.shape[1] // key.shape[1]
-        out = F.scaled_dot_product_attention(query, key.repeat_interleave(G, 1), value.repeat_interleave(G, 1),
-                                             is_causal=True, scale=scaling)
+        out = F.scaled_dot_product_attention(
+            query, key.repeat_interleave(G, 1), value.repeat_interleave(G, 1), is_causal=True, scale=scaling
+        )
         return out.transpose(1, 2).contiguous(), None
 
     from transformers import AttentionInterface
+
     AttentionInterface.register("qkv_dump", capture)
     model.set_attn_implementation("qkv_dump")
     with torch.no_grad():
         model.model(ids[None], use_cache=False)
     cfg = model.config.to_dict()
     cfg.pop("quantization_config", None)
-    dump.update(scaling=model.model.layers[0].self_attn.scaling, model=EQ.GGUF, text=text.name, tokens=len(ids),
-                config=cfg)
+    dump.update(
+        scaling=model.model.layers[0].self_attn.scaling, model=EQ.GGUF, text=text.name, tokens=len(ids), config=cfg
+    )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     torch.save(dump, out)
-    print(f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB): layers {layers}, {len(ids)} tokens, "
-          f"q {tuple(dump['q'][layers[0]].shape)}, k/v {tuple(dump['k'][layers[0]].shape)}")
+    print(
+        f"wrote {out} ({out.stat().st_size / 2**20:.1f} MiB): layers {layers}, {len(ids)} tokens, "
+        f"q {tuple(dump['q'][layers[0]].shape)}, k/v {tuple(dump['k'][layers[0]].shape)}"
+    )
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ agreement, KL and copy retrieval). Every row of quality.json says ``"path": "sim
 
 Writes quality.json / quality.md / quality.png under --out (default benchmarks/results).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,10 +62,31 @@ SIM_NAME = "tq_sim"
 # --------------------------------------------------------------------------- configs
 # Every config tried. Options: quantizer, k_bits, v_bits, fit, fp16_window, sink_tokens,
 # key_center, key_scale, protect ("boundary" = first and last layer in 16-bit). None = full precision.
-BASE = dict(quantizer="turbo", k_bits=3, v_bits=3, fit="norm", fp16_window=0, sink_tokens=0,
-            key_center=False, key_scale=0.0, key_scale_q=False, key_pca=False, value_pca=False, protect=None,
-            qjl=False, k4_layers=None, v2_layers=None, scale_only=False, klt=None, k_cal=None, k_cal_tokens=1024,
-            k_hcal=None, k_hcal_8bit_units=None, recent_window=0, recent_bits=(4, 4))
+BASE = dict(
+    quantizer="turbo",
+    k_bits=3,
+    v_bits=3,
+    fit="norm",
+    fp16_window=0,
+    sink_tokens=0,
+    key_center=False,
+    key_scale=0.0,
+    key_scale_q=False,
+    key_pca=False,
+    value_pca=False,
+    protect=None,
+    qjl=False,
+    k4_layers=None,
+    v2_layers=None,
+    scale_only=False,
+    klt=None,
+    k_cal=None,
+    k_cal_tokens=1024,
+    k_hcal=None,
+    k_hcal_8bit_units=None,
+    recent_window=0,
+    recent_bits=(4, 4),
+)
 
 
 def _cfg(**kw):
@@ -95,20 +117,33 @@ CONFIGS = {
     "turbo3+kc+sink4+w124+prot": _cfg(key_center=True, sink_tokens=4, fp16_window=124, protect="boundary"),
     "turbo3+kc+pca+sink4": _cfg(key_center=True, key_pca=True, fit="mean", sink_tokens=4),
     "turbo3+kc+pca+vpca+sink4": _cfg(key_center=True, key_pca=True, value_pca=True, fit="mean", sink_tokens=4),
-    "turbo3+kc+pca+vpca+sink4+w124": _cfg(key_center=True, key_pca=True, value_pca=True, fit="mean", sink_tokens=4,
-                                          fp16_window=124),
-    "turbo3+kc+ks.5+pca+vpca+sink4": _cfg(key_center=True, key_scale=0.5, key_pca=True, value_pca=True, fit="mean",
-                                          sink_tokens=4),
-    "turbo3+kc+ks.5+pca+vpca+sink4+w124": _cfg(key_center=True, key_scale=0.5, key_pca=True, value_pca=True,
-                                               fit="mean", sink_tokens=4, fp16_window=124),
+    "turbo3+kc+pca+vpca+sink4+w124": _cfg(
+        key_center=True, key_pca=True, value_pca=True, fit="mean", sink_tokens=4, fp16_window=124
+    ),
+    "turbo3+kc+ks.5+pca+vpca+sink4": _cfg(
+        key_center=True, key_scale=0.5, key_pca=True, value_pca=True, fit="mean", sink_tokens=4
+    ),
+    "turbo3+kc+ks.5+pca+vpca+sink4+w124": _cfg(
+        key_center=True, key_scale=0.5, key_pca=True, value_pca=True, fit="mean", sink_tokens=4, fp16_window=124
+    ),
     "turbo3+kc+ksq.5+sink4": _cfg(key_center=True, key_scale=0.5, key_scale_q=True, sink_tokens=4),
-    "turbo3+kc+ksq.5+pca+vpca+sink4": _cfg(key_center=True, key_scale=0.5, key_scale_q=True, key_pca=True,
-                                           value_pca=True, fit="mean", sink_tokens=4),
+    "turbo3+kc+ksq.5+pca+vpca+sink4": _cfg(
+        key_center=True, key_scale=0.5, key_scale_q=True, key_pca=True, value_pca=True, fit="mean", sink_tokens=4
+    ),
     "turbo3+kc+ks.5+sink4+w124": _cfg(key_center=True, key_scale=0.5, sink_tokens=4, fp16_window=124),
-    "turbo3+kc+ksq.5+sink4+w124": _cfg(key_center=True, key_scale=0.5, key_scale_q=True, sink_tokens=4,
-                                       fp16_window=124),
-    "turbo3+kc+ksq.5+pca+vpca+sink4+w124": _cfg(key_center=True, key_scale=0.5, key_scale_q=True, key_pca=True,
-                                                value_pca=True, fit="mean", sink_tokens=4, fp16_window=124),
+    "turbo3+kc+ksq.5+sink4+w124": _cfg(
+        key_center=True, key_scale=0.5, key_scale_q=True, sink_tokens=4, fp16_window=124
+    ),
+    "turbo3+kc+ksq.5+pca+vpca+sink4+w124": _cfg(
+        key_center=True,
+        key_scale=0.5,
+        key_scale_q=True,
+        key_pca=True,
+        value_pca=True,
+        fit="mean",
+        sink_tokens=4,
+        fp16_window=124,
+    ),
     "K4V2+kc+sink4": _cfg(k_bits=4, v_bits=2, key_center=True, sink_tokens=4),
     "K4V2+kc+sink4+w124": _cfg(k_bits=4, v_bits=2, key_center=True, sink_tokens=4, fp16_window=124),
     "K4V3": _cfg(k_bits=4),
@@ -125,140 +160,214 @@ CONFIGS = {
     "K3.5mix(even)+V3+kc+sink4+w124": _mix("even", 4, 124),
     "K3.5mix(last)+V3+kc+sink4+w124": _mix("last_half", 4, 124),
 }
-CONFIGS.update({  # the 128 fp16 tokens split between sinks and the recent window; 4-bit keys in the middle layers
-    "K3.5mix(last)+V3+kc+sink8+w120": _mix("last_half", 8, 120),
-    "K3.5mix(last)+V3+kc+sink16+w112": _mix("last_half", 16, 112),
-    "K3.5mix(middle)+V3+kc+sink4+w124": _mix("middle", 4, 124),
-    "K3.5mix(last)+V3+kc+sink32+w96": _mix("last_half", 32, 96),
-    "K3.5mix(last)+V3+kc+sink4": _mix("last_half", 4, 0),
-    # 4-bit keys in every layer, paid for by 2-bit values in the first half (scale-only metadata)
-    "K4+V2.5mix(first)+kc+sink4+w124": _cfg(k_bits=4, v2_layers="first_half", scale_only=True, key_center=True,
-                                            sink_tokens=4, fp16_window=124),
-    "K4+V2.5mix(last)+kc+sink4+w124": _cfg(k_bits=4, v2_layers="last_half", scale_only=True, key_center=True,
-                                           sink_tokens=4, fp16_window=124),
-    "K4+V2.5mix(even)+kc+sink4+w124": _cfg(k_bits=4, v2_layers="even", scale_only=True, key_center=True,
-                                           sink_tokens=4, fp16_window=124),
-    # the default with query-aware per-channel key scaling (calibrated on the prompt)
-    "K3.5mix(last)+V3+kc+ksq.5+sink4+w124": _cfg(k4_layers="last_half", scale_only=True, key_center=True,
-                                                 key_scale=0.5, key_scale_q=True, sink_tokens=4, fp16_window=124),
-    # the first quarter of the layers K3V2, the rest K4V3
-    "K3.75mix(last3q)+V2.75mix(firstq)+kc+sink4+w124": _cfg(k4_layers="last_3q", v2_layers="first_quarter",
-                                                            scale_only=True, key_center=True, sink_tokens=4,
-                                                            fp16_window=124),
-    "turbo3+kc+pca+vpca+sink16+w112": _cfg(key_center=True, key_pca=True, value_pca=True, fit="mean", sink_tokens=16,
-                                           fp16_window=112),
-    "turbo3+kc+pca+vpca+sink32+w96": _cfg(key_center=True, key_pca=True, value_pca=True, fit="mean", sink_tokens=32,
-                                          fp16_window=96),
-})
+CONFIGS.update(
+    {  # the 128 fp16 tokens split between sinks and the recent window; 4-bit keys in the middle layers
+        "K3.5mix(last)+V3+kc+sink8+w120": _mix("last_half", 8, 120),
+        "K3.5mix(last)+V3+kc+sink16+w112": _mix("last_half", 16, 112),
+        "K3.5mix(middle)+V3+kc+sink4+w124": _mix("middle", 4, 124),
+        "K3.5mix(last)+V3+kc+sink32+w96": _mix("last_half", 32, 96),
+        "K3.5mix(last)+V3+kc+sink4": _mix("last_half", 4, 0),
+        # 4-bit keys in every layer, paid for by 2-bit values in the first half (scale-only metadata)
+        "K4+V2.5mix(first)+kc+sink4+w124": _cfg(
+            k_bits=4, v2_layers="first_half", scale_only=True, key_center=True, sink_tokens=4, fp16_window=124
+        ),
+        "K4+V2.5mix(last)+kc+sink4+w124": _cfg(
+            k_bits=4, v2_layers="last_half", scale_only=True, key_center=True, sink_tokens=4, fp16_window=124
+        ),
+        "K4+V2.5mix(even)+kc+sink4+w124": _cfg(
+            k_bits=4, v2_layers="even", scale_only=True, key_center=True, sink_tokens=4, fp16_window=124
+        ),
+        # the default with query-aware per-channel key scaling (calibrated on the prompt)
+        "K3.5mix(last)+V3+kc+ksq.5+sink4+w124": _cfg(
+            k4_layers="last_half",
+            scale_only=True,
+            key_center=True,
+            key_scale=0.5,
+            key_scale_q=True,
+            sink_tokens=4,
+            fp16_window=124,
+        ),
+        # the first quarter of the layers K3V2, the rest K4V3
+        "K3.75mix(last3q)+V2.75mix(firstq)+kc+sink4+w124": _cfg(
+            k4_layers="last_3q",
+            v2_layers="first_quarter",
+            scale_only=True,
+            key_center=True,
+            sink_tokens=4,
+            fp16_window=124,
+        ),
+        "turbo3+kc+pca+vpca+sink16+w112": _cfg(
+            key_center=True, key_pca=True, value_pca=True, fit="mean", sink_tokens=16, fp16_window=112
+        ),
+        "turbo3+kc+pca+vpca+sink32+w96": _cfg(
+            key_center=True, key_pca=True, value_pca=True, fit="mean", sink_tokens=32, fp16_window=96
+        ),
+    }
+)
 # Transform coding (simulation only, no kernel yet): a per-(sequence, kv head) KLT calibrated on the
 # prompt (eigenvectors of the centered keys' covariance; values likewise), then bits per coordinate by
 # greedy reverse water-filling on variance x importance (keys: the queries' energy along the
 # eigenvector), uniform Gaussian-optimal grids per coordinate scaled by one float16 gain a token.
 # "kb"/"vb": average code bits per element. Measured: worse than turbo's random rotation (see the table).
 _KLT = {"klt": dict(kb=3.5, vb=3.0), "pairs": dict(kb=3.5, vb=3.0, mode="pairs")}
-CONFIGS.update({
-    "klt K3.5V3+sink4+w124": _cfg(klt=_KLT["klt"], sink_tokens=4, fp16_window=124),
-    "klt K3.5V3+sink4": _cfg(klt=_KLT["klt"], sink_tokens=4),
-    "klt K4V2.5+sink4+w124": _cfg(klt=dict(kb=4.0, vb=2.5), sink_tokens=4, fp16_window=124),
-    # RoPE-aware: the calibrated KLT above starves directions the keys rotate into after the prompt
-    "pairs K3.5V3+sink4+w124": _cfg(klt=_KLT["pairs"], sink_tokens=4, fp16_window=124),
-    "pairs K3.5V3+sink4": _cfg(klt=_KLT["pairs"], sink_tokens=4),
-    "pairs K4V2.5+sink4+w124": _cfg(klt=dict(kb=4.0, vb=2.5, mode="pairs"), sink_tokens=4, fp16_window=124),
-    "pairs K3V3+sink4": _cfg(klt=dict(kb=3.0, vb=3.0, mode="pairs"), sink_tokens=4),
-})
+CONFIGS.update(
+    {
+        "klt K3.5V3+sink4+w124": _cfg(klt=_KLT["klt"], sink_tokens=4, fp16_window=124),
+        "klt K3.5V3+sink4": _cfg(klt=_KLT["klt"], sink_tokens=4),
+        "klt K4V2.5+sink4+w124": _cfg(klt=dict(kb=4.0, vb=2.5), sink_tokens=4, fp16_window=124),
+        # RoPE-aware: the calibrated KLT above starves directions the keys rotate into after the prompt
+        "pairs K3.5V3+sink4+w124": _cfg(klt=_KLT["pairs"], sink_tokens=4, fp16_window=124),
+        "pairs K3.5V3+sink4": _cfg(klt=_KLT["pairs"], sink_tokens=4),
+        "pairs K4V2.5+sink4+w124": _cfg(klt=dict(kb=4.0, vb=2.5, mode="pairs"), sink_tokens=4, fp16_window=124),
+        "pairs K3V3+sink4": _cfg(klt=dict(kb=3.0, vb=3.0, mode="pairs"), sink_tokens=4),
+    }
+)
 
 # Key bits per layer measured on the model itself (calibrate_key_bits: a synthetic random-token
 # sequence with a repeated span; KL from full precision with one layer quantized at a time), within
 # the same budget as the 4-bit late layers; "34": 3- and 4-bit keys only, else 2-bit keys in the
 # least sensitive layers pay for 4-bit keys in more of the sensitive ones.
 _CAL = dict(scale_only=True, key_center=True, sink_tokens=4)
-CONFIGS.update({
-    "Kcal+V3+kc+sink4+w124": _cfg(k_cal=(2, 3, 4), fp16_window=124, **_CAL),
-    "Kcal34+V3+kc+sink4+w124": _cfg(k_cal=(3, 4), fp16_window=124, **_CAL),
-    "Kcal+V3+kc+sink4": _cfg(k_cal=(2, 3, 4), **_CAL),
-    "Kcal34+V3+kc+sink4": _cfg(k_cal=(3, 4), **_CAL),
-    # measured on a 4K-token synthetic sequence (the span repeated from a third of the way in)
-    "Kcal34@4K+V3+kc+sink4+w124": _cfg(k_cal=(3, 4), k_cal_tokens=4096, fp16_window=124, **_CAL),
-    "Kcal34@4K+V3+kc+sink4": _cfg(k_cal=(3, 4), k_cal_tokens=4096, **_CAL),
-    # age-based precision instead of the fp16 window: the last 128 tokens at 4-bit keys and values
-    # (TQCache: NO_FP16_WINDOW, a 128-token window of 4-bit codes)
-    "Kcal34+V3+kc+sink4+r128@K4V4": _cfg(k_cal=(3, 4), recent_window=128, **_CAL),
-    # the same budget spent a kv head at a time (calibrate_head_bits): 4- or 8-bit keys where the
-    # synthetic sequence measures a head most sensitive (copying rests on a few heads)
-    "KVhcal+kc+sink4+w124": _cfg(k_hcal=((3, 3), (4, 3), (8, 3), (8, 8)), fp16_window=124, **_CAL),
-    "KVhcal+kc+sink4": _cfg(k_hcal=((3, 3), (4, 3), (8, 3), (8, 8)), **_CAL),
-    "Khcal+V3+kc+sink4+w124": _cfg(k_hcal=((3, 3), (4, 3), (8, 3)), fp16_window=124, **_CAL),
-    # 8-bit codes only (no 4-bit keys): the budget in the few heads the copying needs
-    "KV8hcal+kc+sink4+w124": _cfg(k_hcal=((3, 3), (8, 3), (8, 8)), fp16_window=124, **_CAL),
-    # split: 25 of the 45 units to 8-bit heads, the other 20 to 4-bit keys where the KL gains most
-    "KV8hcal25+K4+kc+sink4+w124": _cfg(k_hcal=((3, 3), (8, 3), (8, 8)), k_hcal_8bit_units=25, fp16_window=124,
-                                       **_CAL),
-    # the kv head copying needs most (calibrate_copy_heads: copy-span KL, two synthetic sequences) at
-    # K8V8 (10 units), the other 35 as 4-bit keys in 11 layers (calibrate_key_bits(spent=10))
-    "Kcal34+copy1+kc+sink4+w124": _cfg(k_cal=(3, 4), copy_heads=1, fp16_window=124, **_CAL),
-    "Kcal34+copy2+kc+sink4+w124": _cfg(k_cal=(3, 4), copy_heads=2, fp16_window=124, **_CAL),
-    # the default without its fp16 window: nothing but the sinks, or the last 128 tokens as 4-bit codes
-    # (TQCache.calibrated(model, **NO_FP16_WINDOW))
-    "Kcal34+copy1+kc+sink4": _cfg(k_cal=(3, 4), copy_heads=1, **_CAL),
-    "Kcal34+copy1+kc+sink4+r128@K4V4": _cfg(k_cal=(3, 4), copy_heads=1, recent_window=128, **_CAL),
-})
+CONFIGS.update(
+    {
+        "Kcal+V3+kc+sink4+w124": _cfg(k_cal=(2, 3, 4), fp16_window=124, **_CAL),
+        "Kcal34+V3+kc+sink4+w124": _cfg(k_cal=(3, 4), fp16_window=124, **_CAL),
+        "Kcal+V3+kc+sink4": _cfg(k_cal=(2, 3, 4), **_CAL),
+        "Kcal34+V3+kc+sink4": _cfg(k_cal=(3, 4), **_CAL),
+        # measured on a 4K-token synthetic sequence (the span repeated from a third of the way in)
+        "Kcal34@4K+V3+kc+sink4+w124": _cfg(k_cal=(3, 4), k_cal_tokens=4096, fp16_window=124, **_CAL),
+        "Kcal34@4K+V3+kc+sink4": _cfg(k_cal=(3, 4), k_cal_tokens=4096, **_CAL),
+        # age-based precision instead of the fp16 window: the last 128 tokens at 4-bit keys and values
+        # (TQCache: NO_FP16_WINDOW, a 128-token window of 4-bit codes)
+        "Kcal34+V3+kc+sink4+r128@K4V4": _cfg(k_cal=(3, 4), recent_window=128, **_CAL),
+        # the same budget spent a kv head at a time (calibrate_head_bits): 4- or 8-bit keys where the
+        # synthetic sequence measures a head most sensitive (copying rests on a few heads)
+        "KVhcal+kc+sink4+w124": _cfg(k_hcal=((3, 3), (4, 3), (8, 3), (8, 8)), fp16_window=124, **_CAL),
+        "KVhcal+kc+sink4": _cfg(k_hcal=((3, 3), (4, 3), (8, 3), (8, 8)), **_CAL),
+        "Khcal+V3+kc+sink4+w124": _cfg(k_hcal=((3, 3), (4, 3), (8, 3)), fp16_window=124, **_CAL),
+        # 8-bit codes only (no 4-bit keys): the budget in the few heads the copying needs
+        "KV8hcal+kc+sink4+w124": _cfg(k_hcal=((3, 3), (8, 3), (8, 8)), fp16_window=124, **_CAL),
+        # split: 25 of the 45 units to 8-bit heads, the other 20 to 4-bit keys where the KL gains most
+        "KV8hcal25+K4+kc+sink4+w124": _cfg(
+            k_hcal=((3, 3), (8, 3), (8, 8)), k_hcal_8bit_units=25, fp16_window=124, **_CAL
+        ),
+        # the kv head copying needs most (calibrate_copy_heads: copy-span KL, two synthetic sequences) at
+        # K8V8 (10 units), the other 35 as 4-bit keys in 11 layers (calibrate_key_bits(spent=10))
+        "Kcal34+copy1+kc+sink4+w124": _cfg(k_cal=(3, 4), copy_heads=1, fp16_window=124, **_CAL),
+        "Kcal34+copy2+kc+sink4+w124": _cfg(k_cal=(3, 4), copy_heads=2, fp16_window=124, **_CAL),
+        # the default without its fp16 window: nothing but the sinks, or the last 128 tokens as 4-bit codes
+        # (TQCache.calibrated(model, **NO_FP16_WINDOW))
+        "Kcal34+copy1+kc+sink4": _cfg(k_cal=(3, 4), copy_heads=1, **_CAL),
+        "Kcal34+copy1+kc+sink4+r128@K4V4": _cfg(k_cal=(3, 4), copy_heads=1, recent_window=128, **_CAL),
+    }
+)
 # RoPE-aware key centering: the keys' constant part taken out before RoPE (R(p) c, c the prompt's mean
 # pre-RoPE key) instead of the prompt's mean post-RoPE key, which only matches near the prompt
 _RC = dict(_CAL, key_center=False)
-CONFIGS.update({
-    "turbo3+rc+sink4+w124": _cfg(rope_center="exact", fp16_window=124, **_RC),
-    "turbo3+rct+sink4+w124": _cfg(rope_center="tile", fp16_window=124, **_RC),
-    "K3.5mix(last)+V3+rc+sink4+w124": _cfg(k4_layers="last_half", rope_center="exact", fp16_window=124, **_RC),
-    "Kcal34+copy1+rc+sink4+w124": _cfg(k_cal=(3, 4), copy_heads=1, rope_center="exact", fp16_window=124, **_RC),
-    "Kcal34+copy1+rct+sink4+w124": _cfg(k_cal=(3, 4), copy_heads=1, rope_center="tile", fp16_window=124, **_RC),
-    "Kcal34+V3+rc+sink4+w124": _cfg(k_cal=(3, 4), rope_center="exact", fp16_window=124, **_RC),
-    "Kcal34+copy1+rc+sink4": _cfg(k_cal=(3, 4), copy_heads=1, rope_center="exact", **_RC),
-    "Kcal34+copy1+rc+sink4+r128@K4V4": _cfg(k_cal=(3, 4), copy_heads=1, rope_center="exact", recent_window=128,
-                                            **_RC),
-    # value centering (the prompt's mean value out before quantizing, added to the output back)
-    "Kcal34+copy1+kc+vc+sink4+w124": _cfg(k_cal=(3, 4), copy_heads=1, value_center=True, fp16_window=124, **_CAL),
-    "Kcal34+copy1+rc+vc+sink4+w124": _cfg(k_cal=(3, 4), copy_heads=1, rope_center="exact", value_center=True,
-                                          fp16_window=124, **_RC),
-    "Kcal34+copy1+rc+vc+sink4+r128@K4V4": _cfg(k_cal=(3, 4), copy_heads=1, rope_center="exact", value_center=True,
-                                               recent_window=128, **_RC),
-    "Kcal34+copy2+rc+sink4+w124": _cfg(k_cal=(3, 4), copy_heads=2, rope_center="exact", fp16_window=124, **_RC),
-    "Kcal34+copy1+rc+sink16+w112": _cfg(k_cal=(3, 4), copy_heads=1, rope_center="exact", fp16_window=112,
-                                        **dict(_RC, sink_tokens=16)),
-})
+CONFIGS.update(
+    {
+        "turbo3+rc+sink4+w124": _cfg(rope_center="exact", fp16_window=124, **_RC),
+        "turbo3+rct+sink4+w124": _cfg(rope_center="tile", fp16_window=124, **_RC),
+        "K3.5mix(last)+V3+rc+sink4+w124": _cfg(k4_layers="last_half", rope_center="exact", fp16_window=124, **_RC),
+        "Kcal34+copy1+rc+sink4+w124": _cfg(k_cal=(3, 4), copy_heads=1, rope_center="exact", fp16_window=124, **_RC),
+        "Kcal34+copy1+rct+sink4+w124": _cfg(k_cal=(3, 4), copy_heads=1, rope_center="tile", fp16_window=124, **_RC),
+        "Kcal34+V3+rc+sink4+w124": _cfg(k_cal=(3, 4), rope_center="exact", fp16_window=124, **_RC),
+        "Kcal34+copy1+rc+sink4": _cfg(k_cal=(3, 4), copy_heads=1, rope_center="exact", **_RC),
+        "Kcal34+copy1+rc+sink4+r128@K4V4": _cfg(
+            k_cal=(3, 4), copy_heads=1, rope_center="exact", recent_window=128, **_RC
+        ),
+        # value centering (the prompt's mean value out before quantizing, added to the output back)
+        "Kcal34+copy1+kc+vc+sink4+w124": _cfg(k_cal=(3, 4), copy_heads=1, value_center=True, fp16_window=124, **_CAL),
+        "Kcal34+copy1+rc+vc+sink4+w124": _cfg(
+            k_cal=(3, 4), copy_heads=1, rope_center="exact", value_center=True, fp16_window=124, **_RC
+        ),
+        "Kcal34+copy1+rc+vc+sink4+r128@K4V4": _cfg(
+            k_cal=(3, 4), copy_heads=1, rope_center="exact", value_center=True, recent_window=128, **_RC
+        ),
+        "Kcal34+copy2+rc+sink4+w124": _cfg(k_cal=(3, 4), copy_heads=2, rope_center="exact", fp16_window=124, **_RC),
+        "Kcal34+copy1+rc+sink16+w112": _cfg(
+            k_cal=(3, 4), copy_heads=1, rope_center="exact", fp16_window=112, **dict(_RC, sink_tokens=16)
+        ),
+    }
+)
 # The rc configs above place their bits as measured with the post-RoPE centering (kc), as
 # TQCache.calibrated(model) does; "Kcal34rc" measures them with the configuration's own RoPE
 # centering (news top-1 97.0% against 97.3%, copy 1K -1.0 against -1.4)
 _RC16 = dict(_RC, sink_tokens=16, rope_center="exact", cal_own_center=True)
-CONFIGS.update({
-    "Kcal34+copy1+rc+sink16+r128@K4V4": _cfg(k_cal=(3, 4), copy_heads=1, rope_center="exact", recent_window=128,
-                                             **dict(_RC, sink_tokens=16)),
-    "Kcal34rc+copy1+rc+sink16+w112": _cfg(k_cal=(3, 4), copy_heads=1, fp16_window=112, **_RC16),
-    "Kcal34rc+copy1+rc+sink16": _cfg(k_cal=(3, 4), copy_heads=1, **_RC16),
-    "Kcal34rc+copy1+rc+sink16+r128@K4V4": _cfg(k_cal=(3, 4), copy_heads=1, recent_window=128, **_RC16),
-    "K3.5mix(last)+V3+rc+sink16+w112": _cfg(k4_layers="last_half", fp16_window=112,
-                                            **{k: v for k, v in _RC16.items() if k != "cal_own_center"}),
-})
+CONFIGS.update(
+    {
+        "Kcal34+copy1+rc+sink16+r128@K4V4": _cfg(
+            k_cal=(3, 4), copy_heads=1, rope_center="exact", recent_window=128, **dict(_RC, sink_tokens=16)
+        ),
+        "Kcal34rc+copy1+rc+sink16+w112": _cfg(k_cal=(3, 4), copy_heads=1, fp16_window=112, **_RC16),
+        "Kcal34rc+copy1+rc+sink16": _cfg(k_cal=(3, 4), copy_heads=1, **_RC16),
+        "Kcal34rc+copy1+rc+sink16+r128@K4V4": _cfg(k_cal=(3, 4), copy_heads=1, recent_window=128, **_RC16),
+        "K3.5mix(last)+V3+rc+sink16+w112": _cfg(
+            k4_layers="last_half", fp16_window=112, **{k: v for k, v in _RC16.items() if k != "cal_own_center"}
+        ),
+    }
+)
 
 DEFAULT = "Kcal34+copy1+rc+sink16+w112"  # = TQCache.calibrated(model) (flash_attn_tq.integrations.transformers)
 NO_WINDOW_DEFAULT = "Kcal34+copy1+rc+sink16+r128@K4V4"  # (calibrated(model, **NO_FP16_WINDOW): a 4-bit recent band)
 UNCALIBRATED_DEFAULT = "K3.5mix(last)+V3+rc+sink16+w112"  # = TQCache(config): 4-bit keys in the last layers
-QUICK = ["full", "asym3", "turbo3", "turbo3+w128", "turbo3+kc+sink4", "turbo3+kc+sink4+w124", NO_WINDOW_DEFAULT, DEFAULT,
-         UNCALIBRATED_DEFAULT, "K4V3"]
+QUICK = [
+    "full",
+    "asym3",
+    "turbo3",
+    "turbo3+w128",
+    "turbo3+kc+sink4",
+    "turbo3+kc+sink4+w124",
+    NO_WINDOW_DEFAULT,
+    DEFAULT,
+    UNCALIBRATED_DEFAULT,
+    "K4V3",
+]
 # the configs the product path (--path product|both) decodes through TQCache by default (+ "full", its reference)
 PRODUCT = [DEFAULT, UNCALIBRATED_DEFAULT, NO_WINDOW_DEFAULT]
-LONG = ["full", "turbo3", "turbo3+kc+pca+vpca+sink4", "turbo3+kc+sink4+w124", "turbo3+kc+pca+vpca+sink4+w124",
-        "turbo3+kc+ksq.5+pca+vpca+sink4", "turbo3+kc+ksq.5+pca+vpca+sink4+w124", "K3.5mix(last)+V3+kc+sink4+w124",
-        "K3.5mix(last)+V3+kc+sink16+w112", "K3.5mix(last)+V3+kc+sink32+w96", "turbo3+kc+pca+vpca+sink32+w96",
-        "K4+V2.5mix(first)+kc+sink4+w124", "K4+V2.5mix(last)+kc+sink4+w124", "K3.5mix(last)+V3+kc+ksq.5+sink4+w124",
-        "Kcal34+V3+kc+sink4+w124", "Kcal34@4K+V3+kc+sink4+w124", "KVhcal+kc+sink4+w124", "KV8hcal+kc+sink4+w124",
-        "KV8hcal25+K4+kc+sink4+w124", "Kcal34+copy1+kc+sink4+w124", "Kcal34+copy2+kc+sink4+w124",
-        "Kcal34+copy1+kc+sink4", "Kcal34+copy1+kc+sink4+r128@K4V4", "K4V3+kc+sink4+w124", "turbo3+rc+sink4+w124",
-        "turbo3+rct+sink4+w124", "K3.5mix(last)+V3+rc+sink4+w124", "Kcal34+copy1+rc+sink4+w124",
-        "Kcal34+copy1+rct+sink4+w124", "Kcal34+V3+rc+sink4+w124", "Kcal34+copy1+rc+sink4",
-        "Kcal34+copy1+rc+sink4+r128@K4V4", "Kcal34+copy1+kc+vc+sink4+w124", "Kcal34+copy1+rc+vc+sink4+w124",
-        "Kcal34+copy1+rc+vc+sink4+r128@K4V4", "Kcal34+copy2+rc+sink4+w124", "Kcal34+copy1+rc+sink16+w112",
-        "Kcal34+copy1+rc+sink16+r128@K4V4", "Kcal34rc+copy1+rc+sink16+w112", "Kcal34rc+copy1+rc+sink16+r128@K4V4",
-        "K3.5mix(last)+V3+rc+sink16+w112"]
+LONG = [
+    "full",
+    "turbo3",
+    "turbo3+kc+pca+vpca+sink4",
+    "turbo3+kc+sink4+w124",
+    "turbo3+kc+pca+vpca+sink4+w124",
+    "turbo3+kc+ksq.5+pca+vpca+sink4",
+    "turbo3+kc+ksq.5+pca+vpca+sink4+w124",
+    "K3.5mix(last)+V3+kc+sink4+w124",
+    "K3.5mix(last)+V3+kc+sink16+w112",
+    "K3.5mix(last)+V3+kc+sink32+w96",
+    "turbo3+kc+pca+vpca+sink32+w96",
+    "K4+V2.5mix(first)+kc+sink4+w124",
+    "K4+V2.5mix(last)+kc+sink4+w124",
+    "K3.5mix(last)+V3+kc+ksq.5+sink4+w124",
+    "Kcal34+V3+kc+sink4+w124",
+    "Kcal34@4K+V3+kc+sink4+w124",
+    "KVhcal+kc+sink4+w124",
+    "KV8hcal+kc+sink4+w124",
+    "KV8hcal25+K4+kc+sink4+w124",
+    "Kcal34+copy1+kc+sink4+w124",
+    "Kcal34+copy2+kc+sink4+w124",
+    "Kcal34+copy1+kc+sink4",
+    "Kcal34+copy1+kc+sink4+r128@K4V4",
+    "K4V3+kc+sink4+w124",
+    "turbo3+rc+sink4+w124",
+    "turbo3+rct+sink4+w124",
+    "K3.5mix(last)+V3+rc+sink4+w124",
+    "Kcal34+copy1+rc+sink4+w124",
+    "Kcal34+copy1+rct+sink4+w124",
+    "Kcal34+V3+rc+sink4+w124",
+    "Kcal34+copy1+rc+sink4",
+    "Kcal34+copy1+rc+sink4+r128@K4V4",
+    "Kcal34+copy1+kc+vc+sink4+w124",
+    "Kcal34+copy1+rc+vc+sink4+w124",
+    "Kcal34+copy1+rc+vc+sink4+r128@K4V4",
+    "Kcal34+copy2+rc+sink4+w124",
+    "Kcal34+copy1+rc+sink16+w112",
+    "Kcal34+copy1+rc+sink16+r128@K4V4",
+    "Kcal34rc+copy1+rc+sink16+w112",
+    "Kcal34rc+copy1+rc+sink16+r128@K4V4",
+    "K3.5mix(last)+V3+rc+sink16+w112",
+]
 
 
 def _layer_set(which, num_layers):
@@ -292,8 +401,10 @@ def key_bits_of(cfg, layer, num_layers):
 
 def tq_options(cfg):
     """TQCache keyword options of a config (besides its per-layer ones)."""
-    opts = {k: cfg[k] for k in ("quantizer", "k_bits", "v_bits", "fit", "fp16_window", "sink_tokens", "key_center",
-                                "scale_only")}
+    opts = {
+        k: cfg[k]
+        for k in ("quantizer", "k_bits", "v_bits", "fit", "fp16_window", "sink_tokens", "key_center", "scale_only")
+    }
     if opts["quantizer"] == "asym":
         opts.pop("fit")
     if cfg.get("rope_center") == "exact":  # (TQCache takes the RoPE frequencies from the model config)
@@ -319,6 +430,7 @@ def tq_cache(model, cfg, prefill="full"):
     key bits (k_cal / k4_layers), 2-bit value layers, per-head widths (k_hcal / copy heads), protected
     layers. ValueError for what only the simulation has (klt, qjl, value centering, the tile-wise RoPE center)."""
     from flash_attn_tq.integrations.transformers import TQCache
+
     sim_only = simulation_only(cfg)
     if sim_only:
         raise ValueError(f"simulation-only options, no TQCache equivalent: {', '.join(sim_only)}")
@@ -326,10 +438,19 @@ def tq_cache(model, cfg, prefill="full"):
     per_layer = {i: {"k_bits": key_bits_of(cfg, i, L)} for i in range(L) if key_bits_of(cfg, i, L) != cfg["k_bits"]}
     for i in v2_layers(cfg, L):
         per_layer.setdefault(i, {})["v_bits"] = 2
-    heads = {tuple(int(x) for x in k.split(",")): {"k_bits": kb, "v_bits": vb}
-             for k, (kb, vb) in cfg.get("head_bits", {}).items()}
-    return TQCache(model.config, prefill=prefill, protected_layers=protected_layers(cfg, L), layer_options=per_layer,
-                   late_k_bits=None, head_options=heads, **tq_options(cfg))
+    heads = {
+        tuple(int(x) for x in k.split(",")): {"k_bits": kb, "v_bits": vb}
+        for k, (kb, vb) in cfg.get("head_bits", {}).items()
+    }
+    return TQCache(
+        model.config,
+        prefill=prefill,
+        protected_layers=protected_layers(cfg, L),
+        layer_options=per_layer,
+        late_k_bits=None,
+        head_options=heads,
+        **tq_options(cfg),
+    )
 
 
 _SENSITIVITY: dict = {}  # measured key-bit sensitivities, by the cache options and bit widths measured
@@ -343,6 +464,7 @@ def resolve(cfg, model):
     if not cfg or not cfg.get("k_cal") or cfg.get("k_layer_bits") is not None:
         return cfg
     from flash_attn_tq.integrations.transformers import calibrate_copy_heads, calibrate_key_bits, key_bit_sensitivity
+
     L = model.config.num_hidden_layers
     opts = tq_options(cfg)
     opts.pop("k_bits")
@@ -357,15 +479,30 @@ def resolve(cfg, model):
     if cfg.get("copy_heads"):
         saved = load_copy_sensitivity()  # (the GPU measurement; the same call measures it, ~25 min on 2 cores)
         usable = saved and not prot and all(saved[0].get(k) == v for k, v in opts.items())
-        heads = calibrate_copy_heads(model, heads=cfg["copy_heads"], protected_layers=prot,
-                                     sensitivity=saved[1] if usable else None, k_bits=cfg["k_bits"], **opts)
+        heads = calibrate_copy_heads(
+            model,
+            heads=cfg["copy_heads"],
+            protected_layers=prot,
+            sensitivity=saved[1] if usable else None,
+            k_bits=cfg["k_bits"],
+            **opts,
+        )
         spent = sum(o["k_bits"] - cfg["k_bits"] + o["v_bits"] - cfg["v_bits"] for o in heads.values())
-    chosen = calibrate_key_bits(model, bits=cfg["k_cal"], protected_layers=prot, sensitivity=_SENSITIVITY[key],
-                                k_bits=cfg["k_bits"], spent=spent, **opts)
+    chosen = calibrate_key_bits(
+        model,
+        bits=cfg["k_cal"],
+        protected_layers=prot,
+        sensitivity=_SENSITIVITY[key],
+        k_bits=cfg["k_bits"],
+        spent=spent,
+        **opts,
+    )
     out = dict(cfg, k_layer_bits={i: o["k_bits"] for i, o in chosen.items()})
     if heads:
-        out.update(head_bits={f"{i},{h}": [o["k_bits"], o["v_bits"]] for (i, h), o in sorted(heads.items())},
-                   kv_heads=model.config.num_key_value_heads)
+        out.update(
+            head_bits={f"{i},{h}": [o["k_bits"], o["v_bits"]] for (i, h), o in sorted(heads.items())},
+            kv_heads=model.config.num_key_value_heads,
+        )
     return out
 
 
@@ -388,6 +525,7 @@ def load_copy_sensitivity(path: Path = COPY_SENSITIVITY):
     """(options, {(layer, kv head, K bits, V bits): copy-span KL}) averaged over COPY_SEEDS, from a saved
     head_objectives measurement (random-token sequences of 1024 tokens), or None."""
     from flash_attn_tq.integrations.transformers import COPY_SEEDS
+
     if not path.exists():
         return None
     data = json.loads(path.read_text())
@@ -400,6 +538,7 @@ def load_copy_sensitivity(path: Path = COPY_SENSITIVITY):
 
 def resolve_heads(cfg, model):
     from flash_attn_tq.integrations.transformers import calibrate_head_bits, head_sensitivity
+
     L = model.config.num_hidden_layers
     opts = tq_options(cfg)
     opts.pop("k_bits")
@@ -410,10 +549,20 @@ def resolve_heads(cfg, model):
         _SENSITIVITY[key] = saved[1]
     if key not in _SENSITIVITY:  # (every width at once: keys at 3 and 4, values at 3, the 8-bit floor)
         _SENSITIVITY[key] = head_sensitivity(model, key_bits=(3, 4), value_bits=(3,), protected_layers=prot, **opts)
-    chosen = calibrate_head_bits(model, widths=cfg["k_hcal"], protected_layers=prot, sensitivity=_SENSITIVITY[key],
-                                 fine_budget=cfg.get("k_hcal_8bit_units"), k_bits=cfg["k_bits"], **opts)
-    return dict(cfg, head_bits={f"{i},{h}": [o["k_bits"], o["v_bits"]] for (i, h), o in sorted(chosen.items())},
-                kv_heads=model.config.num_key_value_heads)
+    chosen = calibrate_head_bits(
+        model,
+        widths=cfg["k_hcal"],
+        protected_layers=prot,
+        sensitivity=_SENSITIVITY[key],
+        fine_budget=cfg.get("k_hcal_8bit_units"),
+        k_bits=cfg["k_bits"],
+        **opts,
+    )
+    return dict(
+        cfg,
+        head_bits={f"{i},{h}": [o["k_bits"], o["v_bits"]] for (i, h), o in sorted(chosen.items())},
+        kv_heads=model.config.num_key_value_heads,
+    )
 
 
 def head_bits_of(cfg, layer):
@@ -439,11 +588,14 @@ def config_bits(cfg, head_dim, num_layers):
     meta = -16.0 / head_dim if cfg.get("scale_only") else 0.0  # bits_per_element counts fp16 scale + offset
     k_codes = sum(key_bits_of(cfg, i, num_layers) for i in range(num_layers)) / num_layers
     heads = [(key_bits_of(cfg, i, num_layers), w) for i in range(num_layers) for w in head_bits_of(cfg, i).values()]
-    k_codes += (sum(kb - layer_kb + vb - cfg["v_bits"] for layer_kb, (kb, vb) in heads)
-                / (num_layers * cfg.get("kv_heads", 1)))
+    k_codes += sum(kb - layer_kb + vb - cfg["v_bits"] for layer_kb, (kb, vb) in heads) / (
+        num_layers * cfg.get("kv_heads", 1)
+    )
     k_bits = bits_per_element(head_dim, cfg["k_bits"]) + (k_codes - cfg["k_bits"]) + meta
     k_bits += 1.0 if cfg.get("qjl") else 0.0  # the sign sketch
-    v_bits = bits_per_element(head_dim, cfg["v_bits"]) - len(v2_layers(cfg, num_layers)) * (cfg["v_bits"] - 2) / num_layers
+    v_bits = (
+        bits_per_element(head_dim, cfg["v_bits"]) - len(v2_layers(cfg, num_layers)) * (cfg["v_bits"] - 2) / num_layers
+    )
     q = (k_bits + v_bits + meta) / 2
     prot = len(protected_layers(cfg, num_layers))
     return (q * (num_layers - prot) + 16.0 * prot) / num_layers
@@ -458,6 +610,7 @@ def protected_layers(cfg, num_layers):
 
 
 # --------------------------------------------------------------------------- assets
+
 
 def _pip_download(spec: str, dest: Path) -> Path:
     dest.mkdir(parents=True, exist_ok=True)
@@ -499,6 +652,7 @@ def ensure_assets(data: Path) -> tuple[Path, Path]:
 
 def load_model(model_dir: Path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(model_dir, gguf_file=GGUF)
     model = AutoModelForCausalLM.from_pretrained(model_dir, gguf_file=GGUF, dtype=torch.float32)
     return tok, model.eval()
@@ -545,7 +699,9 @@ class KeyValueTransform:
                 rms = rms / rq.clamp(min=1e-3 * float(rq.max().clamp(min=1e-30)))
             div = rms.pow(cfg["key_scale"])
             self.div = div / div.pow(2).mean(-1, keepdim=True).sqrt()  # unit mean square: only the shape matters
-        self.house = _main_direction_householder((kf - self.shift[:, None]) / self.div[:, None]) if cfg["key_pca"] else None
+        self.house = (
+            _main_direction_householder((kf - self.shift[:, None]) / self.div[:, None]) if cfg["key_pca"] else None
+        )
         self.vhouse = _main_direction_householder(v.float()) if cfg["value_pca"] else None
 
     def keys(self, k: torch.Tensor) -> torch.Tensor:
@@ -606,7 +762,7 @@ class Sim:
             v = v - v_mean
         tf = None
         if research:  # the prompt's statistics, then fixed
-            q = None if query is None else query.transpose(1, 2)[:, s0:s0 + c]
+            q = None if query is None else query.transpose(1, 2)[:, s0 : s0 + c]
             tf = KeyValueTransform(cfg, k[:, :c], v[:, :c], q)
             k16[:, :, s0:] = tf.keys_back(tf.keys(k).half()).transpose(1, 2)
             v16[:, :, s0:] = tf.values(tf.values(v).half()).transpose(1, 2)
@@ -614,8 +770,9 @@ class Sim:
         elif cache.key_center:
             cache.calibrate(k[:, :c], positions=torch.arange(c, device=k.device).expand(B, -1))
             pos = torch.arange(S - s0, device=k.device).expand(B, -1)
-            k16[:, :, s0:] = cache.untransform_keys(cache.transform_keys(k, positions=pos).half(),
-                                                    positions=pos).transpose(1, 2)
+            k16[:, :, s0:] = cache.untransform_keys(
+                cache.transform_keys(k, positions=pos).half(), positions=pos
+            ).transpose(1, 2)
         cache.append(k, v)
         kd, vd = cache.dequantize(use_window=False)
         if tf is not None:  # back from the transformed domain the cache held
@@ -641,6 +798,7 @@ class Sim:
         mean for the others. (rope_center="exact", R(p_j) c for every key, is QuantizedKVCache's
         key_center="rope".)"""
         from flash_attn_tq.cache import rope_turn
+
         B, N, H, D = k.shape
         inv = Sim.inv_freq.to(k.device).float()
         pos = torch.arange(s0, s0 + N, device=k.device).float()
@@ -682,7 +840,7 @@ class Sim:
         mu = x[:, :, :c].mean(2, keepdim=True)
         xc = x - mu
         cov = xc[:, :, :c].transpose(-1, -2) @ xc[:, :, :c] / c
-        lam, U = torch.linalg.eigh(cov)                     # ascending
+        lam, U = torch.linalg.eigh(cov)  # ascending
         lam = lam.clamp(min=1e-12)
         imp = torch.ones_like(lam) if importance is None else torch.einsum("bhdi,bhde,bhei->bhi", U, importance, U)
         weight = lam * imp.clamp(min=1e-12)
@@ -690,7 +848,7 @@ class Sim:
         U = U.gather(-1, order[:, :, None, :].expand(-1, -1, D, -1))
         lam, weight = lam.gather(-1, order), weight.gather(-1, order)
         bits = Sim.allocate_bits(weight, round(avg_bits * D))
-        y = xc @ U                                            # KLT coordinates, most important first
+        y = xc @ U  # KLT coordinates, most important first
         sigma = lam.sqrt()[:, :, None]
         gain = (y.norm(dim=-1, keepdim=True) / lam.sum(-1).sqrt()[:, :, None, None]).half().float().clamp(min=1e-8)
         z = y / (gain * sigma)
@@ -716,18 +874,18 @@ class Sim:
         P = D // 2
         mu = x[:, :, :c].mean(2, keepdim=True)
         xc = x - mu
-        e = xc[:, :, :c].pow(2).mean(2)                          # [B, H, D]
+        e = xc[:, :, :c].pow(2).mean(2)  # [B, H, D]
         e_pair = (e[..., :P] + e[..., P:]).clamp(min=1e-12) / 2  # per dim of the pair
         w_pair = e_pair * (1.0 if q_energy is None else (q_energy[..., :P] + q_energy[..., P:]).clamp(min=1e-12))
-        order = w_pair.argsort(-1, descending=True)               # [B, H, P]
-        per = group // 2                                          # groups hold whole pairs
+        order = w_pair.argsort(-1, descending=True)  # [B, H, P]
+        per = group // 2  # groups hold whole pairs
         dims = torch.stack([order.view(B, H, P // per, per), (order + P).view(B, H, P // per, per)], -1)
-        dims = dims.reshape(B, H, D)                              # group g: dims [g*group, (g+1)*group)
+        dims = dims.reshape(B, H, D)  # group g: dims [g*group, (g+1)*group)
         ng = D // group
         w_sorted = w_pair.gather(-1, order).view(B, H, ng, per)
-        w_group = w_sorted.log().mean(-1).exp()                   # geometric mean
+        w_group = w_sorted.log().mean(-1).exp()  # geometric mean
         bits_g = Sim.allocate_bits(w_group, round(avg_bits * ng) - min_bits * ng, max_bits=8 - min_bits) + min_bits
-        sigma = e_pair.repeat(1, 1, 2).sqrt()                     # [B, H, D]
+        sigma = e_pair.repeat(1, 1, 2).sqrt()  # [B, H, D]
         z = (xc / sigma[:, :, None]).gather(-1, dims[:, :, None, :].expand(-1, -1, S, -1))
         Hm = Sim._hadamard(group)
         zg = z.view(B, H, S, ng, group) @ Hm
@@ -750,7 +908,7 @@ class Sim:
         imp = None
         if query is not None:
             G = query.shape[1] // H
-            qc = query.float()[:, :, s0:s0 + c].reshape(B, H, G * c, D)  # a kv head's G query heads
+            qc = query.float()[:, :, s0 : s0 + c].reshape(B, H, G * c, D)  # a kv head's G query heads
             imp = qc.transpose(-1, -2) @ qc / qc.shape[2]
         if opt.get("mode") == "pairs":
             qe = None if imp is None else torch.diagonal(imp, dim1=-2, dim2=-1)
@@ -777,10 +935,11 @@ class Sim:
         cfg = Sim.cfg
         B, Hq, S, D = query.shape
         G = Hq // key.shape[1]
-        scaling = scaling or D ** -0.5
+        scaling = scaling or D**-0.5
         if cfg is None or module.layer_idx in protected_layers(cfg, Sim.num_layers):
-            out = F.scaled_dot_product_attention(query, key.repeat_interleave(G, 1), value.repeat_interleave(G, 1),
-                                                 is_causal=True, scale=scaling)
+            out = F.scaled_dot_product_attention(
+                query, key.repeat_interleave(G, 1), value.repeat_interleave(G, 1), is_causal=True, scale=scaling
+            )
             return out.transpose(1, 2).contiguous(), None
         if key_bits_of(cfg, module.layer_idx, Sim.num_layers) != cfg["k_bits"]:
             cfg = dict(cfg, k_bits=key_bits_of(cfg, module.layer_idx, Sim.num_layers))
@@ -836,6 +995,7 @@ class Sim:
 
 def install_sim(model):
     from transformers import AttentionInterface
+
     AttentionInterface.register(SIM_NAME, Sim.attention)
     model.set_attn_implementation(SIM_NAME)
     Sim.num_layers = model.config.num_hidden_layers
@@ -850,9 +1010,10 @@ def log_probs(model, ids):
 
 # --------------------------------------------------------------------------- tasks
 
+
 def ppl_windows(ids, length, count, start=0):
     n = max(0, min(count, (len(ids) - start) // length))
-    return [ids[start + i * length: start + (i + 1) * length] for i in range(n)]
+    return [ids[start + i * length : start + (i + 1) * length] for i in range(n)]
 
 
 def copy_tasks(ids, ctx, depths, seeds, span=64):
@@ -876,7 +1037,7 @@ def copy_predictions(model, seq, span=64, skip=8, prefill=False):
     L = len(seq)
     Sim.prefill_len = L - span + skip if prefill else 0
     try:
-        h = model.model(seq[None]).last_hidden_state[0, L - span + skip - 1: L - 1]
+        h = model.model(seq[None]).last_hidden_state[0, L - span + skip - 1 : L - 1]
     finally:
         Sim.prefill_len = 0
     return model.lm_head(h).argmax(-1)
@@ -884,10 +1045,11 @@ def copy_predictions(model, seq, span=64, skip=8, prefill=False):
 
 def copy_accuracy(model, seq, span=64, skip=8, prefill=False):
     pred = copy_predictions(model, seq, span, skip, prefill)
-    return (pred == seq[len(seq) - span + skip:]).float().mean().item()
+    return (pred == seq[len(seq) - span + skip :]).float().mean().item()
 
 
 # --------------------------------------------------------------------------- the product path
+
 
 @torch.no_grad()
 def decode_log_probs(model, seqs, prompt, cache):
@@ -898,7 +1060,7 @@ def decode_log_probs(model, seqs, prompt, cache):
     logits = model(seqs[:, :prompt], past_key_values=cache, use_cache=True, logits_to_keep=1).logits
     rows = [torch.log_softmax(logits[:, -1:].float(), -1)]
     for t in range(prompt, seqs.shape[1] - 1):
-        logits = model(seqs[:, t:t + 1], past_key_values=cache, use_cache=True).logits
+        logits = model(seqs[:, t : t + 1], past_key_values=cache, use_cache=True).logits
         rows.append(torch.log_softmax(logits.float(), -1))
     return torch.cat(rows, 1)
 
@@ -919,6 +1081,7 @@ def run_product(model, names, w1k, w4k, c1k, c4k, decode, head_dim, span=64, ski
 
     import flash_attn_tq
     from flash_attn_tq.integrations.transformers import ATTN_IMPLEMENTATION
+
     L = model.config.num_hidden_layers
     cfgs, skipped = {}, {}
     for name in dict.fromkeys(["full"] + list(names)):
@@ -944,9 +1107,14 @@ def run_product(model, names, w1k, w4k, c1k, c4k, decode, head_dim, span=64, ski
     try:
         for name, cfg in cfgs.items():
             t0 = time.time()
-            r = dict(name=name, path="product", bits_per_element=round(config_bits(cfg, head_dim, L), 4),
-                     fp16_window=0 if cfg is None else cfg["fp16_window"],
-                     sink_tokens=0 if cfg is None else cfg["sink_tokens"], dtype=str(dtype).replace("torch.", ""))
+            r = dict(
+                name=name,
+                path="product",
+                bits_per_element=round(config_bits(cfg, head_dim, L), 4),
+                fp16_window=0 if cfg is None else cfg["fp16_window"],
+                sink_tokens=0 if cfg is None else cfg["sink_tokens"],
+                dtype=str(dtype).replace("torch.", ""),
+            )
             for key, (seqs, prompt) in tasks.items():
                 cache = DynamicCache(config=model.config) if cfg is None else tq_cache(model, cfg)
                 lp = decode_log_probs(model, seqs, prompt, cache)
@@ -956,7 +1124,7 @@ def run_product(model, names, w1k, w4k, c1k, c4k, decode, head_dim, span=64, ski
                 if key.startswith("copy"):
                     r[f"copy_acc_{key[5:]}"] = (lp.argmax(-1) == seqs[:, prompt:]).float().mean().item()
                 else:
-                    lp, target = lp[:, 1:], seqs[:, prompt + 1:]  # the decoded predictions
+                    lp, target = lp[:, 1:], seqs[:, prompt + 1 :]  # the decoded predictions
                     if cfg is None:
                         ref[key] = lp
                     base, sfx = ref[key], "" if key == "1k" else "_4k"
@@ -973,14 +1141,20 @@ def run_product(model, names, w1k, w4k, c1k, c4k, decode, head_dim, span=64, ski
     finally:
         bar.close()
         model.set_attn_implementation(previous)
-    pmeta = dict(product_dtype=str(dtype).replace("torch.", ""), product_decode_tokens=decode,
-                 product_windows_1k=len(w1k) if "1k" in tasks else 0,
-                 product_windows_4k=len(w4k) if "4k" in tasks else 0,
-                 product_copy_tasks_1k=len(c1k), product_copy_tasks_4k=len(c4k), product_skipped=skipped)
+    pmeta = dict(
+        product_dtype=str(dtype).replace("torch.", ""),
+        product_decode_tokens=decode,
+        product_windows_1k=len(w1k) if "1k" in tasks else 0,
+        product_windows_4k=len(w4k) if "4k" in tasks else 0,
+        product_copy_tasks_1k=len(c1k),
+        product_copy_tasks_4k=len(c4k),
+        product_skipped=skipped,
+    )
     return rows, pmeta
 
 
 # --------------------------------------------------------------------------- main
+
 
 def device_name(device) -> str:
     device = torch.device(device)
@@ -1016,8 +1190,9 @@ def run(args):
     if sim:
         Sim.cfg = None
         ref1k = [log_probs(model, w) for w in tqdm(w1k, desc="full-precision reference", leave=False)]
-        ref4k = [log_probs(model, w).to(torch.bfloat16) for w in tqdm(w4k, desc="full-precision 4K reference",
-                                                                     leave=False)]
+        ref4k = [
+            log_probs(model, w).to(torch.bfloat16) for w in tqdm(w4k, desc="full-precision 4K reference", leave=False)
+        ]
         total = sum(len(w1k) + len(c1k) + (len(w4k) + len(c4k) if n in long_names else 0) for n in names)
         bar = tqdm(total=total, desc="configs")
         for name in names:
@@ -1038,12 +1213,18 @@ def run(args):
                 if args.decode_copy:
                     dec1k.append(copy_accuracy(model, seq, prefill=True))
                 bar.update()
-            r = dict(name=name, path="simulation",
-                     bits_per_element=round(config_bits(cfg, head_dim, cfg_model.num_hidden_layers), 4),
-                     fp16_window=0 if cfg is None else cfg["fp16_window"],
-                     sink_tokens=0 if cfg is None else cfg["sink_tokens"],
-                     ppl=math.exp(nll / n_tok), top1_agreement=agree / (n_tok + len(w1k)), kl=kl / (n_tok + len(w1k)),
-                     copy_acc_1k=sum(acc1k) / len(acc1k), options=cfg)
+            r = dict(
+                name=name,
+                path="simulation",
+                bits_per_element=round(config_bits(cfg, head_dim, cfg_model.num_hidden_layers), 4),
+                fp16_window=0 if cfg is None else cfg["fp16_window"],
+                sink_tokens=0 if cfg is None else cfg["sink_tokens"],
+                ppl=math.exp(nll / n_tok),
+                top1_agreement=agree / (n_tok + len(w1k)),
+                kl=kl / (n_tok + len(w1k)),
+                copy_acc_1k=sum(acc1k) / len(acc1k),
+                options=cfg,
+            )
             if dec1k:
                 r["copy_acc_1k_decode"] = sum(dec1k) / len(dec1k)
             if name in long_names:
@@ -1072,18 +1253,38 @@ def run(args):
             bar.set_postfix_str(f"{name}: ppl {r['ppl']:.3f} copy {r['copy_acc']:.3f}")
         bar.close()
         Sim.cfg = None
-    meta = dict(windows_1k=len(w1k), windows_4k=len(w4k), copy_tasks_1k=len(c1k), copy_tasks_4k=len(c4k),
-                calib_tokens=args.calib, quick=quick, tokens_in_text=len(ids), device=device_name(args.device),
-                paths=args.path)
+    meta = dict(
+        windows_1k=len(w1k),
+        windows_4k=len(w4k),
+        copy_tasks_1k=len(c1k),
+        copy_tasks_4k=len(c4k),
+        calib_tokens=args.calib,
+        quick=quick,
+        tokens_in_text=len(ids),
+        device=device_name(args.device),
+        paths=args.path,
+    )
     if product:
-        pnames = (args.product_configs.split(",") if args.product_configs
-                  else args.configs.split(",") if args.configs and not sim else PRODUCT)
+        pnames = (
+            args.product_configs.split(",")
+            if args.product_configs
+            else args.configs.split(",")
+            if args.configs and not sim
+            else PRODUCT
+        )
         decode = min(args.product_decode, 32) if quick else args.product_decode
         rows, pmeta = run_product(model, pnames, w1k, w4k_all, c1k, c4k_all, decode, head_dim)
         results += rows
         meta.update(pmeta)
-    out = dict(model=f"SmolLM2-135M-Instruct ({GGUF}, {MODEL_WHEEL})", text=text_path.name, default=DEFAULT,
-               no_window_default=NO_WINDOW_DEFAULT, head_dim=head_dim, setup=meta, configs=results)
+    out = dict(
+        model=f"SmolLM2-135M-Instruct ({GGUF}, {MODEL_WHEEL})",
+        text=text_path.name,
+        default=DEFAULT,
+        no_window_default=NO_WINDOW_DEFAULT,
+        head_dim=head_dim,
+        setup=meta,
+        configs=results,
+    )
     return out
 
 
@@ -1105,80 +1306,107 @@ def finalize(res):
         r["copy_delta_pts"] = 100 * (r["copy_acc"] - full["copy_acc"])
         if r.get("ppl_4k") and full.get("ppl_4k"):
             r["ppl_4k_delta_pct"] = 100 * (r["ppl_4k"] / full["ppl_4k"] - 1)
-        for m, d in (("copy_acc_4k", "copy_4k_delta_pts"), ("copy_acc_1k_decode", "copy_1k_decode_delta_pts"),
-                     ("copy_acc_4k_decode", "copy_4k_decode_delta_pts")):
+        for m, d in (
+            ("copy_acc_4k", "copy_4k_delta_pts"),
+            ("copy_acc_1k_decode", "copy_1k_decode_delta_pts"),
+            ("copy_acc_4k_decode", "copy_4k_decode_delta_pts"),
+        ):
             if r.get(m) is not None and full.get(m) is not None:
                 r[d] = 100 * (r[m] - full[m])
     full = fulls.get("simulation")
     budget = 3.25 if res["head_dim"] >= 128 else 3.5  # bits/element allowed for "3-bit" (codes + metadata)
-    ok = [r for r in results if r["name"] != "full" and r["path"] == "simulation"
-          and r["bits_per_element"] <= budget + 1e-9 and r["fp16_window"] + r["sink_tokens"] <= 128]
+    ok = [
+        r
+        for r in results
+        if r["name"] != "full"
+        and r["path"] == "simulation"
+        and r["bits_per_element"] <= budget + 1e-9
+        and r["fp16_window"] + r["sink_tokens"] <= 128
+    ]
     res["targets"] = None
     if ok and full:
         # best: meets the perplexity target at 1K and at 4K (configs measured at 4K first), then the best
         # copy accuracy; if none does, the lowest perplexity
         def meets(r):
             return r["ppl_delta_pct"] <= 1.0 and r.get("ppl_4k_delta_pct", 0.0) <= 1.0
+
         good = [r for r in ok if meets(r)]
         long_good = [r for r in good if "ppl_4k_delta_pct" in r]
         good = long_good or good
-        best = (max(good, key=lambda r: (r["copy_acc"], -r["kl"])) if good
-                else min(ok, key=lambda r: r["ppl_delta_pct"]))
+        best = max(good, key=lambda r: (r["copy_acc"], -r["kl"])) if good else min(ok, key=lambda r: r["ppl_delta_pct"])
         d = next((r for r in results if r["name"] == res["default"]), best)
         nws = [r for r in ok if r["fp16_window"] == 0]
         nws = [r for r in nws if "ppl_4k_delta_pct" in r] or nws  # judged at 1K and 4K where measured
         nw = min(nws, key=lambda r: max(r["ppl_delta_pct"], r.get("ppl_4k_delta_pct", -1e9)), default=None)
         res["targets"] = dict(
-            budget_bits=budget, best_in_budget=best["name"], default=d["name"], best_no_window=nw and nw["name"],
-            default_ppl_within_1pct=d["ppl_delta_pct"] <= 1.0, default_top1_ge_97=d["top1_agreement"] >= 0.97,
+            budget_bits=budget,
+            best_in_budget=best["name"],
+            default=d["name"],
+            best_no_window=nw and nw["name"],
+            default_ppl_within_1pct=d["ppl_delta_pct"] <= 1.0,
+            default_top1_ge_97=d["top1_agreement"] >= 0.97,
             default_copy_within_2pts=d["copy_delta_pts"] >= -2.0 and d.get("copy_4k_delta_pts", 0.0) >= -2.0,
-            default_decode_copy_within_2pts=(d.get("copy_1k_decode_delta_pts", -1e9) >= -2.0
-                                             and d.get("copy_4k_decode_delta_pts", 0.0) >= -2.0),
-            no_window_within_5pct=bool(nw and nw["ppl_delta_pct"] <= 5.0))
+            default_decode_copy_within_2pts=(
+                d.get("copy_1k_decode_delta_pts", -1e9) >= -2.0 and d.get("copy_4k_decode_delta_pts", 0.0) >= -2.0
+            ),
+            no_window_within_5pct=bool(nw and nw["ppl_delta_pct"] <= 5.0),
+        )
     # the same targets for the default on the product path (TQCache decoding, the fused kernels on a GPU)
     pd = next((r for r in results if r["path"] == "product" and r["name"] == res["default"]), None)
     res["targets_product"] = None
     if pd and "product" in fulls:
         res["targets_product"] = dict(
-            default=pd["name"], kernel_path=pd.get("kernel_path"),
+            default=pd["name"],
+            kernel_path=pd.get("kernel_path"),
             default_ppl_within_1pct=pd["ppl_delta_pct"] <= 1.0 and pd.get("ppl_4k_delta_pct", 0.0) <= 1.0,
             default_top1_ge_97=pd["top1_agreement"] >= 0.97,
-            default_copy_within_2pts=pd["copy_delta_pts"] >= -2.0 and pd.get("copy_4k_delta_pts", 0.0) >= -2.0)
+            default_copy_within_2pts=pd["copy_delta_pts"] >= -2.0 and pd.get("copy_4k_delta_pts", 0.0) >= -2.0,
+        )
     return res
 
 
 def markdown(res) -> str:
     s = res["setup"]
     decode = any("copy_acc_1k_decode" in r for r in res["configs"])
-    lines = [f"Model: {res['model']}; text: `{res['text']}` ({s['tokens_in_text']} tokens); "
-             f"{s['windows_1k']} x 1024-token windows, {s['windows_4k']} x 4096; copy tasks: {s['copy_tasks_1k']} at 1K, "
-             f"{s['copy_tasks_4k']} at 4K; key calibration on the first {s['calib_tokens']} tokens. "
-             f"Default: **{res['default']}**. Targets (budget {res['targets'] and res['targets']['budget_bits']} "
-             f"bits/element, <= 128 fp16 tokens): {res['targets']}.", "",
-             "| config | bits/elem | fp16 tokens | PPL 1K | ΔPPL | top-1 agr. | KL | copy 1K | Δ (pts) | PPL 4K | ΔPPL 4K "
-             "| copy 4K | Δ (pts) |" + (" prefilled copy 1K / 4K: Δ (pts) |" if decode else ""),
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if decode else "")]
+    lines = [
+        f"Model: {res['model']}; text: `{res['text']}` ({s['tokens_in_text']} tokens); "
+        f"{s['windows_1k']} x 1024-token windows, {s['windows_4k']} x 4096; copy tasks: {s['copy_tasks_1k']} at 1K, "
+        f"{s['copy_tasks_4k']} at 4K; key calibration on the first {s['calib_tokens']} tokens. "
+        f"Default: **{res['default']}**. Targets (budget {res['targets'] and res['targets']['budget_bits']} "
+        f"bits/element, <= 128 fp16 tokens): {res['targets']}.",
+        "",
+        "| config | bits/elem | fp16 tokens | PPL 1K | ΔPPL | top-1 agr. | KL | copy 1K | Δ (pts) | PPL 4K | ΔPPL 4K "
+        "| copy 4K | Δ (pts) |" + (" prefilled copy 1K / 4K: Δ (pts) |" if decode else ""),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if decode else ""),
+    ]
     product = [r for r in res["configs"] if r.get("path") == "product"]
     if product:
-        lines[0] += (f" Rows marked [product]: the model in {s.get('product_dtype')} decoding through TQCache "
-                     f"(`attn_implementation=\"tq_kvcache\"`; attention path: {product[-1].get('kernel_path')}): each "
-                     f"window's last {s.get('product_decode_tokens')} tokens decoded one a step after a full-precision "
-                     f"prefill of the rest (PPL, top-1 and KL over those), copy with the context prefilled and the "
-                     f"repeat decoded; deltas, top-1 and KL against the same model through DynamicCache "
-                     f"(full [product]). Product-path targets: {res.get('targets_product')}.")
+        lines[0] += (
+            f" Rows marked [product]: the model in {s.get('product_dtype')} decoding through TQCache "
+            f'(`attn_implementation="tq_kvcache"`; attention path: {product[-1].get("kernel_path")}): each '
+            f"window's last {s.get('product_decode_tokens')} tokens decoded one a step after a full-precision "
+            f"prefill of the rest (PPL, top-1 and KL over those), copy with the context prefilled and the "
+            f"repeat decoded; deltas, top-1 and KL against the same model through DynamicCache "
+            f"(full [product]). Product-path targets: {res.get('targets_product')}."
+        )
     for r in res["configs"]:
         fp16 = r["fp16_window"] + r["sink_tokens"]
         f = lambda x, fmt: "" if x is None else format(x, fmt)  # noqa: E731
         name = f"**{r['name']}**" if r["name"] == res["default"] else r["name"]
         if r.get("path") == "product":
             name += " [product]"
-        lines.append(f"| {name} | {r['bits_per_element']:.3f} | {fp16} | {r['ppl']:.3f} | {f(r.get('ppl_delta_pct'), '+.2f')}% "
-                     f"| {r['top1_agreement']:.4f} | {r['kl']:.4f} | {r['copy_acc']:.3f} | {f(r.get('copy_delta_pts'), '+.1f')} "
-                     f"| {f(r.get('ppl_4k'), '.3f')} | {f(r.get('ppl_4k_delta_pct'), '+.2f')} "
-                     f"| {f(r.get('copy_acc_4k'), '.3f')} | {f(r.get('copy_4k_delta_pts'), '+.1f')} |"
-                     + (f" {f(r.get('copy_1k_decode_delta_pts'), '+.1f')} / {f(r.get('copy_4k_decode_delta_pts'), '+.1f')} "
-                        f"({f(r.get('copy_acc_1k_decode'), '.3f')} / {f(r.get('copy_acc_4k_decode'), '.3f')}) |"
-                        if decode else ""))
+        lines.append(
+            f"| {name} | {r['bits_per_element']:.3f} | {fp16} | {r['ppl']:.3f} | {f(r.get('ppl_delta_pct'), '+.2f')}% "
+            f"| {r['top1_agreement']:.4f} | {r['kl']:.4f} | {r['copy_acc']:.3f} | {f(r.get('copy_delta_pts'), '+.1f')} "
+            f"| {f(r.get('ppl_4k'), '.3f')} | {f(r.get('ppl_4k_delta_pct'), '+.2f')} "
+            f"| {f(r.get('copy_acc_4k'), '.3f')} | {f(r.get('copy_4k_delta_pts'), '+.1f')} |"
+            + (
+                f" {f(r.get('copy_1k_decode_delta_pts'), '+.1f')} / {f(r.get('copy_4k_decode_delta_pts'), '+.1f')} "
+                f"({f(r.get('copy_acc_1k_decode'), '.3f')} / {f(r.get('copy_acc_4k_decode'), '.3f')}) |"
+                if decode
+                else ""
+            )
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -1190,6 +1418,7 @@ def plot(res, path):
         return
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     sim = [r for r in res["configs"] if r.get("path", "simulation") == "simulation"]  # (the simulation's rows)
     rs = [r for r in sim if r["name"] != "full"]
     if not rs or not any(r["name"] == "full" for r in sim):
@@ -1222,6 +1451,7 @@ def verify(args) -> bool:
     the whole model the two runs are compared statistically (perplexity and the KL between them,
     next to the KL from the unquantized cache)."""
     from flash_attn_tq.integrations.transformers import ATTN_IMPLEMENTATION
+
     text_path = ensure_text(Path(args.data), args.text)
     tok, model = load_model(ensure_model(Path(args.data)))
     model.double()
@@ -1242,7 +1472,7 @@ def verify(args) -> bool:
         cache = tq_cache(model, cfg, prefill)
         outs = [model(seq[None, :prompt], past_key_values=cache).logits[0]]
         for t in range(prompt, len(seq)):
-            outs.append(model(seq[None, t:t + 1], past_key_values=cache).logits[0])
+            outs.append(model(seq[None, t : t + 1], past_key_values=cache).logits[0])
         return torch.log_softmax(torch.cat(outs).float(), -1)
 
     real = decode(ids, prompt, "quantized")
@@ -1253,20 +1483,24 @@ def verify(args) -> bool:
     model.set_attn_implementation(SIM_NAME)
     Sim.cfg, Sim.calib = cfg, P
     Sim.prefill_len = P
-    sim_copy = log_probs(model, seq)[P - 1:]
+    sim_copy = log_probs(model, seq)[P - 1 :]
     Sim.prefill_len = 0
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    real_copy = decode(seq, P, "full")[P - 1:]
+    real_copy = decode(seq, P, "full")[P - 1 :]
     model.set_attn_implementation(SIM_NAME)
     layer0 = (torch.cat(caps[2:], 1) - caps[1]).abs().max().item() / caps[1].abs().max().item()
     ppl = lambda lp: math.exp(-lp[:-1].gather(1, ids[1:, None]).mean().item())  # noqa: E731
     kl = lambda a, b: (a.exp() * (a - b)).sum(-1).mean().item()  # noqa: E731
-    print(f"verify {name} over {len(ids)} tokens: layer-0 attention output rel. difference {layer0:.1e}; "
-          f"PPL full {ppl(full):.3f}, simulated {ppl(sim):.3f}, TQCache decode {ppl(real):.3f}; "
-          f"KL(sim||decode) {kl(sim, real):.4f} vs KL(full||sim) {kl(full, sim):.4f}")
+    print(
+        f"verify {name} over {len(ids)} tokens: layer-0 attention output rel. difference {layer0:.1e}; "
+        f"PPL full {ppl(full):.3f}, simulated {ppl(sim):.3f}, TQCache decode {ppl(real):.3f}; "
+        f"KL(sim||decode) {kl(sim, real):.4f} vs KL(full||sim) {kl(full, sim):.4f}"
+    )
     same = (sim_copy.argmax(-1) == real_copy.argmax(-1)).float().mean().item()
-    print(f"verify prefilled copy ({len(seq)} tokens, {P}-token full-precision prompt, the rest decoded): "
-          f"greedy predictions agree {same:.3f}, KL(sim||decode) {kl(sim_copy, real_copy):.5f}")
+    print(
+        f"verify prefilled copy ({len(seq)} tokens, {P}-token full-precision prompt, the rest decoded): "
+        f"greedy predictions agree {same:.3f}, KL(sim||decode) {kl(sim_copy, real_copy):.5f}"
+    )
     return layer0 < 1e-4
 
 
@@ -1295,26 +1529,48 @@ def main(argv=None):
     p.add_argument("--seeds", type=int, default=2, help="copy-retrieval seeds at 1K (x 3 depths)")
     p.add_argument("--long-seeds", type=int, default=1, help="copy-retrieval seeds at 4K (x 3 depths)")
     p.add_argument("--no-long", action="store_true", help="skip the 4K metrics")
-    p.add_argument("--decode-copy", action=argparse.BooleanOptionalAction, default=True,
-                   help="also score copying with the context prefilled in full precision and the repeat decoded "
-                        "(what generate() over TQCache does on a long document)")
+    p.add_argument(
+        "--decode-copy",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also score copying with the context prefilled in full precision and the repeat decoded "
+        "(what generate() over TQCache does on a long document)",
+    )
     p.add_argument("--calib", type=int, default=256, help="prompt tokens the key transform is calibrated on")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="where the model runs (float32 either way; the GPU runs a config in seconds)")
+    p.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="where the model runs (float32 either way; the GPU runs a config in seconds)",
+    )
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--tag", default="quality", help="output file stem")
-    p.add_argument("--path", choices=("simulation", "product", "both"), default="simulation",
-                   help="simulation: the quantization simulated in every layer (float32); product: the model decoding "
-                        "through TQCache (float16 on a GPU: the fused kernels; float32 on the CPU); both")
-    p.add_argument("--product-configs", help="configs for the product path (default: " + ",".join(PRODUCT)
-                   + "; with --path product, --configs if given); full, its reference, always runs")
-    p.add_argument("--product-decode", type=int, default=256,
-                   help="product path: tokens decoded one a step at the end of each perplexity window (--quick: 32)")
+    p.add_argument(
+        "--path",
+        choices=("simulation", "product", "both"),
+        default="simulation",
+        help="simulation: the quantization simulated in every layer (float32); product: the model decoding "
+        "through TQCache (float16 on a GPU: the fused kernels; float32 on the CPU); both",
+    )
+    p.add_argument(
+        "--product-configs",
+        help="configs for the product path (default: "
+        + ",".join(PRODUCT)
+        + "; with --path product, --configs if given); full, its reference, always runs",
+    )
+    p.add_argument(
+        "--product-decode",
+        type=int,
+        default=256,
+        help="product path: tokens decoded one a step at the end of each perplexity window (--quick: 32)",
+    )
     p.add_argument("--verify", action="store_true", help="check the simulation against TQCache decoding and exit")
     p.add_argument("--merge", help="merge this run's configs into an earlier quality JSON (same text and setup)")
-    p.add_argument("--render", help="only recompute derived fields and rewrite table/plot of this JSON (or of "
-                   "several, comma-separated, of one text and setup: merged in order)")
+    p.add_argument(
+        "--render",
+        help="only recompute derived fields and rewrite table/plot of this JSON (or of "
+        "several, comma-separated, of one text and setup: merged in order)",
+    )
     args = p.parse_args(argv)
     if args.product_decode < 2 or args.product_decode >= 1024:
         p.error("--product-decode must be in 2..1023")

@@ -6,6 +6,7 @@ tokens contiguous) than token-major ([batch, seq, kv_heads, bytes], the cache's 
 The kernel takes strides, so the same codes are copied into a head-major buffer viewed as
 [batch, seq, kv_heads, bytes]; outputs must match bit for bit. Times are CUDA-graph medians.
 """
+
 from __future__ import annotations
 
 import os
@@ -31,8 +32,10 @@ def head_major(t: torch.Tensor) -> torch.Tensor:
 def main():
     for B, S in ((1, 131072), (8, 32768), (32, 8192), (1, 16384), (8, 4096)):
         cache = QuantizedKVCache(B, S, 8, 128, device="cuda")
-        cache.append(torch.randn(B, S, 8, 128, device="cuda", dtype=torch.float16),
-                     torch.randn(B, S, 8, 128, device="cuda", dtype=torch.float16))
+        cache.append(
+            torch.randn(B, S, 8, 128, device="cuda", dtype=torch.float16),
+            torch.randn(B, S, 8, 128, device="cuda", dtype=torch.float16),
+        )
         q = torch.randn(B, 1, 32, 128, device="cuda", dtype=torch.float16)
         fn_tok = lambda: ops.decode(q, cache.seqlens, None, 0.088, False, 0, **cache.kernel_args(q.shape[0]))  # noqa: E731
         ref = fn_tok()[0]
@@ -42,8 +45,11 @@ def main():
         out = fn_tok()[0]
         same = torch.equal(out, ref)
         t_head = graph_us(fn_tok)
-        print(f"B={B} S={S}: token-major {t_tok:.1f} us, head-major {t_head:.1f} us "
-              f"({t_tok / t_head:.2f}x), identical output: {same}", flush=True)
+        print(
+            f"B={B} S={S}: token-major {t_tok:.1f} us, head-major {t_head:.1f} us "
+            f"({t_tok / t_head:.2f}x), identical output: {same}",
+            flush=True,
+        )
         del cache
         torch.cuda.empty_cache()
 

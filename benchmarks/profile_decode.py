@@ -4,6 +4,7 @@
     ncu --clock-control none --kernel-name regex:prefill_split --launch-skip 5 --launch-count 1 --set full \
         python benchmarks/profile_decode.py --batch 1 --q-len 2048
 """
+
 import argparse
 
 import torch
@@ -28,11 +29,13 @@ if args.page_size:  # a shuffled block table, as an engine's allocator leaves it
 cache = QuantizedKVCache(B, S, Hk, d, page_size=args.page_size, block_table=table, device="cuda")
 for s0 in range(0, S, 8192):
     n = min(8192, S - s0)
-    cache.append(torch.randn(B, n, Hk, d, device="cuda", dtype=torch.float16),
-                 torch.randn(B, n, Hk, d, device="cuda", dtype=torch.float16))
+    cache.append(
+        torch.randn(B, n, Hk, d, device="cuda", dtype=torch.float16),
+        torch.randn(B, n, Hk, d, device="cuda", dtype=torch.float16),
+    )
 q = torch.randn(B, args.q_len, args.q_heads, d, device="cuda", dtype=torch.float16)
 for _ in range(10):
-    ops.decode(q, cache.seqlens, None, d ** -0.5, args.q_len > 1, 0, **cache.kernel_args(q.shape[0]))
+    ops.decode(q, cache.seqlens, None, d**-0.5, args.q_len > 1, 0, **cache.kernel_args(q.shape[0]))
 torch.cuda.synchronize()
 print("done")
 if args.pack:  # quantize-on-write of a 32K-token prompt (ncu --kernel-name regex:pack_kv)

@@ -8,6 +8,7 @@ attention) replaced by stubs of the same shapes, counts the ops each flash_attn_
 dispatches in one decode step (a randomly initialised SmolLM2-shaped Llama, config from the
 dump_qkv.py file), and times the step against transformers' DynamicCache (model compute included).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,7 +50,9 @@ def stub_kernels() -> None:
     QuantizedKVCache.write_codes = lambda self, k, v, start, batch_idx=None, error_flags=None: None
     QuantizedKVCache.fused_reason = lambda self, q: None
     ops.decode = lambda q, lens, bidx, scale, causal, splits, *local, **args: (
-        torch.zeros_like(q), torch.zeros(q.shape[0], q.shape[2], q.shape[1]))
+        torch.zeros_like(q),
+        torch.zeros(q.shape[0], q.shape[2], q.shape[1]),
+    )
 
 
 def main() -> None:
@@ -83,7 +86,9 @@ def main() -> None:
 
         stub_kernels()
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
-        out = model(ids, past_key_values=TQCache(config, max_cache_len=args.prompt + 2 * args.steps + 8), use_cache=True)
+        out = model(
+            ids, past_key_values=TQCache(config, max_cache_len=args.prompt + 2 * args.steps + 8), use_cache=True
+        )
         pkv = out.past_key_values
         model(token, past_key_values=pkv, use_cache=True)
         counter = CountByFunction()

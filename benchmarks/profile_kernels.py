@@ -5,6 +5,7 @@
 Prints, per case, each CUDA kernel's mean duration over 20 calls (after warm-up) and their sum,
 next to the wall time of the call replayed as a CUDA graph (launch gaps included).
 """
+
 from __future__ import annotations
 
 import os
@@ -42,18 +43,27 @@ def main():
     cases = []
     for B, S in ((1, 1024), (1, 16384), (8, 32768)):
         cache = QuantizedKVCache(B, S, 8, 128, device="cuda", dtype=dt)
-        cache.append(torch.randn(B, S, 8, 128, device="cuda", dtype=dt), torch.randn(B, S, 8, 128, device="cuda", dtype=dt))
+        cache.append(
+            torch.randn(B, S, 8, 128, device="cuda", dtype=dt), torch.randn(B, S, 8, 128, device="cuda", dtype=dt)
+        )
         q = torch.randn(B, 1, 32, 128, device="cuda", dtype=dt)
         k16 = torch.randn(B, S, 8, 128, device="cuda", dtype=dt)
         v16 = torch.randn_like(k16)
         lens = torch.full((B,), S, dtype=torch.int32, device="cuda")
         cases.append((f"tq3 API B={B} S={S}", lambda q=q, c=cache: fa.flash_attn_with_kvcache(q, c, num_splits=0)))
-        cases.append((f"kv16 B={B} S={S}", lambda q=q, k=k16, v=v16, n=lens: ops.decode_kv16(q, k, v, n, None, None, 0.088, False, 0)))
+        cases.append(
+            (
+                f"kv16 B={B} S={S}",
+                lambda q=q, k=k16, v=v16, n=lens: ops.decode_kv16(q, k, v, n, None, None, 0.088, False, 0),
+            )
+        )
     for B in (1, 64):
         cache = QuantizedKVCache(B, 64, 8, 128, device="cuda", dtype=dt)
         kn = torch.randn(B, 1, 8, 128, device="cuda", dtype=dt)
         zero = torch.zeros(B, dtype=torch.int32, device="cuda")
-        cases.append((f"append 1 token B={B} (graph: no checks)", lambda c=cache, x=kn, z=zero: c.append(x, x, cache_seqlens=z)))
+        cases.append(
+            (f"append 1 token B={B} (graph: no checks)", lambda c=cache, x=kn, z=zero: c.append(x, x, cache_seqlens=z))
+        )
     for name, fn in cases:
         times = kernel_times(fn)
         try:

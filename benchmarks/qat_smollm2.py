@@ -24,6 +24,7 @@ Writes qat.json / qat.md under --out (default benchmarks/results). The control (
 without fake quantization): ``--attn sdpa --skip-before --out DIR``, then ``--render RUN/qat.json
 --control DIR/qat.json`` merges it into the report.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,8 +64,9 @@ def cpu_name() -> str:
 
 def commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
@@ -124,7 +126,7 @@ def train(model, ids: torch.Tensor, args, fq_name: str) -> list[float]:
     t0 = time.time()
     for step in range(args.steps):
         starts = torch.randint(0, len(ids) - args.seq - 1, (args.batch,), generator=g)
-        batch = torch.stack([ids[s: s + args.seq] for s in starts.tolist()])
+        batch = torch.stack([ids[s : s + args.seq] for s in starts.tolist()])
         loss = model(batch, labels=batch, use_cache=False).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -154,16 +156,20 @@ def markdown(res: dict) -> str:
         "",
         f"Perplexity on held-out texts ({a['eval_windows']} windows of {a['eval_len']} tokens at most, each on "
         "its own). `cache3`: the real 3-bit cache, `TQCache(config, fp16_window=0, sink_tokens=0, "
-        "key_center=False, late_k_bits=None, prefill=\"quantized\")` (every token attends over 3-bit codes, "
+        'key_center=False, late_k_bits=None, prefill="quantized")` (every token attends over 3-bit codes, '
         "reference path); `fake3`: the fake-quant forward (cross-check); `full`: full-precision attention; "
         "`cache_default_nowindow`: TQCache's defaults without window and sinks (key centering before RoPE, 4-bit "
         "keys in the last layers; not what the fine-tuning simulated). `fake3` and `cache3` compute the same "
         "codec (equal logits on the first tokens, tests/test_qat.py); float-rounding differences flip a code at "
         "a rounding boundary now and then, which 30 layers of 3-bit K/V amplify, so their gap is the noise "
-        "floor of these short measurements." + (
+        "floor of these short measurements."
+        + (
             f" Control (`--attn sdpa`, merged in as `control`): the same fine-tuning (same batches) without fake "
             f"quantization ({ctl['train_seconds']:.0f} s, loss {ctl['loss_first10']:.3f} -> {ctl['loss_last10']:.3f}), "
-            "to separate adapting to the license-text domain from adapting to the 3-bit K/V." if ctl else ""),
+            "to separate adapting to the license-text domain from adapting to the 3-bit K/V."
+            if ctl
+            else ""
+        ),
         "",
         "| text | mode | before | after | change |" + (" after, control | control change |" if ctl else ""),
         "|---|---|---:|---:|---:|" + ("---:|---:|" if ctl else ""),
@@ -195,14 +201,20 @@ def main(argv=None):
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--train", choices=("qkv", "qkvo", "all"), default="qkv")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--attn", choices=("fake3", "sdpa"), default="fake3",
-                    help="sdpa: the control, the same fine-tuning without fake quantization")
+    ap.add_argument(
+        "--attn",
+        choices=("fake3", "sdpa"),
+        default="fake3",
+        help="sdpa: the control, the same fine-tuning without fake quantization",
+    )
     ap.add_argument("--skip-before", action="store_true", help="no evaluation before training")
     ap.add_argument("--train-text", default=str(LICENSES / "GPL-3"))
     ap.add_argument("--eval-texts", default=f"{LICENSES / 'Apache-2.0'},{LICENSES / 'MPL-2.0'}")
     ap.add_argument("--eval-len", type=int, default=256)
     ap.add_argument("--eval-windows", type=int, default=3)
-    ap.add_argument("--no-default-cache", dest="default_cache", action="store_false", help="skip the defaults-without-window row")
+    ap.add_argument(
+        "--no-default-cache", dest="default_cache", action="store_false", help="skip the defaults-without-window row"
+    )
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--render", type=Path, help="no run: write qat.json/qat.md from this qat.json (with --control)")
     ap.add_argument("--control", type=Path, help="with --render: the qat.json of an --attn sdpa run, merged in")
@@ -213,8 +225,9 @@ def main(argv=None):
         res = json.loads(args.render.read_text())
         if args.control:
             c = json.loads(args.control.read_text())
-            res["control"] = {k: c[k] for k in ("args", "stamp", "train_seconds", "losses", "loss_first10",
-                                                 "loss_last10", "after")}
+            res["control"] = {
+                k: c[k] for k in ("args", "stamp", "train_seconds", "losses", "loss_first10", "loss_last10", "after")
+            }
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "qat.json").write_text(json.dumps(res, indent=1) + "\n")
         (args.out / "qat.md").write_text(markdown(res))
@@ -225,6 +238,7 @@ def main(argv=None):
     torch.manual_seed(args.seed)
 
     import transformers
+
     tok, model = load_model(ensure_model(args.data))
     fq_name = register_fake_quant_attention(k_bits=3, v_bits=3, sink_tokens=0)
     train_ids = tokens(tok, Path(args.train_text))
@@ -244,16 +258,26 @@ def main(argv=None):
     print("after ", json.dumps(after), flush=True)
 
     res = dict(
-        stamp=dict(cpu=cpu_name(), threads=torch.get_num_threads(), torch=torch.__version__,
-                   transformers=transformers.__version__, commit=commit(), date=time.strftime("%Y-%m-%d")),
+        stamp=dict(
+            cpu=cpu_name(),
+            threads=torch.get_num_threads(),
+            torch=torch.__version__,
+            transformers=transformers.__version__,
+            commit=commit(),
+            date=time.strftime("%Y-%m-%d"),
+        ),
         args={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         eval_cache="TQCache(config, fp16_window=0, sink_tokens=0, key_center=False, late_k_bits=None, "
-                   "prefill='quantized')",
+        "prefill='quantized')",
         trainable_params=sum(p.numel() for p in model.parameters() if p.requires_grad),
-        train_tokens=len(train_ids), held_out_tokens={k: int(v.numel()) for k, v in held_out.items()},
-        train_seconds=train_seconds, losses=losses,
-        loss_first10=sum(losses[:10]) / len(losses[:10]), loss_last10=sum(losses[-10:]) / len(losses[-10:]),
-        before=before, after=after,
+        train_tokens=len(train_ids),
+        held_out_tokens={k: int(v.numel()) for k, v in held_out.items()},
+        train_seconds=train_seconds,
+        losses=losses,
+        loss_first10=sum(losses[:10]) / len(losses[:10]),
+        loss_last10=sum(losses[-10:]) / len(losses[-10:]),
+        before=before,
+        after=after,
     )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "qat.json").write_text(json.dumps(res, indent=1) + "\n")

@@ -1,7 +1,8 @@
 """A small end-to-end case for compute-sanitizer (memcheck / racecheck) on the device:
 
-    compute-sanitizer --tool memcheck python benchmarks/sanitize_case.py
+compute-sanitizer --tool memcheck python benchmarks/sanitize_case.py
 """
+
 import torch
 
 import flash_attn_tq as fa
@@ -9,18 +10,26 @@ from flash_attn_tq import ops
 
 for page_size, d, dtype in ((None, 128, torch.float16), (16, 64, torch.bfloat16)):
     cache = fa.QuantizedKVCache(2, 300, 2, d, page_size=page_size, dtype=dtype, device="cuda")
-    cache.append(torch.randn(2, 257, 2, d, device="cuda", dtype=dtype), torch.randn(2, 257, 2, d, device="cuda", dtype=dtype))
+    cache.append(
+        torch.randn(2, 257, 2, d, device="cuda", dtype=dtype), torch.randn(2, 257, 2, d, device="cuda", dtype=dtype)
+    )
     q = torch.randn(2, 1, 8, d, device="cuda", dtype=dtype)
     for splits in (1, 3):
-        out = fa.flash_attn_with_kvcache(q, cache, k=torch.randn(2, 1, 2, d, device="cuda", dtype=dtype),
-                                         v=torch.randn(2, 1, 2, d, device="cuda", dtype=dtype), num_splits=splits)
+        out = fa.flash_attn_with_kvcache(
+            q,
+            cache,
+            k=torch.randn(2, 1, 2, d, device="cuda", dtype=dtype),
+            v=torch.randn(2, 1, 2, d, device="cuda", dtype=dtype),
+            num_splits=splits,
+        )
     q4 = torch.randn(2, 4, 8, d, device="cuda", dtype=dtype)
     fa.flash_attn_with_kvcache(q4, cache, causal=True)
     # the kLocal kernels: a window, leftpad and softcap (decode and prefill rows)
     leftpad = torch.tensor([3, 40], dtype=torch.int32, device="cuda")
     fa.flash_attn_with_kvcache(q4, cache, causal=True, window_size=(60, 0), cache_leftpad=leftpad, softcap=20.0)
-    fa.flash_attn_with_kvcache(torch.randn(2, 50, 8, d, device="cuda", dtype=dtype), cache, window_size=(90, 7),
-                               num_splits=3)
+    fa.flash_attn_with_kvcache(
+        torch.randn(2, 50, 8, d, device="cuda", dtype=dtype), cache, window_size=(90, 7), num_splits=3
+    )
     # the prefill kernel (>= 128 query rows a kv head): 200 rows, one and three splits
     q50 = torch.randn(2, 50, 8, d, device="cuda", dtype=dtype)
     for splits in (1, 3):
@@ -30,22 +39,29 @@ for page_size, d, dtype in ((None, 128, torch.float16), (16, 64, torch.bfloat16)
     v16 = torch.randn_like(k16)
     lens = torch.tensor([257, 300], dtype=torch.int32, device="cuda")
     for splits in (1, 3):
-        out16, _ = ops.decode_kv16(q4, k16, v16, lens, None, None, d ** -0.5, True, splits)
+        out16, _ = ops.decode_kv16(q4, k16, v16, lens, None, None, d**-0.5, True, splits)
         pages = torch.arange(2 * 19, dtype=torch.int32, device="cuda").view(2, 19)
-        ops.decode_kv16(q, k16.view(38, 16, 2, d), v16.view(38, 16, 2, d), lens, None, pages, d ** -0.5, False, splits)
+        ops.decode_kv16(q, k16.view(38, 16, 2, d), v16.view(38, 16, 2, d), lens, None, pages, d**-0.5, False, splits)
     torch.cuda.synchronize()
     assert torch.isfinite(out).all() and torch.isfinite(out16).all() and torch.isfinite(outp).all()
 # the 16-bit side (sinks + window) in the decode launch: plain, RoPE center, paged, chunk rows, the K8V8 head
 inv_freq = 1.0 / 10000.0 ** (torch.arange(0, 64, 2).float() / 64)
-for opts in (dict(), dict(key_center="rope", rope_inv_freq=inv_freq), dict(page_size=32),
-             dict(k_bits=8, v_bits=8, key_center="rope", rope_inv_freq=inv_freq)):
+for opts in (
+    dict(),
+    dict(key_center="rope", rope_inv_freq=inv_freq),
+    dict(page_size=32),
+    dict(k_bits=8, v_bits=8, key_center="rope", rope_inv_freq=inv_freq),
+):
     side = fa.QuantizedKVCache(2, 400, 2, 64, sink_tokens=16, fp16_window=112, device="cuda", **opts)
-    side.append(torch.randn(2, 300, 2, 64, device="cuda", dtype=torch.float16),
-                torch.randn(2, 300, 2, 64, device="cuda", dtype=torch.float16))
+    side.append(
+        torch.randn(2, 300, 2, 64, device="cuda", dtype=torch.float16),
+        torch.randn(2, 300, 2, 64, device="cuda", dtype=torch.float16),
+    )
     for rows in (1, 40):
         for splits in (1, 3):
-            outs = fa.flash_attn_with_kvcache(torch.randn(2, rows, 8, 64, device="cuda", dtype=torch.float16), side,
-                                              causal=True, num_splits=splits)
+            outs = fa.flash_attn_with_kvcache(
+                torch.randn(2, rows, 8, 64, device="cuda", dtype=torch.float16), side, causal=True, num_splits=splits
+            )
     torch.cuda.synchronize()
     assert torch.isfinite(outs).all(), opts
 print("sanitize case done:", fa.last_path())

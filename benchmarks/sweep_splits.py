@@ -6,6 +6,7 @@ For each shape, the fused op (3-bit, and the same kernel over the fp16 cache) re
 graph (kernel + combine, no host overhead) at fixed num_splits, and the heuristic's pick (0).
 Writes splits.json / splits.md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -60,8 +61,15 @@ def main():
                     fn = lambda sp=sp: ops.decode_kv16(q, k, v, lens, None, None, 0.088, False, sp)  # noqa: E731
                 times[sp] = graph_us(fn)
             best = min((t, sp) for sp, t in times.items() if sp)
-            row = {"B": B, "S": S, "kind": kind, "us": times, "best_splits": best[1], "best_us": best[0],
-                   "heuristic_us": times[0]}
+            row = {
+                "B": B,
+                "S": S,
+                "kind": kind,
+                "us": times,
+                "best_splits": best[1],
+                "best_us": best[0],
+                "heuristic_us": times[0],
+            }
             rows.append(row)
             print(row, flush=True)
         del cache, k, v
@@ -69,14 +77,19 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"{args.name}.json"), "w") as f:
         json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
-    lines = ["| B | S | kernel | " + " | ".join(f"{s or 'auto'}" for s in SPLITS) + " | best |",
-             "|" + "---|" * (len(SPLITS) + 4)]
+    lines = [
+        "| B | S | kernel | " + " | ".join(f"{s or 'auto'}" for s in SPLITS) + " | best |",
+        "|" + "---|" * (len(SPLITS) + 4),
+    ]
     for r in rows:
         cells = [f"{r['us'][s]:.1f}" if s in r["us"] else "–" for s in SPLITS]
         lines.append(f"| {r['B']} | {r['S']} | {r['kind']} | " + " | ".join(cells) + f" | {r['best_splits']} |")
     with open(os.path.join(args.out, f"{args.name}.md"), "w") as f:
-        f.write("Decode µs (CUDA graph, kernel + combine) against num_splits; H=32/8, d=128, fp16.\n\n"
-                + "\n".join(lines) + "\n")
+        f.write(
+            "Decode µs (CUDA graph, kernel + combine) against num_splits; H=32/8, d=128, fp16.\n\n"
+            + "\n".join(lines)
+            + "\n"
+        )
     print("\n".join(lines))
 
 

@@ -1,5 +1,6 @@
 """Prefill kernel times (ops.decode, 3-bit turbo cache, with and without scale-only metadata) for a
 few chunk shapes: a quick A/B helper. Usage: python3 benchmarks/time_prefill.py LABEL [S:q_len,...]"""
+
 import sys
 
 import torch
@@ -20,8 +21,9 @@ for S, q_len in shapes:
     times = []
     for scale_only in (False, True):
         cache, _, _ = fill_cache(1, S, 8, 128, torch.float16, scale_only=scale_only)
-        t = triton.testing.do_bench(lambda: ops.decode(q, cache, cache.seqlens, None, 128 ** -0.5, True, 0),
-                                    warmup=50, rep=200)
+        t = triton.testing.do_bench(
+            lambda: ops.decode(q, cache, cache.seqlens, None, 128**-0.5, True, 0), warmup=50, rep=200
+        )
         times.append(f"{t * 1000:.1f}")
         del cache
     res.append(f"S={S} q={q_len}: {'/'.join(times)} us")

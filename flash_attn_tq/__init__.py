@@ -5,6 +5,7 @@ signatures; :func:`flash_attn_with_kvcache` also takes a :class:`QuantizedKVCach
 attends over with the fused CUDA kernel (or the reference path on CPU). :func:`last_path` says
 which path the last call took.
 """
+
 from .cache import QuantizedKVCache
 from .cpu import CpuQuantizedKVCache
 from .format import bits_per_element, code_bytes, pack_codes, unpack_codes

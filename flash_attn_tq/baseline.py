@@ -119,8 +119,7 @@ def _kernel_exp_scores(scores, block_n):
     if seqlen_k == 0:
         return torch.zeros_like(scores)
     nblocks = -(-seqlen_k // block_n)
-    padded = torch.nn.functional.pad(scores, (0, nblocks * block_n - seqlen_k),
-                                     value=float("-inf"))
+    padded = torch.nn.functional.pad(scores, (0, nblocks * block_n - seqlen_k), value=float("-inf"))
     block_max = padded.unflatten(-1, (nblocks, block_n)).amax(dim=-1)
     running = block_max.flip(-1).cummax(dim=-1).values.flip(-1)
     running = running.masked_fill(torch.isneginf(running), 0.0)
@@ -128,18 +127,18 @@ def _kernel_exp_scores(scores, block_n):
     return torch.exp(scores - running)
 
 
-def _attend(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes,
-            key_lengths, key_start, dropout_p, want_probs):
+def _attend(
+    q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, key_lengths, key_start, dropout_p, want_probs
+):
     """Returns (out fp32 [B,Sq,Hq,dv], lse fp32 [B,Hq,Sq], probs or None)."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError("q, k, v must have shape (batch, seqlen, nheads, headdim)")
     batch, seqlen_q, nheads, headdim = q.shape
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     if nheads % nheads_k != 0:
-        raise ValueError(f"number of q heads ({nheads}) must be divisible by number of "
-                         f"k/v heads ({nheads_k})")
+        raise ValueError(f"number of q heads ({nheads}) must be divisible by number of k/v heads ({nheads_k})")
     if softmax_scale is None:
-        softmax_scale = headdim ** -0.5
+        softmax_scale = headdim**-0.5
     device = q.device
     group = nheads // nheads_k
 
@@ -150,9 +149,9 @@ def _attend(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes,
     start = _per_batch(key_start, batch, 0, device, "key_start")
     rows = torch.arange(seqlen_q, device=device).view(1, seqlen_q, 1)
     cols = torch.arange(seqlen_k, device=device).view(1, 1, seqlen_k)
-    rel = cols - start.view(batch, 1, 1)                       # [B, 1, Sk]
-    diag = rows + (end - start - seqlen_q).view(batch, 1, 1)   # [B, Sq, 1]
-    keep = (rel >= 0) & (cols < end.view(batch, 1, 1))         # [B, 1, Sk]
+    rel = cols - start.view(batch, 1, 1)  # [B, 1, Sk]
+    diag = rows + (end - start - seqlen_q).view(batch, 1, 1)  # [B, Sq, 1]
+    keep = (rel >= 0) & (cols < end.view(batch, 1, 1))  # [B, 1, Sk]
 
     # Keys outside [start, end) may hold garbage (even NaN/inf): zero them.
     outside = ~keep.view(batch, seqlen_k, 1, 1)
@@ -177,7 +176,7 @@ def _attend(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes,
         dist = (diag - rel).abs().to(torch.float32).unsqueeze(1)  # [B, 1, Sq, Sk]
         scores = scores - slopes.reshape(batch, nheads, 1, 1) * dist
 
-    row_ok = keep.any(dim=-1, keepdim=True)                   # [B, 1, Sq, 1]
+    row_ok = keep.any(dim=-1, keepdim=True)  # [B, 1, Sq, 1]
     scores = scores.masked_fill(~keep, float("-inf"))
     s_dmask = None
     if want_probs and dropout_p > 0:
@@ -201,9 +200,20 @@ def _attend(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes,
     return out, lse, s_dmask
 
 
-def attention_reference(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1),
-                        softcap=0.0, alibi_slopes=None, key_lengths=None, key_start=None,
-                        dropout_p=0.0):
+def attention_reference(
+    q,
+    k,
+    v,
+    *,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    key_lengths=None,
+    key_start=None,
+    dropout_p=0.0,
+):
     """Dense attention in float32; the core of every function in this module.
 
     q: (batch, seqlen_q, nheads, headdim); k: (batch, seqlen_k, nheads_k, headdim);
@@ -220,8 +230,9 @@ def attention_reference(q, k, v, *, softmax_scale=None, causal=False, window_siz
     softmax_lse float32 (batch, nheads, seqlen_q), +inf for rows with no key
     (whose output is 0).  Differentiable with respect to q, k, v.
     """
-    out, lse, _ = _attend(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                          key_lengths, key_start, dropout_p, False)
+    out, lse, _ = _attend(
+        q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, key_lengths, key_start, dropout_p, False
+    )
     return out, lse
 
 
@@ -255,8 +266,7 @@ def _check_qkv(q, k, v, varlen, paged=False):
         if x.device != q.device:
             raise ValueError(f"{name} must be on the same device as q ({q.device}), got {x.device}")
     if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and "
-                         f"{tuple(v.shape)}")
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     if not varlen and k.shape[0] != q.shape[0]:
         raise ValueError(f"k must have the same batch size as q ({q.shape[0]}), got {k.shape[0]}")
     nheads, headdim = q.shape[-2], q.shape[-1]
@@ -264,8 +274,7 @@ def _check_qkv(q, k, v, varlen, paged=False):
     if k.shape[-1] != headdim:
         raise ValueError(f"k must have the same head dimension as q ({headdim}), got {k.shape[-1]}")
     if nheads_k == 0 or nheads % nheads_k != 0:
-        raise ValueError(f"number of heads in k/v ({nheads_k}) must divide number of heads "
-                         f"in q ({nheads})")
+        raise ValueError(f"number of heads in k/v ({nheads_k}) must divide number of heads in q ({nheads})")
     return nheads, nheads_k, headdim
 
 
@@ -289,8 +298,9 @@ def _check_alibi(alibi_slopes, batch, nheads, device):
     if alibi_slopes.device != device:
         raise ValueError(f"alibi_slopes must be on the same device as q ({device})")
     if tuple(alibi_slopes.shape) not in ((nheads,), (batch, nheads)):
-        raise ValueError(f"alibi_slopes must have shape ({nheads},) or ({batch}, {nheads}), "
-                         f"got {tuple(alibi_slopes.shape)}")
+        raise ValueError(
+            f"alibi_slopes must have shape ({nheads},) or ({batch}, {nheads}), got {tuple(alibi_slopes.shape)}"
+        )
 
 
 def _check_int32_vector(x, name, length, device):
@@ -313,8 +323,9 @@ def _check_block_table(block_table, batch, num_blocks, device):
     if block_table.device != device:
         raise ValueError(f"block_table must be on the same device as q ({device})")
     if block_table.dim() != 2 or block_table.shape[0] != batch:
-        raise ValueError(f"block_table must have shape ({batch}, max_num_blocks_per_seq), "
-                         f"got {tuple(block_table.shape)}")
+        raise ValueError(
+            f"block_table must have shape ({batch}, max_num_blocks_per_seq), got {tuple(block_table.shape)}"
+        )
     if block_table.numel() and (int(block_table.min()) < 0 or int(block_table.max()) >= num_blocks):
         raise ValueError(f"block_table entries must be in [0, {num_blocks})")
 
@@ -322,13 +333,13 @@ def _check_block_table(block_table, batch, num_blocks, device):
 # ------------------------------------------------------------------ dense entries
 
 
-def _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-           return_attn_probs):
+def _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs):
     _check_qkv(q, k, v, varlen=False)
     window_size = _check_options(dropout_p, window_size, softcap)
     _check_alibi(alibi_slopes, q.shape[0], q.shape[2], q.device)
-    out, lse, probs = _attend(q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                              None, None, dropout_p, return_attn_probs)
+    out, lse, probs = _attend(
+        q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, None, None, dropout_p, return_attn_probs
+    )
     out = out.to(q.dtype)
     return (out, lse, probs.to(q.dtype)) if return_attn_probs else out
 
@@ -350,8 +361,7 @@ def flash_attn_qkvpacked_func(
     if qkv.shape[2] != 3:
         raise ValueError(f"qkv must have size 3 in dimension 2, got {qkv.shape[2]}")
     q, k, v = qkv.unbind(dim=2)
-    return _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                  return_attn_probs)
+    return _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs)
 
 
 def flash_attn_kvpacked_func(
@@ -371,8 +381,7 @@ def flash_attn_kvpacked_func(
     if kv.shape[2] != 2:
         raise ValueError(f"kv must have size 2 in dimension 2, got {kv.shape[2]}")
     k, v = kv.unbind(dim=2)
-    return _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                  return_attn_probs)
+    return _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs)
 
 
 def flash_attn_func(
@@ -389,8 +398,7 @@ def flash_attn_func(
     return_attn_probs=False,
 ):
     """q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim)."""
-    return _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                  return_attn_probs)
+    return _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs)
 
 
 # ----------------------------------------------------------------- varlen entries
@@ -407,57 +415,71 @@ def _check_cu_seqlens(cu, name, batch, total, max_seqlen, max_name, device):
     if total is not None and bounds[-1] > total:
         raise ValueError(f"{name}[-1] ({bounds[-1]}) exceeds the number of tokens ({total})")
     if max(lengths) > int(max_seqlen):
-        raise ValueError(f"{max_name} ({int(max_seqlen)}) is smaller than the longest sequence "
-                         f"in {name} ({max(lengths)})")
+        raise ValueError(
+            f"{max_name} ({int(max_seqlen)}) is smaller than the longest sequence in {name} ({max(lengths)})"
+        )
     return bounds
 
 
-def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-            softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
-            block_table=None):
+def _varlen(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size,
+    softcap,
+    alibi_slopes,
+    return_attn_probs,
+    block_table=None,
+):
     paged = block_table is not None
     nheads, _, _ = _check_qkv(q, k, v, varlen=True, paged=paged)
     window_size = _check_options(dropout_p, window_size, softcap)
     if not isinstance(cu_seqlens_q, torch.Tensor):
         raise TypeError("cu_seqlens_q must be a torch.Tensor of dtype int32")
     batch = cu_seqlens_q.shape[0] - 1 if cu_seqlens_q.dim() == 1 else None
-    qb = _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", None, q.shape[0], max_seqlen_q,
-                           "max_seqlen_q", q.device)
-    kb = _check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", batch, None if paged else k.shape[0],
-                           max_seqlen_k, "max_seqlen_k", q.device)
+    qb = _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", None, q.shape[0], max_seqlen_q, "max_seqlen_q", q.device)
+    kb = _check_cu_seqlens(
+        cu_seqlens_k, "cu_seqlens_k", batch, None if paged else k.shape[0], max_seqlen_k, "max_seqlen_k", q.device
+    )
     _check_alibi(alibi_slopes, batch, nheads, q.device)
     if paged:
         _check_block_table(block_table, batch, k.shape[0], q.device)
         capacity = block_table.shape[1] * k.shape[1]
         for b in range(batch):
             if kb[b + 1] - kb[b] > capacity:
-                raise ValueError(f"sequence {b} has {kb[b + 1] - kb[b]} keys but block_table "
-                                 f"only holds {capacity}")
+                raise ValueError(f"sequence {b} has {kb[b + 1] - kb[b]} keys but block_table only holds {capacity}")
 
     total_q, dv = q.shape[0], v.shape[-1]
     pieces = [q.new_zeros(qb[0], nheads, dv, dtype=torch.float32)]
     lse_pieces = [q.new_full((nheads, qb[0]), float("inf"), dtype=torch.float32)]
-    probs = (q.new_zeros(batch, nheads, int(max_seqlen_q), int(max_seqlen_k))
-             if return_attn_probs else None)
+    probs = q.new_zeros(batch, nheads, int(max_seqlen_q), int(max_seqlen_k)) if return_attn_probs else None
     for b in range(batch):
-        qs = q[qb[b]:qb[b + 1]].unsqueeze(0)
+        qs = q[qb[b] : qb[b + 1]].unsqueeze(0)
         if paged:
             n = kb[b + 1] - kb[b]
             blocks = block_table[b].long()
             ks = k[blocks].flatten(0, 1)[:n].unsqueeze(0)
             vs = v[blocks].flatten(0, 1)[:n].unsqueeze(0)
         else:
-            ks = k[kb[b]:kb[b + 1]].unsqueeze(0)
-            vs = v[kb[b]:kb[b + 1]].unsqueeze(0)
+            ks = k[kb[b] : kb[b + 1]].unsqueeze(0)
+            vs = v[kb[b] : kb[b + 1]].unsqueeze(0)
         slopes = alibi_slopes
         if slopes is not None and slopes.dim() == 2:
             slopes = slopes[b]
-        o, l, p = _attend(qs, ks, vs, softmax_scale, causal, window_size, softcap, slopes,
-                          None, None, dropout_p, return_attn_probs)
+        o, l, p = _attend(
+            qs, ks, vs, softmax_scale, causal, window_size, softcap, slopes, None, None, dropout_p, return_attn_probs
+        )
         pieces.append(o[0])
         lse_pieces.append(l[0])
         if return_attn_probs:
-            probs[b, :, :p.shape[2], :p.shape[3]] = p[0].to(q.dtype)
+            probs[b, :, : p.shape[2], : p.shape[3]] = p[0].to(q.dtype)
     pieces.append(q.new_zeros(total_q - qb[-1], nheads, dv, dtype=torch.float32))
     lse_pieces.append(q.new_full((nheads, total_q - qb[-1]), float("inf"), dtype=torch.float32))
     out = torch.cat(pieces, dim=0).to(q.dtype)
@@ -483,8 +505,22 @@ def flash_attn_varlen_qkvpacked_func(
     if qkv.shape[1] != 3:
         raise ValueError(f"qkv must have size 3 in dimension 1, got {qkv.shape[1]}")
     q, k, v = qkv.unbind(dim=1)
-    return _varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p,
-                   softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs)
+    return _varlen(
+        q,
+        k,
+        v,
+        cu_seqlens,
+        cu_seqlens,
+        max_seqlen,
+        max_seqlen,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        return_attn_probs,
+    )
 
 
 def flash_attn_varlen_kvpacked_func(
@@ -508,8 +544,22 @@ def flash_attn_varlen_kvpacked_func(
     if kv.shape[1] != 2:
         raise ValueError(f"kv must have size 2 in dimension 1, got {kv.shape[1]}")
     k, v = kv.unbind(dim=1)
-    return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                   softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs)
+    return _varlen(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        return_attn_probs,
+    )
 
 
 def flash_attn_varlen_func(
@@ -534,9 +584,23 @@ def flash_attn_varlen_func(
     block_table (batch, max_num_blocks_per_seq) int32, paged
     (num_blocks, page_block_size, nheads_k, headdim): sequence b's keys are the
     first cu_seqlens_k[b+1] - cu_seqlens_k[b] rows of its blocks, in order."""
-    return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                   softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
-                   block_table=block_table)
+    return _varlen(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        return_attn_probs,
+        block_table=block_table,
+    )
 
 
 # ---------------------------------------------------------------------- kv cache
@@ -553,7 +617,7 @@ def rotary_at(x, cos, sin, positions, interleaved):
         x1, x2 = xr[..., 0::2], xr[..., 1::2]
         xr = torch.stack((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1).flatten(-2)
     else:
-        x1, x2 = xr[..., :rot // 2], xr[..., rot // 2:]
+        x1, x2 = xr[..., : rot // 2], xr[..., rot // 2 :]
         xr = torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
     return torch.cat((xr, rest), dim=-1)
 
@@ -598,8 +662,11 @@ def flash_attn_with_kvcache(
     """
     _check_tensor(q, "q", 4, "(batch, seqlen_q, nheads, headdim)")
     paged = block_table is not None
-    cache_shape = ("(num_blocks, page_block_size, nheads_k, headdim)" if paged
-                   else "(batch_cache, seqlen_cache, nheads_k, headdim)")
+    cache_shape = (
+        "(num_blocks, page_block_size, nheads_k, headdim)"
+        if paged
+        else "(batch_cache, seqlen_cache, nheads_k, headdim)"
+    )
     _check_tensor(k_cache, "k_cache", 4, cache_shape)
     _check_tensor(v_cache, "v_cache", 4, cache_shape)
     if q.dtype not in _DTYPES:
@@ -610,16 +677,15 @@ def flash_attn_with_kvcache(
         if x.device != q.device:
             raise ValueError(f"{name} must be on the same device as q ({q.device})")
     if k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache and v_cache must have the same shape, got "
-                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+        raise ValueError(
+            f"k_cache and v_cache must have the same shape, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
     batch, seqlen_q, nheads, headdim = q.shape
     nheads_k = k_cache.shape[2]
     if k_cache.shape[3] != headdim:
-        raise ValueError(f"k_cache must have the same head dimension as q ({headdim}), "
-                         f"got {k_cache.shape[3]}")
+        raise ValueError(f"k_cache must have the same head dimension as q ({headdim}), got {k_cache.shape[3]}")
     if nheads_k == 0 or nheads % nheads_k != 0:
-        raise ValueError(f"number of heads in k_cache ({nheads_k}) must divide number of "
-                         f"heads in q ({nheads})")
+        raise ValueError(f"number of heads in k_cache ({nheads_k}) must divide number of heads in q ({nheads})")
     window_size = _check_options(0.0, window_size, softcap)
     _check_alibi(alibi_slopes, batch, nheads, q.device)
     device = q.device
@@ -636,14 +702,15 @@ def flash_attn_with_kvcache(
         capacity = k_cache.shape[1]
         if cache_batch_idx is not None:
             _check_int32_vector(cache_batch_idx, "cache_batch_idx", batch, device)
-            if batch and (int(cache_batch_idx.min()) < 0
-                          or int(cache_batch_idx.max()) >= k_cache.shape[0]):
+            if batch and (int(cache_batch_idx.min()) < 0 or int(cache_batch_idx.max()) >= k_cache.shape[0]):
                 raise ValueError(f"cache_batch_idx entries must be in [0, {k_cache.shape[0]})")
             rows = cache_batch_idx.long()
         else:
             if k_cache.shape[0] < batch:
-                raise ValueError(f"k_cache has {k_cache.shape[0]} rows but q has batch {batch}; "
-                                 f"pass cache_batch_idx or a larger cache")
+                raise ValueError(
+                    f"k_cache has {k_cache.shape[0]} rows but q has batch {batch}; "
+                    f"pass cache_batch_idx or a larger cache"
+                )
             rows = torch.arange(batch, device=device)
 
     if (k is None) != (v is None):
@@ -659,8 +726,10 @@ def flash_attn_with_kvcache(
             if x.device != device:
                 raise ValueError(f"{name} must be on the same device as q ({device})")
         if k.shape != v.shape or k.shape[0] != batch or k.shape[2:] != (nheads_k, headdim):
-            raise ValueError(f"k and v must have shape ({batch}, seqlen_new, {nheads_k}, "
-                             f"{headdim}), got {tuple(k.shape)} and {tuple(v.shape)}")
+            raise ValueError(
+                f"k and v must have shape ({batch}, seqlen_new, {nheads_k}, "
+                f"{headdim}), got {tuple(k.shape)} and {tuple(v.shape)}"
+            )
         seqlen_new = k.shape[1]
 
     if isinstance(cache_seqlens, torch.Tensor):
@@ -671,12 +740,13 @@ def flash_attn_with_kvcache(
     if batch and int(seqlens.min()) < 0:
         raise ValueError("cache_seqlens must be non-negative")
     if batch and int(seqlens.max()) + seqlen_new > capacity:
-        raise ValueError(f"cache overflow: cache_seqlens ({int(seqlens.max())}) + new tokens "
-                         f"({seqlen_new}) exceeds the cache capacity ({capacity})")
+        raise ValueError(
+            f"cache overflow: cache_seqlens ({int(seqlens.max())}) + new tokens "
+            f"({seqlen_new}) exceeds the cache capacity ({capacity})"
+        )
     if cache_leftpad is not None:
         _check_int32_vector(cache_leftpad, "cache_leftpad", batch, device)
-        if batch and (int(cache_leftpad.min()) < 0
-                      or bool((cache_leftpad.long() > seqlens + seqlen_new).any())):
+        if batch and (int(cache_leftpad.min()) < 0 or bool((cache_leftpad.long() > seqlens + seqlen_new).any())):
             raise ValueError("cache_leftpad must be in [0, cache_seqlens + seqlen_new]")
 
     local = window_size[0] >= 0 or window_size[1] >= 0
@@ -690,16 +760,13 @@ def flash_attn_with_kvcache(
         if rotary_sin.shape != rotary_cos.shape:
             raise ValueError("rotary_sin must have the same shape as rotary_cos")
         if rotary_cos.device != device or rotary_sin.device != device:
-            raise ValueError(f"rotary_cos and rotary_sin must be on the same device as q "
-                             f"({device})")
+            raise ValueError(f"rotary_cos and rotary_sin must be on the same device as q ({device})")
         if 2 * rotary_cos.shape[1] > headdim:
-            raise ValueError(f"rotary_cos gives rotary_dim {2 * rotary_cos.shape[1]} > headdim "
-                             f"{headdim}")
+            raise ValueError(f"rotary_cos gives rotary_dim {2 * rotary_cos.shape[1]} > headdim {headdim}")
         q_span = seqlen_q if (causal or local) else 1
         needed = int(seqlens.max()) + max(seqlen_new, q_span) if batch else 0
         if needed > rotary_cos.shape[0]:
-            raise ValueError(f"rotary_cos has {rotary_cos.shape[0]} positions but position "
-                             f"{needed - 1} is needed")
+            raise ValueError(f"rotary_cos has {rotary_cos.shape[0]} positions but position {needed - 1} is needed")
 
     # Rotary, then append the new tokens to the cache in place.
     q_used = q
@@ -708,8 +775,11 @@ def flash_attn_with_kvcache(
         k_new = k
         if rotary_cos is not None:
             k_new = rotary_at(k, rotary_cos, rotary_sin, pos_k, rotary_interleaved)
-            q_off = torch.arange(seqlen_q, device=device) if (causal or local) else \
-                torch.zeros(seqlen_q, dtype=torch.long, device=device)
+            q_off = (
+                torch.arange(seqlen_q, device=device)
+                if (causal or local)
+                else torch.zeros(seqlen_q, dtype=torch.long, device=device)
+            )
             pos_q = seqlens.view(batch, 1) + q_off
             q_used = rotary_at(q, rotary_cos, rotary_sin, pos_q, rotary_interleaved).to(q.dtype)
         with torch.no_grad():
@@ -728,7 +798,19 @@ def flash_attn_with_kvcache(
         values = v_cache[block_table.long()].flatten(1, 2)
     else:
         keys, values = k_cache[rows], v_cache[rows]
-    out, lse, _ = _attend(q_used, keys, values, softmax_scale, causal, window_size, softcap,
-                          alibi_slopes, seqlens + seqlen_new, cache_leftpad, 0.0, False)
+    out, lse, _ = _attend(
+        q_used,
+        keys,
+        values,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        seqlens + seqlen_new,
+        cache_leftpad,
+        0.0,
+        False,
+    )
     out = out.to(q.dtype)
     return (out, lse) if return_softmax_lse else out

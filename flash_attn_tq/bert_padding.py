@@ -44,8 +44,7 @@ def index_put_first_axis(values, indices, first_axis_dim):
     if indices.dim() != 1:
         raise ValueError(f"indices must be 1-D, got shape {tuple(indices.shape)}")
     if values.dim() < 1 or values.shape[0] != indices.shape[0]:
-        raise ValueError(f"values must have {indices.shape[0]} rows (one per index), "
-                         f"got shape {tuple(values.shape)}")
+        raise ValueError(f"values must have {indices.shape[0]} rows (one per index), got shape {tuple(values.shape)}")
     output = values.new_zeros((first_axis_dim, *values.shape[1:]))
     return output.index_put((indices,), values)
 
@@ -79,11 +78,12 @@ def unpad_input(hidden_states, attention_mask, unused_mask=None):
             sequence, for the ``seqused`` arguments of varlen kernels.
     """
     if attention_mask.dim() != 2:
-        raise ValueError(f"attention_mask must have shape (batch, seqlen), got "
-                         f"{tuple(attention_mask.shape)}")
+        raise ValueError(f"attention_mask must have shape (batch, seqlen), got {tuple(attention_mask.shape)}")
     if tuple(hidden_states.shape[:2]) != tuple(attention_mask.shape):
-        raise ValueError(f"hidden_states must start with the mask's shape "
-                         f"{tuple(attention_mask.shape)}, got {tuple(hidden_states.shape)}")
+        raise ValueError(
+            f"hidden_states must start with the mask's shape "
+            f"{tuple(attention_mask.shape)}, got {tuple(hidden_states.shape)}"
+        )
     valid = attention_mask != 0
     selected = valid if unused_mask is None else valid | (unused_mask != 0)
     seqlens = selected.sum(dim=-1, dtype=torch.int32)
@@ -115,8 +115,9 @@ def unpad_input_for_concatenated_sequences(hidden_states, attention_mask_in_leng
     these ``cu_seqlens`` keeps the packed sequences apart.
     """
     if attention_mask_in_length.dim() != 2:
-        raise ValueError(f"attention_mask_in_length must have shape (batch, seqlen), got "
-                         f"{tuple(attention_mask_in_length.shape)}")
+        raise ValueError(
+            f"attention_mask_in_length must have shape (batch, seqlen), got {tuple(attention_mask_in_length.shape)}"
+        )
     batch, seqlen = attention_mask_in_length.shape
     lengths = attention_mask_in_length.flatten()
     seqlens = lengths[lengths != 0].to(torch.int32)

@@ -1,4 +1,5 @@
 """QuantizedKVCache: a K/V cache stored as packed low-bit codes (see :mod:`flash_attn_tq.format`)."""
+
 from __future__ import annotations
 
 import math
@@ -24,8 +25,7 @@ def capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def rope_turn(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False
-              ) -> torch.Tensor:
+def rope_turn(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """``x [batch, n, heads, d]`` turned by RoPE to ``positions [batch, n]`` (or ``[n]``) with
     frequencies ``inv_freq [d / 2]``, rotate-half pairs ``(i, i + d/2)`` as transformers' Llama
     (``inverse``: turned back), float32."""
@@ -43,6 +43,7 @@ def _head_major(rows: int, cols: int, heads: int, last: int, dtype: torch.dtype,
 
 
 # ---------------------------------------------------------------------- attention helpers (PyTorch)
+
 
 def merge_lse(out_a, lse_a, out_b, lse_b):
     """Merge two partial attentions over disjoint keys (lse +inf or -inf marks an empty part; rows
@@ -211,8 +212,9 @@ class QuantizedKVCache:
                 raise ValueError("key_center='rope' needs rope_inv_freq (the model's RoPE frequencies, head_dim / 2)")
             inv = torch.as_tensor(rope_inv_freq, dtype=torch.float32).flatten()
             if inv.numel() != head_dim // 2 or not bool(torch.isfinite(inv).all()):
-                raise ValueError(f"rope_inv_freq must hold head_dim / 2 = {head_dim // 2} finite values, got "
-                                 f"{inv.numel()}")
+                raise ValueError(
+                    f"rope_inv_freq must hold head_dim / 2 = {head_dim // 2} finite values, got {inv.numel()}"
+                )
             self.rope_inv_freq = inv.to(device)
         elif rope_inv_freq is not None:
             raise ValueError("rope_inv_freq is only used with key_center='rope'")
@@ -220,8 +222,10 @@ class QuantizedKVCache:
         norm_fit = scale_only_fits(quantizer, grid, fit)
         self.scale_only = norm_fit if scale_only is None else bool(scale_only)
         if self.scale_only and not norm_fit:
-            raise ValueError("scale_only needs quantizer='turbo', grid='uniform' and fit='norm' (whose offset is "
-                             "-mid * scale, so only the scale is stored)")
+            raise ValueError(
+                "scale_only needs quantizer='turbo', grid='uniform' and fit='norm' (whose offset is "
+                "-mid * scale, so only the scale is stored)"
+            )
         if quantizer == "turbo" and streaming:
             raise ValueError("streaming applies to quantizer='asym' only")
         if quantizer != "turbo" and grid != "uniform":
@@ -255,16 +259,28 @@ class QuantizedKVCache:
             if block_table is None:
                 nb = num_blocks if num_blocks is not None else self.batch_size * per_seq
                 if nb < self.batch_size * per_seq:
-                    raise ValueError(f"num_blocks={nb} is fewer than batch_size * ceil(max_seqlen / page_size) = "
-                                     f"{self.batch_size * per_seq}; pass a block_table to share blocks")
-                block_table = torch.arange(self.batch_size * per_seq, dtype=torch.int32).reshape(self.batch_size, per_seq)
+                    raise ValueError(
+                        f"num_blocks={nb} is fewer than batch_size * ceil(max_seqlen / page_size) = "
+                        f"{self.batch_size * per_seq}; pass a block_table to share blocks"
+                    )
+                block_table = torch.arange(self.batch_size * per_seq, dtype=torch.int32).reshape(
+                    self.batch_size, per_seq
+                )
             else:
-                if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != self.batch_size:
-                    raise ValueError(f"block_table must be int32 [batch_size={self.batch_size}, max_blocks_per_seq], "
-                                     f"got {block_table.dtype} {tuple(block_table.shape)}")
+                if (
+                    block_table.dtype != torch.int32
+                    or block_table.dim() != 2
+                    or block_table.shape[0] != self.batch_size
+                ):
+                    raise ValueError(
+                        f"block_table must be int32 [batch_size={self.batch_size}, max_blocks_per_seq], "
+                        f"got {block_table.dtype} {tuple(block_table.shape)}"
+                    )
                 if block_table.shape[1] * page_size < self.max_seqlen:
-                    raise ValueError(f"block_table has {block_table.shape[1]} pages of {page_size} per sequence, "
-                                     f"fewer than max_seqlen={self.max_seqlen}")
+                    raise ValueError(
+                        f"block_table has {block_table.shape[1]} pages of {page_size} per sequence, "
+                        f"fewer than max_seqlen={self.max_seqlen}"
+                    )
                 nb = num_blocks if num_blocks is not None else int(block_table.max()) + 1
             if block_table.numel() and (int(block_table.min()) < 0 or int(block_table.max()) >= nb):
                 raise ValueError(f"block_table entries must lie in [0, num_blocks={nb})")
@@ -280,7 +296,9 @@ class QuantizedKVCache:
         # the 16-bit side: sinks + the 16-bit window (+ one slot for the writes of other tokens)
         self.side_ring = R if self.window_quantizer is None else 0
         side = self.sink_tokens + self.side_ring
-        self.kv_side = torch.zeros(2, self.batch_size, side + 1, H, head_dim, dtype=dtype, device=device) if side else None
+        self.kv_side = (
+            torch.zeros(2, self.batch_size, side + 1, H, head_dim, dtype=dtype, device=device) if side else None
+        )
         self.k_window_codes = self.v_window_codes = self.k_window_meta = self.v_window_meta = None
         if R and self.window_quantizer is not None:
             wb = fmt.code_bytes(head_dim, self.window_bits)
@@ -302,7 +320,6 @@ class QuantizedKVCache:
     @property
     def device(self) -> torch.device:
         return self.k_codes.device
-
 
     @property
     def paged(self) -> bool:
@@ -326,25 +343,36 @@ class QuantizedKVCache:
         ``window_bits`` codes ``[batch, R, kv_heads, bytes]``; None without a window."""
         if self.window_quantizer is not None:
             return self.k_window_codes
-        return None if not self.fp16_window else self.kv_side[0, :, self.sink_tokens:-1]
+        return None if not self.fp16_window else self.kv_side[0, :, self.sink_tokens : -1]
 
     @property
     def v_window(self) -> torch.Tensor | None:
         if self.window_quantizer is not None:
             return self.v_window_codes
-        return None if not self.fp16_window else self.kv_side[1, :, self.sink_tokens:-1]
+        return None if not self.fp16_window else self.kv_side[1, :, self.sink_tokens : -1]
 
     @property
     def nbytes(self) -> int:
         """Bytes of the cache storage (codes, metadata and the recent window)."""
-        tensors = [self.k_codes, self.v_codes, self.k_meta, self.v_meta, self.kv_side, self.k_window_codes,
-                   self.v_window_codes, self.k_window_meta, self.v_window_meta]
+        tensors = [
+            self.k_codes,
+            self.v_codes,
+            self.k_meta,
+            self.v_meta,
+            self.kv_side,
+            self.k_window_codes,
+            self.v_window_codes,
+            self.k_window_meta,
+            self.v_window_meta,
+        ]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     def bits_per_element(self) -> float:
         """Average bits per stored K/V element (codes + metadata, window excluded)."""
         mb = 2 if self.scale_only else 4
-        return (fmt.bits_per_element(self.head_dim, self.k_bits, mb) + fmt.bits_per_element(self.head_dim, self.v_bits, mb)) / 2
+        return (
+            fmt.bits_per_element(self.head_dim, self.k_bits, mb) + fmt.bits_per_element(self.head_dim, self.v_bits, mb)
+        ) / 2
 
     def compression_ratio(self) -> float:
         """fp16 bytes of a cache of the same capacity divided by :attr:`nbytes`."""
@@ -368,8 +396,13 @@ class QuantizedKVCache:
         return o
 
     # ------------------------------------------------------------------ key transform
-    def calibrate(self, k: torch.Tensor, batch_idx: torch.Tensor | None = None, force: bool = False,
-                  positions: torch.Tensor | None = None) -> None:
+    def calibrate(
+        self,
+        k: torch.Tensor,
+        batch_idx: torch.Tensor | None = None,
+        force: bool = False,
+        positions: torch.Tensor | None = None,
+    ) -> None:
         """Set the key center of rows ``batch_idx`` from ``k [batch, n, kv_heads, d]`` (rows already
         calibrated are left alone unless ``force``). Called by :meth:`append` on a row's first chunk.
         ``positions [batch, n]``: the keys' cache positions (``key_center='rope'``: the center is the
@@ -394,8 +427,10 @@ class QuantizedKVCache:
 
     def _positions(self, positions: torch.Tensor | None, k: torch.Tensor) -> torch.Tensor:
         if positions is None or tuple(positions.shape) != tuple(k.shape[:2]):
-            raise ValueError(f"positions: key_center='rope' centers keys by position, so it needs their cache "
-                             f"positions [batch, n] = {tuple(k.shape[:2])}")
+            raise ValueError(
+                f"positions: key_center='rope' centers keys by position, so it needs their cache "
+                f"positions [batch, n] = {tuple(k.shape[:2])}"
+            )
         return positions.to(self.device)
 
     def _rope_turn(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
@@ -413,8 +448,9 @@ class QuantizedKVCache:
             return c
         return self._rope_turn(c.expand(B, positions.shape[1], *c.shape[2:]), positions.to(self.device))
 
-    def transform_keys(self, k: torch.Tensor, batch_idx: torch.Tensor | None = None,
-                       positions: torch.Tensor | None = None) -> torch.Tensor:
+    def transform_keys(
+        self, k: torch.Tensor, batch_idx: torch.Tensor | None = None, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Keys ``[batch, n, kv_heads, d]`` of rows ``batch_idx`` as the codes store them (same dtype):
         ``k - mu``, or for ``key_center='rope'`` ``k - R(p) c`` at cache ``positions [batch, n]``."""
         if not self.key_center:
@@ -423,8 +459,9 @@ class QuantizedKVCache:
         positions = self._positions(positions, k) if self.rope_center else positions
         return (k.float() - self.key_center_at(bidx, positions)).to(k.dtype)
 
-    def untransform_keys(self, kt: torch.Tensor, batch_idx: torch.Tensor | None = None,
-                         positions: torch.Tensor | None = None) -> torch.Tensor:
+    def untransform_keys(
+        self, kt: torch.Tensor, batch_idx: torch.Tensor | None = None, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Inverse of :meth:`transform_keys` (float32)."""
         if not self.key_center:
             return kt.float()
@@ -452,8 +489,9 @@ class QuantizedKVCache:
         block = self.block_table[batch_idx, torch.div(pos, self.page_size, rounding_mode="floor")].long()
         return block, pos % self.page_size
 
-    def quantize(self, k: torch.Tensor, v: torch.Tensor,
-                 batch_idx: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    def quantize(
+        self, k: torch.Tensor, v: torch.Tensor, batch_idx: torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor]:
         """Reference quantization of ``k, v [batch, n, kv_heads, d]`` (no state change in non-streaming mode).
 
         In streaming mode the per-(sequence, head) ranges of cache rows ``batch_idx`` (default
@@ -461,8 +499,9 @@ class QuantizedKVCache:
         """
         out = {}
         if self.streaming:
-            bidx = (torch.arange(k.shape[0], device=self.device) if batch_idx is None
-                    else batch_idx.to(self.device).long())
+            bidx = (
+                torch.arange(k.shape[0], device=self.device) if batch_idx is None else batch_idx.to(self.device).long()
+            )
         for name, x, qz, rng in (("k", k, self.k_quantizer, "k_range"), ("v", v, self.v_quantizer, "v_range")):
             if self.streaming:
                 ranges = getattr(self, rng)
@@ -480,8 +519,10 @@ class QuantizedKVCache:
             if not isinstance(x, torch.Tensor):
                 raise TypeError(f"{name} must be a tensor")
             if x.dim() != 4 or x.shape[2] != self.num_kv_heads or x.shape[3] != self.head_dim:
-                raise ValueError(f"{name} must be [batch, seqlen_new, kv_heads={self.num_kv_heads}, "
-                                 f"head_dim={self.head_dim}], got {tuple(x.shape)}")
+                raise ValueError(
+                    f"{name} must be [batch, seqlen_new, kv_heads={self.num_kv_heads}, "
+                    f"head_dim={self.head_dim}], got {tuple(x.shape)}"
+                )
             if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
                 raise TypeError(f"{name} must be float16, bfloat16 or float32, got {x.dtype}")
             if x.device != self.device:
@@ -491,8 +532,14 @@ class QuantizedKVCache:
         if k.shape != v.shape:
             raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
 
-    def append(self, k: torch.Tensor, v: torch.Tensor, cache_seqlens: torch.Tensor | int | None = None,
-               batch_idx: torch.Tensor | None = None, error_flags: torch.Tensor | None = None) -> None:
+    def append(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache_seqlens: torch.Tensor | int | None = None,
+        batch_idx: torch.Tensor | None = None,
+        error_flags: torch.Tensor | None = None,
+    ) -> None:
         """Quantize ``k, v [batch, n, kv_heads, d]`` and write them at positions ``cache_seqlens ...``.
 
         ``cache_seqlens`` (int or int32 ``[batch]``) defaults to :attr:`seqlens`; ``batch_idx``
@@ -508,8 +555,12 @@ class QuantizedKVCache:
         """
         fused = isinstance(k, torch.Tensor) and self.pack_reason(k) is None
         self.check_new_kv(k, v, check_values=not fused)
-        if error_flags is not None and (not isinstance(error_flags, torch.Tensor) or error_flags.dtype != torch.int32
-                                        or error_flags.numel() != 1 or error_flags.device.type != self.device.type):
+        if error_flags is not None and (
+            not isinstance(error_flags, torch.Tensor)
+            or error_flags.dtype != torch.int32
+            or error_flags.numel() != 1
+            or error_flags.device.type != self.device.type
+        ):
             raise ValueError(f"error_flags must be an int32 [1] tensor on the cache's device ({self.device})")
         B, n = k.shape[:2]
         checking = B > 0 and not capturing()
@@ -573,7 +624,7 @@ class QuantizedKVCache:
             for name, x in (("k", k), ("v", v)):
                 codes, meta = self.window_quantizer.quantize(x[:, j0:].float())
                 getattr(self, f"{name}_window_codes")[b2, slots] = fmt.pack_codes(codes, self.window_bits, check=False)
-                getattr(self, f"{name}_window_meta")[b2, slots] = meta[..., :self.k_window_meta.shape[-1]]
+                getattr(self, f"{name}_window_meta")[b2, slots] = meta[..., : self.k_window_meta.shape[-1]]
         self.seqlens[bidx] = start + n
 
     def _write_side(self, k: torch.Tensor, v: torch.Tensor, bidx: torch.Tensor, pos: torch.Tensor) -> None:
@@ -600,52 +651,103 @@ class QuantizedKVCache:
         """None if the quantize-on-write kernel can write ``x`` into this cache, else why not."""
         return ops.pack_reason(x, self.head_dim, self.quantizer, self.grid, self.fit, self.streaming)
 
-    def write_codes(self, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, batch_idx: torch.Tensor | None = None,
-                    error_flags: torch.Tensor | None = None) -> None:
+    def write_codes(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        start: torch.Tensor,
+        batch_idx: torch.Tensor | None = None,
+        error_flags: torch.Tensor | None = None,
+    ) -> None:
         """The quantize-on-write kernel alone: ``k, v [batch, n, kv_heads, d]`` (already in the codes'
         domain: transformed keys) into positions ``start[i] + j`` (int32 ``[batch]``) of cache rows
         ``batch_idx`` (int32, None: 0..batch-1); no bookkeeping (``seqlens``, window, sinks). Error
         bits go to ``error_flags`` (int32 [1]; see :data:`flash_attn_tq.ops.PACK_ERRORS`)."""
         quant = ops.QUANT_IDS[(self.quantizer, self.grid, self.fit)]
-        for x, codes, meta, qz, bits in ((k, self.k_codes, self.k_meta, self.k_quantizer, self.k_bits),
-                                         (v, self.v_codes, self.v_meta, self.v_quantizer, self.v_bits)):
+        for x, codes, meta, qz, bits in (
+            (k, self.k_codes, self.k_meta, self.k_quantizer, self.k_bits),
+            (v, self.v_codes, self.v_meta, self.v_quantizer, self.v_bits),
+        ):
             signs = qz.signs_on(x.device) if self.quantizer == "turbo" else None
             levels = qz.codebook(x.device) if self.quantizer == "turbo" and self.grid == "lloyd_max" else None
-            ops.pack(x, codes, meta, start, batch_idx, self.block_table, error_flags, self.max_seqlen, bits, quant,
-                     signs, levels)
+            ops.pack(
+                x,
+                codes,
+                meta,
+                start,
+                batch_idx,
+                self.block_table,
+                error_flags,
+                self.max_seqlen,
+                bits,
+                quant,
+                signs,
+                levels,
+            )
 
     # ------------------------------------------------------------------ attention (the fused kernels)
     def fused_reason(self, q: torch.Tensor) -> str | None:
         """None if the fused kernels can attend ``q`` over this cache, else the reason they cannot."""
-        return ops.fused_decode_reason(q, self.head_dim, self.k_bits, self.v_bits, self.grid, self.rope_center,
-                                       self.page_size)
+        return ops.fused_decode_reason(
+            q, self.head_dim, self.k_bits, self.v_bits, self.grid, self.rope_center, self.page_size
+        )
 
     def kernel_args(self, batch: int, batch_idx: torch.Tensor | None = None) -> dict[str, Any]:
         """The cache's tensors and options as :func:`flash_attn_tq.ops.decode` takes them, for a batch of
         ``batch`` sequences, cache rows ``batch_idx`` (int32 ``[batch]``; None: 0..batch-1)."""
-        args: dict[str, Any] = dict(k_codes=self.k_codes, k_meta=self.k_meta, v_codes=self.v_codes, v_meta=self.v_meta,
-                                    k_bits=self.k_bits, v_bits=self.v_bits, block_table=self.block_table,
-                                    codes_tail=self.fp16_window)
+        args: dict[str, Any] = dict(
+            k_codes=self.k_codes,
+            k_meta=self.k_meta,
+            v_codes=self.v_codes,
+            v_meta=self.v_meta,
+            k_bits=self.k_bits,
+            v_bits=self.v_bits,
+            block_table=self.block_table,
+            codes_tail=self.fp16_window,
+        )
         if self.quantizer == "turbo":
             args["rot_signs"] = self.k_quantizer.signs_on(self.device)
         if self.rope_center:  # the kernel adds each score's q . R(p) c back
-            args.update(rope_center=self._per_row(self.k_shift, batch_idx, batch).float().contiguous(),
-                        rope_inv_freq=self.rope_inv_freq, rope_offset=self.rope_position_offset)
+            args.update(
+                rope_center=self._per_row(self.k_shift, batch_idx, batch).float().contiguous(),
+                rope_inv_freq=self.rope_inv_freq,
+                rope_offset=self.rope_position_offset,
+            )
         if self.kv_side is not None:  # sinks and the 16-bit window, in the same launch
-            args.update(side_k=self.kv_side[0], side_v=self.kv_side[1], side_sinks=self.sink_tokens,
-                        side_ring=self.side_ring)
+            args.update(
+                side_k=self.kv_side[0], side_v=self.kv_side[1], side_sinks=self.sink_tokens, side_ring=self.side_ring
+            )
         return args
 
-    def attend(self, q: torch.Tensor, seqlens: torch.Tensor, batch_idx: torch.Tensor | None, softmax_scale: float,
-               causal: bool, num_splits: int = 0, window_size: tuple[int, int] = (-1, -1),
-               leftpad: torch.Tensor | None = None, softcap: float = 0.0,
-               with_lse: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    def attend(
+        self,
+        q: torch.Tensor,
+        seqlens: torch.Tensor,
+        batch_idx: torch.Tensor | None,
+        softmax_scale: float,
+        causal: bool,
+        num_splits: int = 0,
+        window_size: tuple[int, int] = (-1, -1),
+        leftpad: torch.Tensor | None = None,
+        softcap: float = 0.0,
+        with_lse: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The fused kernels' attention of ``q [batch, seqlen_q, heads, d]`` over cache rows ``batch_idx``
         holding ``seqlens [batch]`` tokens: the decode kernel over the codes and the 16-bit side, a
         window of codes' own pass. Returns (out like q, lse ``[batch, heads, seqlen_q]``;
         ``with_lse=False`` skips the key centering's lse shift)."""
-        out, lse = ops.decode(q, seqlens, batch_idx, softmax_scale, causal, num_splits, window_size, leftpad, softcap,
-                              **self.kernel_args(q.shape[0], batch_idx))
+        out, lse = ops.decode(
+            q,
+            seqlens,
+            batch_idx,
+            softmax_scale,
+            causal,
+            num_splits,
+            window_size,
+            leftpad,
+            softcap,
+            **self.kernel_args(q.shape[0], batch_idx),
+        )
         if self.fp16_window and self.window_quantizer is not None:  # a window of codes: its own pass
             out_w, lse_w = window_attention(q, self, batch_idx, seqlens, softmax_scale, causal)
             out, lse = merge_lse(out, lse, out_w, lse_w)
@@ -663,8 +765,9 @@ class QuantizedKVCache:
         rows, cols = self._slots(bidx.unsqueeze(1).expand(-1, self.max_seqlen), pos.expand(bidx.numel(), -1))
         return {n: getattr(self, n)[rows, cols] for n in ("k_codes", "v_codes", "k_meta", "v_meta")}
 
-    def dequantize(self, batch_idx: torch.Tensor | None = None, rotated: bool = False,
-                   use_window: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    def dequantize(
+        self, batch_idx: torch.Tensor | None = None, rotated: bool = False, use_window: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 ``(k, v)`` ``[batch, max_seqlen, kv_heads, d]`` as attention sees them.
 
         Positions at or beyond ``seqlens`` are zero. With an fp16 window the last ``fp16_window``
@@ -673,15 +776,19 @@ class QuantizedKVCache:
         ``rotated=True`` returns turbo values in the rotated domain (with key centering: of the
         centered keys; otherwise keys are returned in their original domain).
         """
-        bidx = torch.arange(self.batch_size, device=self.device) if batch_idx is None else batch_idx.to(self.device).long()
+        bidx = (
+            torch.arange(self.batch_size, device=self.device) if batch_idx is None else batch_idx.to(self.device).long()
+        )
         g = self.gather(bidx)
         d = self.head_dim
         out = []
         coded_window = use_window and self.fp16_window and self.window_quantizer is not None
         windows = self.window_kv(bidx, rotated=True) if coded_window else (None, None)
         side = self._side_values(bidx, rotated) if use_window and self.kv_side is not None else None
-        for name, qz, bits, w in (("k", self.k_quantizer, self.k_bits, windows[0]),
-                                  ("v", self.v_quantizer, self.v_bits, windows[1])):
+        for name, qz, bits, w in (
+            ("k", self.k_quantizer, self.k_bits, windows[0]),
+            ("v", self.v_quantizer, self.v_bits, windows[1]),
+        ):
             codes = fmt.unpack_codes(g[f"{name}_codes"], bits, d)
             x = qz.dequantize_rotated(codes, g[f"{name}_meta"])
             lens = self.seqlens[bidx].long().unsqueeze(1)
@@ -727,8 +834,10 @@ class QuantizedKVCache:
         ``rotated=True``: turbo's rotated domain. A quantized window (``window_bits``) is dequantized
         here (its keys in the codes' domain)."""
         out = []
-        for win, meta, qz in ((self.k_window, self.k_window_meta, self.k_quantizer),
-                              (self.v_window, self.v_window_meta, self.v_quantizer)):
+        for win, meta, qz in (
+            (self.k_window, self.k_window_meta, self.k_quantizer),
+            (self.v_window, self.v_window_meta, self.v_quantizer),
+        ):
             if self.window_quantizer is None:
                 x = win[rows].float()
                 out.append(qz.rotate(x) if rotated and self.quantizer == "turbo" else x)
@@ -741,9 +850,24 @@ class QuantizedKVCache:
         return out[0], out[1]
 
     # ------------------------------------------------------------------ movement / serialization
-    _TENSORS = ("k_codes", "v_codes", "k_meta", "v_meta", "seqlens", "kv_side", "k_window_codes", "v_window_codes",
-                "k_window_meta", "v_window_meta", "block_table", "k_range", "v_range", "k_shift", "calibrated",
-                "rope_inv_freq")
+    _TENSORS = (
+        "k_codes",
+        "v_codes",
+        "k_meta",
+        "v_meta",
+        "seqlens",
+        "kv_side",
+        "k_window_codes",
+        "v_window_codes",
+        "k_window_meta",
+        "v_window_meta",
+        "block_table",
+        "k_range",
+        "v_range",
+        "k_shift",
+        "calibrated",
+        "rope_inv_freq",
+    )
 
     def to(self, device: torch.device | str) -> "QuantizedKVCache":
         """Move every tensor of the cache to ``device`` (in place); returns self."""
@@ -754,17 +878,31 @@ class QuantizedKVCache:
         return self
 
     def config(self) -> dict[str, Any]:
-        return dict(batch_size=self.batch_size, max_seqlen=self.max_seqlen, num_kv_heads=self.num_kv_heads,
-                    head_dim=self.head_dim, k_bits=self.k_bits, v_bits=self.v_bits, quantizer=self.quantizer,
-                    grid=self.grid, fp16_window=self.fp16_window, window_bits=self.window_bits,
-                    sink_tokens=self.sink_tokens, page_size=self.page_size,
-                    num_blocks=self.k_codes.shape[0] if self.paged else None, streaming=self.streaming,
-                    alpha=self.alpha, seed=self.seed, fit=self.fit,
-                    key_center="rope" if self.rope_center else self.key_center,
-                    rope_inv_freq=None if self.rope_inv_freq is None else self.rope_inv_freq.tolist(),
-                    rope_position_offset=self.rope_position_offset,
-                    calib_min_tokens=self.calib_min_tokens, scale_only=self.scale_only,
-                    dtype=str(self.dtype).replace("torch.", ""))
+        return dict(
+            batch_size=self.batch_size,
+            max_seqlen=self.max_seqlen,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            k_bits=self.k_bits,
+            v_bits=self.v_bits,
+            quantizer=self.quantizer,
+            grid=self.grid,
+            fp16_window=self.fp16_window,
+            window_bits=self.window_bits,
+            sink_tokens=self.sink_tokens,
+            page_size=self.page_size,
+            num_blocks=self.k_codes.shape[0] if self.paged else None,
+            streaming=self.streaming,
+            alpha=self.alpha,
+            seed=self.seed,
+            fit=self.fit,
+            key_center="rope" if self.rope_center else self.key_center,
+            rope_inv_freq=None if self.rope_inv_freq is None else self.rope_inv_freq.tolist(),
+            rope_position_offset=self.rope_position_offset,
+            calib_min_tokens=self.calib_min_tokens,
+            scale_only=self.scale_only,
+            dtype=str(self.dtype).replace("torch.", ""),
+        )
 
     def state_dict(self) -> dict[str, Any]:
         sd = {name: getattr(self, name) for name in self._TENSORS if getattr(self, name) is not None}
@@ -774,8 +912,16 @@ class QuantizedKVCache:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         mine = self.config()
         theirs = dict(state["config"])
-        for key, default in (("fit", "norm"), ("key_center", False), ("rope_inv_freq", None), ("rope_position_offset", 0),
-                             ("calib_min_tokens", 16), ("scale_only", False), ("window_bits", 16), ("sink_tokens", 0)):
+        for key, default in (
+            ("fit", "norm"),
+            ("key_center", False),
+            ("rope_inv_freq", None),
+            ("rope_position_offset", 0),
+            ("calib_min_tokens", 16),
+            ("scale_only", False),
+            ("window_bits", 16),
+            ("sink_tokens", 0),
+        ):
             theirs.setdefault(key, default)  # saved before the option existed
         for key, off in (("key_scale", 0.0), ("key_scale_q", False), ("key_pca", False), ("value_pca", False)):
             if theirs.get(key, off) == off:  # options a cache no longer has, saved switched off
@@ -801,9 +947,13 @@ class QuantizedKVCache:
         return cache
 
     def __repr__(self) -> str:
-        layout = f"paged(page_size={self.page_size}, num_blocks={self.k_codes.shape[0]})" if self.paged else "contiguous"
-        return (f"QuantizedKVCache({self.quantizer}/{self.grid}, K{self.k_bits}V{self.v_bits}, batch={self.batch_size}, "
-                f"max_seqlen={self.max_seqlen}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, {layout}, "
-                f"fp16_window={self.fp16_window}{'' if self.window_quantizer is None else f' at {self.window_bits} bits'}, "
-                f"sink_tokens={self.sink_tokens}, "
-                f"{self.bits_per_element():.3f} bits/element, device={self.device})")
+        layout = (
+            f"paged(page_size={self.page_size}, num_blocks={self.k_codes.shape[0]})" if self.paged else "contiguous"
+        )
+        return (
+            f"QuantizedKVCache({self.quantizer}/{self.grid}, K{self.k_bits}V{self.v_bits}, batch={self.batch_size}, "
+            f"max_seqlen={self.max_seqlen}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, {layout}, "
+            f"fp16_window={self.fp16_window}{'' if self.window_quantizer is None else f' at {self.window_bits} bits'}, "
+            f"sink_tokens={self.sink_tokens}, "
+            f"{self.bits_per_element():.3f} bits/element, device={self.device})"
+        )

@@ -24,6 +24,7 @@ code order permutation and the inverse rotation act on the ``[queries, head_dim]
 Use it as a :class:`~flash_attn_tq.cache.QuantizedKVCache`: pass it as ``k_cache`` (or
 ``kv_cache=``) to :func:`flash_attn_tq.flash_attn_with_kvcache`, with or without new ``k``/``v``.
 """
+
 from __future__ import annotations
 
 import math
@@ -59,12 +60,27 @@ class CpuQuantizedKVCache:
     ``seqlens [batch]`` int32 counts the tokens written per row.
     """
 
-    def __init__(self, batch_size: int, max_seqlen: int, num_kv_heads: int, head_dim: int, *,
-                 key_group: Optional[int] = None, v_bits: int = 3, seed: int = 0, block_size: int = 256,
-                 compute_dtype: torch.dtype = torch.float32, score_dtype: Optional[torch.dtype] = None,
-                 device: Union[torch.device, str] = "cpu"):
-        for name, val in (("batch_size", batch_size), ("max_seqlen", max_seqlen), ("num_kv_heads", num_kv_heads),
-                          ("block_size", block_size)):
+    def __init__(
+        self,
+        batch_size: int,
+        max_seqlen: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        key_group: Optional[int] = None,
+        v_bits: int = 3,
+        seed: int = 0,
+        block_size: int = 256,
+        compute_dtype: torch.dtype = torch.float32,
+        score_dtype: Optional[torch.dtype] = None,
+        device: Union[torch.device, str] = "cpu",
+    ):
+        for name, val in (
+            ("batch_size", batch_size),
+            ("max_seqlen", max_seqlen),
+            ("num_kv_heads", num_kv_heads),
+            ("block_size", block_size),
+        ):
             if int(val) <= 0:
                 raise ValueError(f"{name} must be positive, got {val}")
         if head_dim <= 0 or head_dim % 32 or head_dim & (head_dim - 1):
@@ -120,19 +136,27 @@ class CpuQuantizedKVCache:
         codes = torch.round(g * inv.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
         return codes.flatten(-2), scale
 
-    def append(self, k: torch.Tensor, v: torch.Tensor, cache_seqlens: Union[torch.Tensor, int, None] = None,
-               batch_idx: Optional[torch.Tensor] = None) -> None:
+    def append(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache_seqlens: Union[torch.Tensor, int, None] = None,
+        batch_idx: Optional[torch.Tensor] = None,
+    ) -> None:
         """Quantize ``k, v [batch, n, kv_heads, head_dim]`` (any float dtype) and write them at
         positions ``cache_seqlens + 0 .. n-1`` of rows ``batch_idx`` (int ``[batch]``; default
         ``0 .. batch-1``). ``cache_seqlens`` (int or int ``[batch]``) defaults to :attr:`seqlens`;
         afterwards ``seqlens[rows] = cache_seqlens + n``."""
         for name, x in (("k", k), ("v", v)):
             if not isinstance(x, torch.Tensor) or x.dim() != 4 or not x.is_floating_point():
-                raise ValueError(f"{name} must be a float tensor (batch, seqlen_new, nheads_k, headdim), got "
-                                 f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+                raise ValueError(
+                    f"{name} must be a float tensor (batch, seqlen_new, nheads_k, headdim), got "
+                    f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}"
+                )
             if x.shape[2:] != (self.num_kv_heads, self.head_dim):
-                raise ValueError(f"{name} must have {self.num_kv_heads} kv heads of head_dim {self.head_dim}, got "
-                                 f"{tuple(x.shape)}")
+                raise ValueError(
+                    f"{name} must have {self.num_kv_heads} kv heads of head_dim {self.head_dim}, got {tuple(x.shape)}"
+                )
             if x.device != self.device:
                 raise ValueError(f"{name} is on {x.device} but the cache is on {self.device}")
         if k.shape != v.shape:
@@ -143,8 +167,9 @@ class CpuQuantizedKVCache:
         if n == 0:
             return
         if int(start.min()) < 0 or int(start.max()) + n > self.max_seqlen:
-            raise ValueError(f"cache_seqlens + seqlen_new must lie in [0, max_seqlen={self.max_seqlen}], got "
-                             f"{start.tolist()} + {n}")
+            raise ValueError(
+                f"cache_seqlens + seqlen_new must lie in [0, max_seqlen={self.max_seqlen}], got {start.tolist()} + {n}"
+            )
         if not (bool(torch.isfinite(k).all()) and bool(torch.isfinite(v).all())):
             raise ValueError("k and v must be finite (NaN/Inf cannot be quantized)")
         pos = start.unsqueeze(1) + torch.arange(n, device=self.device)  # [batch, n]
@@ -163,9 +188,11 @@ class CpuQuantizedKVCache:
                 raise ValueError(f"batch {batch} exceeds the cache's batch_size {self.batch_size}")
             return torch.arange(batch, device=self.device)
         if not isinstance(batch_idx, torch.Tensor) or batch_idx.shape != (batch,) or batch_idx.is_floating_point():
-            raise ValueError(f"cache_batch_idx must be an int tensor [batch={batch}], got "
-                             f"{getattr(batch_idx, 'dtype', type(batch_idx).__name__)} "
-                             f"{tuple(getattr(batch_idx, 'shape', ()))}")
+            raise ValueError(
+                f"cache_batch_idx must be an int tensor [batch={batch}], got "
+                f"{getattr(batch_idx, 'dtype', type(batch_idx).__name__)} "
+                f"{tuple(getattr(batch_idx, 'shape', ()))}"
+            )
         rows = batch_idx.to(self.device, torch.long)
         if batch and (int(rows.min()) < 0 or int(rows.max()) >= self.batch_size):
             raise ValueError(f"cache_batch_idx entries must lie in [0, batch_size={self.batch_size})")
@@ -176,19 +203,25 @@ class CpuQuantizedKVCache:
             return self.seqlens[rows].long()
         if isinstance(cache_seqlens, int):
             return torch.full((batch,), cache_seqlens, dtype=torch.long, device=self.device)
-        if (not isinstance(cache_seqlens, torch.Tensor) or cache_seqlens.shape != (batch,)
-                or cache_seqlens.is_floating_point()):
-            raise ValueError(f"cache_seqlens must be an int or an int tensor [batch={batch}], got "
-                             f"{getattr(cache_seqlens, 'dtype', type(cache_seqlens).__name__)} "
-                             f"{tuple(getattr(cache_seqlens, 'shape', ()))}")
+        if (
+            not isinstance(cache_seqlens, torch.Tensor)
+            or cache_seqlens.shape != (batch,)
+            or cache_seqlens.is_floating_point()
+        ):
+            raise ValueError(
+                f"cache_seqlens must be an int or an int tensor [batch={batch}], got "
+                f"{getattr(cache_seqlens, 'dtype', type(cache_seqlens).__name__)} "
+                f"{tuple(getattr(cache_seqlens, 'shape', ()))}"
+            )
         return cache_seqlens.to(self.device, torch.long)
 
     def dequantize(self, rows: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 ``(k, v) [len(rows), max_seqlen, kv_heads, head_dim]`` in the original domain (for
         tests and the reference: attention itself never builds these)."""
         rows = torch.arange(self.batch_size) if rows is None else rows.long()
-        kr = (self.k_int8[rows].float().unflatten(-1, (-1, self.key_group))
-              * self.k_scale[rows].float().unsqueeze(-1)).flatten(-2)
+        kr = (
+            self.k_int8[rows].float().unflatten(-1, (-1, self.key_group)) * self.k_scale[rows].float().unsqueeze(-1)
+        ).flatten(-2)
         k = self.quantizer.unrotate(kr)
         codes = fmt.unpack_codes(self.v_codes[rows], self.v_bits, self.head_dim)
         v = self.quantizer.dequantize(codes, self.v_scale[rows].unsqueeze(-1))
@@ -255,7 +288,7 @@ class CpuQuantizedKVCache:
         acc[:, :, :, :per_lane] *= torch.tensor(factors).view(per_lane, 1)
         if bits == 3:
             nb = D // 16
-            spare = acc[:, :, :, per_lane].view(b, H, M, nb, 3) * torch.tensor([1.0, 2.0, 4.0]) * -(2.0 ** -15)
+            spare = acc[:, :, :, per_lane].view(b, H, M, nb, 3) * torch.tensor([1.0, 2.0, 4.0]) * -(2.0**-15)
             regular = acc[:, :, :, :per_lane].view(b, H, M, per_lane, nb, 3).permute(0, 1, 2, 4, 5, 3)
             seq = torch.cat((regular.reshape(b, H, M, nb, 15), spare.sum(-1, keepdim=True)), -1).view(b, H, M, D)
         else:  # lane i, slot j: code i * per_lane + j
@@ -263,8 +296,9 @@ class CpuQuantizedKVCache:
         mid = ((1 << bits) - 1) / 2
         return seq.sub_(w.sum(-1, keepdim=True) * mid)
 
-    def attend(self, q: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor, softmax_scale: float,
-               causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def attend(
+        self, q: torch.Tensor, rows: torch.Tensor, lens: torch.Tensor, softmax_scale: float, causal: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention of ``q [b, seqlen_q, nheads, D]`` over the first ``lens [b]`` tokens of cache
         ``rows [b]`` (causal: the queries are the last ``seqlen_q`` positions, bottom-right aligned).
         Returns out float32 ``[b, seqlen_q, nheads, D]`` and lse float32 ``[b, nheads, seqlen_q]``
@@ -293,15 +327,26 @@ class CpuQuantizedKVCache:
         return out, lse.masked_fill(empty, math.inf).view(b, Hq, Sq)
 
 
-def flash_attn_with_kvcache(q: torch.Tensor, cache: CpuQuantizedKVCache, k: Optional[torch.Tensor] = None,
-                            v: Optional[torch.Tensor] = None, rotary_cos: Optional[torch.Tensor] = None,
-                            rotary_sin: Optional[torch.Tensor] = None,
-                            cache_seqlens: Union[int, torch.Tensor, None] = None,
-                            cache_batch_idx: Optional[torch.Tensor] = None, cache_leftpad: Optional[torch.Tensor] = None,
-                            block_table: Optional[torch.Tensor] = None, softmax_scale: Optional[float] = None,
-                            causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-                            rotary_interleaved: bool = True, alibi_slopes: Optional[torch.Tensor] = None,
-                            num_splits: int = 0, return_softmax_lse: bool = False):
+def flash_attn_with_kvcache(
+    q: torch.Tensor,
+    cache: CpuQuantizedKVCache,
+    k: Optional[torch.Tensor] = None,
+    v: Optional[torch.Tensor] = None,
+    rotary_cos: Optional[torch.Tensor] = None,
+    rotary_sin: Optional[torch.Tensor] = None,
+    cache_seqlens: Union[int, torch.Tensor, None] = None,
+    cache_batch_idx: Optional[torch.Tensor] = None,
+    cache_leftpad: Optional[torch.Tensor] = None,
+    block_table: Optional[torch.Tensor] = None,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    rotary_interleaved: bool = True,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    num_splits: int = 0,
+    return_softmax_lse: bool = False,
+):
     """Upstream's ``flash_attn_with_kvcache`` over a :class:`CpuQuantizedKVCache` (what
     :func:`flash_attn_tq.flash_attn_with_kvcache` calls for one).
 
@@ -312,14 +357,20 @@ def flash_attn_with_kvcache(q: torch.Tensor, cache: CpuQuantizedKVCache, k: Opti
     seqlen_q) float32]. Not supported (ValueError naming the argument): cache_leftpad,
     block_table, window_size, softcap, alibi_slopes.
     """
-    for name, bad in (("cache_leftpad", cache_leftpad is not None), ("block_table", block_table is not None),
-                      ("window_size", tuple(window_size) != (-1, -1)), ("softcap", softcap != 0.0),
-                      ("alibi_slopes", alibi_slopes is not None)):
+    for name, bad in (
+        ("cache_leftpad", cache_leftpad is not None),
+        ("block_table", block_table is not None),
+        ("window_size", tuple(window_size) != (-1, -1)),
+        ("softcap", softcap != 0.0),
+        ("alibi_slopes", alibi_slopes is not None),
+    ):
         if bad:
             raise ValueError(f"{name} is not supported by CpuQuantizedKVCache")
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
-        raise ValueError(f"q must be a 4-D tensor (batch, seqlen_q, nheads, headdim), got "
-                         f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
+        raise ValueError(
+            f"q must be a 4-D tensor (batch, seqlen_q, nheads, headdim), got "
+            f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}"
+        )
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"q must be float16, bfloat16 or float32, got {q.dtype}")
     if q.device != cache.device:
@@ -340,6 +391,7 @@ def flash_attn_with_kvcache(q: torch.Tensor, cache: CpuQuantizedKVCache, k: Opti
         if k is None:
             raise ValueError("rotary_cos/rotary_sin need the new k and v to be given")
         from .baseline import rotary_at
+
         kpos = start.unsqueeze(1) + torch.arange(n)
         k = rotary_at(k, rotary_cos, rotary_sin, kpos, rotary_interleaved).to(k.dtype)
         qpos = start.unsqueeze(1) + (torch.arange(seqlen_q) if causal else torch.zeros(seqlen_q, dtype=torch.long))

@@ -41,6 +41,7 @@ A cache's codes tensor is ``[batch, seqlen, kv_heads, code_bytes]`` (contiguous)
 ``[num_blocks, page_size, kv_heads, code_bytes]`` (paged, with ``block_table``); meta is the same
 with a last dimension of 2 (float16).
 """
+
 from __future__ import annotations
 
 import functools

@@ -11,6 +11,7 @@
 
 :func:`last_path` tells which path the last call in this context took.
 """
+
 from __future__ import annotations
 
 import contextvars
@@ -52,51 +53,145 @@ def _baseline_impl(name: str, *tensors: torch.Tensor):
     return getattr(baseline, name)
 
 
-def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+def flash_attn_qkvpacked_func(
+    qkv,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
     """qkv: (batch, seqlen, 3, nheads, headdim). Returns out (batch, seqlen, nheads, headdim)
     [, softmax_lse (batch, nheads, seqlen), S_dmask] as upstream."""
     return _baseline_impl("flash_attn_qkvpacked_func", qkv)(
-        qkv, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+        qkv, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs
+    )
 
 
-def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+def flash_attn_kvpacked_func(
+    q,
+    kv,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
     """q: (batch, seqlen_q, nheads, headdim); kv: (batch, seqlen_k, 2, nheads_k, headdim)."""
     return _baseline_impl("flash_attn_kvpacked_func", q, kv)(
-        q, kv, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+        q, kv, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs
+    )
 
 
-def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+def flash_attn_func(
+    q,
+    k,
+    v,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
     """q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_k, headdim)."""
     return _baseline_impl("flash_attn_func", q, k, v)(
-        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-        return_attn_probs)
+        q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs
+    )
 
 
-def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
-                                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-                                     return_attn_probs=False):
+def flash_attn_varlen_qkvpacked_func(
+    qkv,
+    cu_seqlens,
+    max_seqlen,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
     """qkv: (total, 3, nheads, headdim); cu_seqlens: (batch + 1,) int32."""
     return _baseline_impl("flash_attn_varlen_qkvpacked_func", qkv)(
-        qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-        deterministic, return_attn_probs)
+        qkv,
+        cu_seqlens,
+        max_seqlen,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+    )
 
 
-def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-                                    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+def flash_attn_varlen_kvpacked_func(
+    q,
+    kv,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
     """q: (total_q, nheads, headdim); kv: (total_k, 2, nheads_k, headdim)."""
     return _baseline_impl("flash_attn_varlen_kvpacked_func", q, kv)(
-        q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
-        window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+        q,
+        kv,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+    )
 
 
-def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           deterministic=False, return_attn_probs=False, block_table=None, *,
-                           kv_cache: Optional[QuantizedKVCache] = None):
+def flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    block_table=None,
+    *,
+    kv_cache: Optional[QuantizedKVCache] = None,
+):
     """q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim) (or paged with block_table).
 
     With ``kv_cache=`` (a :class:`QuantizedKVCache`) the batch is a mixed chunked-prefill / decode
@@ -108,13 +203,42 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """
     if kv_cache is not None:
         if dropout_p or block_table is not None or return_attn_probs:
-            raise ValueError("kv_cache: dropout_p, block_table (set it on the cache) and return_attn_probs "
-                             "do not apply to a QuantizedKVCache")
-        return _quantized_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, kv_cache, softmax_scale,
-                                 causal, window_size, softcap, alibi_slopes)
+            raise ValueError(
+                "kv_cache: dropout_p, block_table (set it on the cache) and return_attn_probs "
+                "do not apply to a QuantizedKVCache"
+            )
+        return _quantized_varlen(
+            q,
+            k,
+            v,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            kv_cache,
+            softmax_scale,
+            causal,
+            window_size,
+            softcap,
+            alibi_slopes,
+        )
     return _baseline_impl("flash_attn_varlen_func", q, k, v)(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
-        window_size, softcap, alibi_slopes, deterministic, return_attn_probs, block_table)
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        return_attn_probs,
+        block_table,
+    )
 
 
 def flash_attn_with_kvcache(
@@ -153,55 +277,140 @@ def flash_attn_with_kvcache(
         if v_cache is not None and v_cache is not cache:
             raise ValueError("v_cache: pass None (or the same cache) when k_cache is a CpuQuantizedKVCache")
         _LAST_PATH.set("quantized:cpu-int8-keys")
-        return cpu.flash_attn_with_kvcache(q, cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                                           cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
-                                           rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse)
+        return cpu.flash_attn_with_kvcache(
+            q,
+            cache,
+            k,
+            v,
+            rotary_cos,
+            rotary_sin,
+            cache_seqlens,
+            cache_batch_idx,
+            cache_leftpad,
+            block_table,
+            softmax_scale,
+            causal,
+            window_size,
+            softcap,
+            rotary_interleaved,
+            alibi_slopes,
+            num_splits,
+            return_softmax_lse,
+        )
     if kv_cache is None and isinstance(k_cache, QuantizedKVCache):
         kv_cache = k_cache
     if kv_cache is not None:
         if v_cache is not None and v_cache is not kv_cache:
             raise ValueError("v_cache: pass None (or the same QuantizedKVCache) when k_cache is a QuantizedKVCache")
-        return _quantized_kvcache(q, kv_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
-                                  cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
-                                  rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse)
+        return _quantized_kvcache(
+            q,
+            kv_cache,
+            k,
+            v,
+            rotary_cos,
+            rotary_sin,
+            cache_seqlens,
+            cache_batch_idx,
+            cache_leftpad,
+            block_table,
+            softmax_scale,
+            causal,
+            window_size,
+            softcap,
+            rotary_interleaved,
+            alibi_slopes,
+            num_splits,
+            return_softmax_lse,
+        )
     if k_cache is None:
         raise ValueError("k_cache is required (a tensor, or a QuantizedKVCache; or pass kv_cache=)")
     if v_cache is None:
         raise ValueError("v_cache is required unless k_cache is a QuantizedKVCache")
     if _upstream() is None and isinstance(q, torch.Tensor) and q.is_cuda:
         reason = ops.kv16_decode_unsupported(q, k_cache, v_cache, block_table)
-        extras = (k is not None or v is not None or rotary_cos is not None or cache_leftpad is not None
-                  or window_size[0] >= 0 or window_size[1] >= 0 or softcap != 0.0 or alibi_slopes is not None)
+        extras = (
+            k is not None
+            or v is not None
+            or rotary_cos is not None
+            or cache_leftpad is not None
+            or window_size[0] >= 0
+            or window_size[1] >= 0
+            or softcap != 0.0
+            or alibi_slopes is not None
+        )
         if reason is None and not extras:
-            return _kv16_kvcache(q, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table, softmax_scale,
-                                 causal, num_splits, return_softmax_lse)
+            return _kv16_kvcache(
+                q,
+                k_cache,
+                v_cache,
+                cache_seqlens,
+                cache_batch_idx,
+                block_table,
+                softmax_scale,
+                causal,
+                num_splits,
+                return_softmax_lse,
+            )
     return _baseline_impl("flash_attn_with_kvcache", q, k_cache, v_cache)(
-        q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-        block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes, num_splits,
-        return_softmax_lse)
+        q,
+        k_cache,
+        v_cache,
+        k,
+        v,
+        rotary_cos,
+        rotary_sin,
+        cache_seqlens,
+        cache_batch_idx,
+        cache_leftpad,
+        block_table,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        rotary_interleaved,
+        alibi_slopes,
+        num_splits,
+        return_softmax_lse,
+    )
 
 
 def _check_batch_args(cache_seqlens, cache_batch_idx, batch: int) -> None:
     """cache_seqlens (int, None or int32 [batch]) and cache_batch_idx (None or int32 [batch])."""
-    bad_lens = isinstance(cache_seqlens, torch.Tensor) and (cache_seqlens.dtype != torch.int32
-                                                            or cache_seqlens.shape != (batch,))
+    bad_lens = isinstance(cache_seqlens, torch.Tensor) and (
+        cache_seqlens.dtype != torch.int32 or cache_seqlens.shape != (batch,)
+    )
     if bad_lens:
-        raise ValueError(f"cache_seqlens must be an int or int32 [batch={batch}], got {cache_seqlens.dtype} "
-                         f"{tuple(cache_seqlens.shape)}")
+        raise ValueError(
+            f"cache_seqlens must be an int or int32 [batch={batch}], got {cache_seqlens.dtype} "
+            f"{tuple(cache_seqlens.shape)}"
+        )
     if cache_batch_idx is not None and (cache_batch_idx.dtype != torch.int32 or cache_batch_idx.shape != (batch,)):
-        raise ValueError(f"cache_batch_idx must be int32 [batch={batch}], got {cache_batch_idx.dtype} "
-                         f"{tuple(cache_batch_idx.shape)}")
+        raise ValueError(
+            f"cache_batch_idx must be int32 [batch={batch}], got {cache_batch_idx.dtype} {tuple(cache_batch_idx.shape)}"
+        )
 
 
-def _kv16_kvcache(q, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_table, softmax_scale, causal,
-                  num_splits, return_softmax_lse):
+def _kv16_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    cache_seqlens,
+    cache_batch_idx,
+    block_table,
+    softmax_scale,
+    causal,
+    num_splits,
+    return_softmax_lse,
+):
     """Upstream flash_attn_with_kvcache (no new k/v) on our decode kernel over a 16-bit cache."""
     batch = q.shape[0]
     _check_batch_args(cache_seqlens, cache_batch_idx, batch)
-    if block_table is not None and (block_table.dtype != torch.int32 or block_table.dim() != 2
-                                    or block_table.shape[0] != batch):
-        raise ValueError(f"block_table must be int32 [batch={batch}, max_blocks], got {block_table.dtype} "
-                         f"{tuple(block_table.shape)}")
+    if block_table is not None and (
+        block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != batch
+    ):
+        raise ValueError(
+            f"block_table must be int32 [batch={batch}, max_blocks], got {block_table.dtype} {tuple(block_table.shape)}"
+        )
     if cache_batch_idx is None and block_table is None and batch > k_cache.shape[0]:
         raise ValueError(f"q batch {batch} exceeds k_cache's batch {k_cache.shape[0]}")
     capacity = k_cache.shape[1] if block_table is None else block_table.shape[1] * k_cache.shape[1]
@@ -216,17 +425,21 @@ def _kv16_kvcache(q, k_cache, v_cache, cache_seqlens, cache_batch_idx, block_tab
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     _LAST_PATH.set("baseline:fused-kv16-cuda")
-    out, lse = ops.decode_kv16(q, k_cache, v_cache, lens, cache_batch_idx, block_table, softmax_scale, causal,
-                               num_splits)
+    out, lse = ops.decode_kv16(
+        q, k_cache, v_cache, lens, cache_batch_idx, block_table, softmax_scale, causal, num_splits
+    )
     return (out, lse) if return_softmax_lse else out
 
 
 # ------------------------------------------------------------------------------- quantized path
 
+
 def _check_query(q, cache: QuantizedKVCache) -> None:
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
-        raise ValueError(f"q must be a 4-D tensor (batch, seqlen_q, nheads, headdim), got "
-                         f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
+        raise ValueError(
+            f"q must be a 4-D tensor (batch, seqlen_q, nheads, headdim), got "
+            f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}"
+        )
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"q must be float16 or bfloat16 (float32 on the reference path), got {q.dtype}")
     if q.device != cache.device:
@@ -239,14 +452,17 @@ def _check_query(q, cache: QuantizedKVCache) -> None:
         raise ValueError(f"q batch {q.shape[0]} exceeds the cache's batch_size {cache.batch_size}")
 
 
-def _quantized_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, cache, softmax_scale, causal, window_size,
-                      softcap, alibi_slopes):
+def _quantized_varlen(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, cache, softmax_scale, causal, window_size, softcap, alibi_slopes
+):
     """Varlen batch over a QuantizedKVCache: append each sequence's new K/V (one append for all the
     sequences with the same number of new tokens), then attend with the queries left-padded to
     max_seqlen_q, so bottom-right causal alignment holds per sequence (the padding rows come first,
     attend to fewer keys and are dropped)."""
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
-        raise ValueError(f"q must be (total_q, nheads, headdim), got {tuple(q.shape) if isinstance(q, torch.Tensor) else q}")
+        raise ValueError(
+            f"q must be (total_q, nheads, headdim), got {tuple(q.shape) if isinstance(q, torch.Tensor) else q}"
+        )
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         if cu is not None and (cu.dtype != torch.int32 or cu.dim() != 1):
             raise ValueError(f"{name} must be int32 (batch + 1,), got {cu.dtype} {tuple(cu.shape)}")
@@ -271,8 +487,9 @@ def _quantized_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, cache, 
             if bounds[b + 1] > bounds[b]:
                 by_length.setdefault(bounds[b + 1] - bounds[b], []).append(b)
         for n, seqs in by_length.items():  # e.g. all decoding sequences (n = 1) in one launch
-            tokens = (torch.tensor([bounds[b] for b in seqs], device=k.device).unsqueeze(1)
-                      + torch.arange(n, device=k.device))  # [len(seqs), n] rows of k / v
+            tokens = torch.tensor([bounds[b] for b in seqs], device=k.device).unsqueeze(1) + torch.arange(
+                n, device=k.device
+            )  # [len(seqs), n] rows of k / v
             cache.append(k[tokens], v[tokens], batch_idx=torch.tensor(seqs, dtype=torch.int32, device=cache.device))
     width = max(max(lens_q, default=0), 1)
     # token j of sequence b sits at padded row width - len_b + j
@@ -282,17 +499,49 @@ def _quantized_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, cache, 
     row = width - len_q[seq] + (torch.arange(q.shape[0], device=q.device) - cu_q[seq])
     q_pad = q.new_zeros(batch, width, q.shape[1], q.shape[2])
     q_pad[seq, row] = q
-    out, lse = _quantized_kvcache(q_pad, cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
-                                  cache_batch_idx=None, cache_leftpad=None, block_table=None,
-                                  softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
-                                  rotary_interleaved=True, alibi_slopes=alibi_slopes, num_splits=0,
-                                  return_softmax_lse=True)
+    out, lse = _quantized_kvcache(
+        q_pad,
+        cache,
+        k=None,
+        v=None,
+        rotary_cos=None,
+        rotary_sin=None,
+        cache_seqlens=None,
+        cache_batch_idx=None,
+        cache_leftpad=None,
+        block_table=None,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        window_size=window_size,
+        softcap=softcap,
+        rotary_interleaved=True,
+        alibi_slopes=alibi_slopes,
+        num_splits=0,
+        return_softmax_lse=True,
+    )
     return out[seq, row], lse[seq, :, row].transpose(0, 1).contiguous()
 
 
-def _quantized_kvcache(q, cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-                       block_table, softmax_scale, causal, window_size, softcap, rotary_interleaved, alibi_slopes,
-                       num_splits, return_softmax_lse):
+def _quantized_kvcache(
+    q,
+    cache,
+    k,
+    v,
+    rotary_cos,
+    rotary_sin,
+    cache_seqlens,
+    cache_batch_idx,
+    cache_leftpad,
+    block_table,
+    softmax_scale,
+    causal,
+    window_size,
+    softcap,
+    rotary_interleaved,
+    alibi_slopes,
+    num_splits,
+    return_softmax_lse,
+):
     _check_query(q, cache)
     if block_table is not None and block_table is not cache.block_table:
         raise ValueError("block_table: a QuantizedKVCache carries its own block_table (set it on the cache)")
@@ -323,8 +572,11 @@ def _quantized_kvcache(q, cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
             raise ValueError("rotary_cos/rotary_sin need the new k and v to be given")
         kpos = start.long().unsqueeze(1) + torch.arange(seqlen_new, device=device)
         k = baseline.rotary_at(k, rotary_cos, rotary_sin, kpos, rotary_interleaved).to(k.dtype)
-        qpos = start.long().unsqueeze(1) + (torch.arange(seqlen_q, device=device) if (causal or local)
-                                            else torch.zeros(seqlen_q, dtype=torch.long, device=device))
+        qpos = start.long().unsqueeze(1) + (
+            torch.arange(seqlen_q, device=device)
+            if (causal or local)
+            else torch.zeros(seqlen_q, dtype=torch.long, device=device)
+        )
         q = baseline.rotary_at(q, rotary_cos, rotary_sin, qpos, rotary_interleaved).to(q.dtype)
     if k is not None:
         cache.append(k, v, cache_seqlens=start, batch_idx=bidx)
@@ -335,26 +587,48 @@ def _quantized_kvcache(q, cache, k, v, rotary_cos, rotary_sin, cache_seqlens, ca
     reason = cache.fused_reason(q)
     if reason is None:
         extras = local or softcap != 0.0 or cache_leftpad is not None
-        for bad, what in ((alibi_slopes is not None, "alibi_slopes"),
-                          ((cache.fp16_window or cache.sink_tokens) and extras,
-                           "window_size / softcap / cache_leftpad with an fp16 window or sink tokens"),
-                          (cache.rope_center and extras, "window_size / softcap / cache_leftpad with key_center='rope'"),
-                          (softcap != 0.0 and cache.key_center,
-                           "softcap with key centering (the kernel's scores lack q . mu)")):
+        for bad, what in (
+            (alibi_slopes is not None, "alibi_slopes"),
+            (
+                (cache.fp16_window or cache.sink_tokens) and extras,
+                "window_size / softcap / cache_leftpad with an fp16 window or sink tokens",
+            ),
+            (cache.rope_center and extras, "window_size / softcap / cache_leftpad with key_center='rope'"),
+            (softcap != 0.0 and cache.key_center, "softcap with key centering (the kernel's scores lack q . mu)"),
+        ):
             if bad:
                 reason = f"{what} is not supported by the fused kernel"
                 break
     if reason is None:
         _LAST_PATH.set("quantized:fused-cuda")
         leftpad = None if cache_leftpad is None else cache_leftpad.to(device=device, dtype=torch.int32).contiguous()
-        out, lse = cache.attend(q, lens, bidx, softmax_scale, causal, num_splits, window_size if local else (-1, -1),
-                                leftpad, softcap, with_lse=return_softmax_lse)
+        out, lse = cache.attend(
+            q,
+            lens,
+            bidx,
+            softmax_scale,
+            causal,
+            num_splits,
+            window_size if local else (-1, -1),
+            leftpad,
+            softcap,
+            with_lse=return_softmax_lse,
+        )
     else:
         _LAST_PATH.set(f"quantized:reference ({reason})")
         rows = bidx.long() if bidx is not None else torch.arange(batch, device=device)
         k_deq, v_deq = cache.dequantize(rows)
         out, lse = baseline.attention_reference(
-            q, k_deq, v_deq, softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
-            alibi_slopes=alibi_slopes, key_lengths=lens, key_start=cache_leftpad)
+            q,
+            k_deq,
+            v_deq,
+            softmax_scale=softmax_scale,
+            causal=causal,
+            window_size=window_size,
+            softcap=softcap,
+            alibi_slopes=alibi_slopes,
+            key_lengths=lens,
+            key_start=cache_leftpad,
+        )
         out = out.to(q.dtype)
     return (out, lse) if return_softmax_lse else out

@@ -18,6 +18,7 @@ The extension ``flash_attn_tq_cuda`` registers three ops:
 
 Fake (meta) implementations are registered here so both trace under ``torch.compile``.
 """
+
 from __future__ import annotations
 
 import functools
@@ -30,8 +31,12 @@ from .quantizers import uniform_step
 
 # Rows a kv head decode_kv16 (the fp16 cache, decode kernel only) takes; more take the reference path.
 MAX_KV16_ROWS = 256
-QUANT_IDS = {("turbo", "uniform", "norm"): 0, ("turbo", "lloyd_max", "norm"): 1, ("asym", "uniform", "norm"): 2,
-             ("turbo", "uniform", "mean"): 3}  # (quantizer, grid, fit) -> the pack kernel's Quant
+QUANT_IDS = {
+    ("turbo", "uniform", "norm"): 0,
+    ("turbo", "lloyd_max", "norm"): 1,
+    ("asym", "uniform", "norm"): 2,
+    ("turbo", "uniform", "mean"): 3,
+}  # (quantizer, grid, fit) -> the pack kernel's Quant
 
 
 @functools.lru_cache(maxsize=None)
@@ -47,27 +52,73 @@ def extension_available() -> bool:
 
 def _register_fakes() -> None:
     @torch.library.register_fake("flash_attn_tq::decode_kvcache")
-    def _decode_fake(q, k_codes, k_meta, v_codes, v_meta, seqlens_k, cache_batch_idx, block_table, rot_signs,
-                     k_bits, v_bits, softmax_scale, is_causal, num_splits, window_left=-1, window_right=-1,
-                     cache_leftpad=None, softcap=0.0, rope_center=None, rope_inv_freq=None, rope_offset=0,
-                     side_k=None, side_v=None, side_sinks=0, side_ring=0, codes_tail=0):
+    def _decode_fake(
+        q,
+        k_codes,
+        k_meta,
+        v_codes,
+        v_meta,
+        seqlens_k,
+        cache_batch_idx,
+        block_table,
+        rot_signs,
+        k_bits,
+        v_bits,
+        softmax_scale,
+        is_causal,
+        num_splits,
+        window_left=-1,
+        window_right=-1,
+        cache_leftpad=None,
+        softcap=0.0,
+        rope_center=None,
+        rope_inv_freq=None,
+        rope_offset=0,
+        side_k=None,
+        side_v=None,
+        side_sinks=0,
+        side_ring=0,
+        codes_tail=0,
+    ):
         b, sq, h, _ = q.shape
         return torch.empty_like(q), q.new_empty((b, h, sq), dtype=torch.float32)
 
     @torch.library.register_fake("flash_attn_tq::decode_kv16")
-    def _decode_kv16_fake(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, softmax_scale, is_causal,
-                          num_splits):
+    def _decode_kv16_fake(
+        q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, softmax_scale, is_causal, num_splits
+    ):
         b, sq, h, _ = q.shape
         return torch.empty_like(q), q.new_empty((b, h, sq), dtype=torch.float32)
 
     @torch.library.register_fake("flash_attn_tq::pack_kv")
-    def _pack_fake(x, slot_mapping, start, batch_idx, block_table, codes, meta, error_flags, capacity, bits, quant,
-                   signs, levels, step):
+    def _pack_fake(
+        x,
+        slot_mapping,
+        start,
+        batch_idx,
+        block_table,
+        codes,
+        meta,
+        error_flags,
+        capacity,
+        bits,
+        quant,
+        signs,
+        levels,
+        step,
+    ):
         return None
 
 
-def fused_decode_reason(q: torch.Tensor, head_dim: int, k_bits: int, v_bits: int, grid: str = "uniform",
-                        rope_center: bool = False, page_size: int | None = None) -> str | None:
+def fused_decode_reason(
+    q: torch.Tensor,
+    head_dim: int,
+    k_bits: int,
+    v_bits: int,
+    grid: str = "uniform",
+    rope_center: bool = False,
+    page_size: int | None = None,
+) -> str | None:
     """None if the fused decode kernel can serve ``q`` over a cache of these codes (``page_size``:
     None for a contiguous cache), else the reason it cannot."""
     if not q.is_cuda:
@@ -98,13 +149,34 @@ def _aligned_rows(q: torch.Tensor) -> torch.Tensor:
     return q
 
 
-def decode(q: torch.Tensor, seqlens_k: torch.Tensor, batch_idx: torch.Tensor | None, softmax_scale: float,
-           causal: bool, num_splits: int, window_size: tuple[int, int] = (-1, -1), leftpad: torch.Tensor | None = None,
-           softcap: float = 0.0, *, k_codes: torch.Tensor, k_meta: torch.Tensor, v_codes: torch.Tensor,
-           v_meta: torch.Tensor, k_bits: int, v_bits: int, block_table: torch.Tensor | None = None,
-           rot_signs: torch.Tensor | None = None, rope_center: torch.Tensor | None = None,
-           rope_inv_freq: torch.Tensor | None = None, rope_offset: int = 0, side_k: torch.Tensor | None = None,
-           side_v: torch.Tensor | None = None, side_sinks: int = 0, side_ring: int = 0, codes_tail: int = 0):
+def decode(
+    q: torch.Tensor,
+    seqlens_k: torch.Tensor,
+    batch_idx: torch.Tensor | None,
+    softmax_scale: float,
+    causal: bool,
+    num_splits: int,
+    window_size: tuple[int, int] = (-1, -1),
+    leftpad: torch.Tensor | None = None,
+    softcap: float = 0.0,
+    *,
+    k_codes: torch.Tensor,
+    k_meta: torch.Tensor,
+    v_codes: torch.Tensor,
+    v_meta: torch.Tensor,
+    k_bits: int,
+    v_bits: int,
+    block_table: torch.Tensor | None = None,
+    rot_signs: torch.Tensor | None = None,
+    rope_center: torch.Tensor | None = None,
+    rope_inv_freq: torch.Tensor | None = None,
+    rope_offset: int = 0,
+    side_k: torch.Tensor | None = None,
+    side_v: torch.Tensor | None = None,
+    side_sinks: int = 0,
+    side_ring: int = 0,
+    codes_tail: int = 0,
+):
     """Fused attention of ``q [batch, seqlen_q, heads, d]`` over packed K/V (``k_codes [rows, cols,
     kv_heads, bytes]`` uint8, ``k_meta [rows, cols, kv_heads, 1 or 2]`` float16, the same for v; rows
     are sequences, or pages with ``block_table``) and, in the same launch, a 16-bit side
@@ -120,14 +192,38 @@ def decode(q: torch.Tensor, seqlens_k: torch.Tensor, batch_idx: torch.Tensor | N
     Returns (out like q, lse ``[batch, heads, seqlen_q]`` float32).
     """
     return torch.ops.flash_attn_tq.decode_kvcache(
-        _aligned_rows(q), k_codes, k_meta, v_codes, v_meta, seqlens_k, batch_idx, block_table, rot_signs, k_bits,
-        v_bits, float(softmax_scale), bool(causal), int(num_splits), int(window_size[0]), int(window_size[1]), leftpad,
-        float(softcap), rope_center, rope_inv_freq, int(rope_offset), side_k, side_v, int(side_sinks), int(side_ring),
-        int(codes_tail))
+        _aligned_rows(q),
+        k_codes,
+        k_meta,
+        v_codes,
+        v_meta,
+        seqlens_k,
+        batch_idx,
+        block_table,
+        rot_signs,
+        k_bits,
+        v_bits,
+        float(softmax_scale),
+        bool(causal),
+        int(num_splits),
+        int(window_size[0]),
+        int(window_size[1]),
+        leftpad,
+        float(softcap),
+        rope_center,
+        rope_inv_freq,
+        int(rope_offset),
+        side_k,
+        side_v,
+        int(side_sinks),
+        int(side_ring),
+        int(codes_tail),
+    )
 
 
-def kv16_decode_unsupported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            block_table: torch.Tensor | None) -> str | None:
+def kv16_decode_unsupported(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor | None
+) -> str | None:
     """None if ``decode_kv16`` can serve q over the float16/bfloat16 cache tensors, else why not."""
     if not (q.is_cuda and k_cache.is_cuda and v_cache.is_cuda):
         return "tensors are not on a CUDA device"
@@ -150,14 +246,31 @@ def kv16_decode_unsupported(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     return None
 
 
-def decode_kv16(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqlens_k: torch.Tensor,
-                cache_batch_idx: torch.Tensor | None, block_table: torch.Tensor | None, softmax_scale: float,
-                causal: bool, num_splits: int):
+def decode_kv16(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seqlens_k: torch.Tensor,
+    cache_batch_idx: torch.Tensor | None,
+    block_table: torch.Tensor | None,
+    softmax_scale: float,
+    causal: bool,
+    num_splits: int,
+):
     """The decode kernel over a float16/bfloat16 cache ``[rows, cols, kv_heads, d]`` (rows = batch,
     or pages with ``block_table``). Returns (out like q, lse ``[batch, heads, seqlen_q]``)."""
     q = _aligned_rows(q)
-    return torch.ops.flash_attn_tq.decode_kv16(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table,
-                                               float(softmax_scale), bool(causal), int(num_splits))
+    return torch.ops.flash_attn_tq.decode_kv16(
+        q,
+        k_cache,
+        v_cache,
+        seqlens_k,
+        cache_batch_idx,
+        block_table,
+        float(softmax_scale),
+        bool(causal),
+        int(num_splits),
+    )
 
 
 def pack_reason(x: torch.Tensor, head_dim: int, quantizer: str, grid: str, fit: str, streaming: bool) -> str | None:
@@ -171,16 +284,28 @@ def pack_reason(x: torch.Tensor, head_dim: int, quantizer: str, grid: str, fit: 
     return None
 
 
-PACK_ERRORS = {1: "contains NaN or Inf: a quantized cache cannot store them",
-               2: "cache overflow: a new token's position is outside [0, max_seqlen)",
-               4: "batch_idx holds an index outside [0, batch_size)",
-               8: "block_table maps a new token to a page outside the cache"}
+PACK_ERRORS = {
+    1: "contains NaN or Inf: a quantized cache cannot store them",
+    2: "cache overflow: a new token's position is outside [0, max_seqlen)",
+    4: "batch_idx holds an index outside [0, batch_size)",
+    8: "block_table maps a new token to a page outside the cache",
+}
 
 
-def pack(x: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, start: torch.Tensor,
-         batch_idx: torch.Tensor | None, block_table: torch.Tensor | None, error_flags: torch.Tensor | None,
-         capacity: int, bits: int, quant: int, signs: torch.Tensor | None = None,
-         levels: torch.Tensor | None = None) -> None:
+def pack(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    meta: torch.Tensor,
+    start: torch.Tensor,
+    batch_idx: torch.Tensor | None,
+    block_table: torch.Tensor | None,
+    error_flags: torch.Tensor | None,
+    capacity: int,
+    bits: int,
+    quant: int,
+    signs: torch.Tensor | None = None,
+    levels: torch.Tensor | None = None,
+) -> None:
     """Quantize ``x [batch, n, kv_heads, d]`` on the GPU into positions ``start[i] + j`` of cache rows
     ``batch_idx[i]`` (int32 ``[batch]``; None: row i) of ``codes``/``meta`` (paged through
     ``block_table``). The kernel resolves the slots, skips tokens it cannot place or store and ORs
@@ -189,8 +314,22 @@ def pack(x: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor, start: torch.
     misaligned = not torch.compiler.is_compiling() and x3.data_ptr() % 16  # (the op checks it too)
     if x3.stride(-1) != 1 or x3.stride(0) % 8 or x3.stride(1) % 8 or misaligned:
         x3 = x3.clone(memory_format=torch.contiguous_format)  # the kernel loads 16-byte aligned rows
-    torch.ops.flash_attn_tq.pack_kv(x3, None, start, batch_idx, block_table, codes, meta, error_flags, capacity, bits,
-                                    quant, signs, levels, float(uniform_step(bits)))
+    torch.ops.flash_attn_tq.pack_kv(
+        x3,
+        None,
+        start,
+        batch_idx,
+        block_table,
+        codes,
+        meta,
+        error_flags,
+        capacity,
+        bits,
+        quant,
+        signs,
+        levels,
+        float(uniform_step(bits)),
+    )
 
 
 def raise_pack_errors(flags: int, names: str = "k/v") -> None:

@@ -37,6 +37,7 @@ of each sequence stay in full precision), ``protected_layers`` and ``layer_optio
 to decode with afterwards is ``TQCache(config, fp16_window=0, sink_tokens=..., key_center=False,
 late_k_bits=None)`` (or with ``late_k_bits`` given here as ``layer_options``).
 """
+
 from __future__ import annotations
 
 import functools
@@ -59,7 +60,7 @@ def clip_mask(quantizer: TurboQuantizer, r: torch.Tensor) -> torch.Tensor:
     the code range, False where the grid clipped it (see the module docstring)."""
     d = quantizer.head_dim
     norm = r.norm(dim=-1, keepdim=True)
-    y = r * torch.where(norm > 0, d ** 0.5 / norm, torch.zeros_like(norm))  # as TurboQuantizer.quantize
+    y = r * torch.where(norm > 0, d**0.5 / norm, torch.zeros_like(norm))  # as TurboQuantizer.quantize
     n = 1 << quantizer.bits
     if quantizer.grid == "uniform":
         step = quantizer.levels_unit[1] - quantizer.levels_unit[0]
@@ -87,8 +88,14 @@ class _FakeQuant(torch.autograd.Function):
         return q.unrotate(q.rotate(grad) * mask).to(grad.dtype), None, None
 
 
-def fake_quant(x: torch.Tensor, bits: int = 3, quantizer: str = "turbo", seed: int = 0,
-               grid: str = "uniform", scale_only: bool | None = None) -> torch.Tensor:
+def fake_quant(
+    x: torch.Tensor,
+    bits: int = 3,
+    quantizer: str = "turbo",
+    seed: int = 0,
+    grid: str = "uniform",
+    scale_only: bool | None = None,
+) -> torch.Tensor:
     """Fake-quantize K or V vectors ``x [..., head_dim]`` with the cache's codec.
 
     Forward: ``q.dequantize(codes, meta)`` of ``codes, meta = q.quantize(x)``,
@@ -110,10 +117,21 @@ def fake_quant(x: torch.Tensor, bits: int = 3, quantizer: str = "turbo", seed: i
     return _FakeQuant.apply(x, _quantizer(int(x.shape[-1]), int(bits), grid, int(seed)), bool(scale_only))
 
 
-def fake_quant_kv(key: torch.Tensor, value: torch.Tensor, *, k_bits: int = 3, v_bits: int = 3, grid: str = "uniform",
-                  seed: int = 0, sink_tokens: int = 0, scale_only: bool | None = None, seq_dim: int = -2) -> tuple[torch.Tensor, torch.Tensor]:
+def fake_quant_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    k_bits: int = 3,
+    v_bits: int = 3,
+    grid: str = "uniform",
+    seed: int = 0,
+    sink_tokens: int = 0,
+    scale_only: bool | None = None,
+    seq_dim: int = -2,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Fake-quantize ``key``/``value`` (``[B, Hkv, S, D]`` by default: ``seq_dim=-2``), keeping the first
     ``sink_tokens`` positions in full precision (bits 16 or more: that tensor untouched)."""
+
     def one(x, bits):
         if bits >= 16:
             return x
@@ -122,12 +140,23 @@ def fake_quant_kv(key: torch.Tensor, value: torch.Tensor, *, k_bits: int = 3, v_
             return fake_quant(x, bits, seed=seed, grid=grid, scale_only=scale_only)
         head, tail = x.split([s, x.shape[seq_dim] - s], dim=seq_dim)
         return torch.cat([head, fake_quant(tail, bits, seed=seed, grid=grid, scale_only=scale_only)], dim=seq_dim)
+
     return one(key, k_bits), one(value, v_bits)
 
 
-def make_fake_quant_attention(*, k_bits: int = 3, v_bits: int = 3, quantizer: str = "turbo", grid: str = "uniform",
-                              seed: int = 0, sink_tokens: int = 0, fp16_window: int = 0, scale_only: bool | None = None,
-                              protected_layers: Iterable[int] = (), layer_options: Mapping[int, Mapping] | None = None):
+def make_fake_quant_attention(
+    *,
+    k_bits: int = 3,
+    v_bits: int = 3,
+    quantizer: str = "turbo",
+    grid: str = "uniform",
+    seed: int = 0,
+    sink_tokens: int = 0,
+    fp16_window: int = 0,
+    scale_only: bool | None = None,
+    protected_layers: Iterable[int] = (),
+    layer_options: Mapping[int, Mapping] | None = None,
+):
     """The attention function (transformers' AttentionInterface signature) that
     :func:`register_fake_quant_attention` registers; see the module docstring for the options."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -141,21 +170,40 @@ def make_fake_quant_attention(*, k_bits: int = 3, v_bits: int = 3, quantizer: st
     for i, o in per_layer.items():
         extra = set(o) - {"k_bits", "v_bits"}
         if extra:
-            raise ValueError(f"layer_options[{i}]: only k_bits / v_bits apply to fake quantization, got {sorted(extra)}")
+            raise ValueError(
+                f"layer_options[{i}]: only k_bits / v_bits apply to fake quantization, got {sorted(extra)}"
+            )
     # validate bits / grid once
     for b in {k_bits, v_bits, *(v for o in per_layer.values() for v in o.values())}:
         if b < 16:
             TurboQuantizer(32, int(b), grid, seed)
 
-    def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                  attention_mask, dropout: float = 0.0, scaling: float | None = None, **kwargs):
+    def attention(
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask,
+        dropout: float = 0.0,
+        scaling: float | None = None,
+        **kwargs,
+    ):
         idx = getattr(module, "layer_idx", None)
         if idx not in protected:
             o = per_layer.get(idx, {})
-            key, value = fake_quant_kv(key, value, k_bits=o.get("k_bits", k_bits), v_bits=o.get("v_bits", v_bits),
-                                       grid=grid, seed=seed, sink_tokens=sink_tokens, scale_only=scale_only)
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+            key, value = fake_quant_kv(
+                key,
+                value,
+                k_bits=o.get("k_bits", k_bits),
+                v_bits=o.get("v_bits", v_bits),
+                grid=grid,
+                seed=seed,
+                sink_tokens=sink_tokens,
+                scale_only=scale_only,
+            )
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
 
     return attention
 
@@ -174,5 +222,11 @@ def register_fake_quant_attention(name: str = FAKE_QUANT_ATTENTION, **options) -
     return name
 
 
-__all__ = ["fake_quant", "fake_quant_kv", "clip_mask", "make_fake_quant_attention", "register_fake_quant_attention",
-           "FAKE_QUANT_ATTENTION"]
+__all__ = [
+    "fake_quant",
+    "fake_quant_kv",
+    "clip_mask",
+    "make_fake_quant_attention",
+    "register_fake_quant_attention",
+    "FAKE_QUANT_ATTENTION",
+]

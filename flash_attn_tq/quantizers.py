@@ -15,6 +15,7 @@ kernel doing the same float32 arithmetic gets the same codes except at exact tie
   in streaming mode the scale comes from a per-head range smoothed as
   ``alpha * max|x_new| + (1 - alpha) * ema`` (alpha 0.95) on every append.
 """
+
 from __future__ import annotations
 
 import functools
@@ -30,6 +31,7 @@ SEARCH_STEPS = tuple(0.70 + 0.05 * i for i in range(13))  # step multipliers tri
 
 
 # ----------------------------------------------------------------------------- grids for N(0, 1)
+
 
 def _phi(t: float) -> float:
     return math.exp(-0.5 * t * t) / math.sqrt(2 * math.pi) if math.isfinite(t) else 0.0
@@ -103,6 +105,7 @@ def grid_mse(bits: int, grid: str = "uniform") -> float:
 
 # ----------------------------------------------------------------------------- rotation
 
+
 def hadamard_signs(head_dim: int, seed: int) -> torch.Tensor:
     """The seeded random +-1 vector (float32 ``[head_dim]``) of the randomized Hadamard transform."""
     gen = torch.Generator().manual_seed(int(seed))
@@ -122,7 +125,7 @@ def fwht(x: torch.Tensor) -> torch.Tensor:
         a, b = y[:, :, 0, :], y[:, :, 1, :]
         y = torch.stack((a + b, a - b), dim=2)
         h *= 2
-    return (y.reshape(*lead, d) * (1.0 / math.sqrt(d)))
+    return y.reshape(*lead, d) * (1.0 / math.sqrt(d))
 
 
 def round_half_up(v: torch.Tensor) -> torch.Tensor:
@@ -134,6 +137,7 @@ def _as_fp16_float(v: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- quantizers
+
 
 class TurboQuantizer:
     """Randomized-Hadamard rotation + per-coordinate grid scaled by the vector norm.
@@ -169,8 +173,9 @@ class TurboQuantizer:
         self.head_dim, self.bits, self.grid, self.seed, self.fit = head_dim, bits, grid, seed, fit
         self.signs = hadamard_signs(head_dim, seed)
         self._on_device: dict[tuple[str, torch.device], torch.Tensor] = {}  # copies made once (CUDA-graph safe)
-        self.levels_unit = (uniform_levels(bits, uniform_step(bits)) if grid == "uniform"
-                            else list(lloyd_max_codebook(bits)))
+        self.levels_unit = (
+            uniform_levels(bits, uniform_step(bits)) if grid == "uniform" else list(lloyd_max_codebook(bits))
+        )
 
     def _device_copy(self, name: str, device: torch.device) -> torch.Tensor:
         key = (name, torch.device(device))
@@ -273,7 +278,9 @@ class TurboQuantizer:
             var = (cc * cc).sum(-1, keepdim=True)
             a = torch.where(var > 0, (cc * xr).sum(-1, keepdim=True) / var.clamp(min=1e-30), torch.zeros_like(var))
             a = _as_fp16_float(a)
-            return codes.long(), torch.cat([a, _as_fp16_float(xr.mean(-1, keepdim=True) - a * cm)], -1).to(torch.float16)
+            return codes.long(), torch.cat([a, _as_fp16_float(xr.mean(-1, keepdim=True) - a * cm)], -1).to(
+                torch.float16
+            )
         lnorm = lev.norm(dim=-1, keepdim=True)
         if self.fit == "unbiased":  # <x_hat, x> = |x|^2: q . x_hat is unbiased along x
             dot = (lev * xr).sum(-1, keepdim=True)

@@ -5,6 +5,7 @@ figures), the quantized attention path against float32 attention over the dequan
 times decode. Uses the fused CUDA kernels when a GPU and the built extension are present, the
 PyTorch reference path otherwise. Exits non-zero if a check fails.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,23 +43,31 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
     fused = dev.type == "cuda" and ops.extension_available()
-    print(f"flash_attn_tq {fa.__version__} | torch {torch.__version__} | device {dev}"
-          f"{' (' + torch.cuda.get_device_name(dev) + ')' if dev.type == 'cuda' else ''} | "
-          f"fused kernels: {'yes' if fused else 'no (reference path)'}")
+    print(
+        f"flash_attn_tq {fa.__version__} | torch {torch.__version__} | device {dev}"
+        f"{' (' + torch.cuda.get_device_name(dev) + ')' if dev.type == 'cuda' else ''} | "
+        f"fused kernels: {'yes' if fused else 'no (reference path)'}"
+    )
     gen = torch.Generator(device=dev).manual_seed(0)
     ok = True
 
     print("codec")
     codes = torch.randint(0, 8, (64, 128), generator=gen, device=dev)
-    ok &= _check("3-bit pack/unpack round trip", torch.equal(fa.unpack_codes(fa.pack_codes(codes, 3), 3, 128), codes),
-                 f"{fa.code_bytes(128, 3)} B/vector, {fa.bits_per_element(128, 3, 2)} bits/element at head_dim 128 "
-                 f"(turbo's scale-only default; {fa.bits_per_element(128, 3)} with (scale, offset))")
+    ok &= _check(
+        "3-bit pack/unpack round trip",
+        torch.equal(fa.unpack_codes(fa.pack_codes(codes, 3), 3, 128), codes),
+        f"{fa.code_bytes(128, 3)} B/vector, {fa.bits_per_element(128, 3, 2)} bits/element at head_dim 128 "
+        f"(turbo's scale-only default; {fa.bits_per_element(128, 3)} with (scale, offset))",
+    )
     x = torch.randn(4096, 128, generator=gen, device=dev)
     for grid, published in (("uniform", 0.0375), ("lloyd_max", 0.0345)):
         qz = fa.TurboQuantizer(128, 3, grid)
-        rel = (((qz.dequantize(*qz.quantize(x)) - x) ** 2).sum() / (x ** 2).sum()).item()
-        ok &= _check(f"turbo 3-bit {grid} relative MSE", abs(rel - published) < 0.004,
-                     f"{rel:.4f} (N(0,1) grid MSE {grid_mse(3, grid):.4f}, published {published})")
+        rel = (((qz.dequantize(*qz.quantize(x)) - x) ** 2).sum() / (x**2).sum()).item()
+        ok &= _check(
+            f"turbo 3-bit {grid} relative MSE",
+            abs(rel - published) < 0.004,
+            f"{rel:.4f} (N(0,1) grid MSE {grid_mse(3, grid):.4f}, published {published})",
+        )
 
     print("attention over a 3-bit cache")
     B, S, hq, hk, d = (4, 4099, 32, 8, 128) if fused else (2, 515, 8, 2, 128)
@@ -80,8 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     outc = fa.flash_attn_with_kvcache(qc, cache, causal=True)
     refc, _ = baseline.attention_reference(qc.float(), kd, vd, causal=True, key_lengths=cache.seqlens)
     errc = ((outc.float() - refc).norm() / refc.norm()).item()
-    ok &= _check(f"chunked prefill ({n_chunk} queries, causal), {fa.last_path()}", errc < 2e-3,
-                 f"relative error {errc:.2e}")
+    ok &= _check(
+        f"chunked prefill ({n_chunk} queries, causal), {fa.last_path()}", errc < 2e-3, f"relative error {errc:.2e}"
+    )
     # keys centered before RoPE (TQCache's default): the kernel adds each score's q . R(p) c back
     inv_freq = 1.0 / 10000.0 ** (torch.arange(0, d, 2, device=dev).float() / d)
     raw = torch.randn(B, 1, hk, d, generator=gen, device=dev) + torch.randn(B, S, hk, d, generator=gen, device=dev)
@@ -95,8 +105,10 @@ def main(argv: list[str] | None = None) -> int:
     ok &= _check(f"key_center='rope' cache, {fa.last_path()}", errr < 5e-3, f"relative error {errr:.2e}")
     full, _ = baseline.attention_reference(q.float(), k.float(), v.float())
     qerr = ((out.float() - full).norm() / full.norm()).item()
-    print(f"  [info] vs full-precision K/V (quantization error): relative {qerr:.3f}; "
-          f"cache {cache.nbytes / 2**20:.1f} MiB, {cache.compression_ratio():.2f}x smaller than fp16")
+    print(
+        f"  [info] vs full-precision K/V (quantization error): relative {qerr:.3f}; "
+        f"cache {cache.nbytes / 2**20:.1f} MiB, {cache.compression_ratio():.2f}x smaller than fp16"
+    )
 
     print("decode timing (median)")
     t_ours = _time_us(lambda: fa.flash_attn_with_kvcache(q, cache), reps=3)
@@ -107,8 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         t_fp16 = _time_us(lambda: fa.flash_attn_func(q, k, v), reps=3)
         base = f"fp16 baseline, {fa.last_path()}"
-    print(f"  3-bit cache ({path}): {t_ours:.1f} us | {base}: {t_fp16:.1f} us | fp16/ours {t_fp16 / t_ours:.2f}x "
-          f"(B={B}, S={S}, heads {hq}/{hk}, d={d}; eager calls: launch overhead included)")
+    print(
+        f"  3-bit cache ({path}): {t_ours:.1f} us | {base}: {t_fp16:.1f} us | fp16/ours {t_fp16 / t_ours:.2f}x "
+        f"(B={B}, S={S}, heads {hq}/{hk}, d={d}; eager calls: launch overhead included)"
+    )
     if dev.type != "cuda":
         print("  (the CPU reference path is for correctness, not speed)")
     print("all checks passed" if ok else "SOME CHECKS FAILED")

@@ -13,6 +13,7 @@ and checks
 
 Prints a verdict table (``--json``: a JSON object) and exits 1 if a check fails.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,6 +59,7 @@ def _judged(check: str, value: float, bound: float, exact: bool = False) -> Chec
 
 # ----------------------------------------------------------------------------- inputs
 
+
 def save_qkv(path: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """Save ``q [batch, seqlen_q, q_heads, d]`` and ``k, v [batch, seqlen, kv_heads, d]`` (e.g. one
     layer's, captured in a model's attention after RoPE) for ``--qkv path``."""
@@ -69,11 +71,15 @@ def load_qkv(path: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     obj = torch.load(path, map_location="cpu", weights_only=True)
     q, k, v = (obj["q"], obj["k"], obj["v"]) if isinstance(obj, dict) else obj
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
-        raise ValueError(f"{path}: need q [B, Sq, Hq, D] and k, v [B, S, Hkv, D], got q {tuple(q.shape)}, "
-                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+        raise ValueError(
+            f"{path}: need q [B, Sq, Hq, D] and k, v [B, S, Hkv, D], got q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
     if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] or q.shape[2] % k.shape[2]:
-        raise ValueError(f"{path}: q {tuple(q.shape)} does not match k {tuple(k.shape)} (batch, head_dim, "
-                         f"q heads a multiple of kv heads)")
+        raise ValueError(
+            f"{path}: q {tuple(q.shape)} does not match k {tuple(k.shape)} (batch, head_dim, "
+            f"q heads a multiple of kv heads)"
+        )
     return q, k, v
 
 
@@ -97,13 +103,20 @@ def synthetic_qkv(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor,
     return q, k, v
 
 
-def build_cache(args: argparse.Namespace, batch: int, seqlen: int, kv_heads: int, head_dim: int,
-                device: torch.device) -> fa.QuantizedKVCache:
+def build_cache(
+    args: argparse.Namespace, batch: int, seqlen: int, kv_heads: int, head_dim: int, device: torch.device
+) -> fa.QuantizedKVCache:
     """An empty cache of ``seqlen`` tokens with the command line's options; a paged one gets a
     shuffled block table (so pages are not in order)."""
-    opts: dict[str, Any] = dict(k_bits=args.k_bits, v_bits=args.v_bits, quantizer=args.quantizer,
-                                fp16_window=args.fp16_window, sink_tokens=args.sink_tokens,
-                                dtype=getattr(torch, args.dtype), device=device)
+    opts: dict[str, Any] = dict(
+        k_bits=args.k_bits,
+        v_bits=args.v_bits,
+        quantizer=args.quantizer,
+        fp16_window=args.fp16_window,
+        sink_tokens=args.sink_tokens,
+        dtype=getattr(torch, args.dtype),
+        device=device,
+    )
     if args.key_center != "none":
         opts["key_center"] = "rope" if args.key_center == "rope" else True
     if args.key_center == "rope":
@@ -117,6 +130,7 @@ def build_cache(args: argparse.Namespace, batch: int, seqlen: int, kv_heads: int
 
 # ----------------------------------------------------------------------------- checks
 
+
 def typical_rel_mse(quantizer: str, bits: int, head_dim: int) -> float:
     """Typical relative MSE of the codec on N(0, 1) vectors: turbo, the grid's per-coordinate MSE
     (the rotation makes coordinates Gaussian); asym, ``step ** 2 / 12`` with the step spanning the
@@ -124,7 +138,7 @@ def typical_rel_mse(quantizer: str, bits: int, head_dim: int) -> float:
     if quantizer == "turbo":
         return grid_mse(bits)
     top = statistics.NormalDist().inv_cdf((head_dim - 0.375) / (head_dim + 0.25))
-    return (2 * top / (2 ** bits - 1)) ** 2 / 12
+    return (2 * top / (2**bits - 1)) ** 2 / 12
 
 
 def check_codec(cache: fa.QuantizedKVCache, k: torch.Tensor, v: torch.Tensor, judge_error: bool) -> list[Check]:
@@ -133,12 +147,14 @@ def check_codec(cache: fa.QuantizedKVCache, k: torch.Tensor, v: torch.Tensor, ju
     checks = []
     gen = torch.Generator().manual_seed(1)
     for bits in sorted({cache.k_bits, cache.v_bits}):
-        codes = torch.randint(0, 2 ** bits, (64, cache.head_dim), generator=gen).to(cache.device)
+        codes = torch.randint(0, 2**bits, (64, cache.head_dim), generator=gen).to(cache.device)
         back = fa.unpack_codes(fa.pack_codes(codes, bits), bits, cache.head_dim)
         checks.append(_judged(f"{bits}-bit pack/unpack mismatches", float((back != codes).sum()), 0.0, exact=True))
     meta_bytes = 2 if cache.scale_only else 4
-    expected = (fmt.bits_per_element(cache.head_dim, cache.k_bits, meta_bytes)
-                + fmt.bits_per_element(cache.head_dim, cache.v_bits, meta_bytes)) / 2
+    expected = (
+        fmt.bits_per_element(cache.head_dim, cache.k_bits, meta_bytes)
+        + fmt.bits_per_element(cache.head_dim, cache.v_bits, meta_bytes)
+    ) / 2
     stored = sum(t.shape[-1] * t.element_size() for t in (cache.k_codes, cache.v_codes, cache.k_meta, cache.v_meta))
     measured = stored * 8 / (2 * cache.head_dim)  # from the tensors' shapes: codes + meta, K and V
     bpe = cache.bits_per_element()
@@ -150,7 +166,7 @@ def check_codec(cache: fa.QuantizedKVCache, k: torch.Tensor, v: torch.Tensor, ju
         x, xd = x[:, coded].float().to(xd.device), xd[:, coded]
         if x.shape[1] == 0:
             continue
-        rel = (((xd - x) ** 2).sum() / (x ** 2).sum().clamp(min=1e-30)).item()
+        rel = (((xd - x) ** 2).sum() / (x**2).sum().clamp(min=1e-30)).item()
         bound = MSE_MARGIN * typical_rel_mse(cache.quantizer, bits, cache.head_dim)
         name = f"{name} relative MSE ({bits}-bit {cache.quantizer})"
         checks.append(_judged(name, rel, bound) if judge_error else Check(name, rel, None, None))
@@ -170,8 +186,9 @@ def _lse_err(lse: torch.Tensor, ref: torch.Tensor) -> float:
     return diff.max().item()
 
 
-def check_attention(cache: fa.QuantizedKVCache, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-                    ) -> tuple[list[Check], str]:
+def check_attention(
+    cache: fa.QuantizedKVCache, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[list[Check], str]:
     """``flash_attn_with_kvcache(q [B, Sq, Hq, D], cache, causal=True)`` against float32 attention over
     the dequantized cache; the output error against full-precision ``k, v`` is reported. Returns the
     checks and :func:`flash_attn_tq.last_path`."""
@@ -185,12 +202,15 @@ def check_attention(cache: fa.QuantizedKVCache, q: torch.Tensor, k: torch.Tensor
     out_bound = ROUNDING_FACTOR * _worst_rel_err(r16.to(cache.dtype), ref) + OUT_ATOL
     lse_bound = ROUNDING_FACTOR * _lse_err(r16_lse, ref_lse) + LSE_ATOL
     full, _ = baseline.attention_reference(q.float(), k.float().to(q.device), v.float().to(q.device), causal=True)
-    return [_judged("attention output rel. error", _worst_rel_err(out, ref), out_bound),
-            _judged("attention softmax_lse abs. error", _lse_err(lse, ref_lse), lse_bound),
-            Check("output rel. error vs unquantized K/V", _worst_rel_err(out, full), None, None)], path
+    return [
+        _judged("attention output rel. error", _worst_rel_err(out, ref), out_bound),
+        _judged("attention softmax_lse abs. error", _lse_err(lse, ref_lse), lse_bound),
+        Check("output rel. error vs unquantized K/V", _worst_rel_err(out, full), None, None),
+    ], path
 
 
 # ----------------------------------------------------------------------------- driver
+
 
 def parse_args(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     ap = argparse.ArgumentParser(prog="python -m flash_attn_tq.verify", description=__doc__.splitlines()[0])
@@ -204,8 +224,12 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, arg
     ap.add_argument("--v-bits", type=int, default=3)
     ap.add_argument("--quantizer", choices=("turbo", "asym"), default="turbo")
     ap.add_argument("--dtype", choices=("float16", "bfloat16"), default="float16")
-    ap.add_argument("--page-size", type=lambda s: None if s.lower() == "none" else int(s), default=None,
-                    help="tokens a page (paged cache), or none (contiguous)")
+    ap.add_argument(
+        "--page-size",
+        type=lambda s: None if s.lower() == "none" else int(s),
+        default=None,
+        help="tokens a page (paged cache), or none (contiguous)",
+    )
     ap.add_argument("--sink-tokens", type=int, default=0)
     ap.add_argument("--fp16-window", type=int, default=0)
     ap.add_argument("--key-center", choices=("none", "mean", "rope"), default="none")
@@ -227,14 +251,30 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     checks = check_codec(cache, k, v, judge_error=not args.qkv)
     attn, path = check_attention(cache, q.to(device, dtype), k, v)
     checks = attn + checks
-    return {"config": {"batch": B, "seqlen": S, "seqlen_q": q.shape[1], "q_heads": q.shape[2], "kv_heads": Hkv,
-                       "head_dim": D, "k_bits": args.k_bits, "v_bits": args.v_bits, "quantizer": args.quantizer,
-                       "dtype": args.dtype, "page_size": args.page_size, "sink_tokens": args.sink_tokens,
-                       "fp16_window": args.fp16_window, "key_center": args.key_center,
-                       "data": args.qkv or "gaussian"},
-            "device": str(device), "path": path, "bits_per_element": cache.bits_per_element(),
-            "checks": [dict(asdict(c), value=_json_number(c.value), verdict=c.verdict) for c in checks],
-            "passed": all(c.ok is not False for c in checks)}
+    return {
+        "config": {
+            "batch": B,
+            "seqlen": S,
+            "seqlen_q": q.shape[1],
+            "q_heads": q.shape[2],
+            "kv_heads": Hkv,
+            "head_dim": D,
+            "k_bits": args.k_bits,
+            "v_bits": args.v_bits,
+            "quantizer": args.quantizer,
+            "dtype": args.dtype,
+            "page_size": args.page_size,
+            "sink_tokens": args.sink_tokens,
+            "fp16_window": args.fp16_window,
+            "key_center": args.key_center,
+            "data": args.qkv or "gaussian",
+        },
+        "device": str(device),
+        "path": path,
+        "bits_per_element": cache.bits_per_element(),
+        "checks": [dict(asdict(c), value=_json_number(c.value), verdict=c.verdict) for c in checks],
+        "passed": all(c.ok is not False for c in checks),
+    }
 
 
 def _json_number(x: float) -> float | str:
@@ -246,15 +286,23 @@ def format_table(result: dict[str, Any]) -> str:
     """The verdict table of :func:`run`'s result, with a header line and the attention path."""
     c = result["config"]
     layout = "contiguous" if c["page_size"] is None else f"pages of {c['page_size']}"
-    head = (f"flash_attn_tq {fa.__version__} on {result['device']}: B={c['batch']} S={c['seqlen']} "
-            f"Sq={c['seqlen_q']} heads {c['q_heads']}/{c['kv_heads']} d={c['head_dim']} K{c['k_bits']}V{c['v_bits']} "
-            f"{c['quantizer']} {c['dtype']} {layout} sinks={c['sink_tokens']} window={c['fp16_window']} "
-            f"key_center={c['key_center']} data={c['data']}")
+    head = (
+        f"flash_attn_tq {fa.__version__} on {result['device']}: B={c['batch']} S={c['seqlen']} "
+        f"Sq={c['seqlen_q']} heads {c['q_heads']}/{c['kv_heads']} d={c['head_dim']} K{c['k_bits']}V{c['v_bits']} "
+        f"{c['quantizer']} {c['dtype']} {layout} sinks={c['sink_tokens']} window={c['fp16_window']} "
+        f"key_center={c['key_center']} data={c['data']}"
+    )
     rows = [("check", "value", "bound", "verdict")]
     for r in result["checks"]:
         value, bound = r["value"], r["bound"]
-        rows.append((r["check"], value if isinstance(value, str) else f"{value:.4g}",
-                     "-" if bound is None else f"{bound:.4g}", r["verdict"]))
+        rows.append(
+            (
+                r["check"],
+                value if isinstance(value, str) else f"{value:.4g}",
+                "-" if bound is None else f"{bound:.4g}",
+                r["verdict"],
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     lines = [head] + ["  ".join(x.ljust(w) for x, w in zip(row, widths)).rstrip() for row in rows]
     lines.append(f"path: {result['path']}")

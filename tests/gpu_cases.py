@@ -1,4 +1,5 @@
 """Shared pieces of the GPU tests (test_cuda_*.py): device, decode shape cases, output poisoning."""
+
 from __future__ import annotations
 
 import math
@@ -21,14 +22,14 @@ DECODE_CASES = [
 # chunked prefill: GQA group * seqlen_q >= ops.PREFILL_MIN_ROWS query rows a kv head (the prefill kernel)
 PREFILL_CASES = [
     # batch, seqlens, q heads, kv heads, seqlen_q, causal
-    (2, [700, 1500], 8, 2, 40, True),      # 160 rows: a partial 256-row CTA (five of its eight warps)
-    (1, [129], 4, 4, 128, True),           # MHA, first query sees 2 keys, tile edges inside the chunk
-    (2, [300, 65], 9, 3, 64, True),        # group of 3, a cache barely longer than the chunk
-    (1, [4097], 32, 8, 33, False),         # 132 rows, long cache (splits), non-causal
+    (2, [700, 1500], 8, 2, 40, True),  # 160 rows: a partial 256-row CTA (five of its eight warps)
+    (1, [129], 4, 4, 128, True),  # MHA, first query sees 2 keys, tile edges inside the chunk
+    (2, [300, 65], 9, 3, 64, True),  # group of 3, a cache barely longer than the chunk
+    (1, [4097], 32, 8, 33, False),  # 132 rows, long cache (splits), non-causal
     # from 256 rows a kv head Hopper runs the wgmma variant (ops' FLASH_ATTN_TQ_PREFILL_WGMMA)
-    (1, [1000], 8, 2, 75, True),           # 300 rows: a 256-row CTA and one of 44 rows (warpgroup 1 has none)
-    (1, [2500], 16, 2, 131, True),         # 1048 rows: four 256-row CTAs and a partial fifth (3 of 8 warps)
-    (2, [1200, 3001], 8, 2, 260, False),   # 1040 rows, two lengths, non-causal
+    (1, [1000], 8, 2, 75, True),  # 300 rows: a 256-row CTA and one of 44 rows (warpgroup 1 has none)
+    (1, [2500], 16, 2, 131, True),  # 1048 rows: four 256-row CTAs and a partial fifth (3 of 8 warps)
+    (2, [1200, 3001], 8, 2, 260, False),  # 1040 rows, two lengths, non-causal
 ]
 
 

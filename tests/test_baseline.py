@@ -27,8 +27,7 @@ INF = float("inf")
 # ------------------------------------------------------------------ reference
 
 
-def naive_one(q, k, v, scale=None, causal=False, window=(-1, -1), softcap=0.0, slopes=None,
-              start=0, end=None):
+def naive_one(q, k, v, scale=None, causal=False, window=(-1, -1), softcap=0.0, slopes=None, start=0, end=None):
     """One sequence.  q (Sq, Hq, d), k/v (Sk, Hk, d), float64, differentiable.
 
     Keys with start <= j < end are valid; they form a sequence of length
@@ -173,11 +172,14 @@ def _split_opts(opts, gen, B, H):
     elif alibi == "batch":
         slopes = torch.rand(B, H, generator=gen)
     window = opts.get("window", (-1, -1))
-    api = dict(causal=opts.get("causal", False), window_size=window,
-               softcap=opts.get("softcap", 0.0), alibi_slopes=slopes,
-               softmax_scale=opts.get("scale"))
-    ref = dict(causal=api["causal"], window=window, softcap=api["softcap"],
-               scale=opts.get("scale"))
+    api = dict(
+        causal=opts.get("causal", False),
+        window_size=window,
+        softcap=opts.get("softcap", 0.0),
+        alibi_slopes=slopes,
+        softmax_scale=opts.get("scale"),
+    )
+    ref = dict(causal=api["causal"], window=window, softcap=api["softcap"], scale=opts.get("scale"))
     return api, ref, slopes
 
 
@@ -197,9 +199,14 @@ def test_func_forward(seqlens, heads, opt):
     assert_lse(lse, lse_ref)
     assert probs.shape == (B, Hq, Sq, Sk)
     b = B - 1
-    p_ref = naive_probs(*d64(q[b], k[b]), ref["scale"], ref["causal"], ref["window"],
-                        ref["softcap"], None if slopes is None else
-                        (slopes if slopes.dim() == 1 else slopes[b]))
+    p_ref = naive_probs(
+        *d64(q[b], k[b]),
+        ref["scale"],
+        ref["causal"],
+        ref["window"],
+        ref["softcap"],
+        None if slopes is None else (slopes if slopes.dim() == 1 else slopes[b]),
+    )
     assert_close(probs[b], p_ref)
 
 
@@ -241,16 +248,14 @@ def test_packed_equivalence_and_grads():
     assert_close(qkv1.grad, torch.stack([q3.grad, k3.grad, v3.grad], dim=2))
     assert_close(kv2.grad, torch.stack([k3.grad, v3.grad], dim=2))
     assert_close(q2.grad, q3.grad)
-    out_ref, _ = naive_batch(*d64(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]), causal=True,
-                             window=(4, -1), softcap=3.0)
+    out_ref, _ = naive_batch(*d64(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]), causal=True, window=(4, -1), softcap=3.0)
     assert_close(out1, out_ref)
 
 
 def test_docstring_causal_masks():
     """The bottom-right aligned causal masks drawn in the upstream docstring."""
     gen = gen_for(1)
-    for Sq, Sk, want in ((2, 5, [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]),
-                         (5, 2, [[0, 0], [0, 0], [0, 0], [1, 0], [1, 1]])):
+    for Sq, Sk, want in ((2, 5, [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]), (5, 2, [[0, 0], [0, 0], [0, 0], [1, 0], [1, 1]])):
         q, k, v = randn(gen, 1, Sq, 1, 4), randn(gen, 1, Sk, 1, 4), randn(gen, 1, Sk, 1, 4)
         _, _, probs = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
         assert ((probs[0, 0] > 0).int() == torch.tensor(want, dtype=torch.int32)).all()
@@ -274,6 +279,7 @@ def test_fully_masked_rows():
 # Upstream's S_dmask with dropout: unnormalized exp scores against the kernel's running
 # maximum over key blocks (walked last to first), dropped entries negated.  Decoded as
 # upstream's tests do: keep = S >= 0, unnormalized = |S|, then rescaled to probabilities.
+
 
 def naive_scores(q, k, scale, causal, window, softcap, slopes):
     """Scores (Hq, Sq, Sk) for one sequence, float64, -inf where masked; built entry by entry."""
@@ -307,13 +313,14 @@ def running_block_max(scores, block_n):
     for h in range(H):
         for i in range(Sq):
             for j in range(Sk):
-                top = scores[h, i, (j // block_n) * block_n:].max().item()
+                top = scores[h, i, (j // block_n) * block_n :].max().item()
                 m[h, i, j] = 0.0 if top == -INF else top
     return m
 
 
-def check_s_dmask(sd, out, lse, q, k, v, p, block_n, scale=None, causal=False, window=(-1, -1),
-                  softcap=0.0, slopes=None, atol=2e-5):
+def check_s_dmask(
+    sd, out, lse, q, k, v, p, block_n, scale=None, causal=False, window=(-1, -1), softcap=0.0, slopes=None, atol=2e-5
+):
     """One sequence: sd (Hq, Sq, Sk), out (Sq, Hq, d), lse (Hq, Sq; taken before dropout).
 
     Returns (number of dropped entries, number of allowed entries)."""
@@ -357,17 +364,28 @@ def test_dropout_s_dmask(d, opt, api_fn):
     if api_fn == "func":
         out, lse, sd = flash_attn_func(q, k, v, p, return_attn_probs=True, **api)
     elif api_fn == "kvpacked":
-        out, lse, sd = flash_attn_kvpacked_func(q, torch.stack([k, v], dim=2), p,
-                                                return_attn_probs=True, **api)
+        out, lse, sd = flash_attn_kvpacked_func(q, torch.stack([k, v], dim=2), p, return_attn_probs=True, **api)
     else:
-        out, lse, sd = flash_attn_qkvpacked_func(torch.stack([q, k, v], dim=2), p,
-                                                 return_attn_probs=True, **api)
+        out, lse, sd = flash_attn_qkvpacked_func(torch.stack([q, k, v], dim=2), p, return_attn_probs=True, **api)
     assert sd.shape == (B, Hq, Sq, Sk) and sd.dtype == q.dtype
     dropped = allowed = 0
     for b in range(B):
         sl = None if slopes is None else (slopes if slopes.dim() == 1 else slopes[b])
-        nd, na = check_s_dmask(sd[b], out[b], lse[b], q[b], k[b], v[b], p, BLOCK_N[d],
-                               ref["scale"], ref["causal"], ref["window"], ref["softcap"], sl)
+        nd, na = check_s_dmask(
+            sd[b],
+            out[b],
+            lse[b],
+            q[b],
+            k[b],
+            v[b],
+            p,
+            BLOCK_N[d],
+            ref["scale"],
+            ref["causal"],
+            ref["window"],
+            ref["softcap"],
+            sl,
+        )
         dropped, allowed = dropped + nd, allowed + na
     assert abs(dropped / allowed - p) < 0.06
 
@@ -375,9 +393,9 @@ def test_dropout_s_dmask(d, opt, api_fn):
 def test_dropout_s_dmask_block_table():
     """The block width follows upstream's table for every head size."""
     from flash_attn_tq.baseline import _fwd_block_n
+
     assert {d: _fwd_block_n(d) for d in BLOCK_N} == BLOCK_N
-    assert [_fwd_block_n(d) for d in (16, 32, 33, 64, 65, 97, 129, 256)] == \
-        [128, 128, 64, 64, 64, 32, 64, 64]
+    assert [_fwd_block_n(d) for d in (16, 32, 33, 64, 65, 97, 129, 256)] == [128, 128, 64, 64, 64, 32, 64, 64]
 
 
 @pytest.mark.parametrize("api_fn", ["varlen", "varlen_kvpacked", "varlen_qkvpacked"])
@@ -393,26 +411,29 @@ def test_dropout_s_dmask_varlen(api_fn):
     kw = dict(causal=True, softcap=2.0)
     torch.manual_seed(3)
     if api_fn == "varlen":
-        out, lse, sd = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lq), max(lk) + 3, p,
-                                              return_attn_probs=True, **kw)
+        out, lse, sd = flash_attn_varlen_func(
+            q, k, v, cu_q, cu_k, max(lq), max(lk) + 3, p, return_attn_probs=True, **kw
+        )
         mq, mk = max(lq), max(lk) + 3
     elif api_fn == "varlen_kvpacked":
-        out, lse, sd = flash_attn_varlen_kvpacked_func(q, torch.stack([k, v], dim=1), cu_q, cu_k,
-                                                       max(lq), max(lk), p,
-                                                       return_attn_probs=True, **kw)
+        out, lse, sd = flash_attn_varlen_kvpacked_func(
+            q, torch.stack([k, v], dim=1), cu_q, cu_k, max(lq), max(lk), p, return_attn_probs=True, **kw
+        )
         mq, mk = max(lq), max(lk)
     else:
-        out, lse, sd = flash_attn_varlen_qkvpacked_func(torch.stack([q, k, v], dim=1), cu_q,
-                                                        max(lq), p, return_attn_probs=True, **kw)
+        out, lse, sd = flash_attn_varlen_qkvpacked_func(
+            torch.stack([q, k, v], dim=1), cu_q, max(lq), p, return_attn_probs=True, **kw
+        )
         mq, mk = max(lq), max(lk)
     assert sd.shape == (B, Hq, mq, mk) and sd.dtype == q.dtype
     dropped = allowed = 0
     for b in range(B):
         qs, ks = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
-        nd, na = check_s_dmask(sd[b, :, :lq[b], :lk[b]], out[qs], lse[:, qs], q[qs], k[ks],
-                               v[ks], p, 64, causal=True, softcap=2.0)
+        nd, na = check_s_dmask(
+            sd[b, :, : lq[b], : lk[b]], out[qs], lse[:, qs], q[qs], k[ks], v[ks], p, 64, causal=True, softcap=2.0
+        )
         dropped, allowed = dropped + nd, allowed + na
-        assert (sd[b, :, lq[b]:] == 0).all() and (sd[b, :, :, lk[b]:] == 0).all()
+        assert (sd[b, :, lq[b] :] == 0).all() and (sd[b, :, :, lk[b] :] == 0).all()
     assert abs(dropped / allowed - p) < 0.08
 
 
@@ -443,8 +464,11 @@ def test_dropout_grads_and_no_dropout_probs():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_smoke(dtype):
     gen = gen_for(7)
-    q, k, v = randn(gen, 2, 9, 4, 16, dtype=dtype), randn(gen, 2, 12, 2, 16, dtype=dtype), \
-        randn(gen, 2, 12, 2, 16, dtype=dtype)
+    q, k, v = (
+        randn(gen, 2, 9, 4, 16, dtype=dtype),
+        randn(gen, 2, 12, 2, 16, dtype=dtype),
+        randn(gen, 2, 12, 2, 16, dtype=dtype),
+    )
     out, lse, probs = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
     assert out.dtype == dtype and probs.dtype == dtype and lse.dtype == torch.float32
     out_ref, lse_ref = naive_batch(*d64(q, k, v), causal=True)
@@ -476,8 +500,9 @@ def test_varlen_forward_backward(opt):
     dout = randn(gen, sum(lq), Hq, d)
     api, ref, slopes = _split_opts(OPTIONS[opt], gen, B, Hq)
     qs, ks, vs = [x.clone().requires_grad_() for x in (q, k, v)]
-    out, lse, probs = flash_attn_varlen_func(qs, ks, vs, cu_q, cu_k, max(lq), max(lk) + 2,
-                                             return_attn_probs=True, **api)
+    out, lse, probs = flash_attn_varlen_func(
+        qs, ks, vs, cu_q, cu_k, max(lq), max(lk) + 2, return_attn_probs=True, **api
+    )
     assert out.shape == q.shape and lse.shape == (Hq, sum(lq))
     assert probs.shape == (B, Hq, max(lq), max(lk) + 2)
     out.backward(dout)
@@ -485,8 +510,9 @@ def test_varlen_forward_backward(opt):
     outs, lses = [], []
     for b in range(B):
         sl = None if slopes is None else (slopes if slopes.dim() == 1 else slopes[b])
-        o, l = naive_one(q64[cu_q[b]:cu_q[b + 1]], k64[cu_k[b]:cu_k[b + 1]],
-                         v64[cu_k[b]:cu_k[b + 1]], slopes=sl, **ref)
+        o, l = naive_one(
+            q64[cu_q[b] : cu_q[b + 1]], k64[cu_k[b] : cu_k[b + 1]], v64[cu_k[b] : cu_k[b + 1]], slopes=sl, **ref
+        )
         outs.append(o)
         lses.append(l)
     out_ref, lse_ref = torch.cat(outs), torch.cat(lses, dim=1)
@@ -497,10 +523,16 @@ def test_varlen_forward_backward(opt):
         assert_close(got, want, atol=5e-5, rtol=5e-5)
     b = 2
     sl = None if slopes is None else (slopes if slopes.dim() == 1 else slopes[b])
-    p_ref = naive_probs(*d64(q[cu_q[b]:cu_q[b + 1]], k[cu_k[b]:cu_k[b + 1]]), ref["scale"],
-                        ref["causal"], ref["window"], ref["softcap"], sl)
-    assert_close(probs[b, :, :lq[b], :lk[b]], p_ref)
-    assert (probs[b, :, lq[b]:] == 0).all() and (probs[b, :, :, lk[b]:] == 0).all()
+    p_ref = naive_probs(
+        *d64(q[cu_q[b] : cu_q[b + 1]], k[cu_k[b] : cu_k[b + 1]]),
+        ref["scale"],
+        ref["causal"],
+        ref["window"],
+        ref["softcap"],
+        sl,
+    )
+    assert_close(probs[b, :, : lq[b], : lk[b]], p_ref)
+    assert (probs[b, :, lq[b] :] == 0).all() and (probs[b, :, :, lk[b] :] == 0).all()
 
 
 def test_varlen_packed_equivalence_and_padding_rows():
@@ -510,12 +542,9 @@ def test_varlen_packed_equivalence_and_padding_rows():
     total, H, d = sum(lens), 3, 5
     qkv = randn(gen, total + 2, 3, H, d)  # two trailing rows not covered by cu_seqlens
     kw = dict(causal=True, softcap=1.5)
-    out1, lse1, _ = flash_attn_varlen_qkvpacked_func(qkv, cu, max(lens), return_attn_probs=True,
-                                                     **kw)
-    out2 = flash_attn_varlen_kvpacked_func(qkv[:, 0], qkv[:, 1:], cu, cu, max(lens), max(lens),
-                                           **kw)
-    out3 = flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu, cu, max(lens), max(lens),
-                                  **kw)
+    out1, lse1, _ = flash_attn_varlen_qkvpacked_func(qkv, cu, max(lens), return_attn_probs=True, **kw)
+    out2 = flash_attn_varlen_kvpacked_func(qkv[:, 0], qkv[:, 1:], cu, cu, max(lens), max(lens), **kw)
+    out3 = flash_attn_varlen_func(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu, cu, max(lens), max(lens), **kw)
     assert torch.equal(out1, out3) and torch.equal(out2, out3)
     assert (out1[total:] == 0).all() and torch.isposinf(lse1[:, total:]).all()
     dense = flash_attn_func(qkv[None, :4, 0], qkv[None, :4, 1], qkv[None, :4, 2], **kw)
@@ -532,7 +561,7 @@ def test_varlen_paged_matches_contiguous(page):
     nblk = max(math.ceil(n / page) for n in lk) + 1
     num_blocks = B * nblk + 2
     perm = torch.randperm(num_blocks, generator=gen)
-    block_table = perm[:B * nblk].view(B, nblk).to(torch.int32)
+    block_table = perm[: B * nblk].view(B, nblk).to(torch.int32)
     k_pages = torch.full((num_blocks, page, Hk, d), float("nan"))
     v_pages = torch.full((num_blocks, page, Hk, d), float("nan"))
     for b in range(B):
@@ -541,8 +570,7 @@ def test_varlen_paged_matches_contiguous(page):
             k_pages[blk, t % page] = k[cu_k[b] + t]
             v_pages[blk, t % page] = v[cu_k[b] + t]
     kw = dict(causal=True, window_size=(3, -1))
-    out_paged = flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, max(lq), max(lk),
-                                       block_table=block_table, **kw)
+    out_paged = flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, max(lq), max(lk), block_table=block_table, **kw)
     out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(lq), max(lk), **kw)
     assert torch.isfinite(out_paged).all()
     assert_close(out_paged, out, atol=1e-6, rtol=1e-6)
@@ -554,8 +582,14 @@ def test_varlen_paged_matches_contiguous(page):
 def _kvcache_case(seed, B=3, Bc=None, Sq=3, Snew=3, cap=12, Hq=4, Hk=2, d=8):
     gen = gen_for(seed)
     Bc = B if Bc is None else Bc
-    return (gen, randn(gen, B, Sq, Hq, d), randn(gen, Bc, cap, Hk, d), randn(gen, Bc, cap, Hk, d),
-            randn(gen, B, Snew, Hk, d), randn(gen, B, Snew, Hk, d))
+    return (
+        gen,
+        randn(gen, B, Sq, Hq, d),
+        randn(gen, Bc, cap, Hk, d),
+        randn(gen, Bc, cap, Hk, d),
+        randn(gen, B, Snew, Hk, d),
+        randn(gen, B, Snew, Hk, d),
+    )
 
 
 def _naive_kvcache(q, kc, vc, seqlens, leftpad=None, slopes=None, **kw):
@@ -563,8 +597,9 @@ def _naive_kvcache(q, kc, vc, seqlens, leftpad=None, slopes=None, **kw):
     outs, lses = [], []
     for b in range(q.shape[0]):
         sl = None if slopes is None else (slopes if slopes.dim() == 1 else slopes[b])
-        o, l = naive_one(q[b], kc[b], vc[b], start=0 if leftpad is None else int(leftpad[b]),
-                         end=int(seqlens[b]), slopes=sl, **kw)
+        o, l = naive_one(
+            q[b], kc[b], vc[b], start=0 if leftpad is None else int(leftpad[b]), end=int(seqlens[b]), slopes=sl, **kw
+        )
         outs.append(o)
         lses.append(l)
     return torch.stack(outs), torch.stack(lses)
@@ -582,12 +617,12 @@ def test_kvcache_append(seqlens_kind, causal):
         for t in range(Snew):
             kc_ref[b, lens[b] + t] = k[b, t]
             vc_ref[b, lens[b] + t] = v[b, t]
-    out, lse = flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=cache_seqlens,
-                                       causal=causal, return_softmax_lse=True, num_splits=3)
+    out, lse = flash_attn_with_kvcache(
+        q, kc, vc, k, v, cache_seqlens=cache_seqlens, causal=causal, return_softmax_lse=True, num_splits=3
+    )
     assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
     assert out.shape == q.shape and lse.shape == (B, q.shape[2], q.shape[1])
-    out_ref, lse_ref = _naive_kvcache(*d64(q, kc_ref, vc_ref), [n + Snew for n in lens],
-                                      causal=causal)
+    out_ref, lse_ref = _naive_kvcache(*d64(q, kc_ref, vc_ref), [n + Snew for n in lens], causal=causal)
     assert_close(out, out_ref)
     assert_lse(lse, lse_ref)
 
@@ -596,14 +631,13 @@ def test_kvcache_no_new_tokens_and_poisoned_tail():
     gen, q, kc, vc, _, _ = _kvcache_case(7, Sq=2)
     lens = torch.tensor([3, 12, 1], dtype=torch.int32)
     for b in range(3):
-        kc[b, int(lens[b]):] = float("nan")
-        vc[b, int(lens[b]):] = float("inf")
+        kc[b, int(lens[b]) :] = float("nan")
+        vc[b, int(lens[b]) :] = float("inf")
     before = (kc.clone(), vc.clone())
     out = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, window_size=(1, 0))
     assert torch.equal(kc.isnan(), before[0].isnan()) and torch.equal(vc, before[1])
     assert torch.isfinite(out).all()
-    out_ref, _ = _naive_kvcache(*d64(q, kc.nan_to_num(0, 0, 0), vc.nan_to_num(0, 0, 0)), lens,
-                                window=(1, 0))
+    out_ref, _ = _naive_kvcache(*d64(q, kc.nan_to_num(0, 0, 0), vc.nan_to_num(0, 0, 0)), lens, window=(1, 0))
     assert_close(out, out_ref)
     # cache_seqlens=None means the whole cache is valid
     gen, q, kc, vc, _, _ = _kvcache_case(8, Sq=2)
@@ -622,12 +656,12 @@ def test_kvcache_batch_idx():
             kc_ref[int(idx[b]), int(lens[b]) + t] = k[b, t]
             vc_ref[int(idx[b]), int(lens[b]) + t] = v[b, t]
     slopes = torch.rand(4, generator=gen)
-    out = flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=lens, cache_batch_idx=idx,
-                                  alibi_slopes=slopes, causal=True)
+    out = flash_attn_with_kvcache(
+        q, kc, vc, k, v, cache_seqlens=lens, cache_batch_idx=idx, alibi_slopes=slopes, causal=True
+    )
     assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)  # rows 1 and 3 untouched
     rows = idx.long()
-    out_ref, _ = _naive_kvcache(*d64(q, kc_ref[rows], vc_ref[rows]), lens + k.shape[1],
-                                slopes=slopes, causal=True)
+    out_ref, _ = _naive_kvcache(*d64(q, kc_ref[rows], vc_ref[rows]), lens + k.shape[1], slopes=slopes, causal=True)
     assert_close(out, out_ref)
 
 
@@ -639,11 +673,13 @@ def test_kvcache_leftpad(opt):
     kc[0, :2] = float("nan")  # left padding is never read
     vc[2, :3] = float("nan")
     api, ref, slopes = _split_opts(OPTIONS[opt], gen, 3, q.shape[2])
-    out, lse = flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=lens,
-                                       cache_leftpad=leftpad, return_softmax_lse=True, **api)
+    out, lse = flash_attn_with_kvcache(
+        q, kc, vc, k, v, cache_seqlens=lens, cache_leftpad=leftpad, return_softmax_lse=True, **api
+    )
     assert torch.isfinite(out).all()
-    out_ref, lse_ref = _naive_kvcache(*d64(q, kc.nan_to_num(0), vc.nan_to_num(0)),
-                                      lens + k.shape[1], leftpad=leftpad, slopes=slopes, **ref)
+    out_ref, lse_ref = _naive_kvcache(
+        *d64(q, kc.nan_to_num(0), vc.nan_to_num(0)), lens + k.shape[1], leftpad=leftpad, slopes=slopes, **ref
+    )
     assert_close(out, out_ref)
     assert_lse(lse, lse_ref)
 
@@ -654,7 +690,7 @@ def test_kvcache_paged_matches_contiguous(with_new):
     B, page, Hk, d = 3, 4, kc.shape[2], kc.shape[3]
     nblk = kc.shape[1] // page
     num_blocks = B * nblk + 3
-    block_table = torch.randperm(num_blocks, generator=gen)[:B * nblk].view(B, nblk).int()
+    block_table = torch.randperm(num_blocks, generator=gen)[: B * nblk].view(B, nblk).int()
     k_pages = randn(gen, num_blocks, page, Hk, d)
     v_pages = randn(gen, num_blocks, page, Hk, d)
     for b in range(B):
@@ -664,8 +700,7 @@ def test_kvcache_paged_matches_contiguous(with_new):
     lens = torch.tensor([0, 5, 9], dtype=torch.int32)
     kw = dict(cache_seqlens=lens, causal=True, window_size=(4, -1), return_softmax_lse=True)
     new = (k, v) if with_new else (None, None)
-    out_p, lse_p = flash_attn_with_kvcache(q, k_pages, v_pages, *new, block_table=block_table,
-                                           **kw)
+    out_p, lse_p = flash_attn_with_kvcache(q, k_pages, v_pages, *new, block_table=block_table, **kw)
     out_c, lse_c = flash_attn_with_kvcache(q, kc, vc, *new, **kw)
     assert_close(out_p, out_c, atol=1e-6, rtol=1e-6)
     assert_close(lse_p, lse_c, atol=1e-6, rtol=1e-6)
@@ -679,17 +714,27 @@ def test_kvcache_paged_matches_contiguous(with_new):
 @pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "neox"])
 @pytest.mark.parametrize("mode", ["plain", "causal", "local"])
 def test_kvcache_rotary(mode, interleaved, rotary_dim):
-    gen, q, kc, vc, k, v = _kvcache_case(seed_of(("rot", mode, interleaved, rotary_dim)),
-                                         Sq=3, Snew=2)
+    gen, q, kc, vc, k, v = _kvcache_case(seed_of(("rot", mode, interleaved, rotary_dim)), Sq=3, Snew=2)
     B, Sq, Snew, cap = q.shape[0], q.shape[1], k.shape[1], kc.shape[1]
     angle = torch.rand(cap + 2, rotary_dim // 2, generator=gen) * 2 * math.pi
     cos, sin = angle.cos(), angle.sin()
     lens = torch.tensor([0, 4, 7], dtype=torch.int32)
     causal, window = mode == "causal", ((2, 1) if mode == "local" else (-1, -1))
     kc_ref, vc_ref = kc.clone(), vc.clone()
-    out, lse = flash_attn_with_kvcache(q, kc, vc, k, v, rotary_cos=cos, rotary_sin=sin,
-                                       cache_seqlens=lens, causal=causal, window_size=window,
-                                       rotary_interleaved=interleaved, return_softmax_lse=True)
+    out, lse = flash_attn_with_kvcache(
+        q,
+        kc,
+        vc,
+        k,
+        v,
+        rotary_cos=cos,
+        rotary_sin=sin,
+        cache_seqlens=lens,
+        causal=causal,
+        window_size=window,
+        rotary_interleaved=interleaved,
+        return_softmax_lse=True,
+    )
     pos_k = [[int(lens[b]) + t for t in range(Snew)] for b in range(B)]
     step = 1 if mode != "plain" else 0
     pos_q = [[int(lens[b]) + step * i for i in range(Sq)] for b in range(B)]
@@ -703,8 +748,7 @@ def test_kvcache_rotary(mode, interleaved, rotary_dim):
     assert torch.equal(vc, vc_ref)
     if rotary_dim < q.shape[-1]:  # channels past rotary_dim are untouched
         assert torch.equal(kc[1, 4:6, :, rotary_dim:], k[1, :, :, rotary_dim:])
-    out_ref, lse_ref = _naive_kvcache(q_ro, *d64(kc_ref, vc_ref), lens + Snew, causal=causal,
-                                      window=window)
+    out_ref, lse_ref = _naive_kvcache(q_ro, *d64(kc_ref, vc_ref), lens + Snew, causal=causal, window=window)
     assert_close(out, out_ref, atol=5e-5, rtol=5e-5)
     assert_lse(lse, lse_ref, atol=5e-5)
 
@@ -724,8 +768,11 @@ def test_kvcache_half_smoke():
 
 def _qkv(B=2, S=5, H=4, Hk=2, d=8, dtype=torch.float32):
     gen = gen_for(0)
-    return randn(gen, B, S, H, d, dtype=dtype), randn(gen, B, S, Hk, d, dtype=dtype), \
-        randn(gen, B, S, Hk, d, dtype=dtype)
+    return (
+        randn(gen, B, S, H, d, dtype=dtype),
+        randn(gen, B, S, Hk, d, dtype=dtype),
+        randn(gen, B, S, Hk, d, dtype=dtype),
+    )
 
 
 def test_errors_dense():
@@ -808,19 +855,20 @@ def test_errors_kvcache():
     with pytest.raises(ValueError, match="number of heads in k_cache"):
         flash_attn_with_kvcache(q[:, :, :3], kc, vc, cache_seqlens=lens)
     with pytest.raises(ValueError, match="cache_batch_idx entries"):
-        flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens,
-                                cache_batch_idx=torch.tensor([0, 1, 3], dtype=torch.int32))
+        flash_attn_with_kvcache(
+            q, kc, vc, cache_seqlens=lens, cache_batch_idx=torch.tensor([0, 1, 3], dtype=torch.int32)
+        )
     with pytest.raises(TypeError, match="cache_leftpad must have dtype torch.int32"):
         flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, cache_leftpad=lens.long())
     cos = torch.ones(16, 2)
     with pytest.raises(ValueError, match="rotary_cos/rotary_sin need the new k"):
         flash_attn_with_kvcache(q, kc, vc, rotary_cos=cos, rotary_sin=cos, cache_seqlens=lens)
     with pytest.raises(ValueError, match="rotary_cos has 5 positions"):
-        flash_attn_with_kvcache(q, kc, vc, k, v, rotary_cos=cos[:5], rotary_sin=cos[:5],
-                                cache_seqlens=lens)
+        flash_attn_with_kvcache(q, kc, vc, k, v, rotary_cos=cos[:5], rotary_sin=cos[:5], cache_seqlens=lens)
     with pytest.raises(ValueError, match="rotary_dim"):
-        flash_attn_with_kvcache(q, kc, vc, k, v, rotary_cos=torch.ones(16, 5),
-                                rotary_sin=torch.ones(16, 5), cache_seqlens=lens)
+        flash_attn_with_kvcache(
+            q, kc, vc, k, v, rotary_cos=torch.ones(16, 5), rotary_sin=torch.ones(16, 5), cache_seqlens=lens
+        )
     pages = torch.zeros(6, 4, 2, 8)
     bt = torch.tensor([[0, 1], [2, 3], [4, 5]], dtype=torch.int32)
     with pytest.raises(TypeError, match="block_table must have dtype torch.int32"):
@@ -830,7 +878,8 @@ def test_errors_kvcache():
     with pytest.raises(ValueError, match="block_table entries"):
         flash_attn_with_kvcache(q, pages, pages, cache_seqlens=lens, block_table=bt + 1)
     with pytest.raises(ValueError, match="cache_batch_idx is not supported"):
-        flash_attn_with_kvcache(q, pages, pages, cache_seqlens=lens, block_table=bt,
-                                cache_batch_idx=torch.arange(3, dtype=torch.int32))
+        flash_attn_with_kvcache(
+            q, pages, pages, cache_seqlens=lens, block_table=bt, cache_batch_idx=torch.arange(3, dtype=torch.int32)
+        )
     with pytest.raises(ValueError, match="cache overflow"):
         flash_attn_with_kvcache(q, pages, pages, k, v, cache_seqlens=6, block_table=bt)

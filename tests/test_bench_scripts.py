@@ -1,5 +1,6 @@
 """CPU smoke tests of benchmarks/bench_generate.py and benchmarks/eval_quality.py (tiny random Llamas,
 no downloads: the asset fetchers are patched to fail)."""
+
 import json
 import sys
 from pathlib import Path
@@ -30,15 +31,25 @@ class ByteTokenizer:
     def __call__(self, text, return_tensors=None):
         class Out:
             input_ids = torch.tensor([list(text.encode())]) % VOCAB
+
         return Out()
 
 
 def tiny_smol():
     from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=4096,
-                      tie_word_embeddings=True)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+    )
     return LlamaForCausalLM(cfg).eval()
 
 
@@ -65,9 +76,28 @@ def test_eval_quality_text_both_paths(tmp_path, monkeypatch):
     text.write_text(" ".join(words[i] for i in torch.randint(0, len(words), (900,), generator=g).tolist()))
     out = tmp_path / "out"
     cfg = eval_quality.UNCALIBRATED_DEFAULT
-    rc = eval_quality.main([str(text), "--data", str(data), "--quick", "--device", "cpu", "--threads", "1",
-                            "--configs", f"full,{cfg}", "--path", "both", "--product-configs", cfg,
-                            "--product-decode", "12", "--out", str(out)])
+    rc = eval_quality.main(
+        [
+            str(text),
+            "--data",
+            str(data),
+            "--quick",
+            "--device",
+            "cpu",
+            "--threads",
+            "1",
+            "--configs",
+            f"full,{cfg}",
+            "--path",
+            "both",
+            "--product-configs",
+            cfg,
+            "--product-decode",
+            "12",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0
     res = json.loads((out / "quality.json").read_text())
     assert res["text"] == "text.txt"
@@ -93,6 +123,7 @@ def test_tq_cache_rejects_simulation_only_configs():
 
 def test_timed_attention_restores_the_interface():
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
     model = tiny_smol()
     model.set_attn_implementation("sdpa")
     before = ALL_ATTENTION_FUNCTIONS["sdpa"]
@@ -106,8 +137,22 @@ def test_timed_attention_restores_the_interface():
 
 def test_bench_generate_quick(tmp_path):
     out = tmp_path / "gen"
-    assert bench_generate.main(["--quick", "--models", "llama8b", "--variants", "dynamic,static,tq",
-                                "--profile-steps", "1", "--out", str(out)]) == 0
+    assert (
+        bench_generate.main(
+            [
+                "--quick",
+                "--models",
+                "llama8b",
+                "--variants",
+                "dynamic,static,tq",
+                "--profile-steps",
+                "1",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     res = json.loads((out / "generate.json").read_text())
     assert {"gpu", "torch", "cuda", "commit"} <= set(res["meta"])
     (row,) = res["rows"]

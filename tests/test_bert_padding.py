@@ -178,9 +178,8 @@ def test_varlen_attention_on_unpadded_batch():
         n = int(mask[b].sum())
         assert (out[b, n:] == 0).all()
         if n:
-            ref = flash_attn_tq.flash_attn_func(q[b:b + 1, :n], k[b:b + 1, :n], v[b:b + 1, :n],
-                                                causal=True)
-            torch.testing.assert_close(out[b:b + 1, :n], ref, atol=1e-5, rtol=1e-5)
+            ref = flash_attn_tq.flash_attn_func(q[b : b + 1, :n], k[b : b + 1, :n], v[b : b + 1, :n], causal=True)
+            torch.testing.assert_close(out[b : b + 1, :n], ref, atol=1e-5, rtol=1e-5)
 
 
 def test_drop_in_imports():
@@ -196,7 +195,11 @@ def test_drop_in_imports():
         "assert u2.__name__ == 'unpad_input' and r2.__name__ == 'apply_rotary_emb'\n"
         "print('ok')\n"
     )
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         cwd=str(pathlib.Path(__file__).resolve().parents[1]))
+    res = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=str(pathlib.Path(__file__).resolve().parents[1]),
+    )
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "ok"

@@ -3,6 +3,7 @@
 Ground truth is kept in dense float tensors next to the cache; slot addresses of the paged layout
 are recomputed here from the block table; expected codes come from the quantizers directly.
 """
+
 import io
 import math
 import zlib
@@ -57,8 +58,8 @@ def fill(cache, seed, prefill=29, steps=9, dtype=torch.float16, scale=1.7, use_t
         else:
             cache.append(k, v, batch_idx=bidx)
         for i, r in enumerate(rows):
-            t.k[r, t.lens[r]:t.lens[r] + n] = k[i].float()
-            t.v[r, t.lens[r]:t.lens[r] + n] = v[i].float()
+            t.k[r, t.lens[r] : t.lens[r] + n] = k[i].float()
+            t.v[r, t.lens[r] : t.lens[r] + n] = v[i].float()
             t.lens[r] += n
 
     if prefill:
@@ -81,13 +82,13 @@ def slot(cache, b, p):
 
 # ----------------------------------------------------------------------------- writing
 
+
 @pytest.mark.parametrize("quantizer", ["turbo", "asym"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_append_stores_quantizer_output(layout, quantizer):
     kbits, vbits = (3, 3) if quantizer == "turbo" else (4, 2)
     cache = make_cache(layout, quantizer=quantizer, k_bits=kbits, v_bits=vbits, table_seed=len(layout))
-    t = fill(cache, seed=zlib.crc32(f"{layout}/{quantizer}".encode()) % 1000,
-             use_tensor_seqlens=(layout != "paged32"))
+    t = fill(cache, seed=zlib.crc32(f"{layout}/{quantizer}".encode()) % 1000, use_tensor_seqlens=(layout != "paged32"))
     assert cache.seqlens.dtype == torch.int32
     assert cache.seqlens.tolist() == t.lens
     assert len(set(t.lens)) > 1  # rows really differ
@@ -104,7 +105,7 @@ def test_append_stores_quantizer_output(layout, quantizer):
             got = codes_store[rows, cols]  # [L, H, bytes]
             assert torch.equal(unpack_codes(got, bits, d), exp_codes)
             assert torch.equal(got, pack_codes(exp_codes, bits))
-            assert torch.equal(meta_store[rows, cols], exp_meta[..., :meta_store.shape[-1]])
+            assert torch.equal(meta_store[rows, cols], exp_meta[..., : meta_store.shape[-1]])
         # gather() gives the same thing in a contiguous view, zeros beyond seqlens
         gth = cache.gather()
         for b, L in enumerate(t.lens):
@@ -149,7 +150,7 @@ def test_dequantize_matches_quantizer(layout, quantizer, grid):
     for b, L in enumerate(t.lens):
         for x, got, gotr, qz in ((t.k, k, kr, cache.k_quantizer), (t.v, v, vr, cache.v_quantizer)):
             codes, meta = qz.quantize(x[b, :L])
-            meta = meta[..., :cache.k_meta.shape[-1]]  # (scale-only: the offset is implied)
+            meta = meta[..., : cache.k_meta.shape[-1]]  # (scale-only: the offset is implied)
             torch.testing.assert_close(got[b, :L], qz.dequantize(codes, meta), rtol=0, atol=1e-6)
             torch.testing.assert_close(gotr[b, :L], qz.dequantize_rotated(codes, meta), rtol=0, atol=1e-6)
             assert torch.equal(got[b, L:], torch.zeros_like(got[b, L:]))
@@ -196,7 +197,7 @@ def test_fp16_window(layout, quantizer):
         assert torch.equal(k[b, :lo], kq[b, :lo]) and torch.equal(v[b, :lo], vq[b, :lo])
         # the quantized copy of the window tokens was written too, and differs from the window
         codes, meta = cache.k_quantizer.quantize(t.k[b, :L])
-        meta = meta[..., :cache.k_meta.shape[-1]]
+        meta = meta[..., : cache.k_meta.shape[-1]]
         torch.testing.assert_close(kq[b, :L], cache.k_quantizer.dequantize(codes, meta), rtol=0, atol=1e-6)
         assert (kq[b, lo:L] - t.k[b, lo:L]).abs().max() > 1e-3
         assert torch.equal(k[b, L:], torch.zeros_like(k[b, L:]))
@@ -241,16 +242,29 @@ def test_quantized_window(layout, quantizer, window_bits):
             codes, _ = wq.quantize(t.k[b, p])
             assert torch.equal(cache.k_window[b, p % R], pack_codes(codes, window_bits))
     n1 = t.lens[1]
-    err = lambda x: (x[1, n1 - R:n1] - t.k[1, n1 - R:n1]).norm()  # noqa: E731
+    err = lambda x: (x[1, n1 - R : n1] - t.k[1, n1 - R : n1]).norm()  # noqa: E731
     assert (err(k) < err(kq)) == (window_bits > cache.k_bits)  # 4 bits: closer than the main 3-bit codes
-    assert cache.nbytes == sum(x.numel() * x.element_size() for x in (
-        cache.k_codes, cache.v_codes, cache.k_meta, cache.v_meta, cache.k_window, cache.v_window,
-        cache.k_window_meta, cache.v_window_meta))
+    assert cache.nbytes == sum(
+        x.numel() * x.element_size()
+        for x in (
+            cache.k_codes,
+            cache.v_codes,
+            cache.k_meta,
+            cache.v_meta,
+            cache.k_window,
+            cache.v_window,
+            cache.k_window_meta,
+            cache.v_window_meta,
+        )
+    )
 
 
-@pytest.mark.xfail(strict=True, reason="fp16 window after a rollback (append at cache_seqlens < seqlens): ring "
-                   "slots of positions [start + n - R, start) still hold newer, discarded tokens and are "
-                   "returned as if they were those positions")
+@pytest.mark.xfail(
+    strict=True,
+    reason="fp16 window after a rollback (append at cache_seqlens < seqlens): ring "
+    "slots of positions [start + n - R, start) still hold newer, discarded tokens and are "
+    "returned as if they were those positions",
+)
 def test_fp16_window_after_rollback():
     R = 8
     cache = QuantizedKVCache(1, 64, 1, 64, quantizer="asym", fp16_window=R)
@@ -266,10 +280,17 @@ def test_fp16_window_after_rollback():
 
 # ----------------------------------------------------------------------------- sizes
 
-@pytest.mark.parametrize("d,kb,vb,R,layout", [
-    (128, 3, 3, 0, "contiguous"), (64, 3, 3, 0, "contiguous"), (128, 4, 3, 0, "paged16"),
-    (64, 2, 4, 8, "contiguous"), (128, 3, 3, 16, "paged32-shuffled"),
-])
+
+@pytest.mark.parametrize(
+    "d,kb,vb,R,layout",
+    [
+        (128, 3, 3, 0, "contiguous"),
+        (64, 3, 3, 0, "contiguous"),
+        (128, 4, 3, 0, "paged16"),
+        (64, 2, 4, 8, "contiguous"),
+        (128, 3, 3, 16, "paged32-shuffled"),
+    ],
+)
 def test_nbytes_and_compression(d, kb, vb, R, layout):
     B, S, H = 3, 83, 2
     cache = make_cache(layout, B=B, S=S, H=H, d=d, k_bits=kb, v_bits=vb, fp16_window=R)
@@ -297,26 +318,33 @@ def test_compression_ratio_3bit_128():
 
 # ----------------------------------------------------------------------------- state_dict / to
 
+
 def assert_same_cache(a, b):
     for name in QuantizedKVCache._TENSORS:
         ta, tb = getattr(a, name), getattr(b, name)
         assert (ta is None) == (tb is None), name
         if ta is not None:
-            assert torch.equal(ta, tb) or (ta.is_floating_point() and torch.equal(ta.isnan(), tb.isnan())
-                                           and torch.equal(ta.nan_to_num(), tb.nan_to_num())), name
+            assert torch.equal(ta, tb) or (
+                ta.is_floating_point()
+                and torch.equal(ta.isnan(), tb.isnan())
+                and torch.equal(ta.nan_to_num(), tb.nan_to_num())
+            ), name
     ka, va = a.dequantize()
     kb, vb = b.dequantize()
     assert torch.equal(ka, kb) and torch.equal(va, vb)
 
 
-@pytest.mark.parametrize("kw", [
-    dict(layout="contiguous", quantizer="turbo", fp16_window=4),
-    dict(layout="paged32", quantizer="asym", fp16_window=5, window_bits=4),
-    dict(layout="paged16-shuffled", quantizer="asym", streaming=True, dtype=torch.bfloat16),
-    dict(layout="paged32", quantizer="turbo", grid="lloyd_max", k_bits=4, v_bits=2, seed=5),
-    dict(layout="paged64-shuffled", quantizer="turbo", seed=3),
-    dict(layout="paged16-shuffled", quantizer="turbo", scale_only=True, k_bits=4),
-])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(layout="contiguous", quantizer="turbo", fp16_window=4),
+        dict(layout="paged32", quantizer="asym", fp16_window=5, window_bits=4),
+        dict(layout="paged16-shuffled", quantizer="asym", streaming=True, dtype=torch.bfloat16),
+        dict(layout="paged32", quantizer="turbo", grid="lloyd_max", k_bits=4, v_bits=2, seed=5),
+        dict(layout="paged64-shuffled", quantizer="turbo", seed=3),
+        dict(layout="paged16-shuffled", quantizer="turbo", scale_only=True, k_bits=4),
+    ],
+)
 def test_state_dict_roundtrip(kw):
     kw = dict(kw)
     layout = kw.pop("layout")
@@ -344,9 +372,20 @@ def test_state_dict_roundtrip(kw):
     assert_same_cache(src, new)
 
 
-@pytest.mark.parametrize("change", [dict(k_bits=4), dict(head_dim=128), dict(max_seqlen=84), dict(fp16_window=2),
-                                    dict(quantizer="asym"), dict(seed=1), dict(grid="lloyd_max"),
-                                    dict(dtype=torch.bfloat16), dict(page_size=16)])
+@pytest.mark.parametrize(
+    "change",
+    [
+        dict(k_bits=4),
+        dict(head_dim=128),
+        dict(max_seqlen=84),
+        dict(fp16_window=2),
+        dict(quantizer="asym"),
+        dict(seed=1),
+        dict(grid="lloyd_max"),
+        dict(dtype=torch.bfloat16),
+        dict(page_size=16),
+    ],
+)
 def test_load_into_different_config_raises(change):
     base = dict(batch_size=3, max_seqlen=83, num_kv_heads=2, head_dim=64)
     src = QuantizedKVCache(**base)
@@ -371,6 +410,7 @@ def test_to_cpu():
 
 
 # ----------------------------------------------------------------------------- streaming asym
+
 
 def test_streaming_cache_updates_range():
     alpha = 0.8
@@ -409,6 +449,7 @@ def test_streaming_cache_updates_range():
 
 
 # ----------------------------------------------------------------------------- errors
+
 
 def test_overflow():
     cache = QuantizedKVCache(2, 10, 1, 32, quantizer="asym")
@@ -531,7 +572,7 @@ def test_scale_only_metadata(k_bits, v_bits):
         # the stored offset's float16 rounding (2^-11 relative), common to a rotated vector's elements,
         # lands on one element after the inverse Hadamard transform (x sqrt(64))
         offset = meta[..., 0].float().abs().amax() * ((1 << bits) - 1) / 2
-        torch.testing.assert_close(a, b, rtol=0, atol=float(offset) * 2 ** -11 * 8)
+        torch.testing.assert_close(a, b, rtol=0, atol=float(offset) * 2**-11 * 8)
     for bad in (dict(quantizer="asym"), dict(fit="mean"), dict(grid="lloyd_max")):
         with pytest.raises(ValueError, match="scale_only"):
             QuantizedKVCache(1, 8, 1, 64, scale_only=True, **bad)

@@ -1,4 +1,5 @@
 """CpuQuantizedKVCache: int8 keys + low-bit values, blockwise CPU decode attention."""
+
 import math
 
 import pytest
@@ -57,8 +58,9 @@ def test_ragged_rows_batch_idx_and_causal_chunk():
     rows = torch.tensor([3, 1], dtype=torch.int32)
     k, v = make_kv(gen, 2, 5, hk, d)
     q = torch.randn(2, 5, hq, d, generator=gen, dtype=torch.float16)
-    out, lse = fa.flash_attn_with_kvcache(q, cache, k=k, v=v, cache_batch_idx=rows, causal=True,
-                                          return_softmax_lse=True)
+    out, lse = fa.flash_attn_with_kvcache(
+        q, cache, k=k, v=v, cache_batch_idx=rows, causal=True, return_softmax_lse=True
+    )
     assert out.dtype == torch.float16
     assert cache.seqlens.tolist() == [37, 206, 1, 134]
     kd, vd = cache.dequantize(rows.long())
@@ -101,8 +103,9 @@ def test_rotary_matches_rotating_outside():
     ang = torch.arange(32).float()[:, None] * (1.0 / 10000 ** (torch.arange(0, d, 2).float() / d))
     cos, sin = ang.cos(), ang.sin()
     a = CpuQuantizedKVCache(B, 32, hk, d)
-    out = fa.flash_attn_with_kvcache(q, a, k=k, v=v, rotary_cos=cos, rotary_sin=sin, causal=True,
-                                     rotary_interleaved=False)
+    out = fa.flash_attn_with_kvcache(
+        q, a, k=k, v=v, rotary_cos=cos, rotary_sin=sin, causal=True, rotary_interleaved=False
+    )
     pos = torch.arange(n).expand(B, n)
     kr = baseline.rotary_at(k, cos, sin, pos, False)
     qr = baseline.rotary_at(q, cos, sin, pos, False)
@@ -182,15 +185,23 @@ def test_bad_inputs_name_the_argument():
 def test_bench_cpu_smoke(tmp_path, monkeypatch):
     import sys
     from pathlib import Path
+
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import bench_cpu
+
     rows = bench_cpu.timing(1, 64, 4, 2, 64, repeats=1, ref_repeats=1)
     names = [r["name"] for r in rows]
     assert names[0] == "SDPA float16 K/V" and any("reference path" in n for n in names)
     assert all(r["ms"] > 0 for r in rows)
     monkeypatch.setattr(bench_cpu, "RESULTS", tmp_path)
     stamp = dict(cpu="x", cpus=2, threads=[1], torch=torch.__version__, commit="abc", load_avg=0.0, date="now")
-    bench_cpu.write(dict(stamp=stamp, shape=dict(batch=1, seqlen=64, heads_q=4, heads_kv=2, head_dim=64),
-                         repeats=1, timing={"1": rows}))
+    bench_cpu.write(
+        dict(
+            stamp=stamp,
+            shape=dict(batch=1, seqlen=64, heads_q=4, heads_kv=2, head_dim=64),
+            repeats=1,
+            timing={"1": rows},
+        )
+    )
     assert "CpuQuantizedKVCache" in (tmp_path / "cpu.md").read_text()
     assert (tmp_path / "cpu.json").exists()

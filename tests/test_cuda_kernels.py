@@ -2,6 +2,7 @@
 
 Run on the device: ``python -m pytest tests/test_cuda_kernels.py -q``.
 """
+
 from __future__ import annotations
 
 import zlib
@@ -16,13 +17,30 @@ from gpu_cases import DECODE_CASES, DEV, PREFILL_CASES, poison_allocator, shuffl
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available() or not ops.extension_available(),
-                       reason="needs a CUDA GPU and the flash_attn_tq_cuda extension"),
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or not ops.extension_available(),
+        reason="needs a CUDA GPU and the flash_attn_tq_cuda extension",
+    ),
 ]
 
 
-def _make_cache(batch, seqlens, kv_heads, d, *, quantizer="turbo", k_bits=3, v_bits=3, dtype=torch.float16,
-                page_size=None, window=0, window_bits=16, seed=0, max_seqlen=None, shuffle_blocks=False):
+def _make_cache(
+    batch,
+    seqlens,
+    kv_heads,
+    d,
+    *,
+    quantizer="turbo",
+    k_bits=3,
+    v_bits=3,
+    dtype=torch.float16,
+    page_size=None,
+    window=0,
+    window_bits=16,
+    seed=0,
+    max_seqlen=None,
+    shuffle_blocks=False,
+):
     """A GPU cache filled through the pack kernel with random K/V; returns (cache, k_full, v_full).
     quantizer "turbo-scale": turbo with scale-only metadata."""
     scale_only = quantizer == "turbo-scale"
@@ -31,34 +49,63 @@ def _make_cache(batch, seqlens, kv_heads, d, *, quantizer="turbo", k_bits=3, v_b
     max_len = max_seqlen or max(seqlens) + 3
     shuffled = page_size is not None and shuffle_blocks
     block_table = shuffled_block_table(batch, max_len, page_size, seed) if shuffled else None
-    cache = QuantizedKVCache(batch, max_len, kv_heads, d, k_bits=k_bits, v_bits=v_bits, quantizer=quantizer,
-                             page_size=page_size, block_table=block_table, fp16_window=window,
-                             window_bits=window_bits, dtype=dtype,
-                             device=DEV, seed=seed, scale_only=scale_only)
+    cache = QuantizedKVCache(
+        batch,
+        max_len,
+        kv_heads,
+        d,
+        k_bits=k_bits,
+        v_bits=v_bits,
+        quantizer=quantizer,
+        page_size=page_size,
+        block_table=block_table,
+        fp16_window=window,
+        window_bits=window_bits,
+        dtype=dtype,
+        device=DEV,
+        seed=seed,
+        scale_only=scale_only,
+    )
     L = max(seqlens)
     k = (torch.randn(batch, L, kv_heads, d, device=DEV, generator=gen) * 1.5 + 0.3).to(dtype)
     v = torch.randn(batch, L, kv_heads, d, device=DEV, generator=gen).to(dtype)
     for b, n in enumerate(seqlens):
         idx = torch.tensor([b], dtype=torch.int32, device=DEV)
         if n:
-            cache.append(k[b:b + 1, :n], v[b:b + 1, :n], cache_seqlens=0, batch_idx=idx)
+            cache.append(k[b : b + 1, :n], v[b : b + 1, :n], cache_seqlens=0, batch_idx=idx)
     return cache, k, v
 
 
 def _reference(q, cache, seqlens_total, causal, softmax_scale=None, window_size=(-1, -1), **extra):
     """float32 attention over the dequantized cache (the quantized reference path, on a CPU copy)."""
-    cpu = QuantizedKVCache.from_state_dict({k: (v.cpu() if torch.is_tensor(v) else v)
-                                            for k, v in cache.state_dict().items()}, device="cpu")
+    cpu = QuantizedKVCache.from_state_dict(
+        {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in cache.state_dict().items()}, device="cpu"
+    )
     kd, vd = cpu.dequantize()
-    out, lse = baseline.attention_reference(q.float().cpu(), kd, vd, softmax_scale=softmax_scale, causal=causal,
-                                            key_lengths=seqlens_total.cpu(), window_size=window_size, **extra)
+    out, lse = baseline.attention_reference(
+        q.float().cpu(),
+        kd,
+        vd,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        key_lengths=seqlens_total.cpu(),
+        window_size=window_size,
+        **extra,
+    )
     # what a 16-bit kernel computes: the codes' domain (rotated for turbo), inputs and output rounded
     # to q's dtype. The fused kernel may err at most about twice as much as this does.
     dt = q.dtype
     kr, vr = cpu.dequantize(rotated=True)
-    out_lp, lse_lp = baseline.attention_reference(cpu.rotate_query(q.cpu()), kr.to(dt), vr.to(dt),
-                                                  softmax_scale=softmax_scale, causal=causal,
-                                                  key_lengths=seqlens_total.cpu(), window_size=window_size, **extra)
+    out_lp, lse_lp = baseline.attention_reference(
+        cpu.rotate_query(q.cpu()),
+        kr.to(dt),
+        vr.to(dt),
+        softmax_scale=softmax_scale,
+        causal=causal,
+        key_lengths=seqlens_total.cpu(),
+        window_size=window_size,
+        **extra,
+    )
     return out, lse, cpu.unrotate_output(out_lp.to(dt)).to(dt).float(), lse_lp
 
 
@@ -83,8 +130,9 @@ def _check_against_reference(q, cache, out, lse, causal, window_size=(-1, -1), *
 def test_decode_matches_reference(dtype, d, bits, quantizer, case):
     batch, seqlens, hq, hk, sq = case
     seed = zlib.crc32(repr((str(dtype), d, bits, quantizer, seqlens, sq)).encode()) % 10000  # stable across runs
-    cache, _, _ = _make_cache(batch, seqlens, hk, d, quantizer=quantizer, k_bits=bits[0], v_bits=bits[1],
-                              dtype=dtype, seed=seed)
+    cache, _, _ = _make_cache(
+        batch, seqlens, hk, d, quantizer=quantizer, k_bits=bits[0], v_bits=bits[1], dtype=dtype, seed=seed
+    )
     q = torch.randn(batch, sq, hq, d, device=DEV, generator=torch.Generator(device=DEV).manual_seed(seed + 1)).to(dtype)
     causal = sq > 1
     poison_allocator()
@@ -107,8 +155,9 @@ def test_prefill_matches_reference(dtype, d, bits, quantizer, case, wgmma, monke
     batch, seqlens, hq, hk, sq, causal = case
     assert (hq // hk) * sq >= ops.PREFILL_MIN_ROWS
     seed = zlib.crc32(repr(("prefill", str(dtype), d, bits, quantizer, seqlens, sq)).encode()) % 10000
-    cache, _, _ = _make_cache(batch, seqlens, hk, d, quantizer=quantizer, k_bits=bits[0], v_bits=bits[1],
-                              dtype=dtype, seed=seed)
+    cache, _, _ = _make_cache(
+        batch, seqlens, hk, d, quantizer=quantizer, k_bits=bits[0], v_bits=bits[1], dtype=dtype, seed=seed
+    )
     q = torch.randn(batch, sq, hq, d, device=DEV, generator=torch.Generator(device=DEV).manual_seed(seed + 1)).to(dtype)
     poison_allocator()
     out, lse = fa.flash_attn_with_kvcache(q, cache, causal=causal, return_softmax_lse=True)
@@ -146,8 +195,7 @@ def test_8bit_keys_with_bfloat16_take_the_reference_path():
 def test_long_cache(seqlen_q, page_size):
     """A 128K-token cache (odd length), decode and 256- and 1200-row prefill chunks (on Hopper the
     latter run the wgmma variant), contiguous and paged."""
-    cache, _, _ = _make_cache(1, [131071], 2, 128, page_size=page_size, shuffle_blocks=True, seed=31,
-                              max_seqlen=131072)
+    cache, _, _ = _make_cache(1, [131071], 2, 128, page_size=page_size, shuffle_blocks=True, seed=31, max_seqlen=131072)
     q = torch.randn(1, seqlen_q, 8, 128, device=DEV, dtype=torch.float16)
     poison_allocator()
     out, lse = fa.flash_attn_with_kvcache(q, cache, causal=True, return_softmax_lse=True)
@@ -163,11 +211,19 @@ def test_local_window_on_the_fused_kernels(window, causal, seqlen_q, num_splits)
     (64 / 300 queries x 4 heads a kv head = 256 / 1200 rows: the mma.sync / wgmma variant on Hopper),
     against float32 attention with the same window."""
     cache, _, _ = _make_cache(2, [700, 1500], 2, 128, seed=23)
-    q = torch.randn(2, seqlen_q, 8, 128, device=DEV, dtype=torch.float16,
-                    generator=torch.Generator(device=DEV).manual_seed(seqlen_q))
+    q = torch.randn(
+        2,
+        seqlen_q,
+        8,
+        128,
+        device=DEV,
+        dtype=torch.float16,
+        generator=torch.Generator(device=DEV).manual_seed(seqlen_q),
+    )
     poison_allocator()
-    out, lse = fa.flash_attn_with_kvcache(q, cache, causal=causal, window_size=window, num_splits=num_splits,
-                                         return_softmax_lse=True)
+    out, lse = fa.flash_attn_with_kvcache(
+        q, cache, causal=causal, window_size=window, num_splits=num_splits, return_softmax_lse=True
+    )
     assert fa.last_path() == "quantized:fused-cuda"
     _check_against_reference(q, cache, out, lse, causal, window_size=window)
 
@@ -177,16 +233,25 @@ def test_local_window_on_the_fused_kernels(window, causal, seqlen_q, num_splits)
 def test_leftpad_and_softcap_on_the_fused_kernels(extra, seqlen_q):
     """cache_leftpad (keys before it are padding) and softcap in the decode and prefill kernels."""
     cache, _, _ = _make_cache(2, [700, 1500], 2, 128, seed=29)
-    q = torch.randn(2, seqlen_q, 8, 128, device=DEV, dtype=torch.float16,
-                    generator=torch.Generator(device=DEV).manual_seed(seqlen_q + 5))
+    q = torch.randn(
+        2,
+        seqlen_q,
+        8,
+        128,
+        device=DEV,
+        dtype=torch.float16,
+        generator=torch.Generator(device=DEV).manual_seed(seqlen_q + 5),
+    )
     leftpad = torch.tensor([3, 611], dtype=torch.int32, device=DEV) if extra != "softcap" else None
     softcap = 4.0 if extra != "leftpad" else 0.0
     poison_allocator()
-    out, lse = fa.flash_attn_with_kvcache(q, cache, causal=True, cache_leftpad=leftpad, softcap=softcap,
-                                         return_softmax_lse=True)
+    out, lse = fa.flash_attn_with_kvcache(
+        q, cache, causal=True, cache_leftpad=leftpad, softcap=softcap, return_softmax_lse=True
+    )
     assert fa.last_path() == "quantized:fused-cuda"
-    _check_against_reference(q, cache, out, lse, True, softcap=softcap,
-                             key_start=None if leftpad is None else leftpad.cpu())
+    _check_against_reference(
+        q, cache, out, lse, True, softcap=softcap, key_start=None if leftpad is None else leftpad.cpu()
+    )
 
 
 @pytest.mark.parametrize("num_splits", [1, 3, 0])
@@ -203,7 +268,9 @@ def test_prefill_paged_equals_contiguous(num_splits, page_size, seqlen_q):
     q = torch.randn(2, seqlen_q, 8, 128, device=DEV, dtype=torch.float16)
     poison_allocator()
     out_p, lse_p = fa.flash_attn_with_kvcache(q, paged, causal=True, num_splits=num_splits, return_softmax_lse=True)
-    out_c, lse_c = fa.flash_attn_with_kvcache(q, contiguous, causal=True, num_splits=num_splits, return_softmax_lse=True)
+    out_c, lse_c = fa.flash_attn_with_kvcache(
+        q, contiguous, causal=True, num_splits=num_splits, return_softmax_lse=True
+    )
     assert torch.equal(out_p, out_c) and torch.equal(lse_p, lse_c)
     _check_against_reference(q, contiguous, out_c, lse_c, True)
 
@@ -213,8 +280,9 @@ def test_prefill_paged_equals_contiguous(num_splits, page_size, seqlen_q):
 @pytest.mark.parametrize("quantizer", ["turbo", "turbo-scale"])
 def test_decode_paged_and_splits(num_splits, page_size, quantizer):
     seqlens = [1, 600, 4097]
-    cache, _, _ = _make_cache(3, seqlens, 4, 128, page_size=page_size, shuffle_blocks=True, seed=num_splits + 7,
-                              quantizer=quantizer)
+    cache, _, _ = _make_cache(
+        3, seqlens, 4, 128, page_size=page_size, shuffle_blocks=True, seed=num_splits + 7, quantizer=quantizer
+    )
     q = torch.randn(3, 1, 16, 128, device=DEV, dtype=torch.float16)
     poison_allocator()
     out = fa.flash_attn_with_kvcache(q, cache, num_splits=num_splits)
@@ -248,8 +316,9 @@ def test_paged_token_major_layout(page_size, seqlen_q):
     token-major pool ([blocks, page, heads, bytes] contiguous: a head's tokens are not adjacent)
     takes the per-token copies: both give the same bits, decode and prefill."""
     seqlens = [700, 1500]
-    cache, _, _ = _make_cache(2, seqlens, 2, 128, page_size=page_size, shuffle_blocks=True, seed=13,
-                              quantizer="turbo-scale", max_seqlen=1536)
+    cache, _, _ = _make_cache(
+        2, seqlens, 2, 128, page_size=page_size, shuffle_blocks=True, seed=13, quantizer="turbo-scale", max_seqlen=1536
+    )
     q = torch.randn(2, seqlen_q, 8, 128, device=DEV, dtype=torch.float16)
     signs = cache.k_quantizer.signs_on(q.device)
     tensors = (cache.k_codes, cache.k_meta, cache.v_codes, cache.v_meta)
@@ -257,9 +326,28 @@ def test_paged_token_major_layout(page_size, seqlen_q):
     outs = []
     for k_codes, k_meta, v_codes, v_meta in (tensors, tuple(t.contiguous() for t in tensors)):
         poison_allocator()
-        outs.append(torch.ops.flash_attn_tq.decode_kvcache(
-            q, k_codes, k_meta, v_codes, v_meta, cache.seqlens, None, cache.block_table, signs, 3, 3,
-            128 ** -0.5, True, 0, -1, -1, None, 0.0))
+        outs.append(
+            torch.ops.flash_attn_tq.decode_kvcache(
+                q,
+                k_codes,
+                k_meta,
+                v_codes,
+                v_meta,
+                cache.seqlens,
+                None,
+                cache.block_table,
+                signs,
+                3,
+                3,
+                128**-0.5,
+                True,
+                0,
+                -1,
+                -1,
+                None,
+                0.0,
+            )
+        )
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
     _check_against_reference(q, cache, outs[0][0], outs[0][1], True)
 
@@ -273,8 +361,9 @@ def test_decode_cache_batch_idx_and_append():
     out = fa.flash_attn_with_kvcache(q, cache, k=k_new, v=v_new, cache_batch_idx=bidx)
     assert fa.last_path() == "quantized:fused-cuda"
     assert cache.seqlens.tolist() == [50, 91, 10, 301]
-    cpu = QuantizedKVCache.from_state_dict({k: (v.cpu() if torch.is_tensor(v) else v)
-                                            for k, v in cache.state_dict().items()}, device="cpu")
+    cpu = QuantizedKVCache.from_state_dict(
+        {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in cache.state_dict().items()}, device="cpu"
+    )
     kd, vd = cpu.dequantize(bidx.long().cpu())
     ref, _ = baseline.attention_reference(q.float().cpu(), kd, vd, key_lengths=cache.seqlens[bidx.long()].cpu())
     torch.testing.assert_close(out.float().cpu(), ref, atol=3e-3, rtol=0)
@@ -293,8 +382,9 @@ def test_decode_with_fp16_window_matches_reference(seqlen_q, window_bits):
     torch.testing.assert_close(out.float().cpu(), ref, atol=3e-3, rtol=0)
 
 
-@pytest.mark.parametrize("quantizer,grid", [("turbo", "uniform"), ("turbo", "lloyd_max"), ("asym", "uniform"),
-                                            ("turbo-scale", "uniform")])
+@pytest.mark.parametrize(
+    "quantizer,grid", [("turbo", "uniform"), ("turbo", "lloyd_max"), ("asym", "uniform"), ("turbo-scale", "uniform")]
+)
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -305,8 +395,18 @@ def test_pack_kernel_matches_reference_codes(quantizer, grid, bits, d, dtype):
     gen = torch.Generator(device=DEV).manual_seed(bits * 1000 + d)
     x = (torch.randn(1, n, h, d, device=DEV, generator=gen) * 2 - 0.5).to(dtype)
     scale_only = quantizer == "turbo-scale"
-    cache = QuantizedKVCache(1, n, h, d, k_bits=bits, v_bits=bits, quantizer=quantizer.removesuffix("-scale"), grid=grid,
-                             device=DEV, scale_only=scale_only)
+    cache = QuantizedKVCache(
+        1,
+        n,
+        h,
+        d,
+        k_bits=bits,
+        v_bits=bits,
+        quantizer=quantizer.removesuffix("-scale"),
+        grid=grid,
+        device=DEV,
+        scale_only=scale_only,
+    )
     assert cache.k_meta.shape[-1] == (1 if scale_only else 2)
     cache.k_codes.fill_(0xAB)  # poison: every written byte must be overwritten
     cache.k_meta.fill_(float("nan"))
@@ -314,7 +414,7 @@ def test_pack_kernel_matches_reference_codes(quantizer, grid, bits, d, dtype):
     ref = cache.quantize(x, x)  # the PyTorch reference, same data, same device
     got_codes = fmt.unpack_codes(cache.k_codes[0, :n], bits, d)
     ref_codes = fmt.unpack_codes(ref["k_codes"][0], bits, d)
-    diff = (got_codes != ref_codes)
+    diff = got_codes != ref_codes
     # only values within float rounding of a bin edge may differ (reduction order of the norm), by one code
     assert ((got_codes - ref_codes).abs() <= 1).all()
     frac = diff.float().mean().item()
@@ -370,13 +470,17 @@ def test_unsupported_calls_fall_back_to_the_reference():
     fa.flash_attn_with_kvcache(q, cache, softcap=30.0)
     assert fa.last_path() == "quantized:fused-cuda"
     centered = QuantizedKVCache(1, 64, 2, 128, key_center=True, device=DEV)
-    centered.append(torch.randn(1, 8, 2, 128, device=DEV, dtype=torch.float16),
-                   torch.randn(1, 8, 2, 128, device=DEV, dtype=torch.float16))
+    centered.append(
+        torch.randn(1, 8, 2, 128, device=DEV, dtype=torch.float16),
+        torch.randn(1, 8, 2, 128, device=DEV, dtype=torch.float16),
+    )
     fa.flash_attn_with_kvcache(q, centered, softcap=30.0)
     assert fa.last_path().startswith("quantized:reference (softcap with key centering")
     lloyd = QuantizedKVCache(1, 64, 2, 128, grid="lloyd_max", device=DEV)
-    lloyd.append(torch.randn(1, 8, 2, 128, device=DEV, dtype=torch.float16),
-                 torch.randn(1, 8, 2, 128, device=DEV, dtype=torch.float16))
+    lloyd.append(
+        torch.randn(1, 8, 2, 128, device=DEV, dtype=torch.float16),
+        torch.randn(1, 8, 2, 128, device=DEV, dtype=torch.float16),
+    )
     fa.flash_attn_with_kvcache(q, lloyd)
     assert "Lloyd-Max" in fa.last_path()
 
@@ -385,11 +489,39 @@ def test_kernel_errors_name_the_argument():
     cache, _, _ = _make_cache(1, [40], 2, 128, seed=2)
     q = torch.randn(1, 1, 4, 128, device=DEV, dtype=torch.float16)
     with pytest.raises(RuntimeError, match="seqlens_k"):
-        torch.ops.flash_attn_tq.decode_kvcache(q, cache.k_codes, cache.k_meta, cache.v_codes, cache.v_meta,
-                                               cache.seqlens.long(), None, None, None, 3, 3, 0.1, False, 0)
+        torch.ops.flash_attn_tq.decode_kvcache(
+            q,
+            cache.k_codes,
+            cache.k_meta,
+            cache.v_codes,
+            cache.v_meta,
+            cache.seqlens.long(),
+            None,
+            None,
+            None,
+            3,
+            3,
+            0.1,
+            False,
+            0,
+        )
     with pytest.raises(RuntimeError, match="head_dim"):
-        torch.ops.flash_attn_tq.decode_kvcache(q[..., :96].contiguous(), cache.k_codes, cache.k_meta, cache.v_codes,
-                                               cache.v_meta, cache.seqlens, None, None, None, 3, 3, 0.1, False, 0)
+        torch.ops.flash_attn_tq.decode_kvcache(
+            q[..., :96].contiguous(),
+            cache.k_codes,
+            cache.k_meta,
+            cache.v_codes,
+            cache.v_meta,
+            cache.seqlens,
+            None,
+            None,
+            None,
+            3,
+            3,
+            0.1,
+            False,
+            0,
+        )
     with pytest.raises(ValueError, match="NaN"):
         bad = torch.full((1, 1, 2, 128), float("nan"), device=DEV, dtype=torch.float16)
         fa.flash_attn_with_kvcache(q, cache, k=bad, v=bad)
@@ -417,13 +549,15 @@ def test_append_checks_run_in_the_pack_kernel(page_size):
         cache.append(x, x, cache_seqlens=-1)
     assert torch.equal(cache.seqlens, before["seqlens"])
     # positions below seqlens were never touched by the failed calls
-    cpu = QuantizedKVCache.from_state_dict({k: (v.cpu() if torch.is_tensor(v) else v)
-                                            for k, v in cache.state_dict().items()}, device="cpu")
+    cpu = QuantizedKVCache.from_state_dict(
+        {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in cache.state_dict().items()}, device="cpu"
+    )
     g_now = cpu.gather()
     cache.k_codes.copy_(before["k_codes"])
     cache.k_meta.copy_(before["k_meta"])
-    cpu0 = QuantizedKVCache.from_state_dict({k: (v.cpu() if torch.is_tensor(v) else v)
-                                             for k, v in cache.state_dict().items()}, device="cpu")
+    cpu0 = QuantizedKVCache.from_state_dict(
+        {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in cache.state_dict().items()}, device="cpu"
+    )
     g_then = cpu0.gather()
     for b, n in enumerate([10, 20, 30]):
         assert torch.equal(g_now["k_codes"][b, :n], g_then["k_codes"][b, :n])
@@ -475,8 +609,9 @@ def test_varlen_mixed_batch_on_the_fused_kernel():
     """Chunked prefill (60 queries x 4 heads a kv head = 240 rows, 15 CTAs along grid.z) next to
     decode in one flash_attn_varlen_func(kv_cache=) call, against the CPU reference on a copy."""
     cache, _, _ = _make_cache(3, [500, 40, 1000], 2, 128, seed=21, max_seqlen=1400)
-    cpu = QuantizedKVCache.from_state_dict({k: (v.cpu() if torch.is_tensor(v) else v)
-                                            for k, v in cache.state_dict().items()}, device="cpu")
+    cpu = QuantizedKVCache.from_state_dict(
+        {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in cache.state_dict().items()}, device="cpu"
+    )
     n_q, n_kv = [1, 60, 7], [1, 60, 0]
     q = torch.randn(sum(n_q), 8, 128, device=DEV, dtype=torch.float16)
     k = torch.randn(sum(n_kv), 2, 128, device=DEV, dtype=torch.float16)
@@ -486,8 +621,9 @@ def test_varlen_mixed_batch_on_the_fused_kernel():
     poison_allocator()
     out, lse = fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 60, None, causal=True, kv_cache=cache)
     assert fa.last_path() == "quantized:fused-cuda"
-    ref, ref_lse = fa.flash_attn_varlen_func(q.cpu().float(), k.cpu().float(), v.cpu().float(), cu_q.cpu(),
-                                             cu_k.cpu(), 60, None, causal=True, kv_cache=cpu)
+    ref, ref_lse = fa.flash_attn_varlen_func(
+        q.cpu().float(), k.cpu().float(), v.cpu().float(), cu_q.cpu(), cu_k.cpu(), 60, None, causal=True, kv_cache=cpu
+    )
     assert cache.seqlens.tolist() == cpu.seqlens.tolist() == [501, 100, 1000]
     torch.testing.assert_close(out.float().cpu(), ref, atol=4e-3, rtol=0)
     torch.testing.assert_close(lse.cpu(), ref_lse, atol=2e-3, rtol=0)
@@ -500,5 +636,5 @@ def test_decode_kernel_many_query_rows(dtype):
     cache, _, _ = _make_cache(2, [700, 1500], 2, 128, dtype=dtype, seed=17)
     q = torch.randn(2, 257, 8, 128, device=DEV, dtype=dtype)
     poison_allocator()
-    out, lse = ops.decode(q, cache.seqlens, None, 128 ** -0.5, True, 0, **cache.kernel_args(q.shape[0]))
+    out, lse = ops.decode(q, cache.seqlens, None, 128**-0.5, True, 0, **cache.kernel_args(q.shape[0]))
     _check_against_reference(q, cache, out, lse, True)

@@ -2,6 +2,7 @@
 kernel body as the 3-bit path): our FP16 baseline, also reached through flash_attn_with_kvcache
 when upstream flash_attn is not installed.
 """
+
 from __future__ import annotations
 
 import math
@@ -16,8 +17,10 @@ from gpu_cases import DECODE_CASES, DEV, poison_allocator
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available() or not ops.extension_available(),
-                       reason="needs a CUDA GPU and the flash_attn_tq_cuda extension"),
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or not ops.extension_available(),
+        reason="needs a CUDA GPU and the flash_attn_tq_cuda extension",
+    ),
 ]
 
 
@@ -65,7 +68,7 @@ def test_kv16_decode_matches_reference(dtype, d, case):
     lens = torch.tensor(seqlens, dtype=torch.int32, device=DEV)
     causal = sq > 1
     poison_allocator()
-    out, lse = ops.decode_kv16(q, k, v, lens, None, None, d ** -0.5, causal, 0)
+    out, lse = ops.decode_kv16(q, k, v, lens, None, None, d**-0.5, causal, 0)
     ref, ref_lse, ref_lp = _references(q, k, v, lens, causal)
     out = out.float().cpu()
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
@@ -90,8 +93,8 @@ def test_kv16_paged_equals_contiguous(num_splits, page_size):
     q = torch.randn(batch, 1, 16, d, device=DEV, dtype=torch.float16)
     lens = torch.tensor(seqlens, dtype=torch.int32, device=DEV)
     poison_allocator()
-    out_c, lse_c = ops.decode_kv16(q, k, v, lens, None, None, d ** -0.5, False, num_splits)
-    out_p, lse_p = ops.decode_kv16(q, k_pages, v_pages, lens, None, block_table, d ** -0.5, False, num_splits)
+    out_c, lse_c = ops.decode_kv16(q, k, v, lens, None, None, d**-0.5, False, num_splits)
+    out_p, lse_p = ops.decode_kv16(q, k_pages, v_pages, lens, None, block_table, d**-0.5, False, num_splits)
     if num_splits:  # same splits, same tiles: the same arithmetic
         assert torch.equal(out_c, out_p) and torch.equal(lse_c, lse_p)
     ref, _, ref_lp = _references(q, k, v, lens, False)
@@ -107,11 +110,13 @@ def test_kv16_through_flash_attn_with_kvcache(monkeypatch):
     q = torch.randn(2, 1, 6, 64, device=DEV, dtype=torch.bfloat16)
     bidx = torch.tensor([3, 1], dtype=torch.int32, device=DEV)
     for seqlens in (None, 123, torch.tensor([7, 290], dtype=torch.int32, device=DEV)):
-        out, lse = fa.flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, cache_batch_idx=bidx,
-                                              return_softmax_lse=True)
+        out, lse = fa.flash_attn_with_kvcache(
+            q, k, v, cache_seqlens=seqlens, cache_batch_idx=bidx, return_softmax_lse=True
+        )
         assert fa.last_path() == "baseline:fused-kv16-cuda"
-        ref_out, ref_lse = baseline.flash_attn_with_kvcache(q, k, v, cache_seqlens=seqlens, cache_batch_idx=bidx,
-                                                            return_softmax_lse=True)
+        ref_out, ref_lse = baseline.flash_attn_with_kvcache(
+            q, k, v, cache_seqlens=seqlens, cache_batch_idx=bidx, return_softmax_lse=True
+        )
         torch.testing.assert_close(out.float(), ref_out.float(), atol=2e-2, rtol=0)
         torch.testing.assert_close(lse, ref_lse.float(), atol=1e-3, rtol=0)
     # what the kernel cannot do goes to the PyTorch baseline

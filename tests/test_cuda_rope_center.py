@@ -3,6 +3,7 @@
 
 Run on the device: ``python -m pytest tests/test_cuda_rope_center.py -q``.
 """
+
 from __future__ import annotations
 
 import zlib
@@ -17,13 +18,29 @@ from gpu_cases import DECODE_CASES, DEV, poison_allocator, shuffled_block_table
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available() or not ops.extension_available(),
-                       reason="needs a CUDA GPU and the flash_attn_tq_cuda extension"),
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or not ops.extension_available(),
+        reason="needs a CUDA GPU and the flash_attn_tq_cuda extension",
+    ),
 ]
 
 
-def _rope_cache(batch, seqlens, kv_heads, d, *, quantizer="turbo", k_bits=3, v_bits=3, dtype=torch.float16,
-                offset=0, page_size=None, seed=0, window=0, max_seqlen=None):
+def _rope_cache(
+    batch,
+    seqlens,
+    kv_heads,
+    d,
+    *,
+    quantizer="turbo",
+    k_bits=3,
+    v_bits=3,
+    dtype=torch.float16,
+    offset=0,
+    page_size=None,
+    seed=0,
+    window=0,
+    max_seqlen=None,
+):
     """A GPU cache with key_center='rope' filled through the pack kernel with post-RoPE keys whose
     pre-RoPE form has a large constant part per (row, head), as real keys have. The center is
     calibrated on each row's first append: its first half (the rest follows in a second append)."""
@@ -32,13 +49,30 @@ def _rope_cache(batch, seqlens, kv_heads, d, *, quantizer="turbo", k_bits=3, v_b
     inv_freq = 1.0 / 10000.0 ** (torch.arange(0, d, 2, device=DEV).float() / d)
     max_len = max_seqlen or max(seqlens) + 3
     block_table = shuffled_block_table(batch, max_len, page_size, seed) if page_size is not None else None
-    cache = QuantizedKVCache(batch, max_len, kv_heads, d, k_bits=k_bits, v_bits=v_bits,
-                             quantizer="turbo" if scale_only else quantizer, scale_only=scale_only, dtype=dtype,
-                             page_size=page_size, block_table=block_table, fp16_window=window, device=DEV, seed=seed,
-                             key_center="rope", rope_inv_freq=inv_freq, rope_position_offset=offset, calib_min_tokens=1)
+    cache = QuantizedKVCache(
+        batch,
+        max_len,
+        kv_heads,
+        d,
+        k_bits=k_bits,
+        v_bits=v_bits,
+        quantizer="turbo" if scale_only else quantizer,
+        scale_only=scale_only,
+        dtype=dtype,
+        page_size=page_size,
+        block_table=block_table,
+        fp16_window=window,
+        device=DEV,
+        seed=seed,
+        key_center="rope",
+        rope_inv_freq=inv_freq,
+        rope_position_offset=offset,
+        calib_min_tokens=1,
+    )
     L = max(seqlens)
     raw = torch.randn(batch, 1, kv_heads, d, device=DEV, generator=gen) * 1.5 + torch.randn(
-        batch, L, kv_heads, d, device=DEV, generator=gen)
+        batch, L, kv_heads, d, device=DEV, generator=gen
+    )
     k = rope_turn(raw, torch.arange(L, device=DEV) + offset, inv_freq).to(dtype)
     v = torch.randn(batch, L, kv_heads, d, device=DEV, generator=gen).to(dtype)
     for b, n in enumerate(seqlens):
@@ -46,15 +80,16 @@ def _rope_cache(batch, seqlens, kv_heads, d, *, quantizer="turbo", k_bits=3, v_b
         half = (n + 1) // 2
         for a, e in ((0, half), (half, n)):
             if e > a:
-                cache.append(k[b:b + 1, a:e], v[b:b + 1, a:e], cache_seqlens=a, batch_idx=idx)
+                cache.append(k[b : b + 1, a:e], v[b : b + 1, a:e], cache_seqlens=a, batch_idx=idx)
     return cache
 
 
 def _check(q, cache, out, lse, causal, seqlens):
     """The kernel against float32 attention over the dequantized keys (R(p) c added back), within
     twice what rounding q, K and V to 16 bits costs; and far from attention without the term."""
-    cpu = QuantizedKVCache.from_state_dict({k: (v.cpu() if torch.is_tensor(v) else v)
-                                            for k, v in cache.state_dict().items()}, device="cpu")
+    cpu = QuantizedKVCache.from_state_dict(
+        {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in cache.state_dict().items()}, device="cpu"
+    )
     kd, vd = cpu.dequantize()
     lens = cache.seqlens.cpu()
     ref, ref_lse = baseline.attention_reference(q.float().cpu(), kd, vd, causal=causal, key_lengths=lens)
@@ -68,16 +103,17 @@ def _check(q, cache, out, lse, causal, seqlens):
     # the term's float16 operands: one float16 rounding of its size, |q . R(p) c| <= |q| |c| (scaled)
     term = q.shape[-1] ** -0.5 * q.float().norm(dim=-1).max().item() * cpu.k_shift.norm(dim=-1).max().item()
     lse_err, lse_lp_err = (lse.cpu() - ref_lse).abs().max().item(), (lp_lse - ref_lse).abs().max().item()
-    assert lse_err <= 2 * lse_lp_err + 1e-3 + 2 ** -11 * term, (lse_err, lse_lp_err, term)
+    assert lse_err <= 2 * lse_lp_err + 1e-3 + 2**-11 * term, (lse_err, lse_lp_err, term)
     if min(seqlens) > 32:  # the term matters: without it the output is far off
         pos = torch.arange(kd.shape[1]).expand(kd.shape[0], -1)
-        bare, _ = baseline.attention_reference(q.float().cpu(), cpu.transform_keys(kd, positions=pos).float(), vd,
-                                               causal=causal, key_lengths=lens)
+        bare, _ = baseline.attention_reference(
+            q.float().cpu(), cpu.transform_keys(kd, positions=pos).float(), vd, causal=causal, key_lengths=lens
+        )
         assert (bare - ref).abs().max().item() > 4 * bound
 
 
 ROPE_CASES = DECODE_CASES + [
-    (2, [300, 1500], 8, 2, 64, True),   # 256 rows a kv head: the decode kernel serves it (no prefill kernel)
+    (2, [300, 1500], 8, 2, 64, True),  # 256 rows a kv head: the decode kernel serves it (no prefill kernel)
 ]
 
 
@@ -89,8 +125,9 @@ ROPE_CASES = DECODE_CASES + [
 def test_rope_center_decode_matches_reference(dtype, d, bits, quantizer, case):
     batch, seqlens, hq, hk, sq = case[:5]
     seed = zlib.crc32(repr(("rope", str(dtype), d, bits, quantizer, seqlens, sq)).encode()) % 10000
-    cache = _rope_cache(batch, seqlens, hk, d, quantizer=quantizer, k_bits=bits[0], v_bits=bits[1], dtype=dtype,
-                        seed=seed)
+    cache = _rope_cache(
+        batch, seqlens, hk, d, quantizer=quantizer, k_bits=bits[0], v_bits=bits[1], dtype=dtype, seed=seed
+    )
     q = torch.randn(batch, sq, hq, d, device=DEV, generator=torch.Generator(device=DEV).manual_seed(seed + 1)).to(dtype)
     causal = sq > 1
     poison_allocator()
@@ -139,8 +176,10 @@ def test_rope_center_unsupported_calls_take_the_reference():
     cache = _rope_cache(1, [100], 2, 64, seed=3)
     for kwargs in (dict(window_size=(50, 0)), dict(softcap=20.0)):
         fa.flash_attn_with_kvcache(q, cache, **kwargs)
-        assert fa.last_path() == ("quantized:reference (window_size / softcap / cache_leftpad with key_center='rope' "
-                                  "is not supported by the fused kernel)")
+        assert fa.last_path() == (
+            "quantized:reference (window_size / softcap / cache_leftpad with key_center='rope' "
+            "is not supported by the fused kernel)"
+        )
     paged16 = _rope_cache(1, [100], 2, 64, page_size=16, seed=3)
     out, lse = fa.flash_attn_with_kvcache(q, paged16, return_softmax_lse=True)
     assert "16-token pages" in fa.last_path()
@@ -150,8 +189,26 @@ def test_rope_center_unsupported_calls_take_the_reference():
 def test_rope_center_op_errors_name_the_argument():
     cache = _rope_cache(1, [40], 2, 64, seed=2)
     q = torch.randn(1, 1, 4, 64, device=DEV, dtype=torch.float16)
-    args = (q, cache.k_codes, cache.k_meta, cache.v_codes, cache.v_meta, cache.seqlens, None, None, None, 3, 3, 0.1,
-            False, 0, -1, -1, None, 0.0)
+    args = (
+        q,
+        cache.k_codes,
+        cache.k_meta,
+        cache.v_codes,
+        cache.v_meta,
+        cache.seqlens,
+        None,
+        None,
+        None,
+        3,
+        3,
+        0.1,
+        False,
+        0,
+        -1,
+        -1,
+        None,
+        0.0,
+    )
     center, inv = cache.k_shift[:1].contiguous(), cache.rope_inv_freq
     with pytest.raises(RuntimeError, match="together"):
         torch.ops.flash_attn_tq.decode_kvcache(*args, center, None, 0)

@@ -4,6 +4,7 @@ kernel; csrc/flash_attn/src/tq_decode_kernel.h), against float32 attention over 
 
 Run on the device: ``python -m pytest tests/test_cuda_side.py -q``.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -16,13 +17,29 @@ from gpu_cases import DEV, poison_allocator, shuffled_block_table
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available() or not ops.extension_available(),
-                       reason="needs a CUDA GPU and the flash_attn_tq_cuda extension"),
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or not ops.extension_available(),
+        reason="needs a CUDA GPU and the flash_attn_tq_cuda extension",
+    ),
 ]
 
 
-def _cache(batch, seqlens, kv_heads, d, *, sinks, window, center=False, dtype=torch.float16, page_size=None,
-           k_bits=3, v_bits=3, window_bits=16, seed=0):
+def _cache(
+    batch,
+    seqlens,
+    kv_heads,
+    d,
+    *,
+    sinks,
+    window,
+    center=False,
+    dtype=torch.float16,
+    page_size=None,
+    k_bits=3,
+    v_bits=3,
+    window_bits=16,
+    seed=0,
+):
     """A GPU cache filled as a model fills it: a prompt (each row's first 3/4), then token by token,
     so the window's ring wraps; keys with a large constant part before RoPE (as real keys have)."""
     gen = torch.Generator(device=DEV).manual_seed(seed)
@@ -32,21 +49,36 @@ def _cache(batch, seqlens, kv_heads, d, *, sinks, window, center=False, dtype=to
     opts = dict(key_center=center, calib_min_tokens=1)
     if center == "rope":
         opts["rope_inv_freq"] = inv_freq
-    cache = QuantizedKVCache(batch, max_len, kv_heads, d, k_bits=k_bits, v_bits=v_bits, fp16_window=window,
-                             window_bits=window_bits, sink_tokens=sinks, page_size=page_size, block_table=bt,
-                             dtype=dtype, device=DEV, seed=seed, **opts)
+    cache = QuantizedKVCache(
+        batch,
+        max_len,
+        kv_heads,
+        d,
+        k_bits=k_bits,
+        v_bits=v_bits,
+        fp16_window=window,
+        window_bits=window_bits,
+        sink_tokens=sinks,
+        page_size=page_size,
+        block_table=bt,
+        dtype=dtype,
+        device=DEV,
+        seed=seed,
+        **opts,
+    )
     L = max(seqlens)
     raw = torch.randn(batch, 1, kv_heads, d, device=DEV, generator=gen) * 1.5 + torch.randn(
-        batch, L, kv_heads, d, device=DEV, generator=gen)
+        batch, L, kv_heads, d, device=DEV, generator=gen
+    )
     k = rope_turn(raw, torch.arange(L, device=DEV), inv_freq).to(dtype)
     v = torch.randn(batch, L, kv_heads, d, device=DEV, generator=gen).to(dtype)
     for b, n in enumerate(seqlens):
         idx = torch.tensor([b], dtype=torch.int32, device=DEV)
         prompt = (3 * n) // 4
         if prompt:
-            cache.append(k[b:b + 1, :prompt], v[b:b + 1, :prompt], cache_seqlens=0, batch_idx=idx)
+            cache.append(k[b : b + 1, :prompt], v[b : b + 1, :prompt], cache_seqlens=0, batch_idx=idx)
         for t in range(prompt, n):
-            cache.append(k[b:b + 1, t:t + 1], v[b:b + 1, t:t + 1], batch_idx=idx)
+            cache.append(k[b : b + 1, t : t + 1], v[b : b + 1, t : t + 1], batch_idx=idx)
     return cache
 
 
@@ -65,11 +97,12 @@ def _check(q, cache, out, lse, causal, rows=None):
     term = 0.0
     if cache.rope_center:
         lp, lp_lse = baseline.attention_reference(q, kd.to(dt), vd.to(dt), causal=causal, key_lengths=lens)
-        term = 2 ** -11 * scale * q.float().norm(dim=-1).max().item() * cache.k_shift.norm(dim=-1).max().item()
+        term = 2**-11 * scale * q.float().norm(dim=-1).max().item() * cache.k_shift.norm(dim=-1).max().item()
     else:
         kr, vr = cache.dequantize(rows, rotated=True)
-        lp, lp_lse = baseline.attention_reference(cache.rotate_query(q.float()).to(dt), kr.to(dt), vr.to(dt),
-                                                  causal=causal, key_lengths=lens)
+        lp, lp_lse = baseline.attention_reference(
+            cache.rotate_query(q.float()).to(dt), kr.to(dt), vr.to(dt), causal=causal, key_lengths=lens
+        )
         lp = cache.unrotate_output(lp.float())
         if cache.key_center:
             lp_lse = lp_lse + scale * cache.query_shift(q, rows)
@@ -83,12 +116,12 @@ def _check(q, cache, out, lse, causal, rows=None):
 
 SIDE_CASES = [
     # batch, seqlens, q heads, kv heads, sinks, window
-    (1, [1], 8, 2, 16, 112),            # one token: a sink, nothing in the codes
-    (2, [100, 128], 8, 2, 16, 112),     # below and at sinks + window: the codes hold nothing
-    (2, [129, 1000], 32, 8, 16, 112),   # just past, and far past
-    (3, [64, 65, 3000], 9, 3, 0, 64),   # window only, ring at, past and wrapped many times
-    (2, [700, 17], 16, 1, 5, 0),        # sinks only (odd count: the codes start mid-tile)
-    (2, [513, 260], 8, 8, 16, 128),     # MHA, a window of a whole number of tiles
+    (1, [1], 8, 2, 16, 112),  # one token: a sink, nothing in the codes
+    (2, [100, 128], 8, 2, 16, 112),  # below and at sinks + window: the codes hold nothing
+    (2, [129, 1000], 32, 8, 16, 112),  # just past, and far past
+    (3, [64, 65, 3000], 9, 3, 0, 64),  # window only, ring at, past and wrapped many times
+    (2, [700, 17], 16, 1, 5, 0),  # sinks only (odd count: the codes start mid-tile)
+    (2, [513, 260], 8, 8, 16, 128),  # MHA, a window of a whole number of tiles
 ]
 
 
@@ -134,8 +167,9 @@ def test_side_splits_and_batch_idx(num_splits):
     cache = _cache(4, [50, 2000, 130, 700], 2, 128, sinks=16, window=112, center="rope")
     rows = torch.tensor([3, 1], dtype=torch.int32, device=DEV)
     q = torch.randn(2, 1, 8, 128, device=DEV, dtype=torch.float16)
-    out, lse = fa.flash_attn_with_kvcache(q, cache, cache_batch_idx=rows, causal=True, num_splits=num_splits,
-                                          return_softmax_lse=True)
+    out, lse = fa.flash_attn_with_kvcache(
+        q, cache, cache_batch_idx=rows, causal=True, num_splits=num_splits, return_softmax_lse=True
+    )
     assert fa.last_path() == "quantized:fused-cuda"
     _check(q, cache, out, lse, causal=True, rows=rows)
 

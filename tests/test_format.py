@@ -7,6 +7,7 @@ test. The kernel-facing K pair mapping of csrc/flash_attn/src/tq_format.h (``k_p
 the word / spare extraction the kernels do) is reimplemented here too and checked against the bytes
 ``pack_codes`` writes.
 """
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -20,6 +21,7 @@ BITS = (2, 3, 4, 8)
 
 
 # ----------------------------------------------------------------------------- independent layout
+
 
 def doc_seq_element(n: int, head_dim: int) -> int:
     """Docstring: g = n // (D/8), k = n % (D/8), element = 16 (k // 2) + g + 8 (k % 2)."""
@@ -95,24 +97,43 @@ def lanes_to_bytes(lanes: list[int]) -> list[int]:
 
 # ----------------------------------------------------------------------------- sizes
 
-@pytest.mark.parametrize("head_dim,bits,nbytes", [
-    (128, 3, 48), (64, 3, 24), (32, 3, 12), (256, 3, 96),
-    (128, 4, 64), (64, 4, 32), (128, 2, 32), (64, 2, 16),
-])
+
+@pytest.mark.parametrize(
+    "head_dim,bits,nbytes",
+    [
+        (128, 3, 48),
+        (64, 3, 24),
+        (32, 3, 12),
+        (256, 3, 96),
+        (128, 4, 64),
+        (64, 4, 32),
+        (128, 2, 32),
+        (64, 2, 16),
+    ],
+)
 def test_code_bytes(head_dim, bits, nbytes):
     assert code_bytes(head_dim, bits) == nbytes
     packed = pack_codes(torch.zeros(head_dim, dtype=torch.long), bits)
     assert packed.dtype == torch.uint8 and packed.shape == (nbytes,)
 
 
-@pytest.mark.parametrize("head_dim,bits,bpe", [
-    (128, 3, 3.25), (64, 3, 3.5), (128, 4, 4.25), (64, 4, 4.5), (128, 2, 2.25), (256, 3, 3.125),
-])
+@pytest.mark.parametrize(
+    "head_dim,bits,bpe",
+    [
+        (128, 3, 3.25),
+        (64, 3, 3.5),
+        (128, 4, 4.25),
+        (64, 4, 4.5),
+        (128, 2, 2.25),
+        (256, 3, 3.125),
+    ],
+)
 def test_bits_per_element(head_dim, bits, bpe):
     assert bits_per_element(head_dim, bits) == pytest.approx(bpe, abs=1e-12)
 
 
 # ----------------------------------------------------------------------------- code sequence
+
 
 @pytest.mark.parametrize("head_dim", HEAD_DIMS + (96,))
 def test_sequence_elements_bijection_and_formula(head_dim):
@@ -127,7 +148,7 @@ def test_sequence_elements_bijection_and_formula(head_dim):
         expect = []
         for m in range(head_dim // 16):
             expect += [16 * m + g, 16 * m + g + 8]
-        assert seq[g * per_group:(g + 1) * per_group] == expect
+        assert seq[g * per_group : (g + 1) * per_group] == expect
     assert fmt.GROUPS == 8
 
 
@@ -145,6 +166,7 @@ def test_sequence_elements_device_arg():
 
 
 # ----------------------------------------------------------------------------- bit layout
+
 
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
@@ -209,8 +231,7 @@ def test_layout_spot_checks_3bit_d128():
     expect = [0] * nl
     expect[0] = expect[2] = 0x8000  # 0b101: bits 0 and 2
     assert lanes_of(120, 0b101) == expect
-    assert pack_codes(torch.tensor(one_hot(d, 120, 0b101)), 3).tolist() == (
-        [0, 0x80, 0, 0, 0, 0x80] + [0] * 42)
+    assert pack_codes(torch.tensor(one_hot(d, 120, 0b101)), 3).tolist() == ([0, 0x80, 0, 0, 0, 0x80] + [0] * 42)
     expect = [0] * nl
     expect[1] = 0x8000  # 0b010
     assert lanes_of(120, 0b010) == expect
@@ -253,6 +274,7 @@ def test_layout_spot_checks_4bit_2bit():
 
 # ----------------------------------------------------------------------------- kernel-facing K pairs
 
+
 def hdr_seq_element(n: int, head_dim: int) -> int:
     """tq_format.h seq_element<kHeadDim>(n)."""
     k = n % (head_dim // 8)
@@ -277,15 +299,17 @@ def hdr_k_pair_element(bits: int, head_dim: int, s: int, hi: int) -> int:
 
 def words_of(packed: list[int]) -> list[int]:
     """32-bit little-endian words: word w = lanes 2w (low half), 2w + 1 (high half)."""
-    return [packed[4 * w] | packed[4 * w + 1] << 8 | packed[4 * w + 2] << 16 | packed[4 * w + 3] << 24
-            for w in range(len(packed) // 4)]
+    return [
+        packed[4 * w] | packed[4 * w + 1] << 8 | packed[4 * w + 2] << 16 | packed[4 * w + 3] << 24
+        for w in range(len(packed) // 4)
+    ]
 
 
 def k_extract_pair(words: list[int], bits: int, s: int) -> tuple[int, int]:
     """The (lo, hi) codes of K pair slot s, read from one vector's words as the header describes."""
     if bits == 3:
         sb, r = s // 16, s % 16
-        w0, w1, w2 = words[3 * sb:3 * sb + 3]
+        w0, w1, w2 = words[3 * sb : 3 * sb + 3]
         if r < 15:  # lane_pair<3>(word 3 sb + r / 5, 3 (r % 5)): code r % 5 of each lane
             x = (words[3 * sb + r // 5] >> (3 * (r % 5))) & 0x00070007
         else:  # spare_pair_k: bit 15 of lanes 0, 1, 2 (lo) and 3, 4, 5 (hi) of the superblock
@@ -312,8 +336,7 @@ def k_extract_spare_plain(words: list[int], sb: int) -> tuple[int, int]:
 @pytest.mark.parametrize("head_dim", (64, 128))
 def test_k_pair_element_bijection(head_dim, bits):
     slots = head_dim // 2
-    pairs = [(hdr_k_pair_element(bits, head_dim, s, 0), hdr_k_pair_element(bits, head_dim, s, 1))
-             for s in range(slots)]
+    pairs = [(hdr_k_pair_element(bits, head_dim, s, 0), hdr_k_pair_element(bits, head_dim, s, 1)) for s in range(slots)]
     flat = [e for p in pairs for e in p]
     assert sorted(flat) == list(range(head_dim))  # every element in exactly one (slot, half)
     # the header's seq_element is the docstring's (and the implementation's) sequence order
@@ -321,8 +344,10 @@ def test_k_pair_element_bijection(head_dim, bits):
     if bits == 3:
         # slot 15 of superblock sb pairs the spare codes of its two blocks 2 sb, 2 sb + 1
         for sb in range(head_dim // 32):
-            assert pairs[16 * sb + 15] == (doc_seq_element(32 * sb + 15, head_dim),
-                                          doc_seq_element(32 * sb + 31, head_dim))
+            assert pairs[16 * sb + 15] == (
+                doc_seq_element(32 * sb + 15, head_dim),
+                doc_seq_element(32 * sb + 31, head_dim),
+            )
 
 
 def test_k_pair_element_explicit_3bit_d128():
@@ -378,6 +403,7 @@ def test_v_merged_lane_extraction_3bit_d128():
 
 # ----------------------------------------------------------------------------- fuzzed round trip
 
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     bits=st.sampled_from(BITS),
@@ -432,6 +458,7 @@ def test_empty_leading_shape():
 
 
 # ----------------------------------------------------------------------------- errors
+
 
 @pytest.mark.parametrize("bits", BITS)
 def test_out_of_range_codes(bits):

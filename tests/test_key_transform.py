@@ -1,6 +1,7 @@
 """Key centering (QuantizedKVCache(key_center=)), the per-vector fits of TurboQuantizer(fit=...) on
 the CPU reference path, and the key/value transforms only the evaluation's simulation has
 (benchmarks/eval_quality.py: key_scale, key_scale_q, key_pca, value_pca)."""
+
 import pathlib
 import sys
 
@@ -44,10 +45,10 @@ def test_centering_is_exact_on_scores(quantizer):
     # attention over the centered (quantized) keys == attention over the dequantized keys
     k_hat, v_hat = cache.dequantize()
     k_hat_t = cache.transform_keys(k_hat[:, :S])
-    out_t, lse_t = attention_reference(q, k_hat_t, v_hat[:, :S], softmax_scale=d ** -0.5)
-    out, lse = attention_reference(q, k_hat[:, :S], v_hat[:, :S], softmax_scale=d ** -0.5)
+    out_t, lse_t = attention_reference(q, k_hat_t, v_hat[:, :S], softmax_scale=d**-0.5)
+    out, lse = attention_reference(q, k_hat[:, :S], v_hat[:, :S], softmax_scale=d**-0.5)
     torch.testing.assert_close(out_t, out, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(lse_t + shift * d ** -0.5, lse, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(lse_t + shift * d**-0.5, lse, rtol=1e-4, atol=1e-4)
 
 
 def test_centering_reduces_key_error_and_api_matches_reference():
@@ -79,7 +80,7 @@ def test_window_holds_centered_keys_and_state_dict():
     cache.append(k[:, 30:], v[:, 30:])  # calibration stays the first chunk's
     torch.testing.assert_close(cache.k_shift, k[:, :30].mean(1))
     k_hat, _ = cache.dequantize()
-    torch.testing.assert_close(k_hat[:, S - 8:S], k[:, S - 8:].half().float(), rtol=2e-3, atol=2e-2)
+    torch.testing.assert_close(k_hat[:, S - 8 : S], k[:, S - 8 :].half().float(), rtol=2e-3, atol=2e-2)
     clone = QuantizedKVCache.from_state_dict(cache.state_dict())
     torch.testing.assert_close(clone.dequantize()[0], k_hat)
     assert clone.config() == cache.config()
@@ -126,9 +127,11 @@ def test_fits():
 
 # ------------------------------------------------- the simulation's transforms (eval_quality.py)
 
+
 def _eval_quality():
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
     import eval_quality
+
     return eval_quality
 
 
@@ -136,8 +139,15 @@ def _cfg(**kw):
     return dict(dict(key_center=True, key_scale=0.0, key_scale_q=False, key_pca=False, value_pca=False), **kw)
 
 
-@pytest.mark.parametrize("opts", [dict(key_scale=0.5), dict(key_scale=0.5, key_scale_q=True), dict(key_pca=True),
-                                  dict(key_center=False, key_scale=0.5, key_pca=True)])
+@pytest.mark.parametrize(
+    "opts",
+    [
+        dict(key_scale=0.5),
+        dict(key_scale=0.5, key_scale_q=True),
+        dict(key_pca=True),
+        dict(key_center=False, key_scale=0.5, key_pca=True),
+    ],
+)
 def test_simulated_key_transform_is_exact_on_attention(opts):
     """keys() / keys_back() invert each other, and attention over transformed keys with q * s (then
     reflected) equals attention over the keys themselves up to the shared q . mu."""
@@ -169,8 +179,9 @@ def test_simulated_key_scale_balanced_against_queries():
     s = (rk / rq).sqrt()
     torch.testing.assert_close(tf.div, s / s.pow(2).mean(-1, keepdim=True).sqrt(), rtol=1e-4, atol=1e-5)
     plain = eq.KeyValueTransform(_cfg(key_scale=0.5, key_scale_q=True), k, v)  # no queries: rms(k) ** a
-    torch.testing.assert_close(plain.div, rk.sqrt() / rk.sqrt().pow(2).mean(-1, keepdim=True).sqrt(),
-                               rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(
+        plain.div, rk.sqrt() / rk.sqrt().pow(2).mean(-1, keepdim=True).sqrt(), rtol=1e-4, atol=1e-5
+    )
 
 
 def test_simulated_pca_stores_main_directions_exactly():
@@ -211,6 +222,7 @@ def test_query_shift_of_selected_rows():
 
 # ---------------------------------------------------------------- key_center="rope"
 
+
 def rope(x, pos, inv_freq):
     """Rotate-half RoPE (transformers' Llama) of x [B, S, H, d] at positions pos [S]."""
     ang = pos.double()[:, None] * inv_freq.double()[None]
@@ -237,14 +249,16 @@ def test_rope_center_is_the_mean_pre_rope_key_and_exact():
     unturned = rope(k[:, :first], -torch.arange(first).float(), inv)  # R(-p) k: the pre-RoPE keys
     torch.testing.assert_close(cache.k_shift, unturned.mean(1), rtol=1e-4, atol=1e-4)
     pos = torch.arange(S).expand(B, -1)
-    torch.testing.assert_close(cache.untransform_keys(cache.transform_keys(k, positions=pos), positions=pos), k,
-                               rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(
+        cache.untransform_keys(cache.transform_keys(k, positions=pos), positions=pos), k, rtol=1e-5, atol=1e-4
+    )
     # attention over the cache (the reference path) is attention over its dequantized keys, as stored
     q = torch.randn(B, 1, 2 * H, d)
     out, lse = flash_attn_with_kvcache(q, cache, return_softmax_lse=True)
     k_hat, v_hat = cache.dequantize()
-    ref_out, ref_lse = attention_reference(q, k_hat, v_hat, softmax_scale=d ** -0.5,
-                                           key_lengths=torch.full((B,), S, dtype=torch.int32))
+    ref_out, ref_lse = attention_reference(
+        q, k_hat, v_hat, softmax_scale=d**-0.5, key_lengths=torch.full((B,), S, dtype=torch.int32)
+    )
     torch.testing.assert_close(out.float(), ref_out.float(), rtol=1e-3, atol=1e-3)
     torch.testing.assert_close(lse, ref_lse, rtol=1e-4, atol=1e-4)
     state = cache.state_dict()

@@ -2,6 +2,7 @@
 from csrc/flash_attn/flash_api_tq.cpp and registered here with recording implementations (when the
 extension is not built), so a call through QuantizedKVCache checks that every tensor and option lands
 in its argument of the kernel."""
+
 from __future__ import annotations
 
 import pathlib
@@ -15,7 +16,9 @@ from flash_attn_tq.cache import QuantizedKVCache
 
 API = pathlib.Path(__file__).resolve().parents[1] / "csrc" / "flash_attn" / "flash_api_tq.cpp"
 
-pytestmark = pytest.mark.skipif(ops.extension_available(), reason="the real ops are registered (the GPU tests run them)")
+pytestmark = pytest.mark.skipif(
+    ops.extension_available(), reason="the real ops are registered (the GPU tests run them)"
+)
 
 
 def _schemas() -> dict[str, str]:
@@ -35,8 +38,10 @@ def recorded():
     schemas = _schemas()
     lib.define(schemas["decode_kvcache"])
     lib.define(schemas["pack_kv"])
-    names = {name: [a.name for a in getattr(torch.ops.flash_attn_tq, name).default._schema.arguments]
-             for name in ("decode_kvcache", "pack_kv")}
+    names = {
+        name: [a.name for a in getattr(torch.ops.flash_attn_tq, name).default._schema.arguments]
+        for name in ("decode_kvcache", "pack_kv")
+    }
 
     def decode(*args):
         calls.setdefault("decode_kvcache", []).append(dict(zip(names["decode_kvcache"], args)))
@@ -54,8 +59,18 @@ def recorded():
 
 def test_decode_arguments(recorded):
     inv = 1.0 / 10000.0 ** (torch.arange(0, 64, 2).float() / 64)
-    cache = QuantizedKVCache(3, 200, 2, 64, k_bits=4, sink_tokens=16, fp16_window=112, key_center="rope",
-                             rope_inv_freq=inv, calib_min_tokens=1)
+    cache = QuantizedKVCache(
+        3,
+        200,
+        2,
+        64,
+        k_bits=4,
+        sink_tokens=16,
+        fp16_window=112,
+        key_center="rope",
+        rope_inv_freq=inv,
+        calib_min_tokens=1,
+    )
     cache.append(torch.randn(3, 150, 2, 64).half(), torch.randn(3, 150, 2, 64).half())
     rows = torch.tensor([2, 0], dtype=torch.int32)
     q = torch.randn(2, 1, 8, 64).half()

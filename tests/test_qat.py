@@ -1,6 +1,7 @@
 """Quantization-aware fine-tuning (flash_attn_tq.qat): the fake quantization's forward is the codec's
 round trip, its gradient the clipped straight-through estimator, and it trains inside a transformers
 model through the registered attention function."""
+
 import pytest
 import torch
 
@@ -37,8 +38,9 @@ def test_forward_is_codec_round_trip(bits, grid):
     # the lower-precision input dtype is kept
     xb = x.to(torch.bfloat16)
     cb, mb = q.quantize(xb)
-    assert torch.equal(fake_quant(xb, bits, seed=5, grid=grid),
-                       q.dequantize(cb, mb[..., :1] if scale_only else mb).to(torch.bfloat16))
+    assert torch.equal(
+        fake_quant(xb, bits, seed=5, grid=grid), q.dequantize(cb, mb[..., :1] if scale_only else mb).to(torch.bfloat16)
+    )
 
 
 @pytest.mark.parametrize("grid", ["uniform", "lloyd_max"])
@@ -79,7 +81,7 @@ def test_clip_mask_matches_the_codec_clamp():
         mask = clip_mask(q, q.rotate(x))
         codes, _ = q.quantize(x)
         y = q.rotate(x)
-        y = y * D ** 0.5 / y.norm(dim=-1, keepdim=True)
+        y = y * D**0.5 / y.norm(dim=-1, keepdim=True)
         step = q.levels_unit[1] - q.levels_unit[0]
         raw = torch.floor(y / step + ((1 << bits) - 1) / 2 + 0.5)  # the code before the clamp
         assert torch.equal(mask, raw == codes.float())
@@ -101,15 +103,27 @@ transformers = pytest.importorskip("transformers")
 
 def tiny_llama(seed=0):
     from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=D, max_position_embeddings=256,
-                      pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    cfg = LlamaConfig(
+        vocab_size=96,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=D,
+        max_position_embeddings=256,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     return LlamaForCausalLM(cfg)
 
 
 def test_gradients_flow_through_a_llama_model():
     from flash_attn_tq.qat import register_fake_quant_attention
+
     model = tiny_llama()
     ids = torch.randint(3, 96, (2, 24), generator=torch.Generator().manual_seed(1))
     model.set_attn_implementation("sdpa")
@@ -136,14 +150,22 @@ def test_forward_matches_the_real_cache(scale_only):
     no key centering; every token, the prompt included, over the quantized cache)."""
     from flash_attn_tq.integrations.transformers import ATTN_IMPLEMENTATION, TQCache
     from flash_attn_tq.qat import register_fake_quant_attention
+
     model = tiny_llama(seed=2).eval()
     ids = torch.randint(3, 96, (1, 40), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         model.set_attn_implementation(register_fake_quant_attention(k_bits=3, v_bits=3, scale_only=scale_only))
         fq = model(ids, use_cache=False).logits
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
-        cache = TQCache(model.config, fp16_window=0, sink_tokens=0, key_center=False, late_k_bits=None,
-                        scale_only=scale_only, prefill="quantized")
+        cache = TQCache(
+            model.config,
+            fp16_window=0,
+            sink_tokens=0,
+            key_center=False,
+            late_k_bits=None,
+            scale_only=scale_only,
+            prefill="quantized",
+        )
         real = model(ids, past_key_values=cache, use_cache=True).logits
         model.set_attn_implementation("sdpa")
         full = model(ids, use_cache=False).logits

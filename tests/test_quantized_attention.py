@@ -4,6 +4,7 @@ Expected outputs come from an independent float64 attention written below (expli
 batch and heads, GQA mapping h -> h // (Hq / Hkv), bottom-right causal mask) over the values the
 cache holds (``cache.dequantize()``), and, for the quality checks, over the un-quantized inputs.
 """
+
 import math
 
 import pytest
@@ -16,6 +17,7 @@ INF = float("inf")
 
 
 # ----------------------------------------------------------------------------- independent reference
+
 
 def ref_attention(q, k, v, lens, causal=False, scale=None):
     """float64 attention. q [B, Sq, Hq, d]; k, v [B, S, Hkv, d]; lens: keys [0, lens[b]) per row.
@@ -111,12 +113,22 @@ def fill_rows(cache, lengths, gen, dtype=torch.float16):
 HEADS = {"mha": (3, 3), "gqa": (6, 2), "mqa": (4, 1)}
 CASES = [
     # quantizer, (kb, vb), d, heads, L
-    ("turbo", (3, 3), 128, "gqa", 129), ("turbo", (3, 3), 64, "mha", 7), ("turbo", (3, 3), 64, "mqa", 63),
-    ("turbo", (3, 3), 128, "mha", 1), ("turbo", (4, 3), 128, "mqa", 7), ("turbo", (4, 3), 64, "gqa", 63),
-    ("turbo", (4, 3), 64, "mha", 129), ("turbo", (4, 3), 128, "gqa", 1),
-    ("asym", (3, 3), 64, "gqa", 7), ("asym", (3, 3), 128, "mqa", 129), ("asym", (3, 3), 64, "mha", 63),
-    ("asym", (3, 3), 128, "gqa", 1), ("asym", (4, 3), 128, "mha", 63), ("asym", (4, 3), 64, "mqa", 129),
-    ("asym", (4, 3), 64, "gqa", 7), ("asym", (4, 3), 128, "mqa", 1),
+    ("turbo", (3, 3), 128, "gqa", 129),
+    ("turbo", (3, 3), 64, "mha", 7),
+    ("turbo", (3, 3), 64, "mqa", 63),
+    ("turbo", (3, 3), 128, "mha", 1),
+    ("turbo", (4, 3), 128, "mqa", 7),
+    ("turbo", (4, 3), 64, "gqa", 63),
+    ("turbo", (4, 3), 64, "mha", 129),
+    ("turbo", (4, 3), 128, "gqa", 1),
+    ("asym", (3, 3), 64, "gqa", 7),
+    ("asym", (3, 3), 128, "mqa", 129),
+    ("asym", (3, 3), 64, "mha", 63),
+    ("asym", (3, 3), 128, "gqa", 1),
+    ("asym", (4, 3), 128, "mha", 63),
+    ("asym", (4, 3), 64, "mqa", 129),
+    ("asym", (4, 3), 64, "gqa", 7),
+    ("asym", (4, 3), 128, "mqa", 1),
 ]
 
 
@@ -133,8 +145,9 @@ def test_matches_float64_reference(quantizer, bits, d, heads, L, seqlen_q, causa
     q = torch.randn(B, seqlen_q, Hq, d, generator=gen) * 1.5
     k = torch.randn(B, seqlen_q, Hkv, d, generator=gen).half()
     v = torch.randn(B, seqlen_q, Hkv, d, generator=gen).half()
-    out, lse = flash_attn_with_kvcache(q, cache, k=k, v=v, cache_seqlens=torch.tensor(ctx, dtype=torch.int32),
-                                       causal=causal, return_softmax_lse=True)
+    out, lse = flash_attn_with_kvcache(
+        q, cache, k=k, v=v, cache_seqlens=torch.tensor(ctx, dtype=torch.int32), causal=causal, return_softmax_lse=True
+    )
     assert last_path().startswith("quantized:reference")
     lens = [c + seqlen_q for c in ctx]
     assert cache.seqlens.tolist() == lens
@@ -146,7 +159,7 @@ def test_matches_float64_reference(quantizer, bits, d, heads, L, seqlen_q, causa
     torch.testing.assert_close(lse.double(), exp_lse, rtol=1e-5, atol=1e-5)
     # the new tokens really were quantized into the cache at cache_seqlens
     for b in range(B):
-        rel = (kd[b, ctx[b]:lens[b]] - k[b].float()).norm() / k[b].float().norm()
+        rel = (kd[b, ctx[b] : lens[b]] - k[b].float()).norm() / k[b].float().norm()
         assert 0.001 < rel < 0.25
 
 
@@ -196,6 +209,7 @@ def test_empty_cache_row_no_new_tokens():
 
 # ----------------------------------------------------------------------------- batch idx / paged
 
+
 @pytest.mark.parametrize("layout", ["contiguous", "paged16-shuffled", "paged32", "paged64", "paged128", "paged256"])
 @pytest.mark.parametrize("quantizer", ["turbo", "asym"])
 def test_cache_batch_idx_and_paged(layout, quantizer):
@@ -216,8 +230,7 @@ def test_cache_batch_idx_and_paged(layout, quantizer):
     q = torch.randn(3, 2, 6, d, generator=gen)
     k = torch.randn(3, 2, Hkv, d, generator=gen)
     v = torch.randn(3, 2, Hkv, d, generator=gen)
-    out, lse = flash_attn_with_kvcache(q, cache, k=k, v=v, cache_batch_idx=bidx, causal=True,
-                                       return_softmax_lse=True)
+    out, lse = flash_attn_with_kvcache(q, cache, k=k, v=v, cache_batch_idx=bidx, causal=True, return_softmax_lse=True)
     assert cache.seqlens.tolist() == [13, 0, 49, 5, 31]  # default cache_seqlens = the cache's own
     kd, vd = cache.dequantize(bidx)
     exp_out, exp_lse = ref_attention(q, kd, vd, [31, 13, 49], causal=True)
@@ -248,6 +261,7 @@ def test_block_table_same_object_is_accepted():
 
 # ----------------------------------------------------------------------------- fp16 window
 
+
 @pytest.mark.parametrize("quantizer,window_bits", [("turbo", 16), ("asym", 16), ("turbo", 4), ("asym", 4)])
 @pytest.mark.parametrize("seqlen_q,causal", [(1, False), (4, True)])
 def test_fp16_window(quantizer, window_bits, seqlen_q, causal):
@@ -267,11 +281,11 @@ def test_fp16_window(quantizer, window_bits, seqlen_q, causal):
     torch.testing.assert_close(lse.double(), exp_lse, rtol=1e-5, atol=1e-5)
     # the window tokens are attended in full precision (their exact values) or as window_bits codes
     if window_bits == 16:
-        torch.testing.assert_close(kd[:, ctx[0]:lens[0]][0], k[0].float(), rtol=0, atol=3e-5)
+        torch.testing.assert_close(kd[:, ctx[0] : lens[0]][0], k[0].float(), rtol=0, atol=3e-5)
     else:
         codes, meta = cache.window_quantizer.quantize(k[0].float())
-        kw = cache.window_quantizer.dequantize(codes, meta[..., :cache.k_meta.shape[-1]])
-        torch.testing.assert_close(kd[0, ctx[0]:lens[0]], kw, rtol=0, atol=3e-5)
+        kw = cache.window_quantizer.dequantize(codes, meta[..., : cache.k_meta.shape[-1]])
+        torch.testing.assert_close(kd[0, ctx[0] : lens[0]], kw, rtol=0, atol=3e-5)
         assert (kw - k[0].float()).abs().max() > 1e-3
     # without the window the answer differs
     kq, vq = cache.dequantize(use_window=False)
@@ -287,6 +301,7 @@ def test_window_part_of_the_fused_path(seqlen_q, causal, batch_idx, window_bits)
     against float64 attention over the window's tokens: causal queries must not see newer window keys,
     rows shorter than the window only their own tokens."""
     from flash_attn_tq.cache import window_attention
+
     R = 8
     gen = torch.Generator().manual_seed(seqlen_q + 2 * causal)
     cache = QuantizedKVCache(3, 60, 2, 64, fp16_window=R, window_bits=window_bits)
@@ -300,10 +315,10 @@ def test_window_part_of_the_fused_path(seqlen_q, causal, batch_idx, window_bits)
     kd, vd = cache.dequantize(torch.tensor(rows))  # window tokens as stored (exact, or window_bits codes)
     for i, (row, n) in enumerate(zip(rows, lens.tolist())):
         lo = max(0, n - R)
-        kw, vw = kd[i:i + 1, lo:n], vd[i:i + 1, lo:n]
-        exp_out, exp_lse = ref_attention(q[i:i + 1], kw, vw, [n - lo], causal, scale=0.125)
-        torch.testing.assert_close(out[i:i + 1].double(), exp_out, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(lse[i:i + 1].double(), exp_lse, rtol=1e-5, atol=1e-6)
+        kw, vw = kd[i : i + 1, lo:n], vd[i : i + 1, lo:n]
+        exp_out, exp_lse = ref_attention(q[i : i + 1], kw, vw, [n - lo], causal, scale=0.125)
+        torch.testing.assert_close(out[i : i + 1].double(), exp_out, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(lse[i : i + 1].double(), exp_lse, rtol=1e-5, atol=1e-6)
 
 
 def test_fp16_window_covering_everything_is_full_precision():
@@ -319,6 +334,7 @@ def test_fp16_window_covering_everything_is_full_precision():
 
 
 # ----------------------------------------------------------------------------- rotary
+
 
 @pytest.mark.parametrize("interleaved", [True, False])
 @pytest.mark.parametrize("causal", [True, False])
@@ -339,16 +355,26 @@ def test_rotary_equals_prerotated(interleaved, causal, quantizer, rot_dim):
     k = torch.randn(B, Sq, Hkv, d, generator=gen)
     v = torch.randn(B, Sq, Hkv, d, generator=gen)
     start = torch.tensor(ctx, dtype=torch.int32)
-    out_a, lse_a = flash_attn_with_kvcache(q, caches[0], k=k, v=v, rotary_cos=cos, rotary_sin=sin,
-                                           cache_seqlens=start, causal=causal, rotary_interleaved=interleaved,
-                                           return_softmax_lse=True)
+    out_a, lse_a = flash_attn_with_kvcache(
+        q,
+        caches[0],
+        k=k,
+        v=v,
+        rotary_cos=cos,
+        rotary_sin=sin,
+        cache_seqlens=start,
+        causal=causal,
+        rotary_interleaved=interleaved,
+        return_softmax_lse=True,
+    )
     kpos = start.long()[:, None] + torch.arange(Sq)
     qpos = kpos if causal else start.long()[:, None].expand(B, Sq)
     q_r = rotary_ref(q, cos, sin, qpos, interleaved).float()
     k_r = rotary_ref(k, cos, sin, kpos, interleaved).float()
     assert torch.equal(q_r[..., rot_dim:], q[..., rot_dim:])  # channels beyond rotary_dim untouched
-    out_b, lse_b = flash_attn_with_kvcache(q_r, caches[1], k=k_r, v=v, cache_seqlens=start, causal=causal,
-                                           return_softmax_lse=True)
+    out_b, lse_b = flash_attn_with_kvcache(
+        q_r, caches[1], k=k_r, v=v, cache_seqlens=start, causal=causal, return_softmax_lse=True
+    )
     torch.testing.assert_close(out_a, out_b, rtol=1e-3, atol=1e-3)
     torch.testing.assert_close(lse_a, lse_b, rtol=1e-4, atol=1e-4)
     ka, _ = caches[0].dequantize()
@@ -356,8 +382,9 @@ def test_rotary_equals_prerotated(interleaved, causal, quantizer, rot_dim):
     close = torch.isclose(ka, kb, rtol=1e-4, atol=1e-5)
     assert close.float().mean() > 0.999  # codes may differ only at exact-tie roundoff
     # and rotary really did something
-    out_plain = flash_attn_with_kvcache(q, QuantizedKVCache(B, 32, Hkv, d, quantizer=quantizer, k_bits=4),
-                                        k=k, v=v, causal=causal)
+    out_plain = flash_attn_with_kvcache(
+        q, QuantizedKVCache(B, 32, Hkv, d, quantizer=quantizer, k_bits=4), k=k, v=v, causal=causal
+    )
     assert not torch.allclose(out_plain[0, :, :], out_a[0, :, :], atol=1e-3)
 
 
@@ -368,15 +395,23 @@ def test_rotary_equals_prerotated(interleaved, causal, quantizer, rot_dim):
 def test_local_window_softcap_leftpad(window, causal, softcap, leftpad):
     """Upstream's window_size / softcap / cache_leftpad semantics over a quantized cache, against an
     independent float64 implementation over the values the cache holds."""
-    gen = torch.Generator().manual_seed(seed := 1000 + 17 * window[0] + 5 * window[1] + int(causal) * 3 +
-                                        int(softcap) + int(leftpad) * 7)
+    gen = torch.Generator().manual_seed(
+        seed := 1000 + 17 * window[0] + 5 * window[1] + int(causal) * 3 + int(softcap) + int(leftpad) * 7
+    )
     cache = QuantizedKVCache(3, 80, 2, 64, seed=seed)
     lengths = [70, 33, 80]
     fill_rows(cache, lengths, gen)
     q = torch.randn(3, 5, 4, 64, generator=gen).to(torch.float16)
     starts = torch.tensor([3, 0, 11], dtype=torch.int32) if leftpad else torch.zeros(3, dtype=torch.int32)
-    out, lse = flash_attn_with_kvcache(q, cache, causal=causal, window_size=window, softcap=softcap,
-                                       cache_leftpad=starts if leftpad else None, return_softmax_lse=True)
+    out, lse = flash_attn_with_kvcache(
+        q,
+        cache,
+        causal=causal,
+        window_size=window,
+        softcap=softcap,
+        cache_leftpad=starts if leftpad else None,
+        return_softmax_lse=True,
+    )
     kd, vd = cache.dequantize()
     ref, ref_lse = ref_attention_ext(q, kd, vd, cache.seqlens, starts, causal, window, softcap)
     assert rel_err(out, ref) < 2e-3
@@ -395,6 +430,7 @@ def test_rotary_needs_k():
 
 
 # ----------------------------------------------------------------------------- paths
+
 
 def test_last_path():
     cache = QuantizedKVCache(1, 8, 1, 64)
@@ -417,14 +453,16 @@ def test_plain_cache_baseline_matches_reference():
     k = torch.randn(2, 7, 2, 64, generator=gen)
     v = torch.randn(2, 7, 2, 64, generator=gen)
     q = torch.randn(2, 7, 4, 64, generator=gen)
-    out = flash_attn_with_kvcache(q, kc, vc, k=k, v=v, cache_seqlens=torch.tensor([3, 0], dtype=torch.int32),
-                                  causal=True)
+    out = flash_attn_with_kvcache(
+        q, kc, vc, k=k, v=v, cache_seqlens=torch.tensor([3, 0], dtype=torch.int32), causal=True
+    )
     assert torch.equal(kc[0, 3:10], k[0]) and torch.equal(kc[1, :7], k[1])
     exp, _ = ref_attention(q, kc, vc, [10, 7], causal=True)
     torch.testing.assert_close(out.double(), exp, rtol=1e-4, atol=2e-5)
 
 
 # ----------------------------------------------------------------------------- errors
+
 
 def test_errors():
     cache = QuantizedKVCache(2, 8, 2, 64)
@@ -470,6 +508,7 @@ def test_errors():
 
 
 # ----------------------------------------------------------------------------- quality
+
 
 def quality_case(seed, B=2, L=301, Hq=8, Hkv=2, d=128, Sq=1):
     gen = torch.Generator().manual_seed(seed)
@@ -524,28 +563,47 @@ def _stand_in_kernel(monkeypatch, cache):
     becomes _cpu_stand_in_for_the_kernel over ``cache`` (checking it gets the cache's own tensors)."""
     from flash_attn_tq import ops
 
-    def decode(q, seqlens_k, batch_idx, softmax_scale, causal, num_splits, window_size=(-1, -1), leftpad=None,
-               softcap=0.0, **args):
+    def decode(
+        q,
+        seqlens_k,
+        batch_idx,
+        softmax_scale,
+        causal,
+        num_splits,
+        window_size=(-1, -1),
+        leftpad=None,
+        softcap=0.0,
+        **args,
+    ):
         assert args["k_codes"] is cache.k_codes and args["codes_tail"] == cache.fp16_window
-        return _cpu_stand_in_for_the_kernel(q, cache, seqlens_k, batch_idx, softmax_scale, causal, window_size,
-                                            leftpad, softcap)
+        return _cpu_stand_in_for_the_kernel(
+            q, cache, seqlens_k, batch_idx, softmax_scale, causal, window_size, leftpad, softcap
+        )
 
     monkeypatch.setattr(QuantizedKVCache, "fused_reason", lambda self, q: None)
     monkeypatch.setattr(ops, "decode", decode)
 
 
-def _cpu_stand_in_for_the_kernel(q, cache, seqlens_k, batch_idx, softmax_scale, causal, window_size=(-1, -1),
-                                 leftpad=None, softcap=0.0):
+def _cpu_stand_in_for_the_kernel(
+    q, cache, seqlens_k, batch_idx, softmax_scale, causal, window_size=(-1, -1), leftpad=None, softcap=0.0
+):
     """What ops.decode computes, on the CPU: q (in the key transform's domain) over keys [0, seqlens_k)
     of the codes and the 16-bit side (sinks, a 16-bit window) in one pass (rotated domain for turbo:
     q rotated in, the output rotated back)."""
     assert cache.window_quantizer is None  # (a window of codes has its own pass: not emulated here)
     rows = torch.arange(q.shape[0]) if batch_idx is None else batch_idx.long()
     kr, vr = cache.dequantize(rows, rotated=True)
-    out, lse = flash_attn_tq.baseline.attention_reference(cache.rotate_query(q.float()), kr, vr,
-                                                          softmax_scale=softmax_scale, causal=causal,
-                                                          key_lengths=seqlens_k, window_size=window_size,
-                                                          key_start=leftpad, softcap=softcap)
+    out, lse = flash_attn_tq.baseline.attention_reference(
+        cache.rotate_query(q.float()),
+        kr,
+        vr,
+        softmax_scale=softmax_scale,
+        causal=causal,
+        key_lengths=seqlens_k,
+        window_size=window_size,
+        key_start=leftpad,
+        softcap=softcap,
+    )
     return cache.unrotate_output(out).to(q.dtype), lse
 
 
@@ -555,9 +613,11 @@ def test_sinks_are_kept_in_16_bit(monkeypatch, seqlen_q, options):
     """sink_tokens: the first tokens of each sequence attended in 16-bit (raw), the rest from the
     codes (and the window): the reference path equals float32 attention over exactly that, and the
     fused branch's Python side (stand-in kernel) equals the reference path."""
-    kw = {"sinks": dict(sink_tokens=4), "sinks-window": dict(sink_tokens=4, fp16_window=8),
-          "tqcache-default": dict(sink_tokens=4, fp16_window=8, key_center=True,
-                                  fit="mean")}[options]
+    kw = {
+        "sinks": dict(sink_tokens=4),
+        "sinks-window": dict(sink_tokens=4, fp16_window=8),
+        "tqcache-default": dict(sink_tokens=4, fp16_window=8, key_center=True, fit="mean"),
+    }[options]
     gen = torch.Generator().manual_seed(seqlen_q + 7 * len(options))
     cache = QuantizedKVCache(2, 80, 2, 64, **kw)
     k = torch.randn(2, 50, 2, 64, generator=gen) + 1.5
@@ -569,8 +629,9 @@ def test_sinks_are_kept_in_16_bit(monkeypatch, seqlen_q, options):
     assert rel_err(kd[:, :4], k[:, :4]) < 1e-3 and rel_err(vd[:, :4], v[:, :4]) < 1e-3
     assert rel_err(kd[:, 4:42], k[:, 4:42]) > 0.01  # the codes' keys: quantized
     q = torch.randn(2, seqlen_q, 4, 64, generator=gen).half()
-    expected, expected_lse = flash_attn_tq.baseline.attention_reference(q.float(), kd, vd, softmax_scale=0.125,
-                                                                        causal=True, key_lengths=cache.seqlens)
+    expected, expected_lse = flash_attn_tq.baseline.attention_reference(
+        q.float(), kd, vd, softmax_scale=0.125, causal=True, key_lengths=cache.seqlens
+    )
     out, lse = flash_attn_with_kvcache(q.float(), cache, causal=True, softmax_scale=0.125, return_softmax_lse=True)
     assert last_path().startswith("quantized:reference")
     assert rel_err(out.float(), expected) < 1e-5
@@ -590,7 +651,7 @@ def test_side_slots_after_many_appends():
     cache.append(x[:, :2], x[:, :2])  # a prompt shorter than the sinks
     cache.append(x[:, 2:30], x[:, 2:30])
     for t in range(30, 40):
-        cache.append(x[:, t:t + 1], x[:, t:t + 1])
+        cache.append(x[:, t : t + 1], x[:, t : t + 1])
     for b in range(2):
         for p in range(3):
             assert cache.k_side[b, p, 0, 0].item() == x[b, p, 0, 0].item()
@@ -604,21 +665,34 @@ def test_side_slots_after_many_appends():
 def test_fused_branch_python_side_matches_reference_path(monkeypatch, seqlen_q, options, batch_idx):
     """The GPU path's Python side (window part, log-sum-exp merge, key/value transforms, lse shift)
     run on the CPU with a stand-in for the kernel, against the reference path on the same cache."""
-    kw = {"plain": {}, "window": dict(fp16_window=8), "local": {}, "leftpad-softcap": {},
-          "tqcache-default": dict(fp16_window=8, key_center=True, fit="mean")}[options]
+    kw = {
+        "plain": {},
+        "window": dict(fp16_window=8),
+        "local": {},
+        "leftpad-softcap": {},
+        "tqcache-default": dict(fp16_window=8, key_center=True, fit="mean"),
+    }[options]
     local = (20, 0) if options == "local" else (-1, -1)  # window_size
-    extra = dict(cache_leftpad=torch.tensor([5, 12], dtype=torch.int32), softcap=2.5) if options == "leftpad-softcap" else {}
+    extra = (
+        dict(cache_leftpad=torch.tensor([5, 12], dtype=torch.int32), softcap=2.5)
+        if options == "leftpad-softcap"
+        else {}
+    )
     gen = torch.Generator().manual_seed(seqlen_q + 11 * len(options))
     cache = QuantizedKVCache(3, 80, 2, 64, **kw)
-    cache.append((torch.randn(3, 50, 2, 64, generator=gen) + 1.5).half(), torch.randn(3, 50, 2, 64, generator=gen).half())
+    cache.append(
+        (torch.randn(3, 50, 2, 64, generator=gen) + 1.5).half(), torch.randn(3, 50, 2, 64, generator=gen).half()
+    )
     bidx = None if batch_idx is None else torch.tensor(batch_idx, dtype=torch.int32)
     q = torch.randn(2, seqlen_q, 4, 64, generator=gen).half()
-    expected, expected_lse = flash_attn_with_kvcache(q.float(), cache, cache_batch_idx=bidx, causal=True,
-                                                     window_size=local, return_softmax_lse=True, **extra)
+    expected, expected_lse = flash_attn_with_kvcache(
+        q.float(), cache, cache_batch_idx=bidx, causal=True, window_size=local, return_softmax_lse=True, **extra
+    )
     assert last_path().startswith("quantized:reference")
     _stand_in_kernel(monkeypatch, cache)
-    out, lse = flash_attn_with_kvcache(q, cache, cache_batch_idx=bidx, causal=True, window_size=local,
-                                       return_softmax_lse=True, **extra)
+    out, lse = flash_attn_with_kvcache(
+        q, cache, cache_batch_idx=bidx, causal=True, window_size=local, return_softmax_lse=True, **extra
+    )
     assert last_path() == "quantized:fused-cuda"
     assert rel_err(out.float(), expected) < 2e-3
     torch.testing.assert_close(lse, expected_lse, rtol=0, atol=2e-3)

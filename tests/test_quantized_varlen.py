@@ -1,6 +1,7 @@
 """flash_attn_varlen_func(..., kv_cache=QuantizedKVCache): a mixed batch (some sequences decode a
 token, others prefill a chunk, some only query) in one call equals one flash_attn_with_kvcache call
 per sequence on an identical cache (the reference path on CPU; the fused kernel on a GPU)."""
+
 from __future__ import annotations
 
 import pytest
@@ -11,8 +12,9 @@ from flash_attn_tq import QuantizedKVCache
 
 
 def _clone(cache: QuantizedKVCache) -> QuantizedKVCache:
-    return QuantizedKVCache.from_state_dict({k: (v.clone() if torch.is_tensor(v) else v)
-                                             for k, v in cache.state_dict().items()}, device=cache.device)
+    return QuantizedKVCache.from_state_dict(
+        {k: (v.clone() if torch.is_tensor(v) else v) for k, v in cache.state_dict().items()}, device=cache.device
+    )
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -21,9 +23,9 @@ def _clone(cache: QuantizedKVCache) -> QuantizedKVCache:
 def test_mixed_batch_equals_per_sequence_calls(causal, page_size, window):
     torch.manual_seed(7)
     hk, hq, d = 2, 6, 64
-    prefix = [30, 0, 55, 12, 9]    # tokens already in each sequence
-    new_kv = [1, 37, 0, 5, 1]      # decode 1 / prefill a 37-token chunk / query only / a 5-token chunk / decode
-    n_q = [1, 37, 3, 5, 1]         # (the two decoding sequences share one append)
+    prefix = [30, 0, 55, 12, 9]  # tokens already in each sequence
+    new_kv = [1, 37, 0, 5, 1]  # decode 1 / prefill a 37-token chunk / query only / a 5-token chunk / decode
+    n_q = [1, 37, 3, 5, 1]  # (the two decoding sequences share one append)
     cache = QuantizedKVCache(5, 128, hk, d, page_size=page_size)
     for b, n in enumerate(prefix):
         if n:
@@ -34,17 +36,25 @@ def test_mixed_batch_equals_per_sequence_calls(causal, page_size, window):
     v = torch.randn(sum(new_kv), hk, d)
     cu_q = torch.tensor([0] + list(torch.tensor(n_q).cumsum(0)), dtype=torch.int32)
     cu_k = torch.tensor([0] + list(torch.tensor(new_kv).cumsum(0)), dtype=torch.int32)
-    out, lse = fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(n_q), None, causal=causal, window_size=window,
-                                         kv_cache=cache)
+    out, lse = fa.flash_attn_varlen_func(
+        q, k, v, cu_q, cu_k, max(n_q), None, causal=causal, window_size=window, kv_cache=cache
+    )
     assert out.shape == q.shape and lse.shape == (hq, q.shape[0])
     assert cache.seqlens.tolist() == [p + n for p, n in zip(prefix, new_kv)]
     for b in range(len(prefix)):
         qs, ks = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
         kb = k[ks].unsqueeze(0) if new_kv[b] else None
         vb = v[ks].unsqueeze(0) if new_kv[b] else None
-        o_ref, lse_ref = fa.flash_attn_with_kvcache(q[qs].unsqueeze(0), ref_cache, k=kb, v=vb,
-                                                    cache_batch_idx=torch.tensor([b], dtype=torch.int32),
-                                                    causal=causal, window_size=window, return_softmax_lse=True)
+        o_ref, lse_ref = fa.flash_attn_with_kvcache(
+            q[qs].unsqueeze(0),
+            ref_cache,
+            k=kb,
+            v=vb,
+            cache_batch_idx=torch.tensor([b], dtype=torch.int32),
+            causal=causal,
+            window_size=window,
+            return_softmax_lse=True,
+        )
         torch.testing.assert_close(out[qs], o_ref[0], atol=1e-5, rtol=1e-5)
         finite = torch.isfinite(lse_ref[0])
         torch.testing.assert_close(lse[:, qs][finite], lse_ref[0][finite], atol=1e-5, rtol=1e-5)

@@ -4,6 +4,7 @@ Gaussian integrals are recomputed here with scipy (numerical quadrature), the Ha
 built by the Sylvester construction, and expected codes come from float64 nearest-level search,
 so the checks do not share code with the module under test.
 """
+
 import math
 
 import numpy as np
@@ -26,6 +27,7 @@ from flash_attn_tq.quantizers import (
 
 
 # ----------------------------------------------------------------------------- independent helpers
+
 
 def quad_mse(levels) -> float:
     """E[(Y - nearest level)^2], Y ~ N(0,1), by numerical quadrature per cell."""
@@ -87,7 +89,7 @@ def test_lloyd_max_mse_values_tight():
 @pytest.mark.parametrize("bits", [2, 3, 4])
 def test_grid_mse_matches_quadrature(bits):
     for grid in ("uniform", "lloyd_max"):
-        levels = (uniform_levels(bits, uniform_step(bits)) if grid == "uniform" else lloyd_max_codebook(bits))
+        levels = uniform_levels(bits, uniform_step(bits)) if grid == "uniform" else lloyd_max_codebook(bits)
         assert grid_mse(bits, grid) == pytest.approx(quad_mse(levels), rel=1e-7)
 
 
@@ -116,6 +118,7 @@ def test_lloyd_max_beats_uniform():
 
 
 # ----------------------------------------------------------------------------- uniform grid
+
 
 @pytest.mark.parametrize("bits,step,mse", [(3, 0.586, 0.0375), (2, 0.996, 0.1188), (4, 0.335, 0.01154)])
 def test_uniform_step_values(bits, step, mse):
@@ -157,6 +160,7 @@ def test_bad_bits():
 
 
 # ----------------------------------------------------------------------------- Hadamard
+
 
 @pytest.mark.parametrize("d", [1, 2, 8, 32, 64, 128, 256])
 def test_fwht_equals_sylvester_matrix(d):
@@ -211,10 +215,11 @@ def test_rotate_unrotate(d):
 
 # ----------------------------------------------------------------------------- TurboQuantizer
 
+
 def rel_mse(q, x):
     codes, meta = q.quantize(x)
     xh = q.dequantize(codes, meta)
-    return (((xh - x) ** 2).sum(-1).mean() / (x ** 2).sum(-1).mean()).item()
+    return (((xh - x) ** 2).sum(-1).mean() / (x**2).sum(-1).mean()).item()
 
 
 def test_turbo_3bit_relative_mse():
@@ -277,8 +282,9 @@ def test_turbo_uniform_codes_and_meta_independent(bits):
     torch.testing.assert_close(meta[:, 0].double(), scale, rtol=1e-3, atol=0)
     torch.testing.assert_close(meta[:, 1].double(), -meta[:, 0].double() * (n - 1) / 2, rtol=1e-3, atol=0)
     # dequantize_rotated is scale * code + offset
-    torch.testing.assert_close(q.dequantize_rotated(codes, meta),
-                               codes.float() * meta[:, :1].float() + meta[:, 1:].float(), rtol=0, atol=0)
+    torch.testing.assert_close(
+        q.dequantize_rotated(codes, meta), codes.float() * meta[:, :1].float() + meta[:, 1:].float(), rtol=0, atol=0
+    )
 
 
 def test_turbo_lloyd_max_codes_independent():
@@ -341,6 +347,7 @@ def test_input_dtypes(dtype):
 
 # ----------------------------------------------------------------------------- round half up
 
+
 def test_round_half_up_function():
     v = torch.tensor([-2.5, -1.5, -0.5, 0.5, 1.5, 2.5, 0.4999, -0.50000006, 3.2, 6.5])
     assert round_half_up(v).tolist() == [-2.0, -1.0, 0.0, 1.0, 2.0, 3.0, 0.0, -1.0, 3.0, 7.0]
@@ -379,9 +386,12 @@ def test_turbo_uniform_tie_goes_up():
         assert codes[1::2].tolist() == [(1 << bits) // 2] * 32
 
 
-@pytest.mark.xfail(strict=True, reason="Lloyd-Max uses torch.bucketize(right=False): a value exactly on a "
-                   "bin edge goes DOWN (the CUDA pack kernel agrees: `y > edge`), unlike the documented "
-                   "floor(v + 0.5) rule")
+@pytest.mark.xfail(
+    strict=True,
+    reason="Lloyd-Max uses torch.bucketize(right=False): a value exactly on a "
+    "bin edge goes DOWN (the CUDA pack kernel agrees: `y > edge`), unlike the documented "
+    "floor(v + 0.5) rule",
+)
 def test_turbo_lloyd_max_tie_goes_up():
     q = TurboQuantizer(64, 3, "lloyd_max", seed=5)
     codes, _ = q.quantize(turbo_tie_input(q))
@@ -389,6 +399,7 @@ def test_turbo_lloyd_max_tie_goes_up():
 
 
 # ----------------------------------------------------------------------------- AsymQuantizer
+
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
 def test_asym_codes_and_error_bound(bits):
@@ -432,9 +443,12 @@ def test_asym_zero_and_constant_vectors():
     assert torch.equal(r, torch.zeros(2))
 
 
-@pytest.mark.xfail(strict=True, reason="asym (non-streaming) clamps the integer zero point to the code range "
-                   "without widening [min, max] to include 0: vectors that do not straddle 0 (e.g. all in "
-                   "[5, 6], or a constant 10) reconstruct with errors of ~|x| (the CUDA pack kernel agrees)")
+@pytest.mark.xfail(
+    strict=True,
+    reason="asym (non-streaming) clamps the integer zero point to the code range "
+    "without widening [min, max] to include 0: vectors that do not straddle 0 (e.g. all in "
+    "[5, 6], or a constant 10) reconstruct with errors of ~|x| (the CUDA pack kernel agrees)",
+)
 def test_asym_vector_not_straddling_zero():
     q = AsymQuantizer(3)
     x = torch.stack([torch.linspace(5, 6, 64), torch.full((64,), 10.0), torch.linspace(-9, -8, 64)])

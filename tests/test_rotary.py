@@ -87,8 +87,7 @@ def test_apply_rotary_emb_matches_formula(inplace, interleaved, rotary_fraction,
     offsets = make_offsets(offsets_kind, gen, batch, seqlen)
     x = torch.randn(batch, seqlen, heads, d, generator=gen, dtype=torch.float64)
     x_before = x.clone()
-    out = apply_rotary_emb(x, cos, sin, interleaved=interleaved, inplace=inplace,
-                           seqlen_offsets=offsets)
+    out = apply_rotary_emb(x, cos, sin, interleaved=interleaved, inplace=inplace, seqlen_offsets=offsets)
     want = complex_rotary(x_before, angles, dense_positions(batch, seqlen, offsets), interleaved)
     close(out, want, atol=1e-12)
     assert torch.equal(out[..., rd:], x_before[..., rd:])  # channels past rotary_dim untouched
@@ -108,9 +107,9 @@ def test_low_precision(dtype):
     x = torch.randn(batch, seqlen, heads, d, generator=gen).to(dtype)
     out = apply_rotary_emb(x, cos, sin, seqlen_offsets=5)
     assert out.dtype == dtype
-    turn = torch.complex(cos.double(), sin.double())[5:5 + seqlen].unsqueeze(-2)
+    turn = torch.complex(cos.double(), sin.double())[5 : 5 + seqlen].unsqueeze(-2)
     xd = x.double()
-    z = torch.complex(xd[..., :d // 2], xd[..., d // 2:]) * turn
+    z = torch.complex(xd[..., : d // 2], xd[..., d // 2 :]) * turn
     want = torch.cat([z.real, z.imag], dim=-1)
     eps = torch.finfo(dtype).eps
     torch.testing.assert_close(out.double(), want, atol=4 * eps, rtol=2 * eps)
@@ -142,8 +141,7 @@ def test_rotate_half_and_torch_reference():
     for interleaved in (False, True):
         want = complex_rotary(x, angles, pos, interleaved)
         close(apply_rotary_emb_torch(x, cos[pos], sin[pos], interleaved), want, atol=1e-12)
-        close(apply_rotary_emb_torch(x[:1], cos[1:6], sin[1:6], interleaved), want[:1],
-              atol=1e-12)
+        close(apply_rotary_emb_torch(x[:1], cos[1:6], sin[1:6], interleaved), want[:1], atol=1e-12)
     assert apply_rotary_emb_func is apply_rotary_emb
 
 
@@ -175,8 +173,7 @@ def test_gradient_is_inverse_rotation(interleaved):
     batch, seqlen, heads, d, rd = 2, 7, 2, 10, 6
     angles, cos, sin = tables(gen, 12, rd)
     offsets = torch.tensor([0, 5], dtype=torch.int32)
-    x = torch.randn(batch, seqlen, heads, d, generator=gen, dtype=torch.float64,
-                    requires_grad=True)
+    x = torch.randn(batch, seqlen, heads, d, generator=gen, dtype=torch.float64, requires_grad=True)
     out = apply_rotary_emb(x, cos, sin, interleaved=interleaved, seqlen_offsets=offsets)
     g = torch.randn(out.shape, generator=gen, dtype=torch.float64)
     out.backward(g)
@@ -197,8 +194,7 @@ def test_inplace_on_leaf_that_requires_grad():
     gen = gen_for("leaf")
     batch, seqlen, heads, d = 2, 5, 2, 8
     _, cos, sin = tables(gen, seqlen, d)
-    x = torch.randn(batch, seqlen, heads, d, generator=gen, dtype=torch.float64,
-                    requires_grad=True)
+    x = torch.randn(batch, seqlen, heads, d, generator=gen, dtype=torch.float64, requires_grad=True)
     ref_x = x.detach().clone().requires_grad_()
     out = apply_rotary_emb(x, cos, sin, inplace=True)
     ref = apply_rotary_emb(ref_x, cos, sin)
@@ -217,19 +213,20 @@ def test_inplace_on_leaf_that_requires_grad():
 def test_varlen_matches_per_sequence(interleaved, offsets_kind):
     gen = gen_for("varlen", interleaved, offsets_kind)
     lengths = [4, 0, 7, 1]
-    cu = torch.tensor([2] + [2 + sum(lengths[:i + 1]) for i in range(len(lengths))],
-                      dtype=torch.int32)  # starts at row 2: rows 0, 1 and the tail are outside
+    cu = torch.tensor(
+        [2] + [2 + sum(lengths[: i + 1]) for i in range(len(lengths))], dtype=torch.int32
+    )  # starts at row 2: rows 0, 1 and the tail are outside
     total, heads, d, rd = int(cu[-1]) + 3, 2, 8, 8
     angles, cos, sin = tables(gen, 16, rd)
     offsets = make_offsets(offsets_kind, gen, len(lengths), 8)
     x = torch.randn(total, heads, d, generator=gen, dtype=torch.float64)
-    out = apply_rotary_emb(x, cos, sin, interleaved=interleaved, seqlen_offsets=offsets,
-                           cu_seqlens=cu, max_seqlen=max(lengths))
+    out = apply_rotary_emb(
+        x, cos, sin, interleaved=interleaved, seqlen_offsets=offsets, cu_seqlens=cu, max_seqlen=max(lengths)
+    )
     for b, n in enumerate(lengths):
         rows = slice(int(cu[b]), int(cu[b + 1]))
-        off = offsets[b:b + 1] if isinstance(offsets, torch.Tensor) else offsets
-        seq = apply_rotary_emb(x[None, rows], cos, sin, interleaved=interleaved,
-                               seqlen_offsets=off)
+        off = offsets[b : b + 1] if isinstance(offsets, torch.Tensor) else offsets
+        seq = apply_rotary_emb(x[None, rows], cos, sin, interleaved=interleaved, seqlen_offsets=off)
         close(out[rows], seq[0], atol=1e-13)
         pos = torch.arange(n) + (int(offsets[b]) if isinstance(offsets, torch.Tensor) else offsets)
         close(out[rows], complex_rotary(x[rows], angles, pos, interleaved), atol=1e-12)
@@ -237,8 +234,16 @@ def test_varlen_matches_per_sequence(interleaved, offsets_kind):
     assert torch.equal(out[outside], x[outside])
     # in place
     y = x.clone()
-    apply_rotary_emb(y, cos, sin, interleaved=interleaved, inplace=True, seqlen_offsets=offsets,
-                     cu_seqlens=cu, max_seqlen=max(lengths))
+    apply_rotary_emb(
+        y,
+        cos,
+        sin,
+        interleaved=interleaved,
+        inplace=True,
+        seqlen_offsets=offsets,
+        cu_seqlens=cu,
+        max_seqlen=max(lengths),
+    )
     assert torch.equal(y, out)
 
 
@@ -284,14 +289,12 @@ def test_apply_rotary_emb_qkv_(gqa, offsets_kind, separate_k_tables):
     batch, seqlen, hq, d, rd = 2, 9, 4, 8, 4
     hk = 1 if gqa else hq
     angles, cos, sin = tables(gen, 2 * seqlen, rd)
-    angles_k, cos_k, sin_k = tables(gen, 2 * seqlen, rd) if separate_k_tables else \
-        (angles, None, None)
+    angles_k, cos_k, sin_k = tables(gen, 2 * seqlen, rd) if separate_k_tables else (angles, None, None)
     offsets = make_offsets(offsets_kind, gen, batch, seqlen)
     shape = (batch, seqlen, hq + 2 * hk, d) if gqa else (batch, seqlen, 3, hq, d)
     qkv = torch.randn(*shape, generator=gen, dtype=torch.float64, requires_grad=True)
     before = qkv.detach().clone()
-    out = apply_rotary_emb_qkv_(qkv, cos, sin, cos_k, sin_k, seqlen_offsets=offsets,
-                                num_heads_q=hq if gqa else None)
+    out = apply_rotary_emb_qkv_(qkv, cos, sin, cos_k, sin_k, seqlen_offsets=offsets, num_heads_q=hq if gqa else None)
     assert out.data_ptr() == qkv.data_ptr() and torch.equal(qkv.detach(), out.detach())
     if gqa:
         q, k, v = before.split([hq, hk, hk], dim=2)
@@ -321,8 +324,7 @@ def test_apply_rotary_emb_kv_(interleaved):
     batch, seqlen, heads, d = 2, 7, 2, 6
     angles, cos, sin = tables(gen, 12, d)
     offsets = torch.tensor([3, 1], dtype=torch.int64)
-    kv = torch.randn(batch, seqlen, 2, heads, d, generator=gen, dtype=torch.float64,
-                     requires_grad=True)
+    kv = torch.randn(batch, seqlen, 2, heads, d, generator=gen, dtype=torch.float64, requires_grad=True)
     before = kv.detach().clone()
     out = apply_rotary_emb_kv_(kv, cos, sin, interleaved=interleaved, seqlen_offsets=offsets)
     pos = dense_positions(batch, seqlen, offsets)
@@ -382,7 +384,7 @@ def test_rotary_embedding_q_and_kv_and_tensor_offsets():
     qkv = torch.cat([q0, kv0[:, :, 0], kv0[:, :, 1]], dim=2)
     out = rope(qkv, seqlen_offset=offsets, max_seqlen=10, num_heads_q=hq)
     close(out[:, :, :hq], q_out, atol=1e-6)
-    close(out[:, :, hq:hq + hk], kv_out[:, :, 0], atol=1e-6)
+    close(out[:, :, hq : hq + hk], kv_out[:, :, 0], atol=1e-6)
 
 
 def test_rotary_embedding_xpos():
@@ -394,8 +396,7 @@ def test_rotary_embedding_xpos():
     before = qkv.clone()
     rope(qkv)
     L = rope._seq_len_cached
-    zeta = torch.tensor([(2 * i + 0.4 * d) / (1.4 * d) for i in range(d // 2)],
-                        dtype=torch.float64)
+    zeta = torch.tensor([(2 * i + 0.4 * d) / (1.4 * d) for i in range(d // 2)], dtype=torch.float64)
     power = (torch.arange(L, dtype=torch.float64) - L // 2) / scale_base
     scale = zeta.unsqueeze(0) ** power.unsqueeze(1)  # (L, d / 2)
     angles = rope_angles(d, 10000.0, L)

@@ -4,6 +4,7 @@ The oracle recomputes every layer's attention in float64 from what the cache hol
 (``QuantizedKVCache.dequantize()`` plus the 16-bit sink tokens), so ``generate`` with TQCache must
 give the same tokens and (to float32 rounding) the same scores.
 """
+
 import math
 import sys
 from pathlib import Path
@@ -19,9 +20,24 @@ from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM  # no
 
 from flash_attn_tq import QuantizedKVCache  # noqa: E402
 from flash_attn_tq.integrations.transformers import (  # noqa: E402
-    ATTN_IMPLEMENTATION, DEFAULTS, FINE_BITS, HEAD_WIDTHS, NO_FP16_WINDOW, TQCache, TQLayer, allocate_head_bits,
-    allocate_key_bits, calibrate_copy_heads, calibrate_head_bits, calibrate_key_bits, copy_head_sensitivity, head_kl,
-    head_sensitivity, key_bit_sensitivity, tq_attention_forward)
+    ATTN_IMPLEMENTATION,
+    DEFAULTS,
+    FINE_BITS,
+    HEAD_WIDTHS,
+    NO_FP16_WINDOW,
+    TQCache,
+    TQLayer,
+    allocate_head_bits,
+    allocate_key_bits,
+    calibrate_copy_heads,
+    calibrate_head_bits,
+    calibrate_key_bits,
+    copy_head_sensitivity,
+    head_kl,
+    head_sensitivity,
+    key_bit_sensitivity,
+    tq_attention_forward,
+)
 
 ORACLE = "tq_oracle_test"
 
@@ -42,7 +58,7 @@ def oracle_attention(module, query, key, value, attention_mask, scaling=None, dr
     G = Hq // ks.shape[1]
     ks, vs = ks.repeat_interleave(G, 1), vs.repeat_interleave(G, 1)
     S = ks.shape[2]
-    s = query.double() @ ks.transpose(-1, -2) * (scaling or D ** -0.5)
+    s = query.double() @ ks.transpose(-1, -2) * (scaling or D**-0.5)
     qpos = torch.arange(S - Sq, S, device=s.device)[:, None]
     s = s.masked_fill(torch.arange(S, device=s.device)[None, :] > qpos, -math.inf)
     out = torch.softmax(s, -1) @ vs
@@ -54,9 +70,19 @@ AttentionInterface.register(ORACLE, oracle_attention)
 
 def tiny_model(seed=0, layers=3):
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024,
-                      pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    cfg = LlamaConfig(
+        vocab_size=96,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=1024,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     model = LlamaForCausalLM(cfg).eval()
     with torch.no_grad():  # larger logits so greedy choices are not near-ties
         model.lm_head.weight.mul_(8)
@@ -65,8 +91,16 @@ def tiny_model(seed=0, layers=3):
 
 def generate(model, impl, ids, cache, n=24):
     model.set_attn_implementation(impl)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=n,
-                         do_sample=False, output_scores=True, return_dict_in_generate=True, eos_token_id=None)
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        past_key_values=cache,
+        max_new_tokens=n,
+        do_sample=False,
+        output_scores=True,
+        return_dict_in_generate=True,
+        eos_token_id=None,
+    )
     return out.sequences, torch.stack(out.scores, 1)
 
 
@@ -136,8 +170,13 @@ def test_layer_options():
     """Per-layer overrides: 4-bit keys in the last layers (the best 3.5-bit mix of the quality study)."""
     model = tiny_model(layers=4)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    cache = TQCache(model.config, fp16_window=0, scale_only=False, late_k_bits=None,
-                    layer_options={i: {"k_bits": 4} for i in (2, 3)})
+    cache = TQCache(
+        model.config,
+        fp16_window=0,
+        scale_only=False,
+        late_k_bits=None,
+        layer_options={i: {"k_bits": 4} for i in (2, 3)},
+    )
     with torch.no_grad():
         model(torch.randint(3, 96, (1, 20)), past_key_values=cache)
     assert [qc.k_bits for qc in cache.quantized_caches()] == [3, 3, 4, 4]
@@ -153,10 +192,17 @@ def test_layer_options():
     default = TQCache(model.config)
     assert [default.layer_cache_kwargs(i)["k_bits"] for i in range(4)] == [3, 3, 4, 4]
     assert default.bits_per_element(64) == pytest.approx(3.5)
-    assert [TQCache(model.config, protected_layers=(0,)).layer_cache_kwargs(i)["k_bits"] for i in range(4)] == [3, 3, 3, 4]
+    assert [TQCache(model.config, protected_layers=(0,)).layer_cache_kwargs(i)["k_bits"] for i in range(4)] == [
+        3,
+        3,
+        3,
+        4,
+    ]
     assert TQCache(model.config, layer_options={3: {"k_bits": 3}}).layer_cache_kwargs(3)["k_bits"] == 3
-    assert all(TQCache(model.config, **o).layer_cache_kwargs(3)["k_bits"] == 3
-               for o in (dict(late_k_bits=None), dict(scale_only=False), dict(quantizer="asym"), dict(fit="mean")))
+    assert all(
+        TQCache(model.config, **o).layer_cache_kwargs(3)["k_bits"] == 3
+        for o in (dict(late_k_bits=None), dict(scale_only=False), dict(quantizer="asym"), dict(fit="mean"))
+    )
     model.config.head_dim = 128  # a quarter of the layers at head_dim 128: 3.25 bits/element
     wide = TQCache(model.config)
     assert [wide.layer_cache_kwargs(i)["k_bits"] for i in range(4)] == [3, 3, 3, 4]
@@ -218,6 +264,7 @@ def test_pack_errors_are_read_back_once_a_forward():
     """The layers share one pack-error word; only the last quantized layer reads it back (one host
     sync a step on the GPU), and a read raises for any bit set and clears it."""
     from flash_attn_tq.integrations.transformers import PackErrors
+
     model = tiny_model(layers=3)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     cache = TQCache(model.config, protected_layers=(2,))
@@ -246,6 +293,7 @@ def test_pack_errors_surface_in_the_same_forward_on_the_gpu():
     """A NaN key in a middle layer is written by the pack kernel without a sync; the last layer's
     read-back raises it within the same forward call, and the next clean forward runs."""
     from flash_attn_tq import ops
+
     if not ops.extension_available():
         pytest.skip("the CUDA extension is not built")
     model = tiny_model(layers=3).cuda().half()
@@ -266,9 +314,16 @@ def test_pack_errors_surface_in_the_same_forward_on_the_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU and the built extension")
-@pytest.mark.parametrize("opts", [dict(), NO_FP16_WINDOW, dict(head_options={(2, 1): {"k_bits": 8}, (0, 0): {"k_bits": 4}}),
-                                  dict(key_center="rope", head_options={(1, 0): {"k_bits": 4}})],
-                         ids=["default", "no_fp16_window", "head_options", "rope_center"])
+@pytest.mark.parametrize(
+    "opts",
+    [
+        dict(),
+        NO_FP16_WINDOW,
+        dict(head_options={(2, 1): {"k_bits": 8}, (0, 0): {"k_bits": 4}}),
+        dict(key_center="rope", head_options={(1, 0): {"k_bits": 4}}),
+    ],
+    ids=["default", "no_fp16_window", "head_options", "rope_center"],
+)
 def test_fused_decode_matches_the_oracle_on_the_gpu(opts):
     """A float16 model on the GPU: the prompt, a 5-token chunk and single tokens through the fused
     kernel (+ the recent window: 16-bit, or 4-bit codes; per-head bits: the last layer's second head
@@ -276,6 +331,7 @@ def test_fused_decode_matches_the_oracle_on_the_gpu(opts):
     step's logits agree to float16 rounding (key_center='rope': the kernel adds q . R(p) c, the
     window pass and the sinks get R(p) c back in PyTorch)."""
     from flash_attn_tq import last_path, ops
+
     if not ops.extension_available():
         pytest.skip("the CUDA extension is not built")
     path = "quantized:fused-cuda"
@@ -303,27 +359,35 @@ def test_defaults_are_the_quality_study_default():
     import eval_quality
 
     layers = 30
-    config = LlamaConfig(num_hidden_layers=layers, head_dim=64, hidden_size=576, num_attention_heads=9,
-                         num_key_value_heads=3)  # SmolLM2's shape
+    config = LlamaConfig(
+        num_hidden_layers=layers, head_dim=64, hidden_size=576, num_attention_heads=9, num_key_value_heads=3
+    )  # SmolLM2's shape
 
     class Shape:  # calibrate_key_bits needs only the config when given a sensitivity
         pass
 
     model = Shape()
     model.config = config
-    sensitivity = {(i, b): (1.0 + (i * 7) % 11) / b ** 2 for i in range(layers) for b in (3, 4)}
+    sensitivity = {(i, b): (1.0 + (i * 7) % 11) / b**2 for i in range(layers) for b in (3, 4)}
     F = FINE_BITS
-    copy = {(i, h, k, v): 0.01 + (0.5 if (i, h) == (18, 2) else 0.0) * (k < F) + 0.1 * (v < F)
-            for i in range(layers) for h in range(3) for k, v in ((3, F), (F, 3), (F, F))}
+    copy = {
+        (i, h, k, v): 0.01 + (0.5 if (i, h) == (18, 2) else 0.0) * (k < F) + 0.1 * (v < F)
+        for i in range(layers)
+        for h in range(3)
+        for k, v in ((3, F), (F, 3), (F, F))
+    }
     cal = TQCache.calibrated(model, sensitivity=sensitivity, copy_sensitivity=copy)
     assert cal.head_options == {(18, 2): {"k_bits": F, "v_bits": F}}  # (calibrated's default: one copy head)
     for name, cache in ((eval_quality.UNCALIBRATED_DEFAULT, TQCache(config)), (eval_quality.DEFAULT, cal)):
         cfg = eval_quality.CONFIGS[name]
         if cfg.get("k_cal"):
             assert tuple(cfg["k_cal"]) == (3, 4) and cfg["copy_heads"] == 1  # calibrated's defaults
-            cfg = dict(cfg, k_layer_bits={i: cal.layer_cache_kwargs(i)["k_bits"] for i in range(layers)},
-                       head_bits={f"{i},{h}": [o["k_bits"], o["v_bits"]] for (i, h), o in cal.head_options.items()},
-                       kv_heads=3)
+            cfg = dict(
+                cfg,
+                k_layer_bits={i: cal.layer_cache_kwargs(i)["k_bits"] for i in range(layers)},
+                head_bits={f"{i},{h}": [o["k_bits"], o["v_bits"]] for (i, h), o in cal.head_options.items()},
+                kv_heads=3,
+            )
         assert cache.sink_tokens == cfg["sink_tokens"]
         for i in range(layers):
             opts = cache.layer_cache_kwargs(i)
@@ -342,17 +406,26 @@ def test_defaults_are_the_quality_study_default():
 
 
 def test_allocate_key_bits_spends_the_budget_where_it_gains_most():
-    kl = {(0, 2): 5.0, (0, 3): 1.0, (0, 4): 0.5,   # layer 0: a raise gains 0.5, a lowering costs 4
-          (1, 2): 1.1, (1, 3): 1.0, (1, 4): 0.1,   # layer 1: gains 0.9
-          (2, 2): 1.01, (2, 3): 1.0, (2, 4): 0.99}  # layer 2: gains 0.01, costs 0.01
+    kl = {
+        (0, 2): 5.0,
+        (0, 3): 1.0,
+        (0, 4): 0.5,  # layer 0: a raise gains 0.5, a lowering costs 4
+        (1, 2): 1.1,
+        (1, 3): 1.0,
+        (1, 4): 0.1,  # layer 1: gains 0.9
+        (2, 2): 1.01,
+        (2, 3): 1.0,
+        (2, 4): 0.99,
+    }  # layer 2: gains 0.01, costs 0.01
     assert allocate_key_bits(kl, [0, 1, 2], 1) == {0: 4, 1: 4, 2: 2}  # + a raise paid by lowering layer 2
     assert allocate_key_bits(kl, [0, 1, 2], 0) == {0: 3, 1: 4, 2: 2}
     assert allocate_key_bits(kl, [0, 1, 2], 3) == {0: 4, 1: 4, 2: 4}
     no_two = {k: v for k, v in kl.items() if k[1] != 2}
     assert allocate_key_bits(no_two, [0, 1, 2], 1) == {0: 3, 1: 4, 2: 3}
     # a layer is never raised and lowered at once; a raise that gains nothing is not taken
-    assert allocate_key_bits({(0, 2): 1.001, (0, 3): 1.0, (0, 4): 0.1, (1, 2): 1.1, (1, 3): 1.0, (1, 4): 0.9},
-                             [0, 1], 0) == {0: 4, 1: 2}
+    assert allocate_key_bits(
+        {(0, 2): 1.001, (0, 3): 1.0, (0, 4): 0.1, (1, 2): 1.1, (1, 3): 1.0, (1, 4): 0.9}, [0, 1], 0
+    ) == {0: 4, 1: 2}
     assert allocate_key_bits({(0, 3): 1.0, (0, 4): 1.0}, [0], 1) == {0: 3}
 
 
@@ -379,8 +452,9 @@ def test_calibrated_cache_places_the_key_bits_by_measured_sensitivity():
     assert cache.layer_cache_kwargs(0)["fp16_window"] == 8 and cache.sink_tokens == 2
     # a full measurement (no sensitivity given) restores the model's attention implementation
     model.set_attn_implementation("sdpa")
-    again = TQCache.calibrated(model, protected_layers=(0,), fp16_window=8, sink_tokens=2,
-                               layer_options={3: dict(v_bits=4)})  # (measures 3 layers x 2 widths)
+    again = TQCache.calibrated(
+        model, protected_layers=(0,), fp16_window=8, sink_tokens=2, layer_options={3: dict(v_bits=4)}
+    )  # (measures 3 layers x 2 widths)
     assert model.config._attn_implementation == "sdpa"
     assert again.protected_layers == {0} and again.layer_cache_kwargs(3)["v_bits"] == 4
     assert sum(again.layer_cache_kwargs(i)["k_bits"] == 4 for i in (1, 2, 3)) == 1  # 3 quantized layers: 1 raise
@@ -411,8 +485,12 @@ def test_head_options():
     # codes + scale: 3.25 bits at 3 bits, 8.25 at 8, 4.25 at 4; a layer's heads averaged
     k_bits = [3.25, (8.25 + 3.25) / 2, (3.25 + 4.25) / 2]
     assert cache.bits_per_element(64) == pytest.approx(sum((kb + 3.25) / 2 for kb in k_bits) / 3)
-    for bad, match in (({(0, 2): {"k_bits": 8}}, "out of range"), ({(0, 0): {"k_bits": 5}}, "k_bits"),
-                       ({(0, 0): {"sink_tokens": 1}}, "TQCache-wide"), ({0: {"k_bits": 8}}, "pairs")):
+    for bad, match in (
+        ({(0, 2): {"k_bits": 8}}, "out of range"),
+        ({(0, 0): {"k_bits": 5}}, "k_bits"),
+        ({(0, 0): {"sink_tokens": 1}}, "TQCache-wide"),
+        ({0: {"k_bits": 8}}, "pairs"),
+    ):
         with pytest.raises(ValueError, match=match):
             TQCache(model.config, head_options=bad)
     with pytest.raises(ValueError, match="protected"):
@@ -422,6 +500,7 @@ def test_head_options():
 def test_allocate_head_bits_is_the_best_knapsack():
     """Exact: against brute force over every assignment of widths to 5 heads within the budget."""
     import itertools
+
     every = ((3, 3), (4, 3), (8, 3), (8, 8))
     assert set(HEAD_WIDTHS) <= set(every)
     F = FINE_BITS
@@ -432,7 +511,11 @@ def test_allocate_head_bits_is_the_best_knapsack():
         floor = 0.01 * float(torch.rand(1, generator=g))
         k3, v3 = (float(x) for x in torch.rand(2, generator=g))
         kl[(*hd, F, F)] = floor
-        kl[(*hd, 3, F)], kl[(*hd, 4, F)], kl[(*hd, F, 3)] = floor + k3, floor + k3 * float(torch.rand(1, generator=g)), floor + v3
+        kl[(*hd, 3, F)], kl[(*hd, 4, F)], kl[(*hd, F, 3)] = (
+            floor + k3,
+            floor + k3 * float(torch.rand(1, generator=g)),
+            floor + v3,
+        )
     kl[(1, 0, 3, F)], kl[(1, 0, 4, F)], kl[(1, 0, F, 3)] = 10.0, 9.0, 0.02  # a copying head: 4-bit keys barely help
     assert head_kl(kl, (1, 0), 3, 3) == pytest.approx(10.0 + 0.02 - kl[(1, 0, F, F)])
     for budget in (0, 1, 3, 5, 6, 11, 30):
@@ -465,8 +548,11 @@ def test_calibrated_per_head():
     heads = sorted({k[:2] for k in sens})
     every = ((3, 3), (4, 3), (8, 3), (8, 8))
     cache = TQCache.calibrated(model, per_head=True, widths=every, sensitivity=sens, **opts)
-    assert cache.head_options == {hd: {"k_bits": k, "v_bits": v} for hd, (k, v) in
-                                  allocate_head_bits(sens, heads, 3, every).items() if (k, v) != (3, 3)}
+    assert cache.head_options == {
+        hd: {"k_bits": k, "v_bits": v}
+        for hd, (k, v) in allocate_head_bits(sens, heads, 3, every).items()
+        if (k, v) != (3, 3)
+    }
     assert cache.head_options and not cache.layer_options
     # the default widths (8-bit codes) cost 5 bits a head: more than this 6-head model's budget of 3
     assert TQCache.calibrated(model, per_head=True, sensitivity=sens, **opts).head_options == {}
@@ -528,22 +614,24 @@ def test_calibrated_copy_heads():
 
 def test_copy_sequence_and_copy_span_kl():
     from flash_attn_tq.integrations.calibration import COPY_SKIP, copy_sequence, copy_span_kl
+
     cfg = tiny_model(layers=1).config
     ids = copy_sequence(cfg, 90, 16, 0, "cpu")
     assert ids.shape == (1, 106) and torch.equal(ids[0, -16:], ids[0, 30:46])
     text = torch.arange(200, 500)
     for seed, start in ((0, 0), (1, 90), (4, 360 % 211)):  # offsets seed * tokens, wrapping
         got = copy_sequence(cfg, 90, 16, seed, "cpu", text_ids=text)[0]
-        assert torch.equal(got[:90], text[start:start + 90]) and torch.equal(got[90:], got[30:46])
+        assert torch.equal(got[:90], text[start : start + 90]) and torch.equal(got[90:], got[30:46])
     with pytest.raises(ValueError, match="text_ids"):
         copy_sequence(cfg, 400, 16, 0, "cpu", text_ids=text)
     kl = torch.zeros(106)
-    kl[106 - 16 + COPY_SKIP - 1:105] = 1.0  # the predictions of the repeat's tokens COPY_SKIP..15
+    kl[106 - 16 + COPY_SKIP - 1 : 105] = 1.0  # the predictions of the repeat's tokens COPY_SKIP..15
     assert copy_span_kl(kl, 16) == 1.0 and kl.mean().item() < 0.1
 
 
 def test_rope_center_takes_the_model_rope():
     from flash_attn_tq.integrations.transformers import rope_inv_freq
+
     model = tiny_model(layers=2)
     torch.testing.assert_close(rope_inv_freq(model.config), model.model.rotary_emb.inv_freq.float())
     cache = TQCache(model.config, key_center="rope", sink_tokens=3, fp16_window=4)
@@ -557,5 +645,5 @@ def test_rope_center_takes_the_model_rope():
     qc = cache.layers[0].qcache
     assert qc.rope_center and bool(qc.calibrated.all())
     from flash_attn_tq import last_path
-    assert last_path().startswith("quantized:reference (q is not on a CUDA device")
 
+    assert last_path().startswith("quantized:reference (q is not on a CUDA device")

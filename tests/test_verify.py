@@ -1,5 +1,6 @@
 """``python -m flash_attn_tq.verify`` on CPU (the reference path): shape/option combinations, captured
 q/k/v, a deliberately broken attention and the JSON output."""
+
 import json
 
 import pytest
@@ -11,14 +12,17 @@ from flash_attn_tq import verify
 SMALL = ["--batch", "2", "--seqlen", "96", "--q-heads", "4", "--kv-heads", "2", "--device", "cpu"]
 
 
-@pytest.mark.parametrize("extra", [
-    [],
-    ["--quantizer", "asym", "--head-dim", "64", "--seqlen-q", "5"],
-    ["--head-dim", "64", "--sink-tokens", "4", "--fp16-window", "8", "--dtype", "bfloat16"],
-    ["--key-center", "rope", "--k-bits", "4", "--seqlen-q", "3"],
-    ["--key-center", "mean", "--quantizer", "asym", "--k-bits", "8", "--v-bits", "2"],
-    ["--page-size", "16", "--sink-tokens", "2", "--fp16-window", "4"],
-])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        [],
+        ["--quantizer", "asym", "--head-dim", "64", "--seqlen-q", "5"],
+        ["--head-dim", "64", "--sink-tokens", "4", "--fp16-window", "8", "--dtype", "bfloat16"],
+        ["--key-center", "rope", "--k-bits", "4", "--seqlen-q", "3"],
+        ["--key-center", "mean", "--quantizer", "asym", "--k-bits", "8", "--v-bits", "2"],
+        ["--page-size", "16", "--sink-tokens", "2", "--fp16-window", "4"],
+    ],
+)
 def test_shapes_pass(extra, capsys):
     assert verify.main(SMALL + extra) == 0
     out = capsys.readouterr().out

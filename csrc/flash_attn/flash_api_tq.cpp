@@ -36,7 +36,9 @@ namespace {
 // 125 us at 32 x 8K against 94 us with two (92 without the side).
 int choose_num_splits(int ctas, int max_seqlen_k, int num_sms, int per_sm_x20 = 38) {
     const int max_splits = std::max(1, std::min(128, max_seqlen_k / 128));
-    auto load = [&](int s) { return static_cast<double>((static_cast<int64_t>(ctas) * s + num_sms - 1) / num_sms) / s; };
+    auto load = [&](int s) {
+        return static_cast<double>((static_cast<int64_t>(ctas) * s + num_sms - 1) / num_sms) / s;
+    };
     double best = load(1);
     for (int s = 2; s <= max_splits; ++s) { best = std::min(best, load(s)); }
     int fewest = 0;
@@ -87,8 +89,8 @@ void dispatch_packed(at::ScalarType dtype, int d, int k_bits, int v_bits, bool s
                      const DecodeParams &p, cudaStream_t stream) {
 #define TQ_RUN_PACKED(Elem, D, K, V, S, P)                                                            \
     if (dtype == scalar_type_of<Elem>() && d == D && k_bits == K && v_bits == V && scale_only == S) { \
-        run_packed_case<Elem, D, K, V, S, P>(prefill, p, stream);                                    \
-        return;                                                                                      \
+        run_packed_case<Elem, D, K, V, S, P>(prefill, p, stream);                                     \
+        return;                                                                                       \
     }
     TQ_FOR_EACH_PACKED_CASE(TQ_RUN_PACKED)
 #undef TQ_RUN_PACKED
@@ -97,10 +99,10 @@ void dispatch_packed(at::ScalarType dtype, int d, int k_bits, int v_bits, bool s
 
 // A float16/bfloat16 cache: the Fp16KV loader.
 void dispatch_kv16(at::ScalarType dtype, int d, const DecodeParams &p, cudaStream_t stream) {
-#define TQ_RUN_KV16(Elem, D)                             \
-    if (dtype == scalar_type_of<Elem>() && d == D) {     \
-        run_decode_fp16<Elem, D>(p, stream);             \
-        return;                                          \
+#define TQ_RUN_KV16(Elem, D)                         \
+    if (dtype == scalar_type_of<Elem>() && d == D) { \
+        run_decode_fp16<Elem, D>(p, stream);         \
+        return;                                      \
     }
     TQ_FOR_EACH_KV16_CASE(TQ_RUN_KV16)
 #undef TQ_RUN_KV16
@@ -112,12 +114,14 @@ enum class Store { kPacked, kFp16 };
 
 // Everything but the K/V pointers and strides: q/out/lse, lengths, batch map, block table, signs,
 // num_splits; then the launch (k_bits / v_bits: the packed store's).
-std::tuple<at::Tensor, at::Tensor> run_decode_op(
-    Store store, DecodeParams &p, const at::Tensor &q, const at::Tensor &k_store, const at::Tensor &seqlens_k,
-    const std::optional<at::Tensor> &cache_batch_idx, const std::optional<at::Tensor> &block_table,
-    const std::optional<at::Tensor> &rot_signs, int k_bits, int v_bits, double softmax_scale, bool is_causal,
-    int64_t num_splits, int64_t window_left, int64_t window_right, const std::optional<at::Tensor> &cache_leftpad,
-    double softcap) {
+std::tuple<at::Tensor, at::Tensor> run_decode_op(Store store, DecodeParams &p, const at::Tensor &q,
+                                                 const at::Tensor &k_store, const at::Tensor &seqlens_k,
+                                                 const std::optional<at::Tensor> &cache_batch_idx,
+                                                 const std::optional<at::Tensor> &block_table,
+                                                 const std::optional<at::Tensor> &rot_signs, int k_bits, int v_bits,
+                                                 double softmax_scale, bool is_causal, int64_t num_splits,
+                                                 int64_t window_left, int64_t window_right,
+                                                 const std::optional<at::Tensor> &cache_leftpad, double softcap) {
     CHECK_CUDA(seqlens_k);
     TQ_CHECK(seqlens_k.scalar_type() == at::kInt && seqlens_k.dim() == 1 && seqlens_k.is_contiguous(),
              "seqlens_k must be contiguous int32 [batch]");
@@ -131,12 +135,17 @@ std::tuple<at::Tensor, at::Tensor> run_decode_op(
     p.q = q.data_ptr();
     p.out = out.data_ptr();
     p.softmax_lse = lse.data_ptr<float>();
-    p.q_batch_stride = q.stride(0); p.q_row_stride = q.stride(1); p.q_head_stride = q.stride(2);
-    p.o_batch_stride = out.stride(0); p.o_row_stride = out.stride(1); p.o_head_stride = out.stride(2);
+    p.q_batch_stride = q.stride(0);
+    p.q_row_stride = q.stride(1);
+    p.q_head_stride = q.stride(2);
+    p.o_batch_stride = out.stride(0);
+    p.o_row_stride = out.stride(1);
+    p.o_head_stride = out.stride(2);
     p.seqlens_k = seqlens_k.data_ptr<int>();
     if (cache_batch_idx.has_value()) {
         CHECK_CUDA(*cache_batch_idx);
-        TQ_CHECK(cache_batch_idx->scalar_type() == at::kInt && cache_batch_idx->numel() == b && cache_batch_idx->is_contiguous(),
+        TQ_CHECK(cache_batch_idx->scalar_type() == at::kInt && cache_batch_idx->numel() == b &&
+                     cache_batch_idx->is_contiguous(),
                  "cache_batch_idx must be contiguous int32 [batch]");
         p.cache_batch_idx = cache_batch_idx->data_ptr<int>();
     }
@@ -145,8 +154,9 @@ std::tuple<at::Tensor, at::Tensor> run_decode_op(
         CHECK_CUDA(*block_table);
         // (row b of the batch, or with cache_batch_idx row cache_batch_idx[b]: the sequences' rows)
         TQ_CHECK(block_table->scalar_type() == at::kInt && block_table->dim() == 2 &&
-                 (block_table->size(0) == b || (cache_batch_idx.has_value() && block_table->size(0) > 0)) &&
-                 block_table->stride(1) == 1, "block_table must be int32 [sequences, max_blocks] with a contiguous last dim");
+                     (block_table->size(0) == b || (cache_batch_idx.has_value() && block_table->size(0) > 0)) &&
+                     block_table->stride(1) == 1,
+                 "block_table must be int32 [sequences, max_blocks] with a contiguous last dim");
         p.block_table = block_table->data_ptr<int>();
         p.block_table_batch_stride = block_table->stride(0);
         p.page_block_size = k_store.size(1);
@@ -161,19 +171,25 @@ std::tuple<at::Tensor, at::Tensor> run_decode_op(
         p.rot_signs = rot_signs->data_ptr<float>();
     }
     p.max_seqlen_k = max_seqlen_k;
-    p.b = b; p.seqlen_q = seqlen_q; p.h = h; p.h_k = h_k; p.h_h_k_ratio = h / h_k;
+    p.b = b;
+    p.seqlen_q = seqlen_q;
+    p.h = h;
+    p.h_k = h_k;
+    p.h_h_k_ratio = h / h_k;
     p.scale_softmax_log2 = static_cast<float>(softmax_scale * M_LOG2E);
     p.is_causal = is_causal && seqlen_q > 1;
     if (cache_leftpad.has_value()) {
         CHECK_CUDA(*cache_leftpad);
-        TQ_CHECK(cache_leftpad->scalar_type() == at::kInt && cache_leftpad->numel() == b && cache_leftpad->is_contiguous(),
-                 "cache_leftpad must be contiguous int32 [batch]");
+        TQ_CHECK(
+            cache_leftpad->scalar_type() == at::kInt && cache_leftpad->numel() == b && cache_leftpad->is_contiguous(),
+            "cache_leftpad must be contiguous int32 [batch]");
         p.leftpad_k = cache_leftpad->data_ptr<int>();
     }
     p.softcap_log2 = softcap > 0 ? static_cast<float>(softcap * M_LOG2E) : 0.f;
     // upstream's conventions: a window at least the cache is none; causal closes it on the right
     p.window_left = window_left >= max_seqlen_k ? -1 : static_cast<int>(std::max<int64_t>(window_left, -1));
-    p.window_right = is_causal ? 0 : (window_right >= max_seqlen_k ? -1 : static_cast<int>(std::max<int64_t>(window_right, -1)));
+    p.window_right =
+        is_causal ? 0 : (window_right >= max_seqlen_k ? -1 : static_cast<int>(std::max<int64_t>(window_right, -1)));
 
     const int rows = p.h_h_k_ratio * seqlen_q;
     auto prefill_fits = [&]() {  // a CTA's shared memory on this device (asked only for prefill-sized calls)
@@ -191,8 +207,8 @@ std::tuple<at::Tensor, at::Tensor> run_decode_op(
     // (8-bit keys: the decode kernel for every row count; no prefill instantiations for them; the
     // RoPE center, a 16-bit side or a tail: the decode kernel too, which takes any row count)
     const bool prefill = store == Store::kPacked && p.rope_center == nullptr && !side && p.codes_tail == 0 &&
-                         rows >= kPrefillMinRows && has_prefill(q.scalar_type(), d, k_bits, v_bits, p.meta_words == 1) &&
-                         prefill_fits();
+                         rows >= kPrefillMinRows &&
+                         has_prefill(q.scalar_type(), d, k_bits, v_bits, p.meta_words == 1) && prefill_fits();
 #ifdef FLASH_TQ_SM90A
     if (prefill) {  // Hopper's wgmma variant of the prefill kernel (FLASH_ATTN_TQ_PREFILL_WGMMA=0: the mma.sync one)
         int major = 0, minor = 0;
@@ -209,7 +225,8 @@ std::tuple<at::Tensor, at::Tensor> run_decode_op(
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, q.get_device()));
     // keys a row can see at most: the local window's span when there is one
     const int span = p.window_left >= 0 ? std::min<int64_t>(max_seqlen_k, p.window_left + seqlen_q + 1) : max_seqlen_k;
-    p.num_splits = num_splits > 0 ? static_cast<int>(num_splits) : choose_num_splits(ctas, span, num_sms, side ? 58 : 38);
+    p.num_splits =
+        num_splits > 0 ? static_cast<int>(num_splits) : choose_num_splits(ctas, span, num_sms, side ? 58 : 38);
     p.num_splits += side ? 1 : 0;  // the side pass: one more split, merged by the combine kernel
     at::Tensor out_accum, lse_accum;
     if (p.num_splits > 1) {
@@ -231,12 +248,14 @@ std::tuple<at::Tensor, at::Tensor> run_decode_op(
 void check_query(const at::Tensor &q) {
     CHECK_CUDA(q);
     TQ_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16, "q must be float16 or bfloat16");
-    TQ_CHECK(q.dim() == 4 && q.stride(-1) == 1, "q must be [batch, seqlen_q, heads, head_dim] with a contiguous last dim");
+    TQ_CHECK(q.dim() == 4 && q.stride(-1) == 1,
+             "q must be [batch, seqlen_q, heads, head_dim] with a contiguous last dim");
     TQ_CHECK(q.size(3) == 64 || q.size(3) == 128, "head_dim must be 64 or 128 for the fused kernel");
     // rows are read and written d / 32 values a lane at a time
     const int64_t vec = q.size(3) / 32;
-    TQ_CHECK(reinterpret_cast<uintptr_t>(q.data_ptr()) % (2 * vec) == 0 && q.stride(0) % vec == 0 && q.stride(1) % vec == 0 &&
-             q.stride(2) % vec == 0, "q rows must be aligned to head_dim / 16 bytes");
+    TQ_CHECK(reinterpret_cast<uintptr_t>(q.data_ptr()) % (2 * vec) == 0 && q.stride(0) % vec == 0 &&
+                 q.stride(1) % vec == 0 && q.stride(2) % vec == 0,
+             "q rows must be aligned to head_dim / 16 bytes");
 }
 
 // the kernel multiplies token and block indices by 32-bit row / block strides
@@ -247,11 +266,11 @@ void check_strides_32bit(const at::Tensor &t, bool paged) {
 }
 
 std::tuple<at::Tensor, at::Tensor> decode_kvcache(
-    const at::Tensor &q,            // [b, seqlen_q, h, d]
-    const at::Tensor &k_codes,      // [rows, cols, h_k, bytes] uint8
-    const at::Tensor &k_meta,       // [rows, cols, h_k, 2] half
+    const at::Tensor &q,        // [b, seqlen_q, h, d]
+    const at::Tensor &k_codes,  // [rows, cols, h_k, bytes] uint8
+    const at::Tensor &k_meta,   // [rows, cols, h_k, 2] half
     const at::Tensor &v_codes, const at::Tensor &v_meta,
-    const at::Tensor &seqlens_k,    // [b] int32
+    const at::Tensor &seqlens_k,  // [b] int32
     const std::optional<at::Tensor> &cache_batch_idx, const std::optional<at::Tensor> &block_table,
     const std::optional<at::Tensor> &rot_signs,  // turbo: [d] float32 Hadamard signs (rotate q in, output out)
     int64_t k_bits, int64_t v_bits, double softmax_scale, bool is_causal, int64_t num_splits, int64_t window_left,
@@ -260,8 +279,7 @@ std::tuple<at::Tensor, at::Tensor> decode_kvcache(
     const std::optional<at::Tensor> &rope_inv_freq,  // [d / 2] float32
     int64_t rope_offset,                             // a key's RoPE position = its index + rope_offset
     const std::optional<at::Tensor> &side_k,         // [rows, side_sinks + side_ring (+ more), h_k, d], q's dtype
-    const std::optional<at::Tensor> &side_v,
-    int64_t side_sinks, int64_t side_ring, int64_t codes_tail) {
+    const std::optional<at::Tensor> &side_v, int64_t side_sinks, int64_t side_ring, int64_t codes_tail) {
     check_query(q);
     CHECK_CUDA(k_codes);
     CHECK_CUDA(v_codes);
@@ -269,37 +287,53 @@ std::tuple<at::Tensor, at::Tensor> decode_kvcache(
     CHECK_CUDA(v_meta);
     TQ_CHECK(k_codes.scalar_type() == at::kByte && v_codes.scalar_type() == at::kByte, "k_codes/v_codes must be uint8");
     TQ_CHECK(k_meta.scalar_type() == at::kHalf && v_meta.scalar_type() == at::kHalf, "k_meta/v_meta must be float16");
-    TQ_CHECK(k_codes.dim() == 4 && v_codes.dim() == 4 && k_meta.dim() == 4 && v_meta.dim() == 4, "codes/meta must be 4-D");
+    TQ_CHECK(k_codes.dim() == 4 && v_codes.dim() == 4 && k_meta.dim() == 4 && v_meta.dim() == 4,
+             "codes/meta must be 4-D");
     TQ_CHECK(k_codes.stride(-1) == 1 && v_codes.stride(-1) == 1 && k_meta.stride(-1) == 1 && v_meta.stride(-1) == 1,
              "codes/meta need a contiguous last dim");
     const int d = q.size(3);
-    TQ_CHECK(k_codes.size(3) == d * k_bits / 8 && v_codes.size(3) == d * v_bits / 8, "code bytes do not match head_dim and bits");
+    TQ_CHECK(k_codes.size(3) == d * k_bits / 8 && v_codes.size(3) == d * v_bits / 8,
+             "code bytes do not match head_dim and bits");
     TQ_CHECK(k_meta.size(3) == v_meta.size(3) && (k_meta.size(3) == 2 || k_meta.size(3) == 1),
              "k_meta/v_meta must both end in (scale, offset) or both in (scale)");
     // cp.async copies of whole code rows need their alignment
     const int chunk = (d * k_bits / 8) % 16 == 0 ? 16 : 8;
-    TQ_CHECK(reinterpret_cast<uintptr_t>(k_codes.data_ptr()) % chunk == 0 && reinterpret_cast<uintptr_t>(v_codes.data_ptr()) % 8 == 0,
+    TQ_CHECK(reinterpret_cast<uintptr_t>(k_codes.data_ptr()) % chunk == 0 &&
+                 reinterpret_cast<uintptr_t>(v_codes.data_ptr()) % 8 == 0,
              "codes tensors must be aligned");
-    for (const at::Tensor *t : {&k_codes, &v_codes, &k_meta, &v_meta}) { check_strides_32bit(*t, block_table.has_value()); }
+    for (const at::Tensor *t : {&k_codes, &v_codes, &k_meta, &v_meta}) {
+        check_strides_32bit(*t, block_table.has_value());
+    }
     c10::cuda::CUDAGuard guard(q.device());
     DecodeParams p{};
     p.k_codes = k_codes.data_ptr<uint8_t>();
     p.v_codes = v_codes.data_ptr<uint8_t>();
     p.k_meta = reinterpret_cast<const uint16_t *>(k_meta.data_ptr());
     p.v_meta = reinterpret_cast<const uint16_t *>(v_meta.data_ptr());
-    p.kc_batch_stride = k_codes.stride(0); p.kc_row_stride = k_codes.stride(1); p.kc_head_stride = k_codes.stride(2);
-    p.vc_batch_stride = v_codes.stride(0); p.vc_row_stride = v_codes.stride(1); p.vc_head_stride = v_codes.stride(2);
-    p.km_batch_stride = k_meta.stride(0); p.km_row_stride = k_meta.stride(1); p.km_head_stride = k_meta.stride(2);
-    p.vm_batch_stride = v_meta.stride(0); p.vm_row_stride = v_meta.stride(1); p.vm_head_stride = v_meta.stride(2);
+    p.kc_batch_stride = k_codes.stride(0);
+    p.kc_row_stride = k_codes.stride(1);
+    p.kc_head_stride = k_codes.stride(2);
+    p.vc_batch_stride = v_codes.stride(0);
+    p.vc_row_stride = v_codes.stride(1);
+    p.vc_head_stride = v_codes.stride(2);
+    p.km_batch_stride = k_meta.stride(0);
+    p.km_row_stride = k_meta.stride(1);
+    p.km_head_stride = k_meta.stride(2);
+    p.vm_batch_stride = v_meta.stride(0);
+    p.vm_row_stride = v_meta.stride(1);
+    p.vm_head_stride = v_meta.stride(2);
     p.meta_words = static_cast<int>(k_meta.size(3));
-    TQ_CHECK(rope_center.has_value() == rope_inv_freq.has_value(), "rope_center and rope_inv_freq must be given together");
+    TQ_CHECK(rope_center.has_value() == rope_inv_freq.has_value(),
+             "rope_center and rope_inv_freq must be given together");
     if (rope_center.has_value()) {
         CHECK_CUDA(*rope_center);
         CHECK_CUDA(*rope_inv_freq);
-        TQ_CHECK(rope_center->scalar_type() == at::kFloat && rope_center->dim() == 3 && rope_center->size(0) == q.size(0) &&
-                 rope_center->size(1) == k_codes.size(2) && rope_center->size(2) == d && rope_center->stride(2) == 1 &&
-                 rope_center->stride(1) == d, "rope_center must be float32 [batch, kv_heads, head_dim] with contiguous rows");
-        TQ_CHECK(rope_inv_freq->scalar_type() == at::kFloat && rope_inv_freq->numel() == d / 2 && rope_inv_freq->is_contiguous(),
+        TQ_CHECK(rope_center->scalar_type() == at::kFloat && rope_center->dim() == 3 &&
+                     rope_center->size(0) == q.size(0) && rope_center->size(1) == k_codes.size(2) &&
+                     rope_center->size(2) == d && rope_center->stride(2) == 1 && rope_center->stride(1) == d,
+                 "rope_center must be float32 [batch, kv_heads, head_dim] with contiguous rows");
+        TQ_CHECK(rope_inv_freq->scalar_type() == at::kFloat && rope_inv_freq->numel() == d / 2 &&
+                     rope_inv_freq->is_contiguous(),
                  "rope_inv_freq must be contiguous float32 [head_dim / 2]");
         TQ_CHECK(std::abs(rope_offset) < (1 << 24), "rope_offset must be below 2^24 in magnitude");
         p.rope_center = rope_center->data_ptr<float>();
@@ -309,51 +343,59 @@ std::tuple<at::Tensor, at::Tensor> decode_kvcache(
     }
     TQ_CHECK(side_k.has_value() == side_v.has_value(), "side_k and side_v must be given together");
     TQ_CHECK(side_sinks >= 0 && side_ring >= 0 && codes_tail >= 0, "side_sinks, side_ring and codes_tail must be >= 0");
-    TQ_CHECK(side_k.has_value() || (side_sinks == 0 && side_ring == 0), "side_sinks / side_ring need side_k and side_v");
+    TQ_CHECK(side_k.has_value() || (side_sinks == 0 && side_ring == 0),
+             "side_sinks / side_ring need side_k and side_v");
     if (side_k.has_value()) {
         for (const at::Tensor *t : {&*side_k, &*side_v}) {
             CHECK_CUDA(*t);
             TQ_CHECK(t->scalar_type() == q.scalar_type() && t->dim() == 4 && t->size(1) >= side_sinks + side_ring &&
-                     side_sinks + side_ring > 0 && t->size(2) == k_codes.size(2) && t->size(3) == d,
+                         side_sinks + side_ring > 0 && t->size(2) == k_codes.size(2) && t->size(3) == d,
                      "side_k/side_v must be [rows, >= side_sinks + side_ring > 0, kv_heads, head_dim] in q's dtype");
             TQ_CHECK(t->stride(3) == 1 && t->stride(2) % 8 == 0 && t->stride(1) % 8 == 0 && t->stride(0) % 8 == 0 &&
-                     reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0, "side_k/side_v rows must be contiguous and 16-byte aligned");
-            TQ_CHECK(t->stride(1) * t->element_size() <= std::numeric_limits<int>::max(), "side strides must fit in 32 bits");
+                         reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0,
+                     "side_k/side_v rows must be contiguous and 16-byte aligned");
+            TQ_CHECK(t->stride(1) * t->element_size() <= std::numeric_limits<int>::max(),
+                     "side strides must fit in 32 bits");
         }
-        TQ_CHECK(side_k->strides() == side_v->strides() && side_k->sizes() == side_v->sizes(), "side_k and side_v must share shape and strides");
+        TQ_CHECK(side_k->strides() == side_v->strides() && side_k->sizes() == side_v->sizes(),
+                 "side_k and side_v must share shape and strides");
         // rows: the cache's sequences (indexed like the codes or the block table, by cache_batch_idx)
         TQ_CHECK(side_k->size(0) >= (block_table.has_value() ? block_table->size(0) : k_codes.size(0)),
                  "side_k/side_v have too few rows");
         p.side_k = side_k->data_ptr();
         p.side_v = side_v->data_ptr();
-        p.side_batch_stride = side_k->stride(0); p.side_row_stride = side_k->stride(1); p.side_head_stride = side_k->stride(2);
+        p.side_batch_stride = side_k->stride(0);
+        p.side_row_stride = side_k->stride(1);
+        p.side_head_stride = side_k->stride(2);
         p.side_sinks = static_cast<int>(side_sinks);
         p.side_ring = static_cast<int>(side_ring);
     }
     p.codes_tail = static_cast<int>(codes_tail);
-    return run_decode_op(Store::kPacked, p, q, k_codes, seqlens_k, cache_batch_idx, block_table, rot_signs, k_bits, v_bits,
-                         softmax_scale, is_causal, num_splits, window_left, window_right, cache_leftpad, softcap);
+    return run_decode_op(Store::kPacked, p, q, k_codes, seqlens_k, cache_batch_idx, block_table, rot_signs, k_bits,
+                         v_bits, softmax_scale, is_causal, num_splits, window_left, window_right, cache_leftpad,
+                         softcap);
 }
 
 // The same kernel body over a float16/bfloat16 cache (the Fp16KV loader): our FP16 baseline.
-std::tuple<at::Tensor, at::Tensor> decode_kv16(
-    const at::Tensor &q,            // [b, seqlen_q, h, d]
-    const at::Tensor &k_cache,      // [rows, cols, h_k, d], q's dtype
-    const at::Tensor &v_cache,
-    const at::Tensor &seqlens_k,    // [b] int32
-    const std::optional<at::Tensor> &cache_batch_idx, const std::optional<at::Tensor> &block_table,
-    double softmax_scale, bool is_causal, int64_t num_splits) {
+std::tuple<at::Tensor, at::Tensor> decode_kv16(const at::Tensor &q,        // [b, seqlen_q, h, d]
+                                               const at::Tensor &k_cache,  // [rows, cols, h_k, d], q's dtype
+                                               const at::Tensor &v_cache,
+                                               const at::Tensor &seqlens_k,  // [b] int32
+                                               const std::optional<at::Tensor> &cache_batch_idx,
+                                               const std::optional<at::Tensor> &block_table, double softmax_scale,
+                                               bool is_causal, int64_t num_splits) {
     check_query(q);
     CHECK_CUDA(k_cache);
     CHECK_CUDA(v_cache);
     TQ_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
              "k_cache/v_cache must have q's dtype");
-    TQ_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.size(3) == q.size(3),
-             "k_cache/v_cache must be [rows, cols, kv_heads, head_dim] like q's head_dim");
+    TQ_CHECK(
+        k_cache.dim() == 4 && v_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.size(3) == q.size(3),
+        "k_cache/v_cache must be [rows, cols, kv_heads, head_dim] like q's head_dim");
     // 16-byte cp.async of every row: contiguous rows at 16-byte aligned addresses
     for (const at::Tensor *t : {&k_cache, &v_cache}) {
         TQ_CHECK(t->stride(3) == 1 && t->stride(2) % 8 == 0 && t->stride(1) % 8 == 0 && t->stride(0) % 8 == 0 &&
-                 reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0,
+                     reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0,
                  "k_cache/v_cache rows must be contiguous and 16-byte aligned");
         check_strides_32bit(*t, block_table.has_value());
     }
@@ -361,8 +403,12 @@ std::tuple<at::Tensor, at::Tensor> decode_kv16(
     DecodeParams p{};
     p.k_codes = reinterpret_cast<const uint8_t *>(k_cache.data_ptr());
     p.v_codes = reinterpret_cast<const uint8_t *>(v_cache.data_ptr());
-    p.kc_batch_stride = 2 * k_cache.stride(0); p.kc_row_stride = 2 * k_cache.stride(1); p.kc_head_stride = 2 * k_cache.stride(2);
-    p.vc_batch_stride = 2 * v_cache.stride(0); p.vc_row_stride = 2 * v_cache.stride(1); p.vc_head_stride = 2 * v_cache.stride(2);
+    p.kc_batch_stride = 2 * k_cache.stride(0);
+    p.kc_row_stride = 2 * k_cache.stride(1);
+    p.kc_head_stride = 2 * k_cache.stride(2);
+    p.vc_batch_stride = 2 * v_cache.stride(0);
+    p.vc_row_stride = 2 * v_cache.stride(1);
+    p.vc_head_stride = 2 * v_cache.stride(2);
     return run_decode_op(Store::kFp16, p, q, k_cache, seqlens_k, cache_batch_idx, block_table, std::nullopt, 0, 0,
                          softmax_scale, is_causal, num_splits, -1, -1, std::nullopt, 0.0);
 }
@@ -371,14 +417,14 @@ std::tuple<at::Tensor, at::Tensor> decode_kv16(
 // vLLM's reshape_and_cache; -1 skips), or, without one, to position start[i] + j of cache row
 // batch_idx[i] (t = i * n + j, n = tokens / start.size(0)), through block_table when paged: the
 // kernel resolves and range-checks the slots and ORs PackError bits into error_flags.
-void pack_kv(const at::Tensor &x,             // [tokens, heads, d] fp16/bf16
+void pack_kv(const at::Tensor &x,                            // [tokens, heads, d] fp16/bf16
              const std::optional<at::Tensor> &slot_mapping,  // [tokens] int64
              const std::optional<at::Tensor> &start,         // [batch] int32
              const std::optional<at::Tensor> &batch_idx,     // [batch] int32
              const std::optional<at::Tensor> &block_table,   // [cache rows, max_blocks] int32
-             at::Tensor &codes,               // [rows, cols, heads, bytes] uint8 (any strides, contiguous rows)
-             at::Tensor &meta,                // [rows, cols, heads, 2] half
-             const std::optional<at::Tensor> &error_flags,   // [1] int32
+             at::Tensor &codes,  // [rows, cols, heads, bytes] uint8 (any strides, contiguous rows)
+             at::Tensor &meta,   // [rows, cols, heads, 2] half
+             const std::optional<at::Tensor> &error_flags,  // [1] int32
              int64_t capacity, int64_t bits, int64_t quant, const std::optional<at::Tensor> &signs,
              const std::optional<at::Tensor> &levels, double step) {
     CHECK_CUDA(x);
@@ -395,20 +441,23 @@ void pack_kv(const at::Tensor &x,             // [tokens, heads, d] fp16/bf16
     // the kernel stores a thread's code run in 2-, 4-, 8- or 16-byte words and (scale, offset) as one 4-byte word
     const int64_t code_align = bits == 8 ? d / 8 : (bits == 4 ? 8 : (bits == 2 ? 4 : 2));
     TQ_CHECK(codes.stride(3) == 1 && codes.stride(0) % code_align == 0 && codes.stride(1) % code_align == 0 &&
-             codes.stride(2) % code_align == 0 && reinterpret_cast<uintptr_t>(codes.data_ptr()) % code_align == 0,
+                 codes.stride(2) % code_align == 0 && reinterpret_cast<uintptr_t>(codes.data_ptr()) % code_align == 0,
              "codes rows must be contiguous and aligned");
     const int meta_words = meta.dim() == 4 ? static_cast<int>(meta.size(3)) : 0;
-    TQ_CHECK(meta.dim() == 4 && meta.stride(3) == 1 && (meta_words == 1 || (meta.stride(0) % 2 == 0 && meta.stride(1) % 2 == 0 &&
-                                                         meta.stride(2) % 2 == 0 && reinterpret_cast<uintptr_t>(meta.data_ptr()) % 4 == 0)),
+    TQ_CHECK(meta.dim() == 4 && meta.stride(3) == 1 &&
+                 (meta_words == 1 || (meta.stride(0) % 2 == 0 && meta.stride(1) % 2 == 0 && meta.stride(2) % 2 == 0 &&
+                                      reinterpret_cast<uintptr_t>(meta.data_ptr()) % 4 == 0)),
              "meta rows must be contiguous (and 4-byte aligned for (scale, offset))");
-    TQ_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 4 && codes.size(2) == x.size(1) && codes.size(3) == d * bits / 8,
+    TQ_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 4 && codes.size(2) == x.size(1) &&
+                 codes.size(3) == d * bits / 8,
              "codes must be uint8 [rows, cols, heads, head_dim * bits / 8]");
-    TQ_CHECK(meta.scalar_type() == at::kHalf && meta.dim() == 4 && meta.size(0) == codes.size(0) && meta.size(1) == codes.size(1) &&
-             meta.size(2) == x.size(1) && (meta.size(3) == 2 || meta.size(3) == 1),
+    TQ_CHECK(meta.scalar_type() == at::kHalf && meta.dim() == 4 && meta.size(0) == codes.size(0) &&
+                 meta.size(1) == codes.size(1) && meta.size(2) == x.size(1) && (meta.size(3) == 2 || meta.size(3) == 1),
              "meta must be float16 [rows, cols, heads, 2 or 1]");
     TQ_CHECK(meta_words == 2 || quant == static_cast<int64_t>(Quant::kTurboUniform),
              "scale-only meta (last dim 1) needs turbo's uniform grid with the norm fit (offset = -mid * scale)");
-    TQ_CHECK(quant >= 0 && quant <= 3, "quant must be 0 (turbo uniform), 1 (turbo Lloyd-Max), 2 (asym) or 3 (turbo, fit mean)");
+    TQ_CHECK(quant >= 0 && quant <= 3,
+             "quant must be 0 (turbo uniform), 1 (turbo Lloyd-Max), 2 (asym) or 3 (turbo, fit mean)");
     TQ_CHECK(slot_mapping.has_value() != start.has_value(), "give either slot_mapping or start");
     c10::cuda::CUDAGuard guard(x.device());
     PackParams p{};
@@ -423,18 +472,21 @@ void pack_kv(const at::Tensor &x,             // [tokens, heads, d] fp16/bf16
     p.heads = x.size(1);
     if (slot_mapping.has_value()) {
         CHECK_CUDA(*slot_mapping);
-        TQ_CHECK(slot_mapping->scalar_type() == at::kLong && slot_mapping->numel() == x.size(0) && slot_mapping->is_contiguous(),
+        TQ_CHECK(slot_mapping->scalar_type() == at::kLong && slot_mapping->numel() == x.size(0) &&
+                     slot_mapping->is_contiguous(),
                  "slot_mapping must be contiguous int64 [tokens]");
         p.slot_mapping = slot_mapping->data_ptr<int64_t>();
     } else {
         CHECK_CUDA(*start);
-        TQ_CHECK(start->scalar_type() == at::kInt && start->dim() == 1 && start->is_contiguous() && start->numel() > 0 &&
-                 x.size(0) % start->numel() == 0, "start must be contiguous int32 [batch] with tokens a multiple of batch");
+        TQ_CHECK(start->scalar_type() == at::kInt && start->dim() == 1 && start->is_contiguous() &&
+                     start->numel() > 0 && x.size(0) % start->numel() == 0,
+                 "start must be contiguous int32 [batch] with tokens a multiple of batch");
         p.start = start->data_ptr<int>();
         p.n_new = x.size(0) / start->numel();
         if (batch_idx.has_value()) {
             CHECK_CUDA(*batch_idx);
-            TQ_CHECK(batch_idx->scalar_type() == at::kInt && batch_idx->numel() == start->numel() && batch_idx->is_contiguous(),
+            TQ_CHECK(batch_idx->scalar_type() == at::kInt && batch_idx->numel() == start->numel() &&
+                         batch_idx->is_contiguous(),
                      "batch_idx must be contiguous int32 [batch]");
             p.batch_idx = batch_idx->data_ptr<int>();
         }
@@ -456,8 +508,12 @@ void pack_kv(const at::Tensor &x,             // [tokens, heads, d] fp16/bf16
     }
     p.codes = codes.data_ptr<uint8_t>();
     p.meta = reinterpret_cast<uint16_t *>(meta.data_ptr());
-    p.codes_row_stride = codes.stride(0); p.codes_col_stride = codes.stride(1); p.codes_head_stride = codes.stride(2);
-    p.meta_row_stride = meta.stride(0); p.meta_col_stride = meta.stride(1); p.meta_head_stride = meta.stride(2);
+    p.codes_row_stride = codes.stride(0);
+    p.codes_col_stride = codes.stride(1);
+    p.codes_head_stride = codes.stride(2);
+    p.meta_row_stride = meta.stride(0);
+    p.meta_col_stride = meta.stride(1);
+    p.meta_head_stride = meta.stride(2);
     p.meta_words = meta_words;
     if (quant != 2) {
         TQ_CHECK(signs.has_value() && signs->scalar_type() == at::kFloat && signs->numel() == d && signs->is_cuda(),
@@ -465,7 +521,8 @@ void pack_kv(const at::Tensor &x,             // [tokens, heads, d] fp16/bf16
         p.signs = signs->data_ptr<float>();
     }
     if (quant == 1) {
-        TQ_CHECK(levels.has_value() && levels->scalar_type() == at::kFloat && levels->numel() == (1 << bits) && levels->is_cuda(),
+        TQ_CHECK(levels.has_value() && levels->scalar_type() == at::kFloat && levels->numel() == (1 << bits) &&
+                     levels->is_cuda(),
                  "Lloyd-Max needs levels: float32 CUDA [2**bits]");
         p.levels = levels->data_ptr<float>();
     }
@@ -473,9 +530,11 @@ void pack_kv(const at::Tensor &x,             // [tokens, heads, d] fp16/bf16
     p.inv_step = static_cast<float>(1.0 / step);
     auto stream = c10::cuda::getCurrentCUDAStream().stream();
     if (d == 64) {
-        x.scalar_type() == at::kHalf ? run_pack<__half, 64>(p, bits, quant, stream) : run_pack<__nv_bfloat16, 64>(p, bits, quant, stream);
+        x.scalar_type() == at::kHalf ? run_pack<__half, 64>(p, bits, quant, stream)
+                                     : run_pack<__nv_bfloat16, 64>(p, bits, quant, stream);
     } else {
-        x.scalar_type() == at::kHalf ? run_pack<__half, 128>(p, bits, quant, stream) : run_pack<__nv_bfloat16, 128>(p, bits, quant, stream);
+        x.scalar_type() == at::kHalf ? run_pack<__half, 128>(p, bits, quant, stream)
+                                     : run_pack<__nv_bfloat16, 128>(p, bits, quant, stream);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -484,17 +543,21 @@ void pack_kv(const at::Tensor &x,             // [tokens, heads, d] fp16/bf16
 }  // namespace flash_tq
 
 TORCH_LIBRARY(flash_attn_tq, m) {
-    m.def("decode_kvcache(Tensor q, Tensor k_codes, Tensor k_meta, Tensor v_codes, Tensor v_meta, Tensor seqlens_k, "
-          "Tensor? cache_batch_idx, Tensor? block_table, Tensor? rot_signs, int k_bits, int v_bits, float softmax_scale, "
-          "bool is_causal, "
-          "int num_splits, int window_left=-1, int window_right=-1, Tensor? cache_leftpad=None, float softcap=0.0, "
-          "Tensor? rope_center=None, Tensor? rope_inv_freq=None, int rope_offset=0, Tensor? side_k=None, "
-          "Tensor? side_v=None, int side_sinks=0, int side_ring=0, int codes_tail=0) -> (Tensor, Tensor)");
-    m.def("decode_kv16(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seqlens_k, Tensor? cache_batch_idx, "
-          "Tensor? block_table, float softmax_scale, bool is_causal, int num_splits) -> (Tensor, Tensor)");
-    m.def("pack_kv(Tensor x, Tensor? slot_mapping, Tensor? start, Tensor? batch_idx, Tensor? block_table, Tensor(a!) codes, "
-          "Tensor(b!) meta, Tensor(c!)? error_flags, int capacity, int bits, int quant, Tensor? signs, Tensor? levels, "
-          "float step) -> ()");
+    m.def(
+        "decode_kvcache(Tensor q, Tensor k_codes, Tensor k_meta, Tensor v_codes, Tensor v_meta, Tensor seqlens_k, "
+        "Tensor? cache_batch_idx, Tensor? block_table, Tensor? rot_signs, int k_bits, int v_bits, float softmax_scale, "
+        "bool is_causal, "
+        "int num_splits, int window_left=-1, int window_right=-1, Tensor? cache_leftpad=None, float softcap=0.0, "
+        "Tensor? rope_center=None, Tensor? rope_inv_freq=None, int rope_offset=0, Tensor? side_k=None, "
+        "Tensor? side_v=None, int side_sinks=0, int side_ring=0, int codes_tail=0) -> (Tensor, Tensor)");
+    m.def(
+        "decode_kv16(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seqlens_k, Tensor? cache_batch_idx, "
+        "Tensor? block_table, float softmax_scale, bool is_causal, int num_splits) -> (Tensor, Tensor)");
+    m.def(
+        "pack_kv(Tensor x, Tensor? slot_mapping, Tensor? start, Tensor? batch_idx, Tensor? block_table, Tensor(a!) "
+        "codes, "
+        "Tensor(b!) meta, Tensor(c!)? error_flags, int capacity, int bits, int quant, Tensor? signs, Tensor? levels, "
+        "float step) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(flash_attn_tq, CUDA, m) {

@@ -2,6 +2,7 @@
 heads, measured on the model itself (the KL of its predictions with one layer or head quantized at a
 time, over a synthetic sequence with a repeated span), and the exact allocations of a bit budget.
 :meth:`flash_attn_tq.integrations.transformers.TQCache.calibrated` is the entry point."""
+
 from __future__ import annotations
 
 from typing import Iterable, Mapping
@@ -12,8 +13,9 @@ from .options import DEFAULTS, cache_options, head_dim_of, late_layers
 from .transformers import ATTN_IMPLEMENTATION, TQCache
 
 
-def allocate_key_bits(kl: Mapping[tuple[int, int], float], layers: Iterable[int], extra: int,
-                      base: int = 3) -> dict[int, int]:
+def allocate_key_bits(
+    kl: Mapping[tuple[int, int], float], layers: Iterable[int], extra: int, base: int = 3
+) -> dict[int, int]:
     """Key bits a layer that minimise the summed sensitivity ``kl[(layer, bits)]`` (bits in base - 1,
     base, base + 1 where measured) with at most ``extra`` more bits than ``base`` in total over the
     layers: the ``extra`` best raises are free, and each further raise is paid for by a lowering while
@@ -39,8 +41,9 @@ def allocate_key_bits(kl: Mapping[tuple[int, int], float], layers: Iterable[int]
     return bits
 
 
-def copy_sequence(config, tokens: int, span: int, seed: int, device, text_ids: torch.Tensor | None = None
-                   ) -> torch.Tensor:
+def copy_sequence(
+    config, tokens: int, span: int, seed: int, device, text_ids: torch.Tensor | None = None
+) -> torch.Tensor:
     """``[1, tokens + span]`` token ids: ``tokens`` random ids (or, with ``text_ids``, ``tokens`` of
     them from offset ``seed * tokens``, wrapping), then the ``span`` of them that starts a third of the
     way in, repeated (copying: what key precision decides; no text needed)."""
@@ -52,8 +55,8 @@ def copy_sequence(config, tokens: int, span: int, seed: int, device, text_ids: t
         if text_ids.numel() < tokens:
             raise ValueError(f"text_ids holds {text_ids.numel()} tokens; the sequence needs {tokens}")
         start = (seed * tokens) % (text_ids.numel() - tokens + 1)
-        body = text_ids[start:start + tokens]
-    return torch.cat([body, body[tokens // 3: tokens // 3 + span]])[None].to(device)
+        body = text_ids[start : start + tokens]
+    return torch.cat([body, body[tokens // 3 : tokens // 3 + span]])[None].to(device)
 
 
 COPY_SKIP = 8  # the repeat's first tokens are not yet predictable (the copy-retrieval metric skips them too)
@@ -62,7 +65,7 @@ COPY_SKIP = 8  # the repeat's first tokens are not yet predictable (the copy-ret
 def copy_span_kl(kl: torch.Tensor, span: int = 64) -> float:
     """Mean of a per-position KL ``[tokens + span]`` over the predictions of the repeated span's
     tokens ``COPY_SKIP..span-1`` (the last ``span - COPY_SKIP`` predictions made inside the sequence)."""
-    return kl[-span + COPY_SKIP - 1:-1].mean().item()
+    return kl[-span + COPY_SKIP - 1 : -1].mean().item()
 
 
 OBJECTIVES = {"sequence": lambda kl, span: kl.mean().item(), "copy": copy_span_kl}
@@ -86,8 +89,16 @@ def _kl_from_full(model, ids: torch.Tensor, caches: Iterable, reduce=lambda kl: 
         model.set_attn_implementation(previous)
 
 
-def key_bit_sensitivity(model, *, tokens: int = 1024, span: int = 64, seed: int = 0, bits: Iterable[int] = (2, 3, 4),
-                        protected_layers: Iterable[int] = (), **cache_kwargs) -> dict[tuple[int, int], float]:
+def key_bit_sensitivity(
+    model,
+    *,
+    tokens: int = 1024,
+    span: int = 64,
+    seed: int = 0,
+    bits: Iterable[int] = (2, 3, 4),
+    protected_layers: Iterable[int] = (),
+    **cache_kwargs,
+) -> dict[tuple[int, int], float]:
     """How much quantizing one layer's keys moves the model: ``{(layer, key bits): KL}``.
 
     A synthetic sequence (``tokens`` random token ids, a ``span``-token stretch of them repeated at
@@ -101,12 +112,16 @@ def key_bit_sensitivity(model, *, tokens: int = 1024, span: int = 64, seed: int 
     """
     cfg = model.config
     protected = frozenset(int(i) for i in protected_layers)
-    runs = [(i, b) for i in range(cfg.num_hidden_layers) if i not in protected for b in sorted(set(int(b) for b in bits))]
+    runs = [
+        (i, b) for i in range(cfg.num_hidden_layers) if i not in protected for b in sorted(set(int(b) for b in bits))
+    ]
 
     def caches():
         for i, b in runs:
             others = [j for j in range(cfg.num_hidden_layers) if j != i]
-            yield TQCache(cfg, protected_layers=others, prefill="quantized", late_k_bits=None, **dict(cache_kwargs, k_bits=b))
+            yield TQCache(
+                cfg, protected_layers=others, prefill="quantized", late_k_bits=None, **dict(cache_kwargs, k_bits=b)
+            )
 
     ids = copy_sequence(cfg, tokens, span, seed, next(model.parameters()).device)
     return dict(zip(runs, _kl_from_full(model, ids, caches())))
@@ -119,10 +134,19 @@ FINE_BITS = 8  # the codes of the heads a sensitivity measurement holds near ful
 HEAD_WIDTHS = ((3, 3), (8, 3), (8, 8))
 
 
-def head_sensitivity(model, *, tokens: int = 1024, span: int = 64, seed: int = 0, key_bits: Iterable[int] = (3, 4),
-                     value_bits: Iterable[int] = (3,), protected_layers: Iterable[int] = (),
-                     objective="sequence", text_ids: torch.Tensor | None = None,
-                     **cache_kwargs) -> dict[tuple[int, int, int, int], float]:
+def head_sensitivity(
+    model,
+    *,
+    tokens: int = 1024,
+    span: int = 64,
+    seed: int = 0,
+    key_bits: Iterable[int] = (3, 4),
+    value_bits: Iterable[int] = (3,),
+    protected_layers: Iterable[int] = (),
+    objective="sequence",
+    text_ids: torch.Tensor | None = None,
+    **cache_kwargs,
+) -> dict[tuple[int, int, int, int], float]:
     """:func:`key_bit_sensitivity` a kv head at a time, keys and values: ``{(layer, kv head, K bits,
     V bits): KL}``.
 
@@ -139,7 +163,9 @@ def head_sensitivity(model, *, tokens: int = 1024, span: int = 64, seed: int = 0
     H = cfg.num_key_value_heads
     protected = frozenset(int(i) for i in protected_layers)
     F = FINE_BITS
-    widths = [(int(b), F) for b in sorted(set(key_bits)) if b != F] + [(F, int(b)) for b in sorted(set(value_bits)) if b != F]
+    widths = [(int(b), F) for b in sorted(set(key_bits)) if b != F] + [
+        (F, int(b)) for b in sorted(set(value_bits)) if b != F
+    ]
     runs = []
     for i in range(cfg.num_hidden_layers):
         if i not in protected:
@@ -149,8 +175,9 @@ def head_sensitivity(model, *, tokens: int = 1024, span: int = 64, seed: int = 0
         for i, h, kb, vb in runs:
             others = [j for j in range(cfg.num_hidden_layers) if j != i]
             heads = {(i, g): dict(k_bits=kb, v_bits=vb) if g == h else dict(k_bits=F, v_bits=F) for g in range(H)}
-            yield TQCache(cfg, protected_layers=others, prefill="quantized", late_k_bits=None, head_options=heads,
-                          **cache_kwargs)
+            yield TQCache(
+                cfg, protected_layers=others, prefill="quantized", late_k_bits=None, head_options=heads, **cache_kwargs
+            )
 
     ids = copy_sequence(cfg, tokens, span, seed, next(model.parameters()).device, text_ids)
     reduce = OBJECTIVES[objective] if isinstance(objective, str) else objective
@@ -167,9 +194,13 @@ def head_kl(kl: Mapping[tuple[int, int, int, int], float], head: tuple[int, int]
     return kl[(*head, k_bits, F)] + kl[(*head, F, v_bits)] - kl[(*head, F, F)]
 
 
-def allocate_head_bits(kl: Mapping[tuple[int, int, int, int], float], heads: Iterable[tuple[int, int]], budget: int,
-                       widths: Iterable[tuple[int, int]] = HEAD_WIDTHS, base: tuple[int, int] = (3, 3)
-                       ) -> dict[tuple[int, int], tuple[int, int]]:
+def allocate_head_bits(
+    kl: Mapping[tuple[int, int, int, int], float],
+    heads: Iterable[tuple[int, int]],
+    budget: int,
+    widths: Iterable[tuple[int, int]] = HEAD_WIDTHS,
+    base: tuple[int, int] = (3, 3),
+) -> dict[tuple[int, int], tuple[int, int]]:
     """(K bits, V bits) a (layer, kv head), among ``widths`` (those :func:`head_kl` can estimate), that
     minimise the summed sensitivity with at most ``budget`` more bits than ``base`` in total (a head
     at (k, v) costs k + v - sum(base)): an exact knapsack over the heads."""
@@ -200,9 +231,15 @@ def allocate_head_bits(kl: Mapping[tuple[int, int, int, int], float], heads: Ite
     return {hd: out[hd] for hd in heads}
 
 
-def calibrate_key_bits(model, *, bits: Iterable[int] = (3, 4), protected_layers: Iterable[int] = (),
-                       sensitivity: Mapping[tuple[int, int], float] | None = None, spent: int = 0,
-                       **cache_kwargs) -> dict[int, dict]:
+def calibrate_key_bits(
+    model,
+    *,
+    bits: Iterable[int] = (3, 4),
+    protected_layers: Iterable[int] = (),
+    sensitivity: Mapping[tuple[int, int], float] | None = None,
+    spent: int = 0,
+    **cache_kwargs,
+) -> dict[int, dict]:
     """Per-layer key bits for :class:`TQCache`, measured on the model itself.
 
     The extra key bits TQCache's default spends on the last layers (``late_k_bits``: as many as the
@@ -236,9 +273,15 @@ def calibrate_key_bits(model, *, bits: Iterable[int] = (3, 4), protected_layers:
     return {i: {"k_bits": b} for i, b in chosen.items() if b != base}
 
 
-def calibrate_head_bits(model, *, widths: Iterable[tuple[int, int]] = HEAD_WIDTHS, protected_layers: Iterable[int] = (),
-                        sensitivity: Mapping[tuple[int, int, int, int], float] | None = None,
-                        fine_budget: int | None = None, **cache_kwargs) -> dict[tuple[int, int], dict]:
+def calibrate_head_bits(
+    model,
+    *,
+    widths: Iterable[tuple[int, int]] = HEAD_WIDTHS,
+    protected_layers: Iterable[int] = (),
+    sensitivity: Mapping[tuple[int, int, int, int], float] | None = None,
+    fine_budget: int | None = None,
+    **cache_kwargs,
+) -> dict[tuple[int, int], dict]:
     """Per-(layer, kv head) key and value bits for :class:`TQCache`, measured on the model itself: the
     :func:`calibrate_key_bits` budget (the bits scale-only metadata saves: 32 / head_dim an element)
     spent a head at a time (:func:`head_sensitivity`, :func:`allocate_head_bits`). Copying rests on a
@@ -263,14 +306,18 @@ def calibrate_head_bits(model, *, widths: Iterable[tuple[int, int]] = HEAD_WIDTH
     split = (base, (base[0] + 1, base[1]))  # the 4-bit keys of a split budget
     if sensitivity is None:
         key_bits = {k for k, _ in widths} | ({split[1][0]} if fine_budget is not None else set())
-        sensitivity = head_sensitivity(model, key_bits=key_bits, value_bits={v for _, v in widths},
-                                       protected_layers=protected, **cache_kwargs)
+        sensitivity = head_sensitivity(
+            model, key_bits=key_bits, value_bits={v for _, v in widths}, protected_layers=protected, **cache_kwargs
+        )
     budget = (32 * len(heads)) // head_dim if opts["scale_only"] else 0
     if fine_budget is None:
         chosen = allocate_head_bits(sensitivity, heads, budget, widths, base)
     else:
-        fine = {hd: w for hd, w in allocate_head_bits(sensitivity, heads, min(fine_budget, budget), widths,
-                                                      base).items() if w != base}
+        fine = {
+            hd: w
+            for hd, w in allocate_head_bits(sensitivity, heads, min(fine_budget, budget), widths, base).items()
+            if w != base
+        }
         spent = sum(k + v - sum(base) for k, v in fine.values())
         rest = [hd for hd in heads if hd not in fine]
         chosen = {**allocate_head_bits(sensitivity, rest, budget - spent, split, base), **fine}
@@ -285,23 +332,44 @@ COPY_HEADS = 1
 COPY_SEEDS = (0, 1)  # synthetic sequences copy_head_sensitivity averages (SmolLM2: 1 seed in 6 ranks others first)
 
 
-def copy_head_sensitivity(model, *, seeds: Iterable[int] = COPY_SEEDS, tokens: int = 1024,
-                          protected_layers: Iterable[int] = (),
-                          **cache_kwargs) -> dict[tuple[int, int, int, int], float]:
+def copy_head_sensitivity(
+    model,
+    *,
+    seeds: Iterable[int] = COPY_SEEDS,
+    tokens: int = 1024,
+    protected_layers: Iterable[int] = (),
+    **cache_kwargs,
+) -> dict[tuple[int, int, int, int], float]:
     """:func:`head_sensitivity` of the copying alone (``objective="copy"``: the KL over the repeated
     span's predictions) at the cache's (k_bits, v_bits), averaged over synthetic sequences ``seeds``:
     ``(2 x kv heads + 1) x layers`` forwards a seed."""
     opts = cache_options(cache_kwargs)
-    runs = [head_sensitivity(model, tokens=tokens, seed=s, key_bits=(opts["k_bits"],), value_bits=(opts["v_bits"],),
-                             protected_layers=protected_layers, objective="copy", **cache_kwargs) for s in seeds]
+    runs = [
+        head_sensitivity(
+            model,
+            tokens=tokens,
+            seed=s,
+            key_bits=(opts["k_bits"],),
+            value_bits=(opts["v_bits"],),
+            protected_layers=protected_layers,
+            objective="copy",
+            **cache_kwargs,
+        )
+        for s in seeds
+    ]
     if not runs:
         raise ValueError("seeds: at least one synthetic sequence")
     return {k: sum(r[k] for r in runs) / len(runs) for k in runs[0]}
 
 
-def calibrate_copy_heads(model, *, heads: int = 1, protected_layers: Iterable[int] = (),
-                         sensitivity: Mapping[tuple[int, int, int, int], float] | None = None,
-                         **cache_kwargs) -> dict[tuple[int, int], dict]:
+def calibrate_copy_heads(
+    model,
+    *,
+    heads: int = 1,
+    protected_layers: Iterable[int] = (),
+    sensitivity: Mapping[tuple[int, int, int, int], float] | None = None,
+    **cache_kwargs,
+) -> dict[tuple[int, int], dict]:
     """The ``heads`` kv heads that copying from far back rests on most, with 8-bit keys and values.
 
     Long-range copying (induction) runs through a few heads (SmolLM2: layer 18's kv head 2 first,
@@ -322,8 +390,9 @@ def calibrate_copy_heads(model, *, heads: int = 1, protected_layers: Iterable[in
     opts = cache_options(cache_kwargs)
     base, F = (int(opts["k_bits"]), int(opts["v_bits"])), FINE_BITS
     protected = frozenset(int(i) for i in protected_layers)
-    candidates = [(i, h) for i in range(cfg.num_hidden_layers) if i not in protected
-                  for h in range(cfg.num_key_value_heads)]
+    candidates = [
+        (i, h) for i in range(cfg.num_hidden_layers) if i not in protected for h in range(cfg.num_key_value_heads)
+    ]
     head_dim = head_dim_of(cfg)
     budget = (32 * len(candidates)) // head_dim if opts["scale_only"] else 0
     heads = min(heads, budget // (2 * F - sum(base)))
@@ -336,10 +405,19 @@ def calibrate_copy_heads(model, *, heads: int = 1, protected_layers: Iterable[in
     return {hd: {"k_bits": F, "v_bits": F} for hd in sorted(top)}
 
 
-def calibrated_cache(cls, model, *, per_head: bool = False, bits: Iterable[int] | None = None,
-                     widths: Iterable[tuple[int, int]] | None = None, fine_budget: int | None = None,
-                     copy_heads: int | None = None, sensitivity: Mapping[tuple, float] | None = None,
-                     copy_sensitivity: Mapping[tuple, float] | None = None, **kwargs):
+def calibrated_cache(
+    cls,
+    model,
+    *,
+    per_head: bool = False,
+    bits: Iterable[int] | None = None,
+    widths: Iterable[tuple[int, int]] | None = None,
+    fine_budget: int | None = None,
+    copy_heads: int | None = None,
+    sensitivity: Mapping[tuple, float] | None = None,
+    copy_sensitivity: Mapping[tuple, float] | None = None,
+    **kwargs,
+):
     """What :meth:`TQCache.calibrated` builds (``cls``: the cache class): its widths measured on
     ``model`` (see there)."""
     if "late_k_bits" in kwargs:
@@ -355,19 +433,40 @@ def calibrated_cache(cls, model, *, per_head: bool = False, bits: Iterable[int] 
             raise ValueError("bits: per_head=True takes (K bits, V bits) pairs as widths=")
         if copy_heads is not None or copy_sensitivity is not None:
             raise ValueError("copy_heads / copy_sensitivity: per-layer calibration options (per_head=False)")
-        head_options = calibrate_head_bits(model, widths=widths or HEAD_WIDTHS, protected_layers=protected,
-                                           sensitivity=sensitivity, fine_budget=fine_budget, **measured)
+        head_options = calibrate_head_bits(
+            model,
+            widths=widths or HEAD_WIDTHS,
+            protected_layers=protected,
+            sensitivity=sensitivity,
+            fine_budget=fine_budget,
+            **measured,
+        )
     else:
         if widths is not None or fine_budget is not None:
             raise ValueError("widths / fine_budget: per-head calibration options (per_head=True)")
-        head_options = calibrate_copy_heads(model, heads=COPY_HEADS if copy_heads is None else copy_heads,
-                                            protected_layers=protected, sensitivity=copy_sensitivity, **measured)
+        head_options = calibrate_copy_heads(
+            model,
+            heads=COPY_HEADS if copy_heads is None else copy_heads,
+            protected_layers=protected,
+            sensitivity=copy_sensitivity,
+            **measured,
+        )
         opts = cache_options(kwargs)
         spent = sum(o["k_bits"] - opts["k_bits"] + o["v_bits"] - opts["v_bits"] for o in head_options.values())
-        layer_options = {i: dict(o) for i, o in calibrate_key_bits(
-            model, bits=bits or (3, 4), protected_layers=protected, sensitivity=sensitivity, spent=spent,
-            **measured).items()}
+        layer_options = {
+            i: dict(o)
+            for i, o in calibrate_key_bits(
+                model, bits=bits or (3, 4), protected_layers=protected, sensitivity=sensitivity, spent=spent, **measured
+            ).items()
+        }
     for i, o in (tq_only.pop("layer_options", None) or {}).items():
         layer_options.setdefault(int(i), {}).update(o)
-    return cls(model.config, protected_layers=protected, late_k_bits=None, layer_options=layer_options,
-               head_options=head_options, **tq_only, **kwargs)
+    return cls(
+        model.config,
+        protected_layers=protected,
+        late_k_bits=None,
+        layer_options=layer_options,
+        head_options=head_options,
+        **tq_only,
+        **kwargs,
+    )

@@ -1,5 +1,6 @@
 """TQCache's options: the defaults (and the measurements behind them) and what a model config gives
 them (head dim, RoPE frequencies, the layers for wider keys)."""
+
 from __future__ import annotations
 
 from typing import Mapping
@@ -9,8 +10,19 @@ import torch
 from ..cache import scale_only_fits
 
 # The default configuration (chosen by benchmarks/eval_quality.py; see benchmarks/results/quality.md).
-DEFAULTS = dict(k_bits=3, v_bits=3, quantizer="turbo", grid="uniform", fit="norm", scale_only=True, late_k_bits=4,
-                fp16_window=112, window_bits=16, sink_tokens=16, key_center="rope")
+DEFAULTS = dict(
+    k_bits=3,
+    v_bits=3,
+    quantizer="turbo",
+    grid="uniform",
+    fit="norm",
+    scale_only=True,
+    late_k_bits=4,
+    fp16_window=112,
+    window_bits=16,
+    sink_tokens=16,
+    key_center="rope",
+)
 # Per sequence and layer: 16 sink tokens + the last 112 tokens in 16-bit (attended by the same kernel
 # launch as the codes); every other token as 3-bit codes + one float16 scale (turbo's norm fit: the
 # offset is -mid * scale, not stored), keys centered before RoPE (key_center="rope": the keys' constant
@@ -59,6 +71,7 @@ def rope_inv_freq(config) -> torch.Tensor:
     embedding (``rope_parameters``: ``"default"`` or one of transformers' scaled kinds), for
     ``key_center="rope"``."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
     params = dict(getattr(config, "rope_parameters", None) or {})
     kind = params.get("rope_type", "default")
     if kind != "default":
@@ -70,11 +83,12 @@ def rope_inv_freq(config) -> torch.Tensor:
     return 1.0 / (float(theta) ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
 
 
-def late_layers(quantized: list[int], head_dim: int, k_bits: int, late_k_bits: int | None,
-                 scale_only: bool) -> set[int]:
+def late_layers(
+    quantized: list[int], head_dim: int, k_bits: int, late_k_bits: int | None, scale_only: bool
+) -> set[int]:
     """The layers (the last of ``quantized``) whose keys get ``late_k_bits``: as many as the 16 bits a
     vector that scale-only metadata saves pay for (none without it)."""
     if late_k_bits is None or late_k_bits <= k_bits or not scale_only:
         return set()
     n = min(len(quantized), (len(quantized) * 32) // (head_dim * (late_k_bits - k_bits)))
-    return set(quantized[len(quantized) - n:])
+    return set(quantized[len(quantized) - n :])

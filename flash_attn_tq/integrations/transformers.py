@@ -38,6 +38,7 @@ over the quantized cache. ``prefill="quantized"`` makes the prompt attend over t
 too (what a token-by-token decode of the prompt would see; used to check the eval's simulation).
 Layers in ``protected_layers`` keep a plain 16-bit cache. Batches must not be padded.
 """
+
 from __future__ import annotations
 
 import math
@@ -60,6 +61,7 @@ from ..interface import flash_attn_with_kvcache
 from .options import DEFAULTS, NO_FP16_WINDOW, cache_options, late_layers, rope_center_freqs, rope_inv_freq
 
 ATTN_IMPLEMENTATION = "tq_kvcache"  # (a name containing "flash" would make transformers look for flash-attn)
+
 
 def _check_no_padding(attention_mask) -> None:
     if isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool:
@@ -102,9 +104,17 @@ class TQLayer(CacheLayerMixin):
     is_sliding = False
     is_croppable = False
 
-    def __init__(self, *, sink_tokens: int = 0, max_cache_len: int | None = None, prefill: str = "full",
-                 pack_errors: PackErrors | None = None, checks_pack_errors: bool = True,
-                 head_options: Mapping[int, Mapping] | None = None, **cache_kwargs):
+    def __init__(
+        self,
+        *,
+        sink_tokens: int = 0,
+        max_cache_len: int | None = None,
+        prefill: str = "full",
+        pack_errors: PackErrors | None = None,
+        checks_pack_errors: bool = True,
+        head_options: Mapping[int, Mapping] | None = None,
+        **cache_kwargs,
+    ):
         super().__init__()
         self.pack_errors = pack_errors  # shared with the other layers (None: each append checks its own)
         self.checks_pack_errors = checks_pack_errors  # this layer reads them back (the last quantized one)
@@ -143,8 +153,9 @@ class TQLayer(CacheLayerMixin):
             by_options.setdefault(tuple(sorted(o.items())), []).append(h)
         self.groups = [tuple(heads) for heads in by_options.values()]
         # per group: its kv heads as an index tensor (None: one group of every head)
-        self._index = [None if len(self.groups) == 1 else torch.tensor(heads, device=self.device)
-                       for heads in self.groups]
+        self._index = [
+            None if len(self.groups) == 1 else torch.tensor(heads, device=self.device) for heads in self.groups
+        ]
         self.is_initialized = True
 
     def group_kwargs(self, group: int) -> dict:
@@ -165,8 +176,15 @@ class TQLayer(CacheLayerMixin):
         return x if idx is None else x.index_select(2, idx.to(x.device))
 
     def _new_qcache(self, group: int, capacity: int) -> QuantizedKVCache:
-        return QuantizedKVCache(self.batch_size, capacity, len(self.groups[group]), self.head_dim,
-                                dtype=self.store_dtype, device=self.device, **self.group_kwargs(group))
+        return QuantizedKVCache(
+            self.batch_size,
+            capacity,
+            len(self.groups[group]),
+            self.head_dim,
+            dtype=self.store_dtype,
+            device=self.device,
+            **self.group_kwargs(group),
+        )
 
     def _ensure_capacity(self, needed: int) -> None:
         if not self.caches:
@@ -182,7 +200,7 @@ class TQLayer(CacheLayerMixin):
                 if getattr(old, name) is None:
                     continue
                 if name in per_token:
-                    getattr(new, name)[:, :old.max_seqlen] = getattr(old, name)
+                    getattr(new, name)[:, : old.max_seqlen] = getattr(old, name)
                 else:
                     getattr(new, name).copy_(getattr(old, name))
             new._calibration_done = old._calibration_done
@@ -192,8 +210,10 @@ class TQLayer(CacheLayerMixin):
         """Take new ``[B, Hkv, n, D]`` key/value states; returns them (marked for the attention function,
         which writes them into the quantized cache with :meth:`commit`)."""
         if self.pending is not None:
-            raise RuntimeError(f"TQCache: the attention function did not consume the last update; load the model "
-                               f"with attn_implementation={ATTN_IMPLEMENTATION!r}")
+            raise RuntimeError(
+                f"TQCache: the attention function did not consume the last update; load the model "
+                f"with attn_implementation={ATTN_IMPLEMENTATION!r}"
+            )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         n = key_states.shape[2]
@@ -297,9 +317,17 @@ class TQCache(Cache):
             ``fit="mean"``).
     """
 
-    def __init__(self, config=None, *, max_cache_len: int | None = None, protected_layers: Iterable[int] = (),
-                 prefill: str = "full", layer_options: Mapping[int, Mapping] | None = None,
-                 head_options: Mapping[tuple[int, int], Mapping] | None = None, **cache_kwargs):
+    def __init__(
+        self,
+        config=None,
+        *,
+        max_cache_len: int | None = None,
+        protected_layers: Iterable[int] = (),
+        prefill: str = "full",
+        layer_options: Mapping[int, Mapping] | None = None,
+        head_options: Mapping[tuple[int, int], Mapping] | None = None,
+        **cache_kwargs,
+    ):
         super().__init__(layers=[])
         if prefill not in ("full", "quantized"):
             raise ValueError(f"prefill must be 'full' or 'quantized', got {prefill!r}")
@@ -321,7 +349,9 @@ class TQCache(Cache):
             opts["key_center"] = True  # the default where the RoPE center cannot apply: the post-RoPE mean
         if opts.get("key_center") == "rope" and opts.get("rope_inv_freq") is None:
             if config is None:
-                raise ValueError("key_center='rope' needs the model config (its RoPE frequencies): TQCache(config, ...)")
+                raise ValueError(
+                    "key_center='rope' needs the model config (its RoPE frequencies): TQCache(config, ...)"
+                )
             opts["rope_inv_freq"] = rope_inv_freq(config)
         vdim = head_dim or 64  # (the validation caches below)
         late = set()
@@ -336,8 +366,10 @@ class TQCache(Cache):
         self.pack_errors = PackErrors()
         for i, o in self.layer_options.items():
             if "sink_tokens" in o or "late_k_bits" in o:
-                raise ValueError(f"layer_options[{i}]: {'sink_tokens' if 'sink_tokens' in o else 'late_k_bits'} "
-                                 f"is a TQCache-wide option")
+                raise ValueError(
+                    f"layer_options[{i}]: {'sink_tokens' if 'sink_tokens' in o else 'late_k_bits'} "
+                    f"is a TQCache-wide option"
+                )
         QuantizedKVCache(1, 1, 1, vdim, **opts)  # validate the options early
         for i, o in self.layer_options.items():
             try:
@@ -350,8 +382,14 @@ class TQCache(Cache):
                 raise ValueError(f"head_options: keys are (layer, kv head) pairs, got {key!r}")
             i, h = int(key[0]), int(key[1])
             if "sink_tokens" in o or "late_k_bits" in o or i in self.protected_layers:
-                raise ValueError(f"head_options[{key}]: " + (f"layer {i} is protected" if i in self.protected_layers
-                                                             else "sink_tokens / late_k_bits are TQCache-wide options"))
+                raise ValueError(
+                    f"head_options[{key}]: "
+                    + (
+                        f"layer {i} is protected"
+                        if i in self.protected_layers
+                        else "sink_tokens / late_k_bits are TQCache-wide options"
+                    )
+                )
             if self.num_kv_heads is not None and not 0 <= h < self.num_kv_heads:
                 raise ValueError(f"head_options[{key}]: kv head {h} out of range ({self.num_kv_heads} kv heads)")
             try:
@@ -361,10 +399,19 @@ class TQCache(Cache):
             self.head_options[(i, h)] = dict(o)
 
     @classmethod
-    def calibrated(cls, model, *, per_head: bool = False, bits: Iterable[int] | None = None,
-                   widths: Iterable[tuple[int, int]] | None = None, fine_budget: int | None = None,
-                   copy_heads: int | None = None, sensitivity: Mapping[tuple, float] | None = None,
-                   copy_sensitivity: Mapping[tuple, float] | None = None, **kwargs) -> "TQCache":
+    def calibrated(
+        cls,
+        model,
+        *,
+        per_head: bool = False,
+        bits: Iterable[int] | None = None,
+        widths: Iterable[tuple[int, int]] | None = None,
+        fine_budget: int | None = None,
+        copy_heads: int | None = None,
+        sensitivity: Mapping[tuple, float] | None = None,
+        copy_sensitivity: Mapping[tuple, float] | None = None,
+        **kwargs,
+    ) -> "TQCache":
         """A TQCache for ``model`` with its key bits measured on the model itself, once per model
         (keep ``cache.layer_options`` / ``cache.head_options`` to reuse them); the bits budget is the
         default's (3.5 bits/element at head_dim 64, 3.25 at 128).
@@ -383,8 +430,15 @@ class TQCache(Cache):
         is measured with ``key_center=True``: on SmolLM2 that placement measured 97.3% top-1 against
         97.0% with its own, copy 1K -1.4 / -1.0 points); ``layer_options`` are applied on
         top of the calibrated bits."""
-        widths_kw = dict(per_head=per_head, bits=bits, widths=widths, fine_budget=fine_budget, copy_heads=copy_heads,
-                         sensitivity=sensitivity, copy_sensitivity=copy_sensitivity)
+        widths_kw = dict(
+            per_head=per_head,
+            bits=bits,
+            widths=widths,
+            fine_budget=fine_budget,
+            copy_heads=copy_heads,
+            sensitivity=sensitivity,
+            copy_sensitivity=copy_sensitivity,
+        )
         return calibrated_cache(cls, model, **widths_kw, **kwargs)
 
     def layer_cache_kwargs(self, idx: int) -> dict:
@@ -394,13 +448,20 @@ class TQCache(Cache):
     def _make_layer(self, idx: int) -> CacheLayerMixin:
         if idx in self.protected_layers:
             from transformers.cache_utils import DynamicLayer
+
             return DynamicLayer()
         quantized = [i for i in range(self.num_layers or 0) if i not in self.protected_layers]
         checks = not quantized or idx == quantized[-1]  # (layer count unknown: every layer checks)
         heads = {h: o for (i, h), o in self.head_options.items() if i == idx}
-        return TQLayer(sink_tokens=self.sink_tokens, max_cache_len=self.initial_capacity, prefill=self.prefill,
-                       pack_errors=self.pack_errors, checks_pack_errors=checks, head_options=heads,
-                       **self.layer_cache_kwargs(idx))
+        return TQLayer(
+            sink_tokens=self.sink_tokens,
+            max_cache_len=self.initial_capacity,
+            prefill=self.prefill,
+            pack_errors=self.pack_errors,
+            checks_pack_errors=checks,
+            head_options=heads,
+            **self.layer_cache_kwargs(idx),
+        )
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         while len(self.layers) <= layer_idx:
@@ -435,8 +496,16 @@ class TQCache(Cache):
         return out
 
 
-def tq_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                         attention_mask, dropout: float = 0.0, scaling: float | None = None, **kwargs):
+def tq_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+):
     """The ``"tq_kvcache"`` attention function (transformers' AttentionInterface signature).
 
     Over a :class:`TQCache` layer it attends with :func:`flash_attn_with_kvcache` over the quantized
@@ -449,8 +518,9 @@ def tq_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torc
     if layer is None or (layer.prefill == "full" and layer.chunk_start == 0):
         if layer is not None:
             _check_no_padding(attention_mask)
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
     _check_no_padding(attention_mask)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
@@ -467,12 +537,42 @@ register()
 
 # the calibration functions (their own module; imported last: they build TQCaches)
 from .calibration import (  # noqa: E402
-    COPY_HEADS, COPY_SEEDS, FINE_BITS, HEAD_WIDTHS, allocate_head_bits, allocate_key_bits, calibrate_copy_heads,
-    calibrate_head_bits, calibrate_key_bits, calibrated_cache, copy_head_sensitivity, head_kl, head_sensitivity,
+    COPY_HEADS,
+    COPY_SEEDS,
+    FINE_BITS,
+    HEAD_WIDTHS,
+    allocate_head_bits,
+    allocate_key_bits,
+    calibrate_copy_heads,
+    calibrate_head_bits,
+    calibrate_key_bits,
+    calibrated_cache,
+    copy_head_sensitivity,
+    head_kl,
+    head_sensitivity,
     key_bit_sensitivity,
 )
 
-__all__ = ["TQCache", "TQLayer", "tq_attention_forward", "register", "calibrate_key_bits", "allocate_key_bits",
-           "calibrate_head_bits", "allocate_head_bits", "head_sensitivity", "head_kl", "HEAD_WIDTHS", "FINE_BITS",
-           "key_bit_sensitivity", "calibrate_copy_heads", "rope_inv_freq", "copy_head_sensitivity", "COPY_HEADS", "ATTN_IMPLEMENTATION",
-           "DEFAULTS", "NO_FP16_WINDOW", "COPY_SEEDS"]
+__all__ = [
+    "TQCache",
+    "TQLayer",
+    "tq_attention_forward",
+    "register",
+    "calibrate_key_bits",
+    "allocate_key_bits",
+    "calibrate_head_bits",
+    "allocate_head_bits",
+    "head_sensitivity",
+    "head_kl",
+    "HEAD_WIDTHS",
+    "FINE_BITS",
+    "key_bit_sensitivity",
+    "calibrate_copy_heads",
+    "rope_inv_freq",
+    "copy_head_sensitivity",
+    "COPY_HEADS",
+    "ATTN_IMPLEMENTATION",
+    "DEFAULTS",
+    "NO_FP16_WINDOW",
+    "COPY_SEEDS",
+]

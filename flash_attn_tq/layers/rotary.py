@@ -95,8 +95,7 @@ def _offsets(seqlen_offsets, batch, device):
         if seqlen_offsets.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"seqlen_offsets must be int32 or int64, got {seqlen_offsets.dtype}")
         if tuple(seqlen_offsets.shape) != (batch,):
-            raise ValueError(f"seqlen_offsets must have shape ({batch},), got "
-                             f"{tuple(seqlen_offsets.shape)}")
+            raise ValueError(f"seqlen_offsets must have shape ({batch},), got {tuple(seqlen_offsets.shape)}")
         return seqlen_offsets.to(device=device, dtype=torch.long)
     return int(seqlen_offsets)
 
@@ -108,15 +107,15 @@ def _positions(x, seqlen_ro, seqlen_offsets, cu_seqlens, max_seqlen):
     device = x.device
     if cu_seqlens is None:
         if x.dim() != 4:
-            raise ValueError(f"x must have shape (batch, seqlen, nheads, headdim), got "
-                             f"{tuple(x.shape)}")
+            raise ValueError(f"x must have shape (batch, seqlen, nheads, headdim), got {tuple(x.shape)}")
         batch, seqlen = x.shape[0], x.shape[1]
         offsets = _offsets(seqlen_offsets, batch, device)
         steps = torch.arange(seqlen, device=device)
         if isinstance(offsets, int):
             if offsets + seqlen > seqlen_ro:
-                raise ValueError(f"seqlen_offsets + seqlen ({offsets} + {seqlen}) exceeds the "
-                                 f"{seqlen_ro} positions of cos/sin")
+                raise ValueError(
+                    f"seqlen_offsets + seqlen ({offsets} + {seqlen}) exceeds the {seqlen_ro} positions of cos/sin"
+                )
             pos = (steps + offsets).unsqueeze(0).expand(batch, seqlen)
         else:
             pos = steps.unsqueeze(0) + offsets.unsqueeze(1)
@@ -125,19 +124,18 @@ def _positions(x, seqlen_ro, seqlen_offsets, cu_seqlens, max_seqlen):
         return pos, (pos >= 0) & (pos < seqlen_ro)
 
     if x.dim() != 3:
-        raise ValueError(f"with cu_seqlens, x must have shape (total_seqlen, nheads, headdim), "
-                         f"got {tuple(x.shape)}")
+        raise ValueError(f"with cu_seqlens, x must have shape (total_seqlen, nheads, headdim), got {tuple(x.shape)}")
     if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 1:
         raise ValueError("cu_seqlens must be a 1-D tensor of batch + 1 running totals")
     cu = cu_seqlens.to(device=device, dtype=torch.long)
     batch = cu.shape[0] - 1
     if max_seqlen is not None and int(max_seqlen) > seqlen_ro:
-        raise ValueError(f"max_seqlen ({int(max_seqlen)}) exceeds the {seqlen_ro} positions of "
-                         f"cos/sin")
+        raise ValueError(f"max_seqlen ({int(max_seqlen)}) exceeds the {seqlen_ro} positions of cos/sin")
     offsets = _offsets(seqlen_offsets, batch, device)
     if isinstance(offsets, int) and max_seqlen is not None and offsets + int(max_seqlen) > seqlen_ro:
-        raise ValueError(f"seqlen_offsets + max_seqlen ({offsets} + {int(max_seqlen)}) "
-                         f"exceeds the {seqlen_ro} positions of cos/sin")
+        raise ValueError(
+            f"seqlen_offsets + max_seqlen ({offsets} + {int(max_seqlen)}) exceeds the {seqlen_ro} positions of cos/sin"
+        )
     rows = torch.arange(x.shape[0], device=device)
     if batch == 0:
         return rows, torch.zeros_like(rows, dtype=torch.bool)
@@ -165,7 +163,7 @@ def _rotated(x, cos, sin, pos, rotate, interleaved, conjugate):
     if conjugate:
         s = -s
     c, s = c.unsqueeze(-2), s.unsqueeze(-2)  # broadcast over heads
-    xr = x[..., :2 * half].to(compute)
+    xr = x[..., : 2 * half].to(compute)
     if interleaved:
         x0, x1 = xr[..., 0::2], xr[..., 1::2]
         out = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2)
@@ -175,8 +173,7 @@ def _rotated(x, cos, sin, pos, rotate, interleaved, conjugate):
     return out.to(x.dtype)
 
 
-def _rotate(x, cos, sin, interleaved, seqlen_offsets, cu_seqlens, max_seqlen, inplace,
-            conjugate=False):
+def _rotate(x, cos, sin, interleaved, seqlen_offsets, cu_seqlens, max_seqlen, inplace, conjugate=False):
     """Rotary embedding of x (into x itself if inplace); conjugate turns the other way."""
     rotary_dim = _check_tables(cos, sin, x.shape[-1])
     pos, rotate = _positions(x, cos.shape[0], seqlen_offsets, cu_seqlens, max_seqlen)
@@ -210,6 +207,7 @@ def _saved(ctx):
 # may then be applied to leaf tensors that require grad, and backward is the inverse rotation
 # of the incoming gradient (cos / sin get none).
 
+
 class _ApplyRotaryEmb(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, cos, sin, interleaved, inplace, seqlen_offsets, cu_seqlens, max_seqlen):
@@ -221,8 +219,9 @@ class _ApplyRotaryEmb(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (cos, sin, cu_seqlens), seqlen_offsets = _saved(ctx)
-        dx = _rotate(grad, cos, sin, ctx.interleaved, seqlen_offsets, cu_seqlens,
-                     ctx.max_seqlen, inplace=False, conjugate=True)
+        dx = _rotate(
+            grad, cos, sin, ctx.interleaved, seqlen_offsets, cu_seqlens, ctx.max_seqlen, inplace=False, conjugate=True
+        )
         return dx, None, None, None, None, None, None, None
 
 
@@ -241,10 +240,8 @@ class _ApplyRotaryEmbQKV(torch.autograd.Function):
         (cos, sin, cos_k, sin_k), seqlen_offsets = _saved(ctx)
         dqkv = grad.clone()
         dq, dk = _split_qk(dqkv, ctx.num_heads_q)
-        _rotate(dq, cos, sin, ctx.interleaved, seqlen_offsets, None, None, inplace=True,
-                conjugate=True)
-        _rotate(dk, cos_k, sin_k, ctx.interleaved, seqlen_offsets, None, None, inplace=True,
-                conjugate=True)
+        _rotate(dq, cos, sin, ctx.interleaved, seqlen_offsets, None, None, inplace=True, conjugate=True)
+        _rotate(dk, cos_k, sin_k, ctx.interleaved, seqlen_offsets, None, None, inplace=True, conjugate=True)
         return dqkv, None, None, None, None, None, None, None
 
 
@@ -260,8 +257,7 @@ class _ApplyRotaryEmbKV(torch.autograd.Function):
     def backward(ctx, grad):
         (cos, sin), seqlen_offsets = _saved(ctx)
         dkv = grad.clone()
-        _rotate(dkv[:, :, 0], cos, sin, ctx.interleaved, seqlen_offsets, None, None,
-                inplace=True, conjugate=True)
+        _rotate(dkv[:, :, 0], cos, sin, ctx.interleaved, seqlen_offsets, None, None, inplace=True, conjugate=True)
         return dkv, None, None, None, None
 
 
@@ -293,8 +289,7 @@ def apply_rotary_emb(
         checked against seqlen_ro).
     Returns a tensor shaped like x, in x's dtype.
     """
-    return _ApplyRotaryEmb.apply(x, cos, sin, interleaved, inplace, seqlen_offsets, cu_seqlens,
-                                 max_seqlen)
+    return _ApplyRotaryEmb.apply(x, cos, sin, interleaved, inplace, seqlen_offsets, cu_seqlens, max_seqlen)
 
 
 # The older name, kept by upstream for compatibility.
@@ -305,22 +300,23 @@ def _split_qk(qkv, num_heads_q):
     """Views of the q and k heads of a packed qkv tensor."""
     if qkv.dim() == 5:
         if qkv.shape[2] != 3:
-            raise ValueError(f"qkv must have shape (batch, seqlen, 3, nheads, headdim), got "
-                             f"{tuple(qkv.shape)}")
+            raise ValueError(f"qkv must have shape (batch, seqlen, 3, nheads, headdim), got {tuple(qkv.shape)}")
         return qkv[:, :, 0], qkv[:, :, 1]
     if qkv.dim() != 4:
-        raise ValueError(f"qkv must have 5 dimensions (batch, seqlen, 3, nheads, headdim) or 4 "
-                         f"(batch, seqlen, num_heads_q + 2 * num_heads_k, headdim), got "
-                         f"{tuple(qkv.shape)}")
+        raise ValueError(
+            f"qkv must have 5 dimensions (batch, seqlen, 3, nheads, headdim) or 4 "
+            f"(batch, seqlen, num_heads_q + 2 * num_heads_k, headdim), got "
+            f"{tuple(qkv.shape)}"
+        )
     if num_heads_q is None:
-        raise ValueError("num_heads_q is needed for qkv of shape "
-                         "(batch, seqlen, num_heads_q + 2 * num_heads_k, headdim)")
+        raise ValueError(
+            "num_heads_q is needed for qkv of shape (batch, seqlen, num_heads_q + 2 * num_heads_k, headdim)"
+        )
     rest = qkv.shape[2] - num_heads_q
     if num_heads_q <= 0 or rest <= 0 or rest % 2:
-        raise ValueError(f"qkv has {qkv.shape[2]} heads, which is not num_heads_q ({num_heads_q})"
-                         f" + 2 * num_heads_k")
+        raise ValueError(f"qkv has {qkv.shape[2]} heads, which is not num_heads_q ({num_heads_q}) + 2 * num_heads_k")
     num_heads_k = rest // 2
-    return qkv[:, :, :num_heads_q], qkv[:, :, num_heads_q:num_heads_q + num_heads_k]
+    return qkv[:, :, :num_heads_q], qkv[:, :, num_heads_q : num_heads_q + num_heads_k]
 
 
 def apply_rotary_emb_qkv_(
@@ -347,8 +343,7 @@ def apply_rotary_emb_qkv_(
         raise ValueError("cos_k and sin_k must be given together")
     cos_k = cos if cos_k is None else cos_k
     sin_k = sin if sin_k is None else sin_k
-    return _ApplyRotaryEmbQKV.apply(qkv, cos, sin, cos_k, sin_k, interleaved, seqlen_offsets,
-                                    num_heads_q)
+    return _ApplyRotaryEmbQKV.apply(qkv, cos, sin, cos_k, sin_k, interleaved, seqlen_offsets, num_heads_q)
 
 
 def apply_rotary_emb_kv_(
@@ -361,8 +356,7 @@ def apply_rotary_emb_kv_(
     """In-place rotary embedding of the k part of kv (batch_size, seqlen, 2, nheads, headdim);
     returns kv.  cos, sin: (seqlen_ro, rotary_dim / 2); v is left untouched."""
     if kv.dim() != 5 or kv.shape[2] != 2:
-        raise ValueError(f"kv must have shape (batch, seqlen, 2, nheads, headdim), got "
-                         f"{tuple(kv.shape)}")
+        raise ValueError(f"kv must have shape (batch, seqlen, 2, nheads, headdim), got {tuple(kv.shape)}")
     return _ApplyRotaryEmbKV.apply(kv, cos, sin, interleaved, seqlen_offsets)
 
 
@@ -418,7 +412,7 @@ class RotaryEmbedding(torch.nn.Module):
 
     def _compute_inv_freq(self, device=None):
         exponents = torch.arange(0, self.dim, 2, device=device, dtype=torch.float32) / self.dim
-        return 1.0 / (self.base ** exponents)
+        return 1.0 / (self.base**exponents)
 
     def _update_cos_sin_cache(self, seqlen, device=None, dtype=None):
         dtype = torch.float32 if dtype is None else dtype
@@ -435,8 +429,7 @@ class RotaryEmbedding(torch.nn.Module):
         if self.pos_idx_in_fp32:
             positions = torch.arange(seqlen, device=device, dtype=torch.float32)
             # the frequencies must be float32 too, even if the module was cast to 16 bits
-            inv_freq = (self.inv_freq if self.inv_freq.dtype == torch.float32
-                        else self._compute_inv_freq(device))
+            inv_freq = self.inv_freq if self.inv_freq.dtype == torch.float32 else self._compute_inv_freq(device)
         else:
             positions = torch.arange(seqlen, device=device, dtype=self.inv_freq.dtype)
             inv_freq = self.inv_freq
@@ -447,8 +440,7 @@ class RotaryEmbedding(torch.nn.Module):
             self._cos_cached, self._sin_cached = cos.to(dtype), sin.to(dtype)
             self._cos_k_cached = self._sin_k_cached = None
             return
-        power = (torch.arange(seqlen, dtype=self.scale.dtype, device=self.scale.device)
-                 - seqlen // 2) / self.scale_base
+        power = (torch.arange(seqlen, dtype=self.scale.dtype, device=self.scale.device) - seqlen // 2) / self.scale_base
         scale = (self.scale.unsqueeze(0) ** power.unsqueeze(1)).to(positions.device)
         self._cos_cached = (cos * scale).to(dtype)
         self._sin_cached = (sin * scale).to(dtype)
@@ -503,11 +495,8 @@ class RotaryEmbedding(torch.nn.Module):
             inplace=True,
             seqlen_offsets=seqlen_offset,
         )
-        kv = apply_rotary_emb_kv_(
-            kv, cos_k, sin_k, interleaved=self.interleaved, seqlen_offsets=seqlen_offset
-        )
+        kv = apply_rotary_emb_kv_(kv, cos_k, sin_k, interleaved=self.interleaved, seqlen_offsets=seqlen_offset)
         return q, kv
 
     def extra_repr(self):
-        return (f"dim={self.dim}, base={self.base}, interleaved={self.interleaved}, "
-                f"scale_base={self.scale_base}")
+        return f"dim={self.dim}, base={self.base}, interleaved={self.interleaved}, scale_base={self.scale_base}"

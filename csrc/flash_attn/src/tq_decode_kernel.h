@@ -35,26 +35,28 @@ struct DecodeTraits {
     using Elem = Elem_;
     using KV = KV_;
     static constexpr int kHeadDim = kHeadDim_;
-    static constexpr int kNT = kNT_;              // n8 tiles of query rows per CTA
+    static constexpr int kNT = kNT_;  // n8 tiles of query rows per CTA
     static constexpr int kRows = 8 * kNT;
-    static constexpr int kNWarps = 4;   // each streams its own tiles (8: no faster, measured)
+    static constexpr int kNWarps = 4;  // each streams its own tiles (8: no faster, measured)
     static constexpr int kNThreads = 32 * kNWarps;
     static constexpr int kStages = KV::kStages;
     static constexpr int kTileN = KV::kTileN;
-    static constexpr int kMTiles = kTileN / 16;   // 16-token MMA blocks a tile
+    static constexpr int kMTiles = kTileN / 16;  // 16-token MMA blocks a tile
     static constexpr int kKBlocks = kHeadDim / 16;
     static constexpr int kPipeBytes = kNWarps * kStages * KV::kStageBytes;
     // merge: per-warp max/sum and O slices, merged row stats
     static constexpr int kMergeBytes = (kNWarps * kRows * (kHeadDim + 2) + 2 * kRows) * 4;
     static constexpr int kSmemBytes = kPipeBytes > kMergeBytes ? kPipeBytes : kMergeBytes;
     using Rope = RopeCenter<kHeadDim, kTileN, kNT, kNWarps * kTileN>;  // (a warp's tiles are kNWarps apart)
-    static constexpr int kRopeSmemBytes = kPipeBytes + Rope::kBytes > kMergeBytes ? kPipeBytes + Rope::kBytes : kMergeBytes;
+    static constexpr int kRopeSmemBytes =
+        kPipeBytes + Rope::kBytes > kMergeBytes ? kPipeBytes + Rope::kBytes : kMergeBytes;
 };
 
 // The side pass of a packed cache's launch: the same rows over 16-bit tiles, one pipeline stage a
 // warp (its few tiles must not enlarge the CTA's shared memory).
 template <typename Traits>
-using SideTraits = DecodeTraits<typename Traits::Elem, Traits::kHeadDim, Traits::kNT, Fp16KV<Traits::kHeadDim, typename Traits::Elem, 1>>;
+using SideTraits = DecodeTraits<typename Traits::Elem, Traits::kHeadDim, Traits::kNT,
+                                Fp16KV<Traits::kHeadDim, typename Traits::Elem, 1>>;
 
 // What a split body attends: every key of the codes (no side), the codes' part of a launch with a
 // 16-bit side, or that side.
@@ -103,13 +105,15 @@ __device__ __forceinline__ void split_body(const DecodeParams &p, char *smem, in
         #pragma unroll
         for (int j = 0; j < 2; ++j) {
             const int r = row0 + nt * 8 + 2 * c + j;
-            lim[nt][j] = kSide ? key_limit(p, seqlen_all, total_rows, r) : min(seqlen_k, key_limit(p, seqlen_all, total_rows, r));
+            lim[nt][j] = kSide ? key_limit(p, seqlen_all, total_rows, r)
+                               : min(seqlen_k, key_limit(p, seqlen_all, total_rows, r));
             first[nt][j] = key_first<kLower>(p, seqlen_all, total_rows, r, key_start);
         }
     }
     const int cta_last_row = min(row0 + kRows, total_rows) - 1;
     const int cta_limit = kSide ? seqlen_k : min(seqlen_k, key_limit(p, seqlen_all, total_rows, cta_last_row));
-    const int cta_first_max = key_first<kLower>(p, seqlen_all, total_rows, cta_last_row, key_start);  // tiles before it need the lower mask
+    const int cta_first_max =
+        key_first<kLower>(p, seqlen_all, total_rows, cta_last_row, key_start);  // tiles before it need the lower mask
     const int tile_first = kSide ? 0 : key_first<kLower>(p, seqlen_all, total_rows, row0, key_start) / kTileN;
     const int n_tiles = (cta_limit + kTileN - 1) / kTileN;
     // the side pass is one split (the launch's last); the codes' parts share the others
@@ -161,13 +165,21 @@ __device__ __forceinline__ void split_body(const DecodeParams &p, char *smem, in
 
     const typename KV::Consts kv_consts = KV::consts();
     typename KV::Bases bases;
-    if constexpr (kSide) { bases = KV::side_bases(p, bc, hk); } else { bases = KV::bases(p, bc, hk); }
+    if constexpr (kSide) {
+        bases = KV::side_bases(p, bc, hk);
+    } else {
+        bases = KV::bases(p, bc, hk);
+    }
     float row_max[NT][2], row_sum[NT][2], row_corr[NT][2];
     float acc[NT][KB][4];
     #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
         #pragma unroll
-        for (int j = 0; j < 2; ++j) { row_max[nt][j] = kNegInf; row_sum[nt][j] = 0.f; row_corr[nt][j] = 0.f; }
+        for (int j = 0; j < 2; ++j) {
+            row_max[nt][j] = kNegInf;
+            row_sum[nt][j] = 0.f;
+            row_corr[nt][j] = 0.f;
+        }
         #pragma unroll
         for (int m = 0; m < KB; ++m) {
             #pragma unroll
@@ -184,7 +196,8 @@ __device__ __forceinline__ void split_body(const DecodeParams &p, char *smem, in
     auto load = [&](int i, int st) {
         int rows[2] = {0, 0};
         if constexpr (rows_given(kPaging)) { pages.rows_of(i, rows, lane); }
-        KV::template load_tile<kPaging>(p, bases, pipe + st * KV::kStageBytes, bc, (my_first + i * kWarps) * kTileN, seqlen_k, lane, rows);
+        KV::template load_tile<kPaging>(p, bases, pipe + st * KV::kStageBytes, bc, (my_first + i * kWarps) * kTileN,
+                                        seqlen_k, lane, rows);
     };
     #pragma unroll
     for (int s = 0; s < kStages - 1; ++s) {
@@ -232,7 +245,10 @@ __device__ __forceinline__ void split_body(const DecodeParams &p, char *smem, in
                 for (int j = 0; j < 4; ++j) { sc[mt][nt][j] = part[0][j] + part[1][j]; }
             }
             float2 f0 = make_float2(1.f, 0.f), f1 = f0;
-            if constexpr (KV::kAffine) { f0 = KV::k_affine(stage, t0); f1 = KV::k_affine(stage, t1); }
+            if constexpr (KV::kAffine) {
+                f0 = KV::k_affine(stage, t0);
+                f1 = KV::k_affine(stage, t1);
+            }
             // the side's slots at their keys' positions (-1: no key; fails every limit below)
             const int pos0 = kSide ? side_position(p, tile_start + t0, seqlen_all) : 0;
             const int pos1 = kSide ? side_position(p, tile_start + t1, seqlen_all) : 0;
@@ -252,7 +268,8 @@ __device__ __forceinline__ void split_body(const DecodeParams &p, char *smem, in
                 }
             }
         }
-        if (kLower && tile_start < cta_first_max) {  // warp-uniform: only tiles before a row's first key (window, leftpad, sinks)
+        if (kLower &&
+            tile_start < cta_first_max) {  // warp-uniform: only tiles before a row's first key (window, leftpad, sinks)
             #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
                 #pragma unroll
@@ -306,7 +323,10 @@ __device__ __forceinline__ void split_body(const DecodeParams &p, char *smem, in
                     row_sum[nt][j] *= rescale;
                     row_corr[nt][j] *= rescale;
                     #pragma unroll
-                    for (int m = 0; m < KB; ++m) { acc[nt][m][j] *= rescale; acc[nt][m][j + 2] *= rescale; }
+                    for (int m = 0; m < KB; ++m) {
+                        acc[nt][m][j] *= rescale;
+                        acc[nt][m][j + 2] *= rescale;
+                    }
                 }
             }
         }
@@ -319,7 +339,10 @@ __device__ __forceinline__ void split_body(const DecodeParams &p, char *smem, in
             for (int mt = 0; mt < MT; ++mt) {
                 const int t0 = mt * 16 + g;
                 float2 v0 = make_float2(1.f, 0.f), v1 = v0;
-                if constexpr (KV::kAffine) { v0 = KV::v_affine(stage, t0); v1 = KV::v_affine(stage, t0 + 8); }
+                if constexpr (KV::kAffine) {
+                    v0 = KV::v_affine(stage, t0);
+                    v1 = KV::v_affine(stage, t0 + 8);
+                }
                 float pr[4];
                 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
@@ -367,10 +390,10 @@ __device__ __forceinline__ void split_body(const DecodeParams &p, char *smem, in
         }
     }
     __syncthreads();
-    float *sm_max = reinterpret_cast<float *>(smem);   // [warps][rows]
-    float *sm_sum = sm_max + kWarps * kRows;            // [warps][rows]
-    float *sm_row = sm_sum + kWarps * kRows;            // [2][rows]: merged max, merged sum
-    float *sm_o = sm_row + 2 * kRows;                   // [warps][rows][D]
+    float *sm_max = reinterpret_cast<float *>(smem);  // [warps][rows]
+    float *sm_sum = sm_max + kWarps * kRows;          // [warps][rows]
+    float *sm_row = sm_sum + kWarps * kRows;          // [2][rows]: merged max, merged sum
+    float *sm_o = sm_row + 2 * kRows;                 // [warps][rows][D]
     if (g == 0) {
         #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
@@ -466,10 +489,14 @@ template <int kV>
 __device__ __forceinline__ void load_accum(const float *src, float (&v)[kV]) {
     if constexpr (kV == 4) {
         const float4 t = *reinterpret_cast<const float4 *>(src);
-        v[0] = t.x; v[1] = t.y; v[2] = t.z; v[3] = t.w;
+        v[0] = t.x;
+        v[1] = t.y;
+        v[2] = t.z;
+        v[3] = t.w;
     } else {
         const float2 t = *reinterpret_cast<const float2 *>(src);
-        v[0] = t.x; v[1] = t.y;
+        v[0] = t.x;
+        v[1] = t.y;
     }
 }
 

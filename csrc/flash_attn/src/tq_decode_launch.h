@@ -56,9 +56,7 @@ constexpr int split_smem_bytes() {
 template <typename Traits, bool kRope = false, bool kSide = false>
 void launch_split(void (*kernel)(const DecodeParams), const DecodeParams &p, cudaStream_t stream) {
     constexpr int smem = split_smem_bytes<Traits, kRope, kSide>();
-    if constexpr (smem > 48 * 1024) {
-        allow_smem(reinterpret_cast<const void *>(kernel), smem);
-    }
+    if constexpr (smem > 48 * 1024) { allow_smem(reinterpret_cast<const void *>(kernel), smem); }
     const int rows = p.h_h_k_ratio * p.seqlen_q;
     dim3 grid(p.num_splits, p.b * p.h_k, (rows + Traits::kRows - 1) / Traits::kRows);
     kernel<<<grid, Traits::kNThreads, smem, stream>>>(p);

@@ -59,7 +59,9 @@ struct PairPeriod {
             bool same = true;
             for (int s = 0; s + period < kSlots; ++s) {
                 for (int hi = 0; hi < 2; ++hi) {
-                    same = same && k_pair_element<kBits, kHeadDim>(s + period, hi) - k_pair_element<kBits, kHeadDim>(s, hi) == shift;
+                    same = same &&
+                           k_pair_element<kBits, kHeadDim>(s + period, hi) - k_pair_element<kBits, kHeadDim>(s, hi) ==
+                               shift;
                 }
             }
             if (same) return period;
@@ -89,9 +91,18 @@ struct CodeLayout {
 
 // The 16-bit float type the tensor cores take, and its magic number: 1024 in fp16 (10 mantissa
 // bits), 128 in bf16 (7 mantissa bits); OR-ing a small integer into the mantissa adds it exactly.
-template <typename Elem> struct Magic;
-template <> struct Magic<__half> { static constexpr uint32_t kBits2 = 0x64006400u; static constexpr float kValue = 1024.f; };
-template <> struct Magic<__nv_bfloat16> { static constexpr uint32_t kBits2 = 0x43004300u; static constexpr float kValue = 128.f; };
+template <typename Elem>
+struct Magic;
+template <>
+struct Magic<__half> {
+    static constexpr uint32_t kBits2 = 0x64006400u;
+    static constexpr float kValue = 1024.f;
+};
+template <>
+struct Magic<__nv_bfloat16> {
+    static constexpr uint32_t kBits2 = 0x43004300u;
+    static constexpr float kValue = 128.f;
+};
 
 // Field of a word, in place: (word & (mask in both lanes)) | magic, i.e. magic + code * 2^shift when
 // the field sits inside the mantissa. Saves the shift: the 2^shift scale is folded elsewhere.

@@ -38,7 +38,7 @@ template <int kTileN, int kSegment, bool kHalves = false>
 struct TilePages {
     static constexpr int kChunkTiles = kHalves ? 16 : 32;
     static constexpr int kPer = kHalves ? 1 : 2;  // rows a lane holds a chunk
-    const int *table;                 // this sequence's block-table row
+    const int *table;                             // this sequence's block-table row
     int first, stride, count, seqlen, shift, page;
     int chunk, cur[kPer], nxt[kPer];
 
@@ -84,8 +84,8 @@ struct PackedKV {
     static constexpr int kKBits = kKBits_, kVBits = kVBits_;
     static constexpr int kMetaBytes = kScaleOnly ? 2 : 4;  // a token's metadata
     static constexpr bool kAffine = true;
-    static constexpr int kTileN = 32;   // tokens per warp tile: one token a lane for the copies (64: 3-12% slower)
-    static constexpr int kStages = 3;   // per-warp cp.async stages: two tiles in flight while one computes
+    static constexpr int kTileN = 32;    // tokens per warp tile: one token a lane for the copies (64: 3-12% slower)
+    static constexpr int kStages = 3;    // per-warp cp.async stages: two tiles in flight while one computes
     static constexpr int kSegment = 16;  // smallest page copied as contiguous regions (16-token pages: two a tile)
     using KL = CodeLayout<kKBits, kHeadDim>;
     using VL = CodeLayout<kVBits, kHeadDim>;
@@ -102,8 +102,8 @@ struct PackedKV {
     // V values enter the tensor cores as code - kVCenter (exact small integers): centering keeps the
     // fp32 accumulators near the size of the result over long sequences.
     static constexpr int kVCenter = 1 << (kVBits - 1);
-    static constexpr float kVMid = kVCenter - 0.5f;  // middle of the code range
-    static constexpr int kSlotsK = kHeadDim / 8;   // K pair slots per (thread, token)
+    static constexpr float kVMid = kVCenter - 0.5f;   // middle of the code range
+    static constexpr int kSlotsK = kHeadDim / 8;      // K pair slots per (thread, token)
     static constexpr int kGroupCodes = kHeadDim / 8;  // V codes per (thread group, token)
 
     // Pair slot that virtual MMA columns (2c, 2c+1) + 8 * half of k-block kb map to, for thread c:
@@ -123,7 +123,9 @@ struct PackedKV {
         }
     }
     // K slot values come scaled by 8^q_scale_exp(slot): Q is multiplied by 8^-q_scale_exp(slot).
-    __device__ static constexpr int q_scale_exp(int slot) { return slot_scale_exp<kKBits, kSlotsK, kMagic>(slot % kSlotsK); }
+    __device__ static constexpr int q_scale_exp(int slot) {
+        return slot_scale_exp<kKBits, kSlotsK, kMagic>(slot % kSlotsK);
+    }
     // V code k of a thread group comes scaled by 8^v_scale_exp(k).
     __device__ static constexpr int v_scale_exp(int k) { return slot_scale_exp<kVBits, kGroupCodes, kMagic>(k); }
 
@@ -142,8 +144,9 @@ struct PackedKV {
                    p.k_meta + row * p.km_batch_stride + hk * p.km_head_stride,
                    p.v_meta + row * p.vm_batch_stride + hk * p.vm_head_stride, false};
         auto aligned = [](const void *ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; };
-        base.dense = p.kc_row_stride == KL::kBytes && p.vc_row_stride == VL::kBytes && p.km_row_stride == kMetaBytes / 2 &&
-                     p.vm_row_stride == kMetaBytes / 2 && aligned(base.kc) && aligned(base.vc) && aligned(base.km) && aligned(base.vm) &&
+        base.dense = p.kc_row_stride == KL::kBytes && p.vc_row_stride == VL::kBytes &&
+                     p.km_row_stride == kMetaBytes / 2 && p.vm_row_stride == kMetaBytes / 2 && aligned(base.kc) &&
+                     aligned(base.vc) && aligned(base.km) && aligned(base.vm) &&
                      (p.block_table == nullptr ||
                       (p.page_block_size >= kSegment && p.kc_batch_stride % 16 == 0 && p.vc_batch_stride % 16 == 0 &&
                        p.km_batch_stride % 8 == 0 && p.vm_batch_stride % 8 == 0));
@@ -172,7 +175,9 @@ struct PackedKV {
     }
 
     template <int kBytes>
-    __host__ __device__ static constexpr int chunk() { return kBytes % 16 == 0 ? 16 : (kBytes % 8 == 0 ? 8 : 4); }
+    __host__ __device__ static constexpr int chunk() {
+        return kBytes % 16 == 0 ? 16 : (kBytes % 8 == 0 ? 8 : 4);
+    }
 
     template <int kBytes>
     __device__ static void copy_row(char *dst, const uint8_t *src, bool valid) {
@@ -190,30 +195,39 @@ struct PackedKV {
                                      int seqlen_k, int lane, const int (&page_rows)[2] = {0, 0}) {
         const bool paged = rows_given(kPaging) || (kPaging == Paging::kRuntime && p.block_table != nullptr);
         if (base.dense && tile_start + kTileN <= seqlen_k) {  // a whole tile of adjacent rows (or two halves)
-            auto copy_run = [&](auto tokens, int first) {  // `tokens` adjacent rows from tile token `first`
+            auto copy_run = [&](auto tokens, int first) {     // `tokens` adjacent rows from tile token `first`
                 constexpr int kN = decltype(tokens)::value;
                 int row = 0, col = tile_start + first;
                 if (paged) {
-                    row = kPaging == Paging::kRows ? page_rows[first / kSegment]
-                                                   : p.block_table[b * p.block_table_batch_stride + (col >> p.page_block_shift)];
+                    row = kPaging == Paging::kRows
+                              ? page_rows[first / kSegment]
+                              : p.block_table[b * p.block_table_batch_stride + (col >> p.page_block_shift)];
                     col &= p.page_block_size - 1;
                 }
                 const int64_t r = row;
-                copy_region<kN * KL::kBytes>(stage + kKOff + first * KL::kBytes, base.kc + r * p.kc_batch_stride + col * KL::kBytes, lane);
-                copy_region<kN * VL::kBytes>(stage + kVOff + first * VL::kBytes, base.vc + r * p.vc_batch_stride + col * VL::kBytes, lane);
+                copy_region<kN * KL::kBytes>(stage + kKOff + first * KL::kBytes,
+                                             base.kc + r * p.kc_batch_stride + col * KL::kBytes, lane);
+                copy_region<kN * VL::kBytes>(stage + kVOff + first * VL::kBytes,
+                                             base.vc + r * p.vc_batch_stride + col * VL::kBytes, lane);
                 constexpr int kW = kMetaBytes / 2;  // halves a token
-                copy_region<kN * kMetaBytes>(stage + kKMetaOff + first * kMetaBytes, base.km + r * p.km_batch_stride + kW * col, lane);
-                copy_region<kN * kMetaBytes>(stage + kVMetaOff + first * kMetaBytes, base.vm + r * p.vm_batch_stride + kW * col, lane);
+                copy_region<kN * kMetaBytes>(stage + kKMetaOff + first * kMetaBytes,
+                                             base.km + r * p.km_batch_stride + kW * col, lane);
+                copy_region<kN * kMetaBytes>(stage + kVMetaOff + first * kMetaBytes,
+                                             base.vm + r * p.vm_batch_stride + kW * col, lane);
             };
             if constexpr (kPaging == Paging::kRows16) {
                 // 16-token pages: half-warp h copies page h (the tile's tokens 16h..): one row and
                 // one set of addresses a lane, the same 16-byte copies a lane as a whole tile
                 const int h = lane / kSegment, hl = lane % kSegment;
                 const int64_t r = page_rows[0];  // half h's row (TilePages<..., true>)
-                copy_part<kSegment * KL::kBytes, kSegment>(stage + kKOff + h * kSegment * KL::kBytes, base.kc + r * p.kc_batch_stride, hl);
-                copy_part<kSegment * VL::kBytes, kSegment>(stage + kVOff + h * kSegment * VL::kBytes, base.vc + r * p.vc_batch_stride, hl);
-                copy_part<kSegment * kMetaBytes, kSegment>(stage + kKMetaOff + h * kSegment * kMetaBytes, base.km + r * p.km_batch_stride, hl);
-                copy_part<kSegment * kMetaBytes, kSegment>(stage + kVMetaOff + h * kSegment * kMetaBytes, base.vm + r * p.vm_batch_stride, hl);
+                copy_part<kSegment * KL::kBytes, kSegment>(stage + kKOff + h * kSegment * KL::kBytes,
+                                                           base.kc + r * p.kc_batch_stride, hl);
+                copy_part<kSegment * VL::kBytes, kSegment>(stage + kVOff + h * kSegment * VL::kBytes,
+                                                           base.vc + r * p.vc_batch_stride, hl);
+                copy_part<kSegment * kMetaBytes, kSegment>(stage + kKMetaOff + h * kSegment * kMetaBytes,
+                                                           base.km + r * p.km_batch_stride, hl);
+                copy_part<kSegment * kMetaBytes, kSegment>(stage + kVMetaOff + h * kSegment * kMetaBytes,
+                                                           base.vm + r * p.vm_batch_stride, hl);
             } else if (!paged || p.page_block_size >= kTileN) {
                 copy_run(std::integral_constant<int, kTileN>{}, 0);
             } else {
@@ -230,13 +244,19 @@ struct PackedKV {
             col = valid ? (t & (p.page_block_size - 1)) : 0;
         }
         auto off = [&](int64_t batch_stride, int64_t row_stride) {
-            return static_cast<int64_t>(row) * static_cast<int>(batch_stride) + static_cast<int64_t>(col) * static_cast<int>(row_stride);
+            return static_cast<int64_t>(row) * static_cast<int>(batch_stride) +
+                   static_cast<int64_t>(col) * static_cast<int>(row_stride);
         };
-        copy_row<KL::kBytes>(stage + kKOff + lane * KL::kBytes, base.kc + off(p.kc_batch_stride, p.kc_row_stride), valid);
-        copy_row<VL::kBytes>(stage + kVOff + lane * VL::kBytes, base.vc + off(p.vc_batch_stride, p.vc_row_stride), valid);
-        if constexpr (kScaleOnly) {  // 2 bytes: below cp.async's smallest copy, a plain load (partial tiles, odd layouts)
-            reinterpret_cast<uint16_t *>(stage + kKMetaOff)[lane] = valid ? base.km[off(p.km_batch_stride, p.km_row_stride)] : 0;
-            reinterpret_cast<uint16_t *>(stage + kVMetaOff)[lane] = valid ? base.vm[off(p.vm_batch_stride, p.vm_row_stride)] : 0;
+        copy_row<KL::kBytes>(stage + kKOff + lane * KL::kBytes, base.kc + off(p.kc_batch_stride, p.kc_row_stride),
+                             valid);
+        copy_row<VL::kBytes>(stage + kVOff + lane * VL::kBytes, base.vc + off(p.vc_batch_stride, p.vc_row_stride),
+                             valid);
+        if constexpr (
+            kScaleOnly) {  // 2 bytes: below cp.async's smallest copy, a plain load (partial tiles, odd layouts)
+            reinterpret_cast<uint16_t *>(stage + kKMetaOff)[lane] =
+                valid ? base.km[off(p.km_batch_stride, p.km_row_stride)] : 0;
+            reinterpret_cast<uint16_t *>(stage + kVMetaOff)[lane] =
+                valid ? base.vm[off(p.vm_batch_stride, p.vm_row_stride)] : 0;
         } else {
             cp_async<4>(stage + kKMetaOff + lane * 4, base.km + off(p.km_batch_stride, p.km_row_stride), valid);
             cp_async<4>(stage + kVMetaOff + lane * 4, base.vm + off(p.vm_batch_stride, p.vm_row_stride), valid);
@@ -255,15 +275,20 @@ struct PackedKV {
         const uint32_t *vec = reinterpret_cast<const uint32_t *>(stage + kVOff + tok * VL::kBytes);
         extract_slots<kVBits, kSlotsK, kMagic, false>(vec, c * kSlotsK, out);
     }
-    __device__ static constexpr int v_slot_element(int slot, int hi) { return k_pair_element<kVBits, kHeadDim>(slot, hi); }
+    __device__ static constexpr int v_slot_element(int slot, int hi) {
+        return k_pair_element<kVBits, kHeadDim>(slot, hi);
+    }
     using VPeriod = PairPeriod<kVBits, kHeadDim>;  // (the prefill epilogue's columns)
-    __device__ static constexpr int v_slot_scale_exp(int slot) { return slot_scale_exp<kVBits, kSlotsK, kMagic>(slot % kSlotsK); }
+    __device__ static constexpr int v_slot_scale_exp(int slot) {
+        return slot_scale_exp<kVBits, kSlotsK, kMagic>(slot % kSlotsK);
+    }
 
     // Raw V values of tokens `tok` and `tok + 1` for thread group g: out[2m] holds element 16m + g
     // of both tokens (low half: `tok`), out[2m + 1] element 16m + g + 8. The group's lanes of the
     // two tokens are merged into words with one byte permute per lane.
     __device__ static void v_pair_slots(const char *stage, int tok, int g, uint32_t (&out)[kGroupCodes]) {
-        const uint16_t *v0 = reinterpret_cast<const uint16_t *>(stage + kVOff + tok * VL::kBytes) + VL::group_first_lane(g);
+        const uint16_t *v0 =
+            reinterpret_cast<const uint16_t *>(stage + kVOff + tok * VL::kBytes) + VL::group_first_lane(g);
         const uint16_t *v1 = v0 + VL::kBytes / 2;
         uint32_t words[VL::kGroupLanes];
         #pragma unroll
@@ -304,7 +329,8 @@ struct PackedKV {
     }
 
     // V^T A-fragments (centered codes) of 16-token block mt: d block m in a[m].
-    __device__ static void v_frags(const char *stage, const Consts &k, int mt, int lane, uint32_t (&a)[kHeadDim / 16][4]) {
+    __device__ static void v_frags(const char *stage, const Consts &k, int mt, int lane,
+                                   uint32_t (&a)[kHeadDim / 16][4]) {
         const int g = lane / 4, u = mt * 16 + 2 * (lane % 4);
         uint32_t x01[kGroupCodes], x89[kGroupCodes];  // tokens (u, u + 1) and (u + 8, u + 9)
         v_pair_slots(stage, u, g, x01);
@@ -344,11 +370,11 @@ struct PackedKV {
 template <int kHeadDim, typename Elem, int kStages_ = 2>
 struct Fp16KV {
     static constexpr bool kAffine = false;
-    static constexpr int kTileN = 16;      // one m16 block a tile: 8 KB of K+V at d=128
+    static constexpr int kTileN = 16;  // one m16 block a tile: 8 KB of K+V at d=128
     static constexpr int kSegment = kTileN;
     static constexpr int kStages = kStages_;
     static constexpr int kRowBytes = kHeadDim * 2;
-    static constexpr int kChunks = kRowBytes / 16;           // 16-byte chunks a token row
+    static constexpr int kChunks = kRowBytes / 16;  // 16-byte chunks a token row
     static constexpr int kKOff = 0;
     static constexpr int kVOff = kTileN * kRowBytes;
     static constexpr int kStageBytes = 2 * kTileN * kRowBytes;
@@ -359,7 +385,9 @@ struct Fp16KV {
     // Natural d order: pair slot (c, kb, half) holds elements 16 kb + 8 half + 2c (+1), the A
     // fragment's columns, so Q is gathered in the same order as for PackedKV.
     __device__ static constexpr int q_slot(int c, int kb, int half) { return c * kSlotsK + 2 * kb + half; }
-    __device__ static constexpr int q_element_at(int c, int t, int hi) { return 16 * (t / 2) + 8 * (t % 2) + 2 * c + hi; }
+    __device__ static constexpr int q_element_at(int c, int t, int hi) {
+        return 16 * (t / 2) + 8 * (t % 2) + 2 * c + hi;
+    }
     __device__ static constexpr int q_scale_exp(int) { return 0; }
 
     // Physical chunk of logical chunk `chunk` of token `tok`: a bijection of tok % 8 XOR-ed into the
@@ -376,14 +404,21 @@ struct Fp16KV {
         const int64_t row = p.block_table != nullptr ? 0 : bc;
         return {p.k_codes + row * p.kc_batch_stride + hk * p.kc_head_stride,
                 p.v_codes + row * p.vc_batch_stride + hk * p.vc_head_stride,
-                p.kc_batch_stride, p.kc_row_stride, p.vc_batch_stride, p.vc_row_stride};
+                p.kc_batch_stride,
+                p.kc_row_stride,
+                p.vc_batch_stride,
+                p.vc_row_stride};
     }
     // the 16-bit side of a packed cache (DecodeParams::side_k): sequence row bc, never paged
     __device__ static Bases side_bases(const DecodeParams &p, int bc, int hk) {
         const int64_t off = (bc * p.side_batch_stride + hk * p.side_head_stride) * static_cast<int64_t>(sizeof(Elem));
         const int64_t row = p.side_row_stride * static_cast<int64_t>(sizeof(Elem));
-        return {reinterpret_cast<const uint8_t *>(p.side_k) + off, reinterpret_cast<const uint8_t *>(p.side_v) + off,
-                0, row, 0, row};
+        return {reinterpret_cast<const uint8_t *>(p.side_k) + off,
+                reinterpret_cast<const uint8_t *>(p.side_v) + off,
+                0,
+                row,
+                0,
+                row};
     }
 
     // Lane l resolves the (row, col) of token tile_start + l % kTileN once; each copy pass moves
@@ -407,8 +442,10 @@ struct Fp16KV {
             const int r = __shfl_sync(0xffffffffu, row, tok);
             const int cl = __shfl_sync(0xffffffffu, col, tok);
             const bool ok = __shfl_sync(0xffffffffu, static_cast<int>(valid), tok) != 0;
-            const int64_t koff = static_cast<int64_t>(r) * static_cast<int>(base.k_batch) + static_cast<int64_t>(cl) * static_cast<int>(base.k_row);
-            const int64_t voff = static_cast<int64_t>(r) * static_cast<int>(base.v_batch) + static_cast<int64_t>(cl) * static_cast<int>(base.v_row);
+            const int64_t koff = static_cast<int64_t>(r) * static_cast<int>(base.k_batch) +
+                                 static_cast<int64_t>(cl) * static_cast<int>(base.k_row);
+            const int64_t voff = static_cast<int64_t>(r) * static_cast<int>(base.v_batch) +
+                                 static_cast<int64_t>(cl) * static_cast<int>(base.v_row);
             const int dst = tok * kRowBytes + swizzle(tok, chunk) * 16;
             cp_async<16>(stage + kKOff + dst, base.k + koff + chunk * 16, ok);
             cp_async<16>(stage + kVOff + dst, base.v + voff + chunk * 16, ok);
@@ -430,13 +467,12 @@ struct Fp16KV {
 
     // V^T A-fragments of block mt (ldmatrix.trans of token-major rows): matrices
     // (d chunk 2m | 2m + 1) x (tokens 0-7 | 8-15).
-    __device__ static void v_frags(const char *stage, const Consts &, int mt, int lane, uint32_t (&a)[kHeadDim / 16][4]) {
+    __device__ static void v_frags(const char *stage, const Consts &, int mt, int lane,
+                                   uint32_t (&a)[kHeadDim / 16][4]) {
         const int i = lane / 8, tok = mt * 16 + lane % 8 + 8 * (i >> 1);
         const uint32_t row = static_cast<uint32_t>(__cvta_generic_to_shared(stage + kVOff + tok * kRowBytes));
         #pragma unroll
-        for (int m = 0; m < kHeadDim / 16; ++m) {
-            ldmatrix_x4<true>(a[m], row + swizzle(tok, 2 * m + (i & 1)) * 16);
-        }
+        for (int m = 0; m < kHeadDim / 16; ++m) { ldmatrix_x4<true>(a[m], row + swizzle(tok, 2 * m + (i & 1)) * 16); }
     }
 };
 

@@ -76,7 +76,9 @@ struct RunPacker {
         } else {
             constexpr int kPerLane = 16 / kBits;
             #pragma unroll
-            for (int j = 0; j < kP; ++j) { out[j / kPerLane] |= static_cast<uint32_t>(code[j]) << (kBits * (j % kPerLane)); }
+            for (int j = 0; j < kP; ++j) {
+                out[j / kPerLane] |= static_cast<uint32_t>(code[j]) << (kBits * (j % kPerLane));
+            }
         }
     }
 };
@@ -113,9 +115,9 @@ __device__ __forceinline__ int2 pack_slot(const PackParams &p, int t) {
 
 template <typename Elem, int kHeadDim, int kBits, Quant kQuant>
 __global__ void __launch_bounds__(128) pack_kv_kernel(const PackParams p) {
-    constexpr int P = kHeadDim / 8;          // elements a thread
+    constexpr int P = kHeadDim / 8;  // elements a thread
     constexpr int kLevels = 1 << kBits;
-    constexpr int kPad = 8;                  // floats between vectors in the transpose buffer: no bank conflicts
+    constexpr int kPad = 8;  // floats between vectors in the transpose buffer: no bank conflicts
     constexpr bool kTurbo = kQuant != Quant::kAsym;
     __shared__ __align__(16) float xpose[4][4][kHeadDim + kPad];  // [warp][vector][element]
     __shared__ float edge_smem[kLevels], level_smem[kLevels];
@@ -125,7 +127,8 @@ __global__ void __launch_bounds__(128) pack_kv_kernel(const PackParams p) {
         if (threadIdx.x < kLevels) {
             level_smem[threadIdx.x] = p.levels[threadIdx.x];
             edge_smem[threadIdx.x] = threadIdx.x + 1 < kLevels
-                ? __fmul_rn(__fadd_rn(p.levels[threadIdx.x + 1], p.levels[threadIdx.x]), 0.5f) : INFINITY;
+                                         ? __fmul_rn(__fadd_rn(p.levels[threadIdx.x + 1], p.levels[threadIdx.x]), 0.5f)
+                                         : INFINITY;
         }
         __syncthreads();
     }
@@ -135,7 +138,8 @@ __global__ void __launch_bounds__(128) pack_kv_kernel(const PackParams p) {
     for (int k = 0; k < P / 2; ++k) {
         sign_mask[k] = 0u;
         if constexpr (kTurbo) {
-            sign_mask[k] = (p.signs[s * P + 2 * k] < 0.f ? 0x8000u : 0u) | (p.signs[s * P + 2 * k + 1] < 0.f ? 0x80000000u : 0u);
+            sign_mask[k] =
+                (p.signs[s * P + 2 * k] < 0.f ? 0x8000u : 0u) | (p.signs[s * P + 2 * k + 1] < 0.f ? 0x80000000u : 0u);
         }
     }
     const float sqrt_d = static_cast<float>(sqrt(static_cast<double>(kHeadDim)));
@@ -145,11 +149,11 @@ __global__ void __launch_bounds__(128) pack_kv_kernel(const PackParams p) {
     const int stride = gridDim.x * 16;
     // 16-byte loads of this thread's P elements of vector `vec` (rows are 16-byte aligned, checked
     // on the host); the next iteration's are in flight while this one computes
-    auto load = [&](int vec, uint4 (&raw)[P / 8]) {
+    auto load = [&](int vec, uint4(&raw)[P / 8]) {
         const bool live = vec < vectors;
         const int token = live ? vec / p.heads : 0, head = live ? vec - token * p.heads : 0;
-        const uint4 *src = reinterpret_cast<const uint4 *>(reinterpret_cast<const Elem *>(p.x) + token * p.x_token_stride +
-                                                           head * p.x_head_stride + s * P);
+        const uint4 *src = reinterpret_cast<const uint4 *>(reinterpret_cast<const Elem *>(p.x) +
+                                                           token * p.x_token_stride + head * p.x_head_stride + s * P);
         #pragma unroll
         for (int q = 0; q < P / 8; ++q) { raw[q] = live ? __ldg(src + q) : make_uint4(0u, 0u, 0u, 0u); }
     };
@@ -167,7 +171,8 @@ __global__ void __launch_bounds__(128) pack_kv_kernel(const PackParams p) {
         // one lane of the vector resolves the slot (checks + block table), the others read it
         int2 cell = make_int2(-1, 0);
         if (live && s == 0) { cell = pack_slot(p, token); }
-        const int slot_row = __shfl_sync(0xffffffffu, cell.x, lane & ~7), slot_col = __shfl_sync(0xffffffffu, cell.y, lane & ~7);
+        const int slot_row = __shfl_sync(0xffffffffu, cell.x, lane & ~7),
+                  slot_col = __shfl_sync(0xffffffffu, cell.y, lane & ~7);
         bool store = slot_row >= 0;
 
         // ---- apply the signs, to float32
@@ -191,7 +196,8 @@ __global__ void __launch_bounds__(128) pack_kv_kernel(const PackParams p) {
         __syncwarp();
         #pragma unroll
         for (int q = 0; q < P / 4; ++q) {
-            *reinterpret_cast<float4 *>(buf + s * P + 4 * q) = make_float4(x[4 * q], x[4 * q + 1], x[4 * q + 2], x[4 * q + 3]);
+            *reinterpret_cast<float4 *>(buf + s * P + 4 * q) =
+                make_float4(x[4 * q], x[4 * q + 1], x[4 * q + 2], x[4 * q + 3]);
         }
         __syncwarp();
         #pragma unroll
@@ -205,18 +211,23 @@ __global__ void __launch_bounds__(128) pack_kv_kernel(const PackParams p) {
         if constexpr (kQuant == Quant::kAsym) {
             float lo = x[0], hi = x[0];
             #pragma unroll
-            for (int k = 1; k < P; ++k) { lo = fminf(lo, x[k]); hi = fmaxf(hi, x[k]); }
+            for (int k = 1; k < P; ++k) {
+                lo = fminf(lo, x[k]);
+                hi = fmaxf(hi, x[k]);
+            }
             float nan_probe = 0.f;  // x * 0 is NaN exactly for NaN / Inf (fminf / fmaxf skip NaN)
             #pragma unroll
             for (int k = 0; k < P; ++k) { nan_probe = __fmaf_rn(x[k], 0.f, nan_probe); }
             const float vmin = group8_min(lo), vmax = group8_max(hi);
             finite = group8_sum(nan_probe) == 0.f;
-            float scale = __half2float(__float2half_rn(__fdiv_rn(__fsub_rn(vmax, vmin), static_cast<float>(kLevels - 1))));
+            float scale =
+                __half2float(__float2half_rn(__fdiv_rn(__fsub_rn(vmax, vmin), static_cast<float>(kLevels - 1))));
             if (!(scale > 0.f)) scale = 1.f;
             const float zero = fminf(fmaxf(floorf(__fadd_rn(__fdiv_rn(-vmin, scale), 0.5f)), 0.f), kLevels - 1.f);
             #pragma unroll
             for (int k = 0; k < P; ++k) {
-                code[k] = static_cast<int>(fminf(fmaxf(floorf(__fadd_rn(__fadd_rn(__fdiv_rn(x[k], scale), zero), 0.5f)), 0.f), kLevels - 1.f));
+                code[k] = static_cast<int>(
+                    fminf(fmaxf(floorf(__fadd_rn(__fadd_rn(__fdiv_rn(x[k], scale), zero), 0.5f)), 0.f), kLevels - 1.f));
             }
             scale_out = scale;
             offset_out = __fmul_rn(-scale, zero);
@@ -230,7 +241,10 @@ __global__ void __launch_bounds__(128) pack_kv_kernel(const PackParams p) {
             const float mean_u = __fdiv_rn(group8_sum(sx), static_cast<float>(kHeadDim));
             float ss = 0.f;
             #pragma unroll
-            for (int k = 0; k < P; ++k) { x[k] = __fsub_rn(x[k], mean_u); ss = __fmaf_rn(x[k], x[k], ss); }
+            for (int k = 0; k < P; ++k) {
+                x[k] = __fsub_rn(x[k], mean_u);
+                ss = __fmaf_rn(x[k], x[k], ss);
+            }
             const float rn_u = __fsqrt_rn(group8_sum(ss));
             finite = rn_u < INFINITY;
             const float to_grid = rn_u > 0.f ? __fmul_rn(__fdiv_rn(sqrt_d, rn_u), p.inv_step) : 0.f;
@@ -247,7 +261,8 @@ __global__ void __launch_bounds__(128) pack_kv_kernel(const PackParams p) {
                 s2 += __shfl_xor_sync(0xffffffffu, s2, o);
             }
             // |c - mean(c)|^2 = (d * sum c^2 - (sum c)^2) / d, exact in integers
-            const float cn = __fsqrt_rn(__fdiv_rn(static_cast<float>(kHeadDim * s2 - s1 * s1), static_cast<float>(kHeadDim)));
+            const float cn =
+                __fsqrt_rn(__fdiv_rn(static_cast<float>(kHeadDim * s2 - s1 * s1), static_cast<float>(kHeadDim)));
             const float rn = __fdiv_rn(rn_u, sqrt_d), mean = __fdiv_rn(mean_u, sqrt_d);
             const float cm = __fdiv_rn(static_cast<float>(s1), static_cast<float>(kHeadDim));
             scale_out = cn > 0.f ? __half2float(__float2half_rn(__fdiv_rn(rn, cn))) : 0.f;
@@ -277,7 +292,9 @@ __global__ void __launch_bounds__(128) pack_kv_kernel(const PackParams p) {
                 #pragma unroll
                 for (int o = 1; o < 8; o <<= 1) { tot += __shfl_xor_sync(0xffffffffu, tot, o); }
                 // scale * step = norm / (step / 2 * sqrt(tot)) * step = 2 norm / sqrt(tot)
-                scale_out = tot > 0 ? __half2float(__float2half_rn(__fdiv_rn(__fmul_rn(2.f, norm), __fsqrt_rn(static_cast<float>(tot))))) : 0.f;
+                scale_out = tot > 0 ? __half2float(__float2half_rn(
+                                          __fdiv_rn(__fmul_rn(2.f, norm), __fsqrt_rn(static_cast<float>(tot)))))
+                                    : 0.f;
                 offset_out = __fmul_rn(-scale_out, 0.5f * (kLevels - 1));
             } else {
                 float lss = 0.f;
@@ -306,7 +323,8 @@ __global__ void __launch_bounds__(128) pack_kv_kernel(const PackParams p) {
         using Packer = RunPacker<kBits, P>;
         uint32_t lanes[Packer::kLanes];
         Packer::pack(code, s * P, lanes);
-        uint8_t *row = p.codes + slot_row * p.codes_row_stride + slot_col * p.codes_col_stride + head * p.codes_head_stride;
+        uint8_t *row =
+            p.codes + slot_row * p.codes_row_stride + slot_col * p.codes_col_stride + head * p.codes_head_stride;
         if constexpr (kBits == 3 && P == 8) {  // half blocks: merge with the neighbour, the even thread stores
             #pragma unroll
             for (int i = 0; i < 3; ++i) { lanes[i] |= __shfl_xor_sync(0xffffffffu, lanes[i], 1); }
@@ -327,11 +345,14 @@ __global__ void __launch_bounds__(128) pack_kv_kernel(const PackParams p) {
                 *reinterpret_cast<uint32_t *>(dst) = lanes[0] | (lanes[1] << 16);
             } else {
                 #pragma unroll
-                for (int i = 0; i < Packer::kLanes; ++i) { reinterpret_cast<uint16_t *>(dst)[i] = static_cast<uint16_t>(lanes[i]); }
+                for (int i = 0; i < Packer::kLanes; ++i) {
+                    reinterpret_cast<uint16_t *>(dst)[i] = static_cast<uint16_t>(lanes[i]);
+                }
             }
         }
         if (store && s == 0) {
-            uint16_t *dst = p.meta + slot_row * p.meta_row_stride + slot_col * p.meta_col_stride + head * p.meta_head_stride;
+            uint16_t *dst =
+                p.meta + slot_row * p.meta_row_stride + slot_col * p.meta_col_stride + head * p.meta_head_stride;
             const uint16_t scale_bits = __half_as_ushort(__float2half_rn(scale_out));
             if (p.meta_words == 1) {  // the offset is -mid * scale by construction: not stored
                 *dst = scale_bits;

@@ -84,7 +84,7 @@ enum class Quant { kTurboUniform = 0, kTurboLloyd = 1, kAsym = 2, kTurboMean = 3
 enum PackError { kPackNonFinite = 1, kPackPosition = 2, kPackBatchIndex = 4, kPackBlock = 8 };
 
 struct PackParams {
-    const void *x;                   // [tokens, heads, d]
+    const void *x;                      // [tokens, heads, d]
     int x_token_stride, x_head_stride;  // elements (x has < 2^31 elements, checked on the host)
     // Where token t goes: slot_mapping[t] (-1 skips it), or, without a slot mapping, position
     // start[i] + j of cache row batch_idx[i] (t = i * n_new + j; batch_idx nullptr: row i), through
@@ -92,17 +92,17 @@ struct PackParams {
     const int64_t *slot_mapping;
     const int *start, *batch_idx, *block_table;
     int n_new, block_table_stride, page_shift;
-    int rows, cols, capacity;        // codes.shape[0], codes.shape[1], positions a sequence holds
-    int batch_rows;                  // sequences (codes rows, or block_table rows when paged)
-    int *error_flags;                // [1] or nullptr: PackError bits
-    uint8_t *codes;                  // [rows, cols, heads, code_bytes], any strides (bytes) with a contiguous last dim
-    uint16_t *meta;                  // [rows, cols, heads, meta_words], strides in halves
-    int meta_words;                  // 2: (scale, offset); 1: the scale alone (turbo norm fit: offset = -mid * scale)
+    int rows, cols, capacity;  // codes.shape[0], codes.shape[1], positions a sequence holds
+    int batch_rows;            // sequences (codes rows, or block_table rows when paged)
+    int *error_flags;          // [1] or nullptr: PackError bits
+    uint8_t *codes;            // [rows, cols, heads, code_bytes], any strides (bytes) with a contiguous last dim
+    uint16_t *meta;            // [rows, cols, heads, meta_words], strides in halves
+    int meta_words;            // 2: (scale, offset); 1: the scale alone (turbo norm fit: offset = -mid * scale)
     int64_t codes_row_stride, codes_col_stride, codes_head_stride;
     int64_t meta_row_stride, meta_col_stride, meta_head_stride;
-    const float *signs;              // [d] turbo sign vector
-    const float *levels;             // [2^bits] Lloyd-Max levels (unit variance)
-    float inv_step, step;            // uniform grid
+    const float *signs;    // [d] turbo sign vector
+    const float *levels;   // [2^bits] Lloyd-Max levels (unit variance)
+    float inv_step, step;  // uniform grid
     int tokens, heads;
 };
 

@@ -46,16 +46,16 @@ struct PrefillTraits {
     // Q and the expanded K / V tiles in the swizzled layout of tq_wgmma.h; else mma.sync fragments.
     static constexpr bool kWgmma = kWgmma_;
     static constexpr int kNThreads = 32 * kNWarps;
-    static constexpr int kMTiles = kMTiles_;       // 16-row MMA tiles a warp (2: half the fragment reads an MMA)
+    static constexpr int kMTiles = kMTiles_;  // 16-row MMA tiles a warp (2: half the fragment reads an MMA)
     static constexpr int kWarpRows = 16 * kMTiles;
     static constexpr int kRows = kWarpRows * kNWarps;  // query rows a CTA share each expanded tile
-    static constexpr int kTileN = 2 * KV::kTileN;  // 64 tokens: 256 K and 256 V expansion units
-    static constexpr int kPackedStages = 3;        // packed tiles in flight: i + 1 expanding, i + 2 arriving
+    static constexpr int kTileN = 2 * KV::kTileN;      // 64 tokens: 256 K and 256 V expansion units
+    static constexpr int kPackedStages = 3;            // packed tiles in flight: i + 1 expanding, i + 2 arriving
     static constexpr int kPackedBytes = 2 * KV::kStageBytes;
     static constexpr int kKChunks = kHeadDim / 8;  // 16-byte chunks of a token's K fragments (4 lanes x kSlotsK words)
     static constexpr int kVChunks = kHeadDim / 4;  // of a token pair's V fragments (8 groups x kHeadDim / 8 words)
     static constexpr int kKFragOff = 0;
-    static constexpr int kVFragOff = kKFragOff + kTileN * kKChunks * 16;  // (= kTileN * kHeadDim * 2 either way)
+    static constexpr int kVFragOff = kKFragOff + kTileN * kKChunks * 16;      // (= kTileN * kHeadDim * 2 either way)
     static constexpr int kKTermOff = kVFragOff + kTileN / 2 * kVChunks * 16;  // float2 a token: K scale, K term
     static constexpr int kVTermOff = kKTermOff + kTileN * 8;                  // float a token: V term
     // wgmma: whole 1 KB blocks, so both buffers' tiles stay 1024-byte aligned (the swizzle's period)
@@ -73,16 +73,20 @@ struct PrefillTraits {
     // offsets in the pipeline's memory. wgmma: the fragment buffers first (their alignment), the packed
     // ring past the rotation's rows too, so the first tiles' loads are issued before the rotation
     static constexpr int kFragsOff = kWgmma ? 0 : kPackedStages * kPackedBytes;
-    static constexpr int kPackedOff = !kWgmma ? 0 : (kFragBuffers * kFragBytes > kQBytes ? kFragBuffers * kFragBytes : (kQBytes + 127) / 128 * 128);
-    static constexpr int kPipeBytes = kWgmma ? kPackedOff + kPackedStages * kPackedBytes : kPackedStages * kPackedBytes + kFragBuffers * kFragBytes;
+    static constexpr int kPackedOff =
+        !kWgmma ? 0 : (kFragBuffers * kFragBytes > kQBytes ? kFragBuffers * kFragBytes : (kQBytes + 127) / 128 * 128);
+    static constexpr int kPipeBytes =
+        kWgmma ? kPackedOff + kPackedStages * kPackedBytes : kPackedStages * kPackedBytes + kFragBuffers * kFragBytes;
     static constexpr int kWorkBytes = kPipeBytes > kQBytes ? kPipeBytes : kQBytes;  // rotation, then the pipeline
     static constexpr int kAlignSlack = kWgmma ? 1024 : 0;  // the dynamic shared memory is aligned up to 1 KB
-    static constexpr int kSmemBytes = (kQFragBytes + kWorkBytes > kOBytes ? kQFragBytes + kWorkBytes : kOBytes) + kAlignSlack;
+    static constexpr int kSmemBytes =
+        (kQFragBytes + kWorkBytes > kOBytes ? kQFragBytes + kWorkBytes : kOBytes) + kAlignSlack;
     // sm_80's budget (tq_params.h); the wgmma variant runs on sm_90 only (227 KB a CTA)
     static_assert(kSmemBytes <= (kWgmma ? 227 * 1024 : kPrefillSmemBudget), "within the budget the host checks");
-    static constexpr int kUnits = kTileN * 4;      // K units (token, lane quad) = V units (token pair, group)
+    static constexpr int kUnits = kTileN * 4;  // K units (token, lane quad) = V units (token pair, group)
     static_assert(kUnits % kNThreads == 0 && kTileN / 2 * 8 == kUnits, "whole expansion passes");
-    static_assert(!kWgmma || (kNWarps % 4 == 0 && kMTiles == 2 && kQFragBytes % 1024 == 0), "whole warpgroups, m64 tiles");
+    static_assert(!kWgmma || (kNWarps % 4 == 0 && kMTiles == 2 && kQFragBytes % 1024 == 0),
+                  "whole warpgroups, m64 tiles");
 
     // wgmma: token t and lane quad c of expansion unit `unit`. At d = 128 an 8-lane phase of the
     // 16-byte stores covers 4 tokens x 2 quads of one 64-element column block: 8 distinct chunk
@@ -98,7 +102,9 @@ struct PrefillTraits {
     }
     // wgmma: Q tile row of local row n (= kWarpRows x warp + 16 m + i): warp w % 4 of its warpgroup
     // holds rows 16 (w % 4) + i of m64 tile m.
-    __device__ static int q_tile_row(int warp, int m, int i) { return (warp / 4) * (4 * kWarpRows) + 64 * m + 16 * (warp % 4) + i; }
+    __device__ static int q_tile_row(int warp, int m, int i) {
+        return (warp / 4) * (4 * kWarpRows) + 64 * m + 16 * (warp % 4) + i;
+    }
     // Swizzled 16-byte chunk of K chunk `l` of token t: every 8-lane phase of the fragment reads
     // (tokens t, t + 1 x lane quads 0..3) and of the expansion writes lands in 8 bank groups.
     __device__ static int k_chunk(int t, int l) { return t * kKChunks + (l ^ (((l >> 3) << 1) | (t & 1))); }
@@ -116,8 +122,9 @@ __device__ __forceinline__ uint4 lds128(const char *base, int chunk) {
 // +-2^k as a pair of 16-bit floats.
 template <typename Elem>
 __device__ constexpr uint32_t pow2_pair(int k, bool negative) {
-    const uint32_t bits = (negative ? 0x8000u : 0u) |
-                          (std::is_same_v<Elem, __half> ? static_cast<uint32_t>(k + 15) << 10 : static_cast<uint32_t>(k + 127) << 7);
+    const uint32_t bits =
+        (negative ? 0x8000u : 0u) |
+        (std::is_same_v<Elem, __half> ? static_cast<uint32_t>(k + 15) << 10 : static_cast<uint32_t>(k + 127) << 7);
     return bits | (bits << 16);
 }
 
@@ -137,7 +144,8 @@ __device__ __forceinline__ void expand_tile(const char *packed, char *frag, floa
     constexpr int D = T::kHeadDim, kSlots = KV::kSlotsK, kCodes = KV::kGroupCodes;
     #pragma unroll
     for (int unit = tid; unit < T::kUnits; unit += T::kNThreads) {
-        if constexpr (T::kWgmma) {  // token t, quad c: K and V pair slots c * kSlots.. as code - mid (V: times its scale)
+        if constexpr (
+            T::kWgmma) {  // token t, quad c: K and V pair slots c * kSlots.. as code - mid (V: times its scale)
             int t, c;
             T::unit_token_quad(unit, t, c);
             const char *stage = packed + (t / KV::kTileN) * KV::kStageBytes;
@@ -151,29 +159,34 @@ __device__ __forceinline__ void expand_tile(const char *packed, char *frag, floa
             #pragma unroll
             for (int i = 0; i < kSlots; ++i) {
                 wk[i] = fma2<Elem>(code_pair<Elem>(wk[i], KV::q_scale_exp(i)), one, neg_kmid);
-                wv[i] = fma2<Elem>(fma2<Elem>(code_pair<Elem>(wv[i], KV::v_slot_scale_exp(i)), one, neg_vmid), scale, 0u);
+                wv[i] =
+                    fma2<Elem>(fma2<Elem>(code_pair<Elem>(wv[i], KV::v_slot_scale_exp(i)), one, neg_vmid), scale, 0u);
             }
             #pragma unroll
             for (int q = 0; q < kSlots / 4; ++q) {
                 const int chunk = tile_chunk<T::kTileN>(t, c * (kSlots / 4) + q);
-                *reinterpret_cast<uint4 *>(frag + T::kKFragOff + chunk) = make_uint4(wk[4 * q], wk[4 * q + 1], wk[4 * q + 2], wk[4 * q + 3]);
-                *reinterpret_cast<uint4 *>(frag + T::kVFragOff + chunk) = make_uint4(wv[4 * q], wv[4 * q + 1], wv[4 * q + 2], wv[4 * q + 3]);
+                *reinterpret_cast<uint4 *>(frag + T::kKFragOff + chunk) =
+                    make_uint4(wk[4 * q], wk[4 * q + 1], wk[4 * q + 2], wk[4 * q + 3]);
+                *reinterpret_cast<uint4 *>(frag + T::kVFragOff + chunk) =
+                    make_uint4(wv[4 * q], wv[4 * q + 1], wv[4 * q + 2], wv[4 * q + 3]);
             }
         } else {
-            {   // K: token t, lane quad c: its pair slots as kSlots / 4 chunks of code - mid
+            {  // K: token t, lane quad c: its pair slots as kSlots / 4 chunks of code - mid
                 const int t = unit / 4, c = unit % 4;
                 uint32_t w[kSlots];
                 KV::k_slots(packed + (t / KV::kTileN) * KV::kStageBytes, t % KV::kTileN, c, w);
                 const uint32_t neg_mid = pack2<Elem>(-T::kKMid, -T::kKMid);
                 #pragma unroll
-                for (int i = 0; i < kSlots; ++i) { w[i] = fma2<Elem>(code_pair<Elem>(w[i], KV::q_scale_exp(i)), pow2_pair<Elem>(0, false), neg_mid); }
+                for (int i = 0; i < kSlots; ++i) {
+                    w[i] = fma2<Elem>(code_pair<Elem>(w[i], KV::q_scale_exp(i)), pow2_pair<Elem>(0, false), neg_mid);
+                }
                 #pragma unroll
                 for (int q = 0; q < kSlots / 4; ++q) {
                     *reinterpret_cast<uint4 *>(frag + T::kKFragOff + 16 * T::k_chunk(t, c * (kSlots / 4) + q)) =
                         make_uint4(w[4 * q], w[4 * q + 1], w[4 * q + 2], w[4 * q + 3]);
                 }
             }
-            {   // V: token pair u, lane group g: element 8j + g of both tokens (low half: token 2u), each d tile j
+            {  // V: token pair u, lane group g: element 8j + g of both tokens (low half: token 2u), each d tile j
                 const int u = unit % 32, g = unit / 32, t = 2 * u;
                 const char *stage = packed + (t / KV::kTileN) * KV::kStageBytes;
                 uint32_t w[kCodes];
@@ -182,7 +195,9 @@ __device__ __forceinline__ void expand_tile(const char *packed, char *frag, floa
                 const uint32_t scale = pack2<Elem>(f0.x, f1.x), neg_mid = pack2<Elem>(-KV::kVMid, -KV::kVMid);
                 #pragma unroll
                 for (int j = 0; j < kCodes; ++j) {
-                    w[j] = fma2<Elem>(fma2<Elem>(code_pair<Elem>(w[j], KV::v_scale_exp(j)), pow2_pair<Elem>(0, false), neg_mid), scale, 0u);
+                    w[j] = fma2<Elem>(
+                        fma2<Elem>(code_pair<Elem>(w[j], KV::v_scale_exp(j)), pow2_pair<Elem>(0, false), neg_mid),
+                        scale, 0u);
                 }
                 #pragma unroll
                 for (int q = 0; q < kCodes / 4; ++q) {
@@ -209,11 +224,12 @@ __device__ __forceinline__ void expand_tile(const char *packed, char *frag, floa
 // (k-block kb = n8 tiles 2kb, 2kb + 1). acc_ready() runs before acc and pa are written (wgmma:
 // the P V still reading them completes), after the exponentials.
 template <typename T, bool kLocal, typename AccReady>
-__device__ __forceinline__ void softmax_half(float (&s)[T::kMTiles][T::kTileN / 16][4], const char *frag, int t0, int tile_start,
-                                             bool masked, const int (&lim)[T::kMTiles][2], const int (&first)[T::kMTiles][2],
-                                             float softcap_log2, const float (&sumq)[T::kMTiles][2],
-                                             float (&row_max)[T::kMTiles][2], float (&row_sum)[T::kMTiles][2],
-                                             float (&row_corr)[T::kMTiles][2], float (&acc)[T::kMTiles][T::kHeadDim / 8][4],
+__device__ __forceinline__ void softmax_half(float (&s)[T::kMTiles][T::kTileN / 16][4], const char *frag, int t0,
+                                             int tile_start, bool masked, const int (&lim)[T::kMTiles][2],
+                                             const int (&first)[T::kMTiles][2], float softcap_log2,
+                                             const float (&sumq)[T::kMTiles][2], float (&row_max)[T::kMTiles][2],
+                                             float (&row_sum)[T::kMTiles][2], float (&row_corr)[T::kMTiles][2],
+                                             float (&acc)[T::kMTiles][T::kHeadDim / 8][4],
                                              uint32_t (&pa)[T::kMTiles][T::kTileN / 32][4], int c, AccReady acc_ready) {
     using Elem = typename T::Elem;
     constexpr int NH = T::kTileN / 16, DJ = T::kHeadDim / 8, MT = T::kMTiles;
@@ -333,8 +349,8 @@ __device__ __forceinline__ void attend_tile(const char *frag, const char *qfrag,
                                             const int (&lim)[T::kMTiles][2], const int (&first)[T::kMTiles][2],
                                             float softcap_log2, const float (&sumq)[T::kMTiles][2],
                                             float (&row_max)[T::kMTiles][2], float (&row_sum)[T::kMTiles][2],
-                                            float (&row_corr)[T::kMTiles][2], float (&acc)[T::kMTiles][T::kHeadDim / 8][4],
-                                            int lane) {
+                                            float (&row_corr)[T::kMTiles][2],
+                                            float (&acc)[T::kMTiles][T::kHeadDim / 8][4], int lane) {
     using Elem = typename T::Elem;
     constexpr int D = T::kHeadDim, KB = D / 16, NH = T::kTileN / 16, MT = T::kMTiles;
     const int g = lane / 4, c = lane % 4;
@@ -356,7 +372,9 @@ __device__ __forceinline__ void attend_tile(const char *frag, const char *qfrag,
         for (int q = 0; q < KB / 2; ++q) {  // chunk q: k-blocks 2q, 2q + 1
             uint4 w[NH];
             #pragma unroll
-            for (int j = 0; j < NH; ++j) { w[j] = lds128(frag + T::kKFragOff, T::k_chunk(t0 + 8 * j + g, c * (KB / 2) + q)); }
+            for (int j = 0; j < NH; ++j) {
+                w[j] = lds128(frag + T::kKFragOff, T::k_chunk(t0 + 8 * j + g, c * (KB / 2) + q));
+            }
             #pragma unroll
             for (int m = 0; m < MT; ++m) {
                 const uint4 a0 = lds128(qfrag, 32 * (m * KB + 2 * q)), a1 = lds128(qfrag, 32 * (m * KB + 2 * q + 1));
@@ -413,14 +431,17 @@ __device__ __forceinline__ void attend_tile_wgmma(const char *frag, const char *
                                                   const int (&lim)[T::kMTiles][2], const int (&first)[T::kMTiles][2],
                                                   float softcap_log2, const float (&sumq)[T::kMTiles][2],
                                                   float (&row_max)[T::kMTiles][2], float (&row_sum)[T::kMTiles][2],
-                                                  float (&row_corr)[T::kMTiles][2], float (&acc)[T::kMTiles][T::kHeadDim / 8][4],
-                                                  uint32_t (&pa)[T::kMTiles][T::kTileN / 32][4], uint64_t &pv_desc, int lane) {
+                                                  float (&row_corr)[T::kMTiles][2],
+                                                  float (&acc)[T::kMTiles][T::kHeadDim / 8][4],
+                                                  uint32_t (&pa)[T::kMTiles][T::kTileN / 32][4], uint64_t &pv_desc,
+                                                  int lane) {
     using Elem = typename T::Elem;
     constexpr int KB = T::kHeadDim / 16, NH = T::kTileN / 16, MT = T::kMTiles;
     // K-major Q and K (8-row groups 1 KB apart), MN-major V (64-element column blocks a tile apart)
     const uint64_t q_desc = smem_desc(static_cast<uint32_t>(__cvta_generic_to_shared(q_tile)), 16, 1024);
     const uint64_t k_desc = smem_desc(static_cast<uint32_t>(__cvta_generic_to_shared(frag + T::kKFragOff)), 16, 1024);
-    const uint64_t v_desc = smem_desc(static_cast<uint32_t>(__cvta_generic_to_shared(frag + T::kVFragOff)), T::kTileN * 128, 1024);
+    const uint64_t v_desc =
+        smem_desc(static_cast<uint32_t>(__cvta_generic_to_shared(frag + T::kVFragOff)), T::kTileN * 128, 1024);
     #pragma unroll 1
     for (int half = 0; half < 2; ++half) {
         const int t0 = half * (T::kTileN / 2);
@@ -447,7 +468,8 @@ __device__ __forceinline__ void attend_tile_wgmma(const char *frag, const char *
         fence_operands(s[0]);
         fence_operands(s[1]);
         softmax_half<T, kLocal>(s, frag, t0, tile_start, masked, lim, first, softcap_log2, sumq, row_max, row_sum,
-                                row_corr, acc, pa, lane % 4, [&] {  // (the fences order the compiler's code, not ptxas')
+                                row_corr, acc, pa, lane % 4,
+                                [&] {  // (the fences order the compiler's code, not ptxas')
                                     fence_operands(s[0]);
                                     fence_operands(s[1]);
                                     wgmma_wait<0>();
@@ -474,11 +496,14 @@ __device__ __forceinline__ void prefill_split_body(const DecodeParams &p) {
     extern __shared__ __align__(16) char smem_raw[];
     // wgmma tiles need 1024-byte alignment (the swizzle's period): the base is aligned up (kAlignSlack)
     char *smem = smem_raw;
-    if constexpr (T::kWgmma) { smem += (1024u - (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) & 1023u)) & 1023u; }
+    if constexpr (T::kWgmma) {
+        smem += (1024u - (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) & 1023u)) & 1023u;
+    }
 
     // (warp through a shuffle: the compiler then knows it, and the branches on it, to be warp-uniform,
     // and the shuffles under those branches need no divergence handling)
-    const int tid = threadIdx.x, warp = __shfl_sync(0xffffffffu, tid / 32, 0), lane = tid % 32, g = lane / 4, c = lane % 4;
+    const int tid = threadIdx.x, warp = __shfl_sync(0xffffffffu, tid / 32, 0), lane = tid % 32, g = lane / 4,
+              c = lane % 4;
     // the last row blocks first: under causal masking they see the most keys, so the longest CTAs
     // start in the first wave instead of trailing the last one
     const int split = blockIdx.x, b = blockIdx.y / p.h_k, hk = blockIdx.y % p.h_k;
@@ -504,7 +529,8 @@ __device__ __forceinline__ void prefill_split_body(const DecodeParams &p) {
     const int warp_first = wrow0 < total_rows ? key_first<kLocal>(p, seqlen_k, total_rows, wrow0, key_start) : 0;
     // tiles within [the last row's first key, the first row's limit) need no mask
     const int warp_unmasked = wrow0 < total_rows ? key_limit(p, seqlen_k, total_rows, wrow0) : 0;
-    const int warp_first_max = wrow0 < total_rows ? key_first<kLocal>(p, seqlen_k, total_rows, warp_last, key_start) : 0;
+    const int warp_first_max =
+        wrow0 < total_rows ? key_first<kLocal>(p, seqlen_k, total_rows, warp_last, key_start) : 0;
     const int tile_first = key_first<kLocal>(p, seqlen_k, total_rows, row0, key_start) / T::kTileN;
     const int n_tiles = (cta_limit + T::kTileN - 1) / T::kTileN;
     const int tiles_per_split = (max(0, n_tiles - tile_first) + p.num_splits - 1) / p.num_splits;
@@ -540,14 +566,16 @@ __device__ __forceinline__ void prefill_split_body(const DecodeParams &p) {
                 for (int h = 0; h < 2; ++h) {
                     #pragma unroll
                     for (int q = 0; q < KB / 2; ++q) {
-                        *reinterpret_cast<uint4 *>(smem + tile_chunk<T::kRows>(T::q_tile_row(warp, m, g + 8 * h), c * (KB / 2) + q)) =
+                        *reinterpret_cast<uint4 *>(
+                            smem + tile_chunk<T::kRows>(T::q_tile_row(warp, m, g + 8 * h), c * (KB / 2) + q)) =
                             make_uint4(f[h][2 * q][0], f[h][2 * q][1], f[h][2 * q + 1][0], f[h][2 * q + 1][1]);
                     }
                 }
             } else {
                 #pragma unroll
                 for (int kb = 0; kb < KB; ++kb) {
-                    *reinterpret_cast<uint4 *>(qfrag + 512 * (m * KB + kb)) = make_uint4(f[0][kb][0], f[1][kb][0], f[0][kb][1], f[1][kb][1]);
+                    *reinterpret_cast<uint4 *>(qfrag + 512 * (m * KB + kb)) =
+                        make_uint4(f[0][kb][0], f[1][kb][0], f[0][kb][1], f[1][kb][1]);
                 }
             }
         }
@@ -571,7 +599,8 @@ __device__ __forceinline__ void prefill_split_body(const DecodeParams &p) {
         constexpr int kPassRows = T::kRows / T::kQPasses;
         #pragma unroll 1
         for (int pass = 0; pass < T::kQPasses; ++pass) {
-            rotate_q_quads<Elem, D, kPassRows, T::kNWarps, 2, RS>(p, b, hk, row0 + pass * kPassRows, total_rows, sm_q, warp, lane);
+            rotate_q_quads<Elem, D, kPassRows, T::kNWarps, 2, RS>(p, b, hk, row0 + pass * kPassRows, total_rows, sm_q,
+                                                                  warp, lane);
             __syncthreads();
             if (warp / (T::kNWarps / T::kQPasses) == pass) { build_frags(pass * kPassRows); }
             // sm_q: the next pass's rows, then the pipeline's memory (wgmma: the pipeline's first barrier)
@@ -591,7 +620,11 @@ __device__ __forceinline__ void prefill_split_body(const DecodeParams &p) {
             for (int e = 0; e < 4; ++e) { acc[m][j][e] = 0.f; }
         }
         #pragma unroll
-        for (int h = 0; h < 2; ++h) { row_max[m][h] = kNegInf; row_sum[m][h] = 0.f; row_corr[m][h] = 0.f; }
+        for (int h = 0; h < 2; ++h) {
+            row_max[m][h] = kNegInf;
+            row_sum[m][h] = 0.f;
+            row_corr[m][h] = 0.f;
+        }
     }
 
     // wgmma: the P V of each tile's last half runs during the next tile (attend_tile_wgmma); before the
@@ -630,8 +663,8 @@ __device__ __forceinline__ void prefill_split_body(const DecodeParams &p) {
                 attend_tile_wgmma<T, kLocal>(frag, qfrag, tile_start, masked, lim, first, p.softcap_log2, sumq, row_max,
                                              row_sum, row_corr, acc, pa, pv_desc, lane);
             } else {
-                attend_tile<T, kLocal>(frag, qfrag, tile_start, masked, lim, first, p.softcap_log2, sumq, row_max, row_sum,
-                                       row_corr, acc, lane);
+                attend_tile<T, kLocal>(frag, qfrag, tile_start, masked, lim, first, p.softcap_log2, sumq, row_max,
+                                       row_sum, row_corr, acc, lane);
             }
         }
         if (!expand_first) { expand_next(); }
@@ -676,7 +709,8 @@ __device__ __forceinline__ void prefill_split_body(const DecodeParams &p) {
                 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int col = vcol[j % kJP][e % 2] + (j / kJP) * KV::VPeriod::kShift;
-                    sm_o[(16 * m + g + 8 * (e / 2)) * RS + col] = T::kTerms ? acc[m][j][e] + row_corr[m][e / 2] : acc[m][j][e];
+                    sm_o[(16 * m + g + 8 * (e / 2)) * RS + col] =
+                        T::kTerms ? acc[m][j][e] + row_corr[m][e / 2] : acc[m][j][e];
                 }
             }
         }
@@ -686,7 +720,8 @@ __device__ __forceinline__ void prefill_split_body(const DecodeParams &p) {
     float sign[DJ][2];  // of the lane's columns, times 1 / sqrt(d)
     #pragma unroll
     for (int j = 0; j < DJ; ++j) {
-        const float2 s = unrotate ? *reinterpret_cast<const float2 *>(p.rot_signs + 8 * j + 2 * c) : make_float2(1.f, 1.f);
+        const float2 s =
+            unrotate ? *reinterpret_cast<const float2 *>(p.rot_signs + 8 * j + 2 * c) : make_float2(1.f, 1.f);
         sign[j][0] = s.x * RowMath<D>::kInvSqrtD;
         sign[j][1] = s.y * RowMath<D>::kInvSqrtD;
     }
@@ -706,7 +741,9 @@ __device__ __forceinline__ void prefill_split_body(const DecodeParams &p) {
                     x[0][j][1] = v.y;
                 } else {
                     #pragma unroll
-                    for (int e = 0; e < 2; ++e) { x[0][j][e] = T::kTerms ? acc[m][j][2 * h + e] + row_corr[m][h] : acc[m][j][2 * h + e]; }
+                    for (int e = 0; e < 2; ++e) {
+                        x[0][j][e] = T::kTerms ? acc[m][j][2 * h + e] + row_corr[m][h] : acc[m][j][2 * h + e];
+                    }
                 }
             }
             const float total = row_sum[m][h], inv = total > 0.f ? 1.f / total : 0.f;
@@ -729,15 +766,19 @@ __device__ __forceinline__ void prefill_split_body(const DecodeParams &p) {
                     const int u = k / DJ, ru = wrow0 + n0 + u;
                     if (ru < total_rows) {
                         *reinterpret_cast<uint4 *>(out_row_ptr<Elem>(p, b, hk, ru) + 8 * (k % DJ)) =
-                            *reinterpret_cast<const uint4 *>(reinterpret_cast<const char *>(sm_o + (n0 + u) * RS) + 16 * (k % DJ));
+                            *reinterpret_cast<const uint4 *>(reinterpret_cast<const char *>(sm_o + (n0 + u) * RS) +
+                                                             16 * (k % DJ));
                     }
                 }
-                if (c == 0 && r < total_rows) { p.softmax_lse[(static_cast<int64_t>(b) * p.h + hq) * p.seqlen_q + i] = total > 0.f ? lse : INFINITY; }
+                if (c == 0 && r < total_rows) {
+                    p.softmax_lse[(static_cast<int64_t>(b) * p.h + hq) * p.seqlen_q + i] = total > 0.f ? lse : INFINITY;
+                }
             } else if (r < total_rows) {
                 const int64_t row_id = ((static_cast<int64_t>(split) * p.b + b) * p.h + hq) * p.seqlen_q + i;
                 #pragma unroll
                 for (int j = 0; j < DJ; ++j) {
-                    *reinterpret_cast<float2 *>(p.out_accum + row_id * D + 8 * j + 2 * c) = make_float2(x[0][j][0], x[0][j][1]);
+                    *reinterpret_cast<float2 *>(p.out_accum + row_id * D + 8 * j + 2 * c) =
+                        make_float2(x[0][j][0], x[0][j][1]);
                 }
                 if (c == 0) { p.lse_accum[row_id] = lse; }
             }

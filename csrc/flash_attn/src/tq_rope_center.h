@@ -30,11 +30,11 @@ namespace flash_tq {
 
 template <int D, int kTileN, int kNT, int kStride>
 struct RopeCenter {
-    static constexpr int KB = D / 16;      // k-blocks of the interleaved (A, B) pairs: 8 pairs each
+    static constexpr int KB = D / 16;  // k-blocks of the interleaved (A, B) pairs: 8 pairs each
     static constexpr int MT = kTileN / 16;
     static constexpr int kTableBytes = MT * KB * 32 * 16;   // [mt][kb][lane] uint4: A fragments
     static constexpr int kCoeffBytes = kNT * KB * 32 * 16;  // [nt][kb][lane] float4: (alpha, beta) x 2 pairs
-    static constexpr int kStepBytes = KB * 4 * 16;          // [kb][lane % 4] float4: (cos, sin) of kStride theta, 2 pairs
+    static constexpr int kStepBytes = KB * 4 * 16;  // [kb][lane % 4] float4: (cos, sin) of kStride theta, 2 pairs
     static constexpr int kBytes = kTableBytes + kCoeffBytes + kStepBytes;
     static constexpr bool kRecur = kNT == 1;  // coefficients carried in registers from tile to tile
     static constexpr int kAnchor = 64;        // tiles between exact coefficients (float32 drift ~1e-6 a turn)
@@ -65,7 +65,8 @@ struct RopeCenter {
             #pragma unroll
             for (int h = 0; h < 4; ++h) {  // (tau, m), (tau + 8, m), (tau, m + 4), (tau + 8, m + 4)
                 float s, co;
-                sincos_any(static_cast<float>(tau + 8 * (h & 1)) * __ldg(p.rope_inv_freq + pair_of(kb, lane, h >> 1)), s, co);
+                sincos_any(static_cast<float>(tau + 8 * (h & 1)) * __ldg(p.rope_inv_freq + pair_of(kb, lane, h >> 1)),
+                           s, co);
                 r[h] = pack2<__half>(co, s);
             }
             table[i] = make_uint4(r[0], r[1], r[2], r[3]);
@@ -112,10 +113,12 @@ struct RopeCenter {
         for (int kb = 0; kb < KB; ++kb) {
             float s[2], co[2];
             #pragma unroll
-            for (int h = 0; h < 2; ++h) { sincos_any(pos * __ldg(p.rope_inv_freq + pair_of(kb, lane, h)), s[h], co[h]); }
+            for (int h = 0; h < 2; ++h) {
+                sincos_any(pos * __ldg(p.rope_inv_freq + pair_of(kb, lane, h)), s[h], co[h]);
+            }
             const float4 ab = coeff[kb * 32 + lane];
-            st.ab[kb] = make_float4(ab.x * co[0] + ab.y * s[0], ab.y * co[0] - ab.x * s[0],
-                                    ab.z * co[1] + ab.w * s[1], ab.w * co[1] - ab.z * s[1]);
+            st.ab[kb] = make_float4(ab.x * co[0] + ab.y * s[0], ab.y * co[0] - ab.x * s[0], ab.z * co[1] + ab.w * s[1],
+                                    ab.w * co[1] - ab.z * s[1]);
         }
     }
 
@@ -126,8 +129,8 @@ struct RopeCenter {
         for (int kb = 0; kb < KB; ++kb) {
             const float4 t = step[kb * 4 + lane % 4];
             const float4 ab = st.ab[kb];
-            st.ab[kb] = make_float4(ab.x * t.x + ab.y * t.y, ab.y * t.x - ab.x * t.y,
-                                    ab.z * t.z + ab.w * t.w, ab.w * t.z - ab.z * t.w);
+            st.ab[kb] = make_float4(ab.x * t.x + ab.y * t.y, ab.y * t.x - ab.x * t.y, ab.z * t.z + ab.w * t.w,
+                                    ab.w * t.z - ab.z * t.w);
         }
     }
 
@@ -171,7 +174,9 @@ struct RopeCenter {
         for (int kb = 0; kb < KB; ++kb) {
             float s[2], co[2];
             #pragma unroll
-            for (int h = 0; h < 2; ++h) { sincos_any(pos * __ldg(p.rope_inv_freq + pair_of(kb, lane, h)), s[h], co[h]); }
+            for (int h = 0; h < 2; ++h) {
+                sincos_any(pos * __ldg(p.rope_inv_freq + pair_of(kb, lane, h)), s[h], co[h]);
+            }
             uint32_t bf[kNT][2];
             #pragma unroll
             for (int nt = 0; nt < kNT; ++nt) {

@@ -61,8 +61,8 @@ __device__ __forceinline__ Elem *out_row_ptr(const DecodeParams &p, int b, int h
 // a warp a row, into sm_q[kRows][kStride] (rows past total_rows: zeros). The caller synchronizes.
 // (The decode kernel: a few rows a warp.)
 template <typename Elem, int D, int kRows, int kWarps, int kStride = D>
-__device__ void rotate_q_rows(const DecodeParams &p, int b, int hk, int row0, int total_rows, float *sm_q,
-                              int warp, int lane) {
+__device__ void rotate_q_rows(const DecodeParams &p, int b, int hk, int row0, int total_rows, float *sm_q, int warp,
+                              int lane) {
     constexpr int kV = RowMath<D>::kV;
     #pragma unroll 1
     for (int n = warp; n < kRows; n += kWarps) {
@@ -92,8 +92,8 @@ __device__ __forceinline__ float row_lse(float max_log2, float total) {
 // a warp at a time, every row's loads issued before any is transformed (a warp a row, 16 rows
 // at once, took 12 us of an 8K x 1024 call on the H200).
 template <typename Elem, int D, int kRows, int kWarps, int kBatch, int kStride>
-__device__ void rotate_q_quads(const DecodeParams &p, int b, int hk, int row0, int total_rows, float *sm_q,
-                               int warp, int lane) {
+__device__ void rotate_q_quads(const DecodeParams &p, int b, int hk, int row0, int total_rows, float *sm_q, int warp,
+                               int lane) {
     constexpr int J = D / 8;
     static_assert(kRows % (8 * kBatch * kWarps) == 0, "whole batches of rows a warp");
     const int g = lane / 4, c = lane % 4;
@@ -132,7 +132,8 @@ __device__ void rotate_q_quads(const DecodeParams &p, int b, int hk, int row0, i
         for (int u = 0; u < kBatch; ++u) {
             #pragma unroll
             for (int j = 0; j < J; ++j) {
-                *reinterpret_cast<float2 *>(sm_q + (n0 + 8 * u + g) * kStride + 8 * j + 2 * c) = make_float2(x[u][j][0], x[u][j][1]);
+                *reinterpret_cast<float2 *>(sm_q + (n0 + 8 * u + g) * kStride + 8 * j + 2 * c) =
+                    make_float2(x[u][j][0], x[u][j][1]);
             }
         }
     }
@@ -204,7 +205,9 @@ __device__ __forceinline__ void store_row(const DecodeParams &p, int b, int hk, 
     if (p.num_splits == 1) {
         if (p.rot_signs != nullptr) { unrotate_row<D>(p.rot_signs, o, lane); }
         store_row_part<Elem, kV>(out_row_ptr<Elem>(p, b, hk, r) + lane * kV, o);
-        if (lane == 0) { p.softmax_lse[(static_cast<int64_t>(b) * p.h + hq) * p.seqlen_q + i] = total > 0.f ? lse : INFINITY; }
+        if (lane == 0) {
+            p.softmax_lse[(static_cast<int64_t>(b) * p.h + hq) * p.seqlen_q + i] = total > 0.f ? lse : INFINITY;
+        }
     } else {
         const int64_t row_id = ((static_cast<int64_t>(split) * p.b + b) * p.h + hq) * p.seqlen_q + i;
         float *acc_out = p.out_accum + row_id * D + lane * kV;

@@ -18,7 +18,8 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4],
             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
     } else {
         asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};\n"
             : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
     }
@@ -65,17 +66,23 @@ __device__ __forceinline__ float2 unpack2(uint32_t x) {
 
 template <typename Elem>
 __device__ __forceinline__ float to_float(Elem x) {
-    if constexpr (std::is_same_v<Elem, __half>) { return __half2float(x); } else { return __bfloat162float(x); }
+    if constexpr (std::is_same_v<Elem, __half>) {
+        return __half2float(x);
+    } else {
+        return __bfloat162float(x);
+    }
 }
 
 template <typename Elem>
 __device__ __forceinline__ Elem from_float(float x) {
-    if constexpr (std::is_same_v<Elem, __half>) { return __float2half_rn(x); } else { return __float2bfloat16_rn(x); }
+    if constexpr (std::is_same_v<Elem, __half>) {
+        return __float2half_rn(x);
+    } else {
+        return __float2bfloat16_rn(x);
+    }
 }
 
-__device__ __forceinline__ float half_bits_to_float(uint16_t bits) {
-    return __half2float(__ushort_as_half(bits));
-}
+__device__ __forceinline__ float half_bits_to_float(uint16_t bits) { return __half2float(__ushort_as_half(bits)); }
 
 // Asynchronous global->shared copies of 4, 8 or 16 bytes; `valid == false` writes zeros instead.
 template <int kBytes>
@@ -93,16 +100,20 @@ template <bool kTrans>
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t smem_addr) {
     if constexpr (kTrans) {
         asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr));
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(smem_addr));
     } else {
         asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr));
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(smem_addr));
     }
 }
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int kPending>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending)); }
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+}
 
 // In-register Walsh-Hadamard butterflies over the index bits h = kFirst, 2 kFirst, ... < kN of x[kN]
 // (round-to-nearest adds: the pack kernel matches the reference's order and rounding).
@@ -168,10 +179,14 @@ __device__ __forceinline__ void load_row_part(const Elem *src, float (&x)[kV]) {
     if constexpr (kV == 4) {
         const uint2 w = *reinterpret_cast<const uint2 *>(src);
         const float2 a = unpack2<Elem>(w.x), b = unpack2<Elem>(w.y);
-        x[0] = a.x; x[1] = a.y; x[2] = b.x; x[3] = b.y;
+        x[0] = a.x;
+        x[1] = a.y;
+        x[2] = b.x;
+        x[3] = b.y;
     } else {
         const float2 a = unpack2<Elem>(*reinterpret_cast<const uint32_t *>(src));
-        x[0] = a.x; x[1] = a.y;
+        x[0] = a.x;
+        x[1] = a.y;
     }
 }
 template <typename Elem, int kV>

@@ -44,9 +44,7 @@ __device__ __forceinline__ uint64_t desc_at(uint64_t desc, uint32_t byte_offset)
 template <int kN>
 __device__ __forceinline__ void fence_operands(float (&x)[kN][4]) {
     #pragma unroll
-    for (int i = 0; i < kN; ++i) {
-        asm volatile("" : "+f"(x[i][0]), "+f"(x[i][1]), "+f"(x[i][2]), "+f"(x[i][3]));
-    }
+    for (int i = 0; i < kN; ++i) { asm volatile("" : "+f"(x[i][0]), "+f"(x[i][1]), "+f"(x[i][2]), "+f"(x[i][3])); }
 }
 
 __device__ __forceinline__ void wgmma_fence() {
@@ -85,15 +83,23 @@ __device__ __forceinline__ void fence_proxy_async() {
 template <typename Elem, bool kAccumulate>
 __device__ __forceinline__ void wgmma_ss_m64n32k16(float (&d)[4][4], uint64_t desc_a, uint64_t desc_b) {
 #ifdef TQ_WGMMA_ENABLED
-#define TQ_WGMMA_SS(TYPE, SCALE_D, D)                                                                         \
-    asm volatile("wgmma.mma_async.sync.aligned.m64n32k16.f32." TYPE "." TYPE                                 \
+#define TQ_WGMMA_SS(TYPE, SCALE_D, D)                                                                             \
+    asm volatile("wgmma.mma_async.sync.aligned.m64n32k16.f32." TYPE "." TYPE                                      \
                  " {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, %16, %17, " SCALE_D ", 1, 1, 0, 0;\n" \
-                 : D(d, 0)                                                                                   \
+                 : D(d, 0)                                                                                        \
                  : "l"(desc_a), "l"(desc_b))
     if constexpr (std::is_same_v<Elem, __half>) {
-        if constexpr (kAccumulate) { TQ_WGMMA_SS("f16", "1", TQ_ACC16); } else { TQ_WGMMA_SS("f16", "0", TQ_OUT16); }
+        if constexpr (kAccumulate) {
+            TQ_WGMMA_SS("f16", "1", TQ_ACC16);
+        } else {
+            TQ_WGMMA_SS("f16", "0", TQ_OUT16);
+        }
     } else {
-        if constexpr (kAccumulate) { TQ_WGMMA_SS("bf16", "1", TQ_ACC16); } else { TQ_WGMMA_SS("bf16", "0", TQ_OUT16); }
+        if constexpr (kAccumulate) {
+            TQ_WGMMA_SS("bf16", "1", TQ_ACC16);
+        } else {
+            TQ_WGMMA_SS("bf16", "0", TQ_OUT16);
+        }
     }
 #undef TQ_WGMMA_SS
 #else
@@ -107,21 +113,22 @@ template <typename Elem, int kN>
 __device__ __forceinline__ void wgmma_rs_m64k16(float (&d)[kN / 8][4], const uint32_t (&a)[4], uint64_t desc_b) {
     static_assert(kN == 64 || kN == 128, "the two head dims");
 #ifdef TQ_WGMMA_ENABLED
-#define TQ_WGMMA_RS64(TYPE)                                                                                         \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE                                         \
-                 " {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"                                           \
-                 "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31},"                                  \
-                 " {%32,%33,%34,%35}, %36, p, 1, 1, 1;\n}\n"                                                             \
-                 : TQ_ACC16(d, 0), TQ_ACC16(d, 4)                                                                    \
+#define TQ_WGMMA_RS64(TYPE)                                                                                            \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE \
+                 " {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"                                            \
+                 "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31},"                                   \
+                 " {%32,%33,%34,%35}, %36, p, 1, 1, 1;\n}\n"                                                           \
+                 : TQ_ACC16(d, 0), TQ_ACC16(d, 4)                                                                      \
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1))
-#define TQ_WGMMA_RS128(TYPE)                                                                                        \
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\nwgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE                                        \
-                 " {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"                                           \
-                 "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"                                   \
-                 "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"                                   \
-                 "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63},"                                  \
-                 " {%64,%65,%66,%67}, %68, p, 1, 1, 1;\n}\n"                                                             \
-                 : TQ_ACC16(d, 0), TQ_ACC16(d, 4), TQ_ACC16(d, 8), TQ_ACC16(d, 12)                                   \
+#define TQ_WGMMA_RS128(TYPE)                                                                                   \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\nwgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE \
+                 "." TYPE                                                                                      \
+                 " {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"                                    \
+                 "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"                            \
+                 "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"                            \
+                 "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63},"                           \
+                 " {%64,%65,%66,%67}, %68, p, 1, 1, 1;\n}\n"                                                   \
+                 : TQ_ACC16(d, 0), TQ_ACC16(d, 4), TQ_ACC16(d, 8), TQ_ACC16(d, 12)                             \
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1))
     if constexpr (kN == 64) {
         if constexpr (std::is_same_v<Elem, __half>) {
