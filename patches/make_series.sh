@@ -42,14 +42,18 @@ transpose, the code run of each thread packed without atomics, cache slots (cont
 vLLM-style slot mapping) resolved and range-checked in the kernel, errors ORed into one flag word." \
     tq_pack_kernel.h tq_pack_launch.h 'tq_pack_*.cu'
 
-add "csrc: K/V loader policies, query rows and the RoPE-center term" \
+add "csrc: K/V loader policies" \
 "One kernel body, two loaders: PackedKV copies 32-token tiles of codes with cp.async and expands them
 into fragments (K raw, its scale and offset folded into the scores; V centered, folded into the
 probabilities), Fp16KV stages 16-bit tiles for ldmatrix (our FP16 baseline, and the 16-bit side of a
-packed cache). tq_rows.h: causal limits, the query rotation, stores. tq_rope_center.h: each score's
-q . R(p) c for caches whose keys are stored less R(p) c, one more MMA chain against a cos/sin table,
-its coefficients carried from tile to tile." \
-    tq_kv_loader.h tq_rows.h tq_rope_center.h
+packed cache). The KV storage type is the loader's template parameter, separate from Q's." \
+    tq_kv_loader.h
+
+add "csrc: query rows and the RoPE-center term" \
+"tq_rows.h: causal limits, the query rotation, stores. tq_rope_center.h: each score's q . R(p) c for
+caches whose keys are stored less R(p) c, one more MMA chain against a cos/sin table, its
+coefficients carried from tile to tile." \
+    tq_rows.h tq_rope_center.h
 
 add "csrc: split-KV decode kernel and its combine pass" \
 "S^T = K Q^T and O^T += V^T P^T with the keys as the A operand (the GQA group's rows as N), an online
@@ -70,7 +74,9 @@ for all their rows; on sm_90a builds the warpgroups multiply through wgmma." \
 add "csrc: register flash_attn_tq::decode_kvcache, decode_kv16 and pack_kv" \
 "torch.library ops (traceable with fake implementations registered from Python, CUDA-graph safe:
 num_splits is chosen on the host), the dispatch over the generated case table (tq_cases.h) and
-the generator of the instantiation files, that table and the Python list of cases. Built inside flash_attn_2_cuda with FLASH_TQ_NO_PYBIND_MODULE." \
+the generator of the instantiation files, that table and the Python list of cases; setup.py builds
+them into flash_attn_2_cuda (its module stays upstream's: FLASH_TQ_NO_PYBIND_MODULE; upstream
+targets sm_90, not sm_90a, so this build runs the mma.sync prefill variant on Hopper). Built inside flash_attn_2_cuda with FLASH_TQ_NO_PYBIND_MODULE." \
     tq_api.h tq_cases.h generate_instantiations.py
 cp "$here"/csrc/flash_attn/flash_api_tq.cpp csrc/flash_attn/
 git add csrc/flash_attn/flash_api_tq.cpp
@@ -91,10 +97,7 @@ open(p, "w").write(s)
 PY
 grep -q "^import glob" setup.py || sed -i '0,/^import os/s//import glob\nimport os/' setup.py
 git add setup.py
-commit "setup.py: build the 3-bit decode kernels into flash_attn_2_cuda" \
-"Adds flash_api_tq.cpp and the tq_*.cu instantiations to the extension's sources; the module
-itself stays upstream's (FLASH_TQ_NO_PYBIND_MODULE). Upstream targets sm_90, not sm_90a, so this
-build runs the mma.sync prefill variant on Hopper (the wgmma one needs FLASH_TQ_SM90A and sm_90a)."
+git commit -q --amend --no-edit
 
 rm -f "$here"/patches/*.patch
 GIT_AUTHOR_NAME=flash_attn_tq GIT_AUTHOR_EMAIL=dev@flash-attn-tq.local GIT_COMMITTER_NAME=flash_attn_tq \
