@@ -366,19 +366,6 @@ def flash_attn_with_kvcache(
     ):
         if bad:
             raise ValueError(f"{name} is not supported by CpuQuantizedKVCache")
-    if not isinstance(q, torch.Tensor) or q.dim() != 4:
-        raise ValueError(
-            f"q must be a 4-D tensor (batch, seqlen_q, nheads, headdim), got "
-            f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}"
-        )
-    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise TypeError(f"q must be float16, bfloat16 or float32, got {q.dtype}")
-    if q.device != cache.device:
-        raise ValueError(f"q is on {q.device} but the CpuQuantizedKVCache is on {cache.device}")
-    if q.shape[3] != cache.head_dim:
-        raise ValueError(f"q head_dim {q.shape[3]} does not match the cache's head_dim {cache.head_dim}")
-    if q.shape[2] % cache.num_kv_heads:
-        raise ValueError(f"q heads ({q.shape[2]}) must be a multiple of the cache's kv heads ({cache.num_kv_heads})")
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together")
     if (rotary_cos is None) != (rotary_sin is None):

@@ -276,6 +276,7 @@ def flash_attn_with_kvcache(
         cache = kv_cache if kv_cache is not None else k_cache
         if v_cache is not None and v_cache is not cache:
             raise ValueError("v_cache: pass None (or the same cache) when k_cache is a CpuQuantizedKVCache")
+        _check_query(q, cache)
         _LAST_PATH.set("quantized:cpu-int8-keys")
         return cpu.flash_attn_with_kvcache(
             q,
@@ -434,7 +435,8 @@ def _kv16_kvcache(
 # ------------------------------------------------------------------------------- quantized path
 
 
-def _check_query(q, cache: QuantizedKVCache) -> None:
+def _check_query(q, cache) -> None:
+    """q against a QuantizedKVCache or CpuQuantizedKVCache: rank, dtype, device, head_dim, heads, batch."""
     if not isinstance(q, torch.Tensor) or q.dim() != 4:
         raise ValueError(
             f"q must be a 4-D tensor (batch, seqlen_q, nheads, headdim), got "
@@ -443,7 +445,7 @@ def _check_query(q, cache: QuantizedKVCache) -> None:
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"q must be float16 or bfloat16 (float32 on the reference path), got {q.dtype}")
     if q.device != cache.device:
-        raise ValueError(f"q is on {q.device} but the QuantizedKVCache is on {cache.device}")
+        raise ValueError(f"q is on {q.device} but the {type(cache).__name__} is on {cache.device}")
     if q.shape[3] != cache.head_dim:
         raise ValueError(f"q head_dim {q.shape[3]} does not match the cache's head_dim {cache.head_dim}")
     if q.shape[2] % cache.num_kv_heads:
