@@ -4,9 +4,6 @@ writes the C++ case table the ops dispatch over: change the lists there)."""
 FUSED_HEAD_DIMS = (64, 128)
 # (k_bits, v_bits) with a fused decode kernel
 FUSED_DECODE_BITS = ((3, 3), (4, 3), (8, 3), (8, 8))
-# (k_bits, v_bits) whose kernels take float16 queries only (an 8-bit code in the magic number needs
-# float16's mantissa)
-FP16_ONLY_BITS = ((8, 3), (8, 8))
 # (k_bits, v_bits) with a prefill kernel too (the others run the decode kernel for every row count)
 PREFILL_BITS = ((3, 3), (4, 3))
 # query rows a kv head (GQA group x seqlen_q) from which the prefill kernel runs

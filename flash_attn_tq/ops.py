@@ -26,7 +26,7 @@ import functools
 import torch
 
 # which (head_dim, k_bits, v_bits) cases have fused kernels: generated with the C++ case table
-from .kernel_cases import FP16_ONLY_BITS, FUSED_DECODE_BITS, FUSED_HEAD_DIMS, PREFILL_MIN_ROWS  # noqa: F401
+from .kernel_cases import FUSED_DECODE_BITS, FUSED_HEAD_DIMS, PREFILL_MIN_ROWS  # noqa: F401
 from .quantizers import uniform_step
 
 # Rows a kv head decode_kv16 (the fp16 cache, decode kernel only) takes; more take the reference path.
@@ -131,8 +131,6 @@ def fused_decode_reason(
         return f"head_dim {head_dim} (kernels: {FUSED_HEAD_DIMS})"
     if (k_bits, v_bits) not in FUSED_DECODE_BITS:
         return f"K{k_bits}V{v_bits} (kernels: {FUSED_DECODE_BITS})"
-    if (k_bits, v_bits) in FP16_ONLY_BITS and q.dtype != torch.float16:
-        return f"K{k_bits}V{v_bits} with {q.dtype} queries (its kernel takes float16)"
     if grid != "uniform":
         return "the Lloyd-Max grid (the kernel folds the uniform grid's affine levels)"
     if rope_center and page_size is not None and page_size < 32:

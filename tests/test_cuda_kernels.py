@@ -165,29 +165,26 @@ def test_prefill_matches_reference(dtype, d, bits, quantizer, case, wgmma, monke
     _check_against_reference(q, cache, out, lse, causal)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bits", [(8, 3), (8, 8)])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("quantizer", ["turbo", "asym", "turbo-scale"])
 @pytest.mark.parametrize("case", DECODE_CASES + [c[:5] for c in PREFILL_CASES[:2] + PREFILL_CASES[-1:]])
-def test_decode_8bit_keys_matches_reference(d, quantizer, case):
-    """K8V3 (8-bit keys: the few heads TQCache holds near exact) through its fused decode kernel, float16,
-    decode and prefill-sized chunks (the decode kernel serves every row count for it)."""
+def test_decode_8bit_matches_reference(dtype, bits, d, quantizer, case):
+    """K8V3 and K8V8 (the few heads TQCache holds near exact) through their fused decode kernel, float16
+    and bfloat16 (whose 8-bit codes reach the fragments through float32), decode and prefill-sized
+    chunks (the decode kernel serves every row count for them)."""
     batch, seqlens, hq, hk, sq = case
-    seed = zlib.crc32(repr(("k8", d, quantizer, seqlens, sq)).encode()) % 10000
-    cache, _, _ = _make_cache(batch, seqlens, hk, d, quantizer=quantizer, k_bits=8, v_bits=3, seed=seed)
-    q = torch.randn(batch, sq, hq, d, device=DEV, generator=torch.Generator(device=DEV).manual_seed(seed + 1)).half()
+    seed = zlib.crc32(repr(("k8", str(dtype), bits, d, quantizer, seqlens, sq)).encode()) % 10000
+    cache, _, _ = _make_cache(
+        batch, seqlens, hk, d, quantizer=quantizer, k_bits=bits[0], v_bits=bits[1], dtype=dtype, seed=seed
+    )
+    q = torch.randn(batch, sq, hq, d, device=DEV, generator=torch.Generator(device=DEV).manual_seed(seed + 1)).to(dtype)
     causal = sq > 1
     poison_allocator()
     out, lse = fa.flash_attn_with_kvcache(q, cache, causal=causal, return_softmax_lse=True)
     assert fa.last_path() == "quantized:fused-cuda"
     _check_against_reference(q, cache, out, lse, causal)
-
-
-def test_8bit_keys_with_bfloat16_take_the_reference_path():
-    cache, _, _ = _make_cache(1, [100], 2, 64, k_bits=8, v_bits=3, dtype=torch.bfloat16)
-    q = torch.randn(1, 1, 4, 64, device=DEV, dtype=torch.bfloat16)
-    out, lse = fa.flash_attn_with_kvcache(q, cache, return_softmax_lse=True)
-    assert fa.last_path().startswith("quantized:reference") and "float16" in fa.last_path()
-    _check_against_reference(q, cache, out, lse, False)
 
 
 @pytest.mark.parametrize("seqlen_q", [1, 64, 300])
@@ -598,7 +595,7 @@ def test_pack_kernel_fit_mean_matches_reference(bits, d, dtype):
     # and attention over it through the fused kernel matches the reference path
     q = torch.randn(1, 1, 2 * h, d, device=DEV, dtype=dtype)
     out = fa.flash_attn_with_kvcache(q, cache)
-    fused = (bits, bits) in ops.FUSED_DECODE_BITS and ((bits, bits) not in ops.FP16_ONLY_BITS or dtype == torch.float16)
+    fused = (bits, bits) in ops.FUSED_DECODE_BITS
     assert fa.last_path() == "quantized:fused-cuda" if fused else fa.last_path().startswith("quantized:reference")
     ref_out, _, ref_lp, _ = _reference(q, cache, cache.seqlens, False)
     err, err_lp = (out.float().cpu() - ref_out).abs().max().item(), (ref_lp - ref_out).abs().max().item()

@@ -327,7 +327,6 @@ def calibrate_head_bits(
 # kv heads TQCache.calibrated gives 8-bit keys and values (calibrate_copy_heads), paid for by fewer 4-bit-key
 # layers. SmolLM2 (news, three copy seeds): copy -1.6 / -4.4 points at 1K / 4K against -2.2 / -7.9 without,
 # top-1 97.0% (97.4%), perplexity +0.12% (+0.10%); GPL-3 text: copy -3.4 / -3.2 against -5.0 / -5.2.
-# K8V8 has a fused kernel for float16 only: on bfloat16 models that head group takes the reference path.
 COPY_HEADS = 1
 COPY_SEEDS = (0, 1)  # synthetic sequences copy_head_sensitivity averages (SmolLM2: 1 seed in 6 ranks others first)
 

@@ -27,10 +27,18 @@ constexpr int kPrefillMinRows = 128;  // query rows a kv head from which the pre
     X(__nv_bfloat16, 64, 3, 3, true, true) \
     X(__nv_bfloat16, 64, 4, 3, false, true) \
     X(__nv_bfloat16, 64, 4, 3, true, true) \
+    X(__nv_bfloat16, 64, 8, 3, false, false) \
+    X(__nv_bfloat16, 64, 8, 3, true, false) \
+    X(__nv_bfloat16, 64, 8, 8, false, false) \
+    X(__nv_bfloat16, 64, 8, 8, true, false) \
     X(__nv_bfloat16, 128, 3, 3, false, true) \
     X(__nv_bfloat16, 128, 3, 3, true, true) \
     X(__nv_bfloat16, 128, 4, 3, false, true) \
     X(__nv_bfloat16, 128, 4, 3, true, true) \
+    X(__nv_bfloat16, 128, 8, 3, false, false) \
+    X(__nv_bfloat16, 128, 8, 3, true, false) \
+    X(__nv_bfloat16, 128, 8, 8, false, false) \
+    X(__nv_bfloat16, 128, 8, 8, true, false) \
 
 // X(element type, head dim): the decode kernel over a float16/bfloat16 cache
 #define TQ_FOR_EACH_KV16_CASE(X) \

@@ -6,7 +6,8 @@
 // (5 codes a lane at bit 3j, the 16th from the spare bit 15 of the block's lanes).
 //
 // Unpacking: a 32-bit word whose two 16-bit lanes hold codes at the same bit offsets turns into
-// two 16-bit floats kMagicValue + code with one shift and one lop3 (mask, OR the magic exponent).
+// two 16-bit floats magic + code with one shift and one lop3 (mask, OR the magic exponent); 8-bit
+// codes in bfloat16 (8 significant bits, 7 stored) go through float32 instead (byte_pair_exact).
 // K reads words of lanes (2w, 2w + 1) of one token: a "pair slot" s gives two elements of that
 // token. V merges lane l of two consecutive tokens into one word: the same element of both.
 #pragma once
@@ -97,11 +98,13 @@ template <>
 struct Magic<__half> {
     static constexpr uint32_t kBits2 = 0x64006400u;
     static constexpr float kValue = 1024.f;
+    static constexpr bool kFitsByte = true;  // an 8-bit code fits the mantissa
 };
 template <>
 struct Magic<__nv_bfloat16> {
     static constexpr uint32_t kBits2 = 0x43004300u;
     static constexpr float kValue = 128.f;
+    static constexpr bool kFitsByte = false;
 };
 
 // Field of a word, in place: (word & (mask in both lanes)) | magic, i.e. magic + code * 2^shift when
@@ -141,6 +144,23 @@ __device__ __forceinline__ void word5_fast(uint32_t w, uint32_t *out) {
         out[3] = lane_field<0x38u, kMagic>(s6);
         out[4] = lane_field<0x7u, kMagic>(s12);
     }
+}
+
+// What a raw value holds besides its code: the magic number, except for 8-bit codes in bfloat16,
+// which arrive as the exact codes (byte_pair_exact).
+template <typename Elem, int kBits>
+__host__ __device__ constexpr float raw_magic_value() {
+    return (kBits == 8 && !Magic<Elem>::kFitsByte) ? 0.f : Magic<Elem>::kValue;
+}
+
+// The bytes at bit `shift` of both lanes as bfloat16x2 of the exact codes (0..255 has 8 significant
+// bits, bfloat16's all): each byte into the mantissa of the float 2^23, less 2^23, one conversion.
+__device__ __forceinline__ uint32_t byte_pair_exact(uint32_t word, int shift) {
+    const uint32_t w = word >> shift;
+    const float lo = __uint_as_float(__byte_perm(w, 0x4b000000u, 0x7540)) - 8388608.f;
+    const float hi = __uint_as_float(__byte_perm(w, 0x4b000000u, 0x7542)) - 8388608.f;
+    const __nv_bfloat162 r = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t *>(&r);
 }
 
 template <int kBits, uint32_t kMagic>
@@ -236,7 +256,11 @@ __device__ __forceinline__ void extract_slots(const Words &vec, int first, uint3
         #pragma unroll
         for (int i = 0; i < kCount; ++i) {
             const int s = first + i;
-            out[i] = lane_pair<kBits, kMagic>(vec[s / kPerWord], kBits * (s % kPerWord));
+            if constexpr (kBits == 8 && kMagic == Magic<__nv_bfloat16>::kBits2) {
+                out[i] = byte_pair_exact(vec[s / kPerWord], kBits * (s % kPerWord));
+            } else {
+                out[i] = lane_pair<kBits, kMagic>(vec[s / kPerWord], kBits * (s % kPerWord));
+            }
         }
     }
 }

@@ -6,7 +6,7 @@
 // probabilities.
 //
 // PackedKV: codes + float16 (scale, offset) per token (flash_attn_tq/format.py). K fragments are
-// *raw* (each 16-bit value is kMagicValue + code): scale, offset and the magic number fold into the
+// *raw* (each 16-bit value is kKMagicValue + code): scale, offset and the magic number fold into the
 // scores. V fragments are code - kVCenter; scale and offset fold into the probabilities. So there
 // is no per-element multiply anywhere.
 //
@@ -89,8 +89,6 @@ struct PackedKV {
     static constexpr int kSegment = 16;  // smallest page copied as contiguous regions (16-token pages: two a tile)
     using KL = CodeLayout<kKBits, kHeadDim>;
     using VL = CodeLayout<kVBits, kHeadDim>;
-    // an 8-bit code OR-ed into the magic number needs 8 mantissa bits: float16's 10, not bfloat16's 7
-    static_assert((kKBits != 8 && kVBits != 8) || std::is_same_v<Elem, __half>, "8-bit codes need float16");
     static constexpr int kKOff = 0;
     static constexpr int kVOff = kKOff + kTileN * KL::kBytes;
     static constexpr int kKMetaOff = kVOff + kTileN * VL::kBytes;
@@ -98,7 +96,9 @@ struct PackedKV {
     static constexpr int kStageBytes = kVMetaOff + kTileN * kMetaBytes;
     static_assert(kKMetaOff % 16 == 0, "stage layout keeps 16-byte alignment");
     static constexpr uint32_t kMagic = Magic<Elem>::kBits2;
-    static constexpr float kMagicValue = Magic<Elem>::kValue;
+    // raw value = magic + code (8-bit codes in bfloat16: the code alone, see raw_magic_value)
+    static constexpr float kKMagicValue = raw_magic_value<Elem, kKBits>();
+    static constexpr float kVMagicValue = raw_magic_value<Elem, kVBits>();
     // V values enter the tensor cores as code - kVCenter (exact small integers): centering keeps the
     // fp32 accumulators near the size of the result over long sequences.
     static constexpr int kVCenter = 1 << (kVBits - 1);
@@ -322,7 +322,7 @@ struct PackedKV {
         for (int i = 0; i < kGroupCodes; ++i) {
             const float down = exp2f(-3.f * v_scale_exp(i));
             k.v_mul[i] = pack2<Elem>(down, down);
-            const float bias = -(kMagicValue * down + kVCenter);
+            const float bias = -(kVMagicValue * down + kVCenter);
             k.v_add[i] = pack2<Elem>(bias, bias);
         }
         return k;
@@ -378,7 +378,7 @@ struct Fp16KV {
     static constexpr int kKOff = 0;
     static constexpr int kVOff = kTileN * kRowBytes;
     static constexpr int kStageBytes = 2 * kTileN * kRowBytes;
-    static constexpr float kMagicValue = 0.f;
+    static constexpr float kKMagicValue = 0.f;  // (the raw K values are the values)
     static constexpr int kSlotsK = kHeadDim / 8;
     static_assert(32 % kChunks == 0, "a copy pass covers whole rows");
 

@@ -167,7 +167,7 @@ __device__ __forceinline__ void q_row_slots(QAt q_at, int c, uint32_t (&f)[KB][2
         ms += __shfl_xor_sync(0xffffffffu, ms, o);
     }
     sum = s;
-    magic = KV::kMagicValue * ms;
+    magic = KV::kKMagicValue * ms;
 }
 
 // A row (the lane's kV elements) back from turbo's rotated domain: the transform, then the sign
