@@ -104,7 +104,7 @@ def _head_options(config):
     """The per-head widths TQCache.calibrated(model, per_head=True) chose for SmolLM2 (results/
     head_sensitivity.json), else 9 heads with 8-bit keys spread over the layers."""
     from eval_quality import load_head_sensitivity
-    from flash_attn_tq.integrations.transformers import allocate_head_bits
+    from flash_attn_tq.integrations.calibration import allocate_head_bits
 
     H, L = config.num_key_value_heads, config.num_hidden_layers
     heads = [(i, h) for i in range(L) for h in range(H)]

@@ -463,7 +463,7 @@ def resolve(cfg, model):
         return resolve_heads(cfg, model)
     if not cfg or not cfg.get("k_cal") or cfg.get("k_layer_bits") is not None:
         return cfg
-    from flash_attn_tq.integrations.transformers import calibrate_copy_heads, calibrate_key_bits, key_bit_sensitivity
+    from flash_attn_tq.integrations.calibration import calibrate_copy_heads, calibrate_key_bits, key_bit_sensitivity
 
     L = model.config.num_hidden_layers
     opts = tq_options(cfg)
@@ -524,7 +524,7 @@ COPY_SENSITIVITY = RESULTS / "head_objectives.json"  # (copy_head_sensitivity pe
 def load_copy_sensitivity(path: Path = COPY_SENSITIVITY):
     """(options, {(layer, kv head, K bits, V bits): copy-span KL}) averaged over COPY_SEEDS, from a saved
     head_objectives measurement (random-token sequences of 1024 tokens), or None."""
-    from flash_attn_tq.integrations.transformers import COPY_SEEDS
+    from flash_attn_tq.integrations.calibration import COPY_SEEDS
 
     if not path.exists():
         return None
@@ -537,7 +537,7 @@ def load_copy_sensitivity(path: Path = COPY_SENSITIVITY):
 
 
 def resolve_heads(cfg, model):
-    from flash_attn_tq.integrations.transformers import calibrate_head_bits, head_sensitivity
+    from flash_attn_tq.integrations.calibration import calibrate_head_bits, head_sensitivity
 
     L = model.config.num_hidden_layers
     opts = tq_options(cfg)

@@ -19,14 +19,9 @@ if int(transformers.__version__.split(".")[0]) < 5:
 from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from flash_attn_tq import QuantizedKVCache  # noqa: E402
-from flash_attn_tq.integrations.transformers import (  # noqa: E402
-    ATTN_IMPLEMENTATION,
-    DEFAULTS,
+from flash_attn_tq.integrations.calibration import (  # noqa: E402
     FINE_BITS,
     HEAD_WIDTHS,
-    NO_FP16_WINDOW,
-    TQCache,
-    TQLayer,
     allocate_head_bits,
     allocate_key_bits,
     calibrate_copy_heads,
@@ -36,6 +31,13 @@ from flash_attn_tq.integrations.transformers import (  # noqa: E402
     head_kl,
     head_sensitivity,
     key_bit_sensitivity,
+)
+from flash_attn_tq.integrations.transformers import (  # noqa: E402
+    ATTN_IMPLEMENTATION,
+    DEFAULTS,
+    NO_FP16_WINDOW,
+    TQCache,
+    TQLayer,
     tq_attention_forward,
 )
 

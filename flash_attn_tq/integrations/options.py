@@ -7,7 +7,7 @@ from typing import Mapping
 
 import torch
 
-from ..cache import scale_only_fits
+from ..cache import QuantizedKVCache, scale_only_fits
 
 # The default configuration (chosen by benchmarks/eval_quality.py; see benchmarks/results/quality.md).
 DEFAULTS = dict(
@@ -48,6 +48,45 @@ def cache_options(cache_kwargs: Mapping) -> dict:
     if "scale_only" not in cache_kwargs and not scale_only_fits(opts["quantizer"], opts["grid"], opts["fit"]):
         opts["scale_only"] = False
     return opts
+
+
+def validate_overrides(
+    opts: Mapping,
+    layer_options: Mapping[int, Mapping],
+    head_options: Mapping[tuple[int, int], Mapping],
+    protected_layers: frozenset,
+    num_kv_heads: int | None,
+    head_dim: int,
+) -> dict:
+    """Check TQCache's options, its per-layer and its per-head overrides by building a one-token
+    QuantizedKVCache of each (errors name the override); returns the per-head overrides as
+    ``{(layer, kv head): options}``."""
+    QuantizedKVCache(1, 1, 1, head_dim, **opts)
+    for i, o in layer_options.items():
+        if "sink_tokens" in o or "late_k_bits" in o:
+            bad = "sink_tokens" if "sink_tokens" in o else "late_k_bits"
+            raise ValueError(f"layer_options[{i}]: {bad} is a TQCache-wide option")
+        try:
+            QuantizedKVCache(1, 1, 1, head_dim, **dict(opts, **o))
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"layer_options[{i}]: {e}") from None
+    heads = {}
+    for key, o in head_options.items():
+        if not (isinstance(key, tuple) and len(key) == 2):
+            raise ValueError(f"head_options: keys are (layer, kv head) pairs, got {key!r}")
+        i, h = int(key[0]), int(key[1])
+        if i in protected_layers:
+            raise ValueError(f"head_options[{key}]: layer {i} is protected")
+        if "sink_tokens" in o or "late_k_bits" in o:
+            raise ValueError(f"head_options[{key}]: sink_tokens / late_k_bits are TQCache-wide options")
+        if num_kv_heads is not None and not 0 <= h < num_kv_heads:
+            raise ValueError(f"head_options[{key}]: kv head {h} out of range ({num_kv_heads} kv heads)")
+        try:
+            QuantizedKVCache(1, 1, 1, head_dim, **{**opts, **layer_options.get(i, {}), **o})
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"head_options[{key}]: {e}") from None
+        heads[(i, h)] = dict(o)
+    return heads
 
 
 def rope_center_freqs(config) -> torch.Tensor | None:

@@ -4,39 +4,21 @@ Usage::
 
     from flash_attn_tq.integrations.transformers import TQCache  # registers "tq_kvcache"
     model = AutoModelForCausalLM.from_pretrained(..., attn_implementation="tq_kvcache")
-    # (or model.set_attn_implementation("tq_kvcache") on a loaded model)
     out = model.generate(ids, past_key_values=TQCache.calibrated(model), max_new_tokens=...)
-    # TQCache.calibrated measures once which kv head copying needs most (8-bit keys and values) and
-    # where the model needs 4-bit keys (2 x layers forwards of a 1K-token sequence for those, 2 x (2 x kv
-    # heads + 1) x layers for the copy head); TQCache(model.config) puts 4-bit keys in the last layers
-    # TQCache.calibrated(model, per_head=True): the same budget a kv head at a time, 8-bit codes for
-    # the few heads copying rests on (a layer then holds its heads in several caches)
 
-:class:`TQCache` keeps one :class:`~flash_attn_tq.QuantizedKVCache` per decoder layer. The
-attention function registered as ``"tq_kvcache"`` attends over it with
-:func:`flash_attn_tq.flash_attn_with_kvcache`: the fused CUDA kernel on a GPU, the PyTorch
-reference path on the CPU. Llama-family models (GQA, RoPE applied before the cache update).
+:class:`TQCache` keeps one :class:`~flash_attn_tq.QuantizedKVCache` per decoder layer (one per head
+group with per-head widths); the attention function registered as ``"tq_kvcache"`` attends over it
+with :func:`flash_attn_tq.flash_attn_with_kvcache` (the fused kernels on a GPU, the reference path on
+the CPU). Llama-family models (GQA, RoPE applied before the cache update). What a layer holds by
+default (:data:`~flash_attn_tq.integrations.options.DEFAULTS`): 16 sink tokens and the last 112
+tokens in 16-bit, every token as 3-bit codes + a float16 scale, 4-bit keys in the last layers, keys
+centered before RoPE. :meth:`TQCache.calibrated` measures on the model where wider keys and the 8-bit
+copy head go (:mod:`flash_attn_tq.integrations.calibration`).
 
-Per layer, the cache holds
-
-* the first ``sink_tokens`` tokens of each sequence in 16-bit (attention sinks: the tokens most
-  heads put a large share of their weight on);
-* every token as ``k_bits``/``v_bits`` codes + a float16 scale (``scale_only``; or scale and
-  offset), with the most recent ``fp16_window`` of them also kept in 16-bit (handled by
-  QuantizedKVCache; ``window_bits=4`` keeps them as 4-bit codes instead: age-based precision, the
-  setting without a 16-bit window, see :data:`NO_FP16_WINDOW`); 4-bit keys in the last layers
-  (``late_k_bits``), paid for by the scale-only metadata;
-* keys centered (``key_center="rope"``, the default: by the prompt's mean pre-RoPE key turned to
-  each key's position, the frequencies from the config, whose term the decode kernel adds back to
-  each score; ``key_center=True``: by the prompt's mean post-RoPE key, what the default falls back to
-  without a config or rotate-half RoPE over the whole head); exact for attention (see
-  QuantizedKVCache), calibrated on the prompt.
-
-The prompt (the first forward) attends in full precision over its own keys (``prefill="full"``,
-the usual practice; its K/V are quantized into the cache as they are written); later tokens attend
-over the quantized cache. ``prefill="quantized"`` makes the prompt attend over the quantized cache
-too (what a token-by-token decode of the prompt would see; used to check the eval's simulation).
-Layers in ``protected_layers`` keep a plain 16-bit cache. Batches must not be padded.
+The prompt (the first forward) attends in full precision over its own keys (``prefill="full"``; its
+K/V are quantized into the cache as they are written); later tokens attend over the quantized cache.
+``prefill="quantized"`` makes the prompt attend over the quantized cache too. Layers in
+``protected_layers`` keep a plain 16-bit cache. Batches must not be padded.
 """
 
 from __future__ import annotations
@@ -58,7 +40,15 @@ from .. import ops
 from ..cache import QuantizedKVCache, capturing
 from ..format import bits_per_element as _format_bits
 from ..interface import flash_attn_with_kvcache
-from .options import DEFAULTS, NO_FP16_WINDOW, cache_options, late_layers, rope_center_freqs, rope_inv_freq
+from .options import (
+    DEFAULTS,
+    NO_FP16_WINDOW,
+    cache_options,
+    late_layers,
+    rope_center_freqs,
+    rope_inv_freq,
+    validate_overrides,
+)
 
 ATTN_IMPLEMENTATION = "tq_kvcache"  # (a name containing "flash" would make transformers look for flash-attn)
 
@@ -364,39 +354,9 @@ class TQCache(Cache):
         for i, o in (layer_options or {}).items():
             self.layer_options.setdefault(int(i), {}).update(o)
         self.pack_errors = PackErrors()
-        for i, o in self.layer_options.items():
-            if "sink_tokens" in o or "late_k_bits" in o:
-                raise ValueError(
-                    f"layer_options[{i}]: {'sink_tokens' if 'sink_tokens' in o else 'late_k_bits'} "
-                    f"is a TQCache-wide option"
-                )
-        QuantizedKVCache(1, 1, 1, vdim, **opts)  # validate the options early
-        for i, o in self.layer_options.items():
-            try:
-                QuantizedKVCache(1, 1, 1, vdim, **dict(opts, **o))
-            except (TypeError, ValueError) as e:
-                raise type(e)(f"layer_options[{i}]: {e}") from None
-        self.head_options = {}
-        for key, o in (head_options or {}).items():
-            if not (isinstance(key, tuple) and len(key) == 2):
-                raise ValueError(f"head_options: keys are (layer, kv head) pairs, got {key!r}")
-            i, h = int(key[0]), int(key[1])
-            if "sink_tokens" in o or "late_k_bits" in o or i in self.protected_layers:
-                raise ValueError(
-                    f"head_options[{key}]: "
-                    + (
-                        f"layer {i} is protected"
-                        if i in self.protected_layers
-                        else "sink_tokens / late_k_bits are TQCache-wide options"
-                    )
-                )
-            if self.num_kv_heads is not None and not 0 <= h < self.num_kv_heads:
-                raise ValueError(f"head_options[{key}]: kv head {h} out of range ({self.num_kv_heads} kv heads)")
-            try:
-                QuantizedKVCache(1, 1, 1, vdim, **{**opts, **self.layer_options.get(i, {}), **o})
-            except (TypeError, ValueError) as e:
-                raise type(e)(f"head_options[{key}]: {e}") from None
-            self.head_options[(i, h)] = dict(o)
+        self.head_options = validate_overrides(
+            opts, self.layer_options, head_options or {}, self.protected_layers, self.num_kv_heads, vdim
+        )
 
     @classmethod
     def calibrated(
@@ -412,25 +372,17 @@ class TQCache(Cache):
         copy_sensitivity: Mapping[tuple, float] | None = None,
         **kwargs,
     ) -> "TQCache":
-        """A TQCache for ``model`` with its key bits measured on the model itself, once per model
-        (keep ``cache.layer_options`` / ``cache.head_options`` to reuse them); the bits budget is the
-        default's (3.5 bits/element at head_dim 64, 3.25 at 128).
+        """A TQCache for ``model`` with its widths measured on the model itself, once per model (keep
+        ``cache.layer_options`` / ``cache.head_options`` to reuse them), in the default's bits budget
+        (3.5 bits/element at head_dim 64, 3.25 at 128): ``copy_heads`` kv heads at K8V8 where copying
+        needs them, then 4-bit keys in the most sensitive layers (``per_head=True``: (K, V) widths a
+        kv head). The arguments and the cost of each measurement: :func:`flash_attn_tq.integrations.
+        calibration.calibrated_cache`. ``kwargs``: TQCache options (``layer_options`` on top)."""
+        from .calibration import calibrated_cache
 
-        * ``per_head=False``: ``copy_heads`` (default :data:`COPY_HEADS`) kv heads at 8-bit keys and
-          values where copying needs them (:func:`calibrate_copy_heads`, ``copy_sensitivity``: reuse a
-          :func:`copy_head_sensitivity`; ``(2 x kv heads + 1) x layers`` forwards a seed), then the rest
-          of the budget as a key width a layer, :func:`calibrate_key_bits` (``bits`` default (3, 4);
-          ``len(bits) x layers`` forwards of a 1K-token synthetic sequence);
-        * ``per_head=True``: (K, V) widths a kv head, :func:`calibrate_head_bits` (``widths`` default
-          :data:`HEAD_WIDTHS`; ``(2 x kv heads + 1) x layers`` forwards; ``fine_budget``: that many
-          bits to them, the rest to 4-bit keys). On SmolLM2 ``fine_budget=25`` has the best copy
-          measured in budget but 96.9% top-1 (``benchmarks/results/quality.md``).
-
-        ``kwargs``: TQCache options, used for the measurement too (``key_center="rope"``, the default,
-        is measured with ``key_center=True``: on SmolLM2 that placement measured 97.3% top-1 against
-        97.0% with its own, copy 1K -1.4 / -1.0 points); ``layer_options`` are applied on
-        top of the calibrated bits."""
-        widths_kw = dict(
+        return calibrated_cache(
+            cls,
+            model,
             per_head=per_head,
             bits=bits,
             widths=widths,
@@ -438,8 +390,8 @@ class TQCache(Cache):
             copy_heads=copy_heads,
             sensitivity=sensitivity,
             copy_sensitivity=copy_sensitivity,
+            **kwargs,
         )
-        return calibrated_cache(cls, model, **widths_kw, **kwargs)
 
     def layer_cache_kwargs(self, idx: int) -> dict:
         """The QuantizedKVCache options of layer ``idx`` (the TQCache's, with its layer_options)."""
@@ -535,44 +487,13 @@ def register() -> None:
 
 register()
 
-# the calibration functions (their own module; imported last: they build TQCaches)
-from .calibration import (  # noqa: E402
-    COPY_HEADS,
-    COPY_SEEDS,
-    FINE_BITS,
-    HEAD_WIDTHS,
-    allocate_head_bits,
-    allocate_key_bits,
-    calibrate_copy_heads,
-    calibrate_head_bits,
-    calibrate_key_bits,
-    calibrated_cache,
-    copy_head_sensitivity,
-    head_kl,
-    head_sensitivity,
-    key_bit_sensitivity,
-)
-
 __all__ = [
     "TQCache",
     "TQLayer",
     "tq_attention_forward",
     "register",
-    "calibrate_key_bits",
-    "allocate_key_bits",
-    "calibrate_head_bits",
-    "allocate_head_bits",
-    "head_sensitivity",
-    "head_kl",
-    "HEAD_WIDTHS",
-    "FINE_BITS",
-    "key_bit_sensitivity",
-    "calibrate_copy_heads",
     "rope_inv_freq",
-    "copy_head_sensitivity",
-    "COPY_HEADS",
     "ATTN_IMPLEMENTATION",
     "DEFAULTS",
     "NO_FP16_WINDOW",
-    "COPY_SEEDS",
 ]
