@@ -25,6 +25,83 @@ def capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
+class PackErrors:
+    """The pack kernel's error bits of a TQCache's layers, read back once a forward pass (one host
+    sync a step instead of one a layer), e.g. by the last quantized layer of a TQCache."""
+
+    def __init__(self):
+        self.flags: torch.Tensor | None = None
+
+    def buffer(self, device: torch.device) -> torch.Tensor:
+        if self.flags is None or self.flags.device != device:
+            self.flags = torch.zeros(1, dtype=torch.int32, device=device)
+        return self.flags
+
+    def check(self) -> None:
+        """Raise ValueError for any error bit set since the last check (and clear them)."""
+        if self.flags is None or capturing():
+            return
+        bits = int(self.flags.item())
+        if bits:
+            self.flags.zero_()
+            ops.raise_pack_errors(bits)
+
+
+# the health counters a cache keeps (QuantizedKVCache(..., health=True)), in this order
+HEALTH_COUNTERS = (
+    "vectors",  # K vectors appended (as many V)
+    "k_nonfinite",  # K vectors holding NaN/Inf, stored as zeros
+    "v_nonfinite",
+    "k_clipped",  # K elements outside the grid's range (clipped to the outermost code)
+    "v_clipped",
+    "k_rel_error_sum",  # sum over the K vectors of |k - k_hat| / |k|
+    "v_rel_error_sum",
+)
+
+
+def health_reports(groups: Sequence[Sequence["QuantizedKVCache"]]) -> list[dict[str, float | None]]:
+    """One report per group of caches (e.g. a layer's head groups), their counters summed; one host
+    sync for all. A report: ``vectors`` appended, ``k_nonfinite`` / ``v_nonfinite`` vectors (stored as
+    zeros), ``k_clipped`` / ``v_clipped`` (the fraction of elements clipped), ``k_rel_error`` /
+    ``v_rel_error`` (mean relative quantization error a vector), ``sink_occupancy`` /
+    ``window_occupancy`` (the mean fraction of the sink slots and of the 16-bit window filled over the
+    batch; None without them)."""
+    rows, shapes = [], []
+    for caches in groups:
+        for qc in caches:
+            if qc.health_counters is None:
+                raise RuntimeError("this cache keeps no health counters (QuantizedKVCache(..., health=True))")
+            n = qc.seqlens.double()
+            S, R = qc.sink_tokens, qc.fp16_window
+            sinks = (n.clamp(max=S) / S).mean() if S else n.new_zeros(())
+            window = ((n - S).clamp(min=0, max=R) / R).mean() if R else n.new_zeros(())
+            rows.append(torch.cat([qc.health_counters, torch.stack([sinks, window]).to(qc.health_counters.device)]))
+        shapes.append(caches)
+    values = torch.stack([r.to(rows[0].device) for r in rows]).tolist() if rows else []
+    reports, i = [], 0
+    for caches in shapes:
+        vals = values[i : i + len(caches)]
+        i += len(caches)
+        tot = {name: sum(v[j] for v in vals) for j, name in enumerate(HEALTH_COUNTERS)}
+        per_h = [qc.num_kv_heads for qc in caches]
+        occupancy = [sum(v[len(HEALTH_COUNTERS) + j] * h for v, h in zip(vals, per_h)) / sum(per_h) for j in (0, 1)]
+        vectors, elements = tot["vectors"], tot["vectors"] * caches[0].head_dim
+        reports.append(
+            dict(
+                vectors=int(vectors),
+                k_nonfinite=int(tot["k_nonfinite"]),
+                v_nonfinite=int(tot["v_nonfinite"]),
+                k_clipped=tot["k_clipped"] / elements if elements else 0.0,
+                v_clipped=tot["v_clipped"] / elements if elements else 0.0,
+                k_rel_error=tot["k_rel_error_sum"] / vectors if vectors else 0.0,
+                v_rel_error=tot["v_rel_error_sum"] / vectors if vectors else 0.0,
+                sink_occupancy=occupancy[0] if caches[0].sink_tokens else None,
+                window_occupancy=occupancy[1] if caches[0].fp16_window else None,
+            )
+        )
+    return reports
+
+
 def rope_turn(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """``x [batch, n, heads, d]`` turned by RoPE to ``positions [batch, n]`` (or ``[n]``) with
     frequencies ``inv_freq [d / 2]``, rotate-half pairs ``(i, i + d/2)`` as transformers' Llama
@@ -98,20 +175,19 @@ def window_attention(q, cache: "QuantizedKVCache", bidx, lens, softmax_scale, ca
 class QuantizedKVCache:
     """A per-layer K/V cache holding ``k_bits``/``v_bits``-bit codes plus float16 (scale, offset).
 
-    Contiguous layout (default): ``k_codes [batch, max_seqlen, kv_heads, code_bytes]`` uint8 and
-    ``k_meta [batch, max_seqlen, kv_heads, 2]`` float16 (scale, offset) (same for v). ``scale_only``
-    (default: on where the offset is always ``-mid * scale``, i.e. turbo with the uniform grid and
-    ``fit="norm"``) stores ``[..., 1]``, the scale alone: the same values, 16 bits a vector less
-    (3-bit codes: 3.25 bits/element at head_dim 64, 3.125 at 128), and a faster prefill kernel. Paged layout (``page_size``
-    given): ``k_codes [num_blocks, page_size, kv_heads, code_bytes]`` with ``block_table [batch,
-    max_blocks_per_seq]`` int32 mapping each sequence's pages to blocks (default: sequence ``b``
-    owns blocks ``b * max_blocks_per_seq ...``). In memory the four tensors are head-major (views of
-    ``[rows, kv_heads, cols, *]`` storage): a head's consecutive tokens are adjacent, so the decode
-    kernel reads whole sectors (1.1-1.2x faster than token-major on the H200, where 48-byte code
-    rows of neighbouring heads shared sectors).
+    Contiguous layout (default): ``k_codes [batch, max_seqlen, kv_heads, code_bytes]`` uint8 and ``k_meta [batch,
+    max_seqlen, kv_heads, 2]`` float16 (scale, offset) (same for v). ``scale_only`` (default: on where the offset is
+    always ``-mid * scale``, i.e. turbo with the uniform grid and ``fit="norm"``) stores ``[..., 1]``, the scale
+    alone: the same values, 16 bits a vector less (3-bit codes: 3.25 bits/element at head_dim 64, 3.125 at 128), and
+    a faster prefill kernel. Paged layout (``page_size`` given): ``k_codes [num_blocks, page_size, kv_heads,
+    code_bytes]`` with ``block_table [batch, max_blocks_per_seq]`` int32 mapping each sequence's pages to blocks
+    (default: sequence ``b`` owns blocks ``b * max_blocks_per_seq ...``). In memory the four tensors are head-major
+    (views of ``[rows, kv_heads, cols, *]`` storage): a head's consecutive tokens are adjacent, so the decode kernel
+    reads whole sectors (1.1-1.2x faster than token-major on the H200, where 48-byte code rows of neighbouring heads
+    shared sectors).
 
     Bit widths: 2, 3 or 4, and 8 (one code a byte: the near-exact keys :class:`TQCache` gives the few
-    heads copying rests on; uniform grid only; fused kernels K8V3 / K8V8 with float16 queries).
+    heads copying rests on; uniform grid only; fused decode kernels K8V3 / K8V8).
 
     ``seqlens [batch]`` int32 counts the tokens written per sequence. With ``fp16_window = R > 0``
     the most recent ``R`` tokens of each sequence are also kept unquantized (``k_window [batch, R,
@@ -147,6 +223,12 @@ class QuantizedKVCache:
     ``q . R(p) c``, which the fused decode kernel adds back (csrc/flash_attn/src/tq_rope_center.h;
     chunks of any length run it, window_size / softcap / cache_leftpad and pages of fewer than 32
     tokens take the reference path); the fp16 window's keys get ``R(p) c`` back before their pass.
+
+    **Health counters** (``health=True``): each append also counts, on the device and without a host
+    sync, the vectors written, those holding NaN/Inf (stored as zeros instead of raising), the
+    elements the codes clipped (outside the grid's range) and the sum of each vector's relative
+    quantization error ``|x - x_hat| / |x|`` (the codec run again in PyTorch on the appended
+    vectors: a few more kernels an append, for monitoring). :meth:`health` reads them with one sync.
     """
 
     def __init__(
@@ -175,6 +257,7 @@ class QuantizedKVCache:
         rope_position_offset: int = 0,
         calib_min_tokens: int = 16,
         scale_only: bool | None = None,
+        health: bool = False,
         dtype: torch.dtype = torch.float16,
         device: torch.device | str = "cpu",
     ):
@@ -315,6 +398,8 @@ class QuantizedKVCache:
         else:
             self.k_shift = self.calibrated = None
         self._calibration_done = False
+        # health counters (float64 [len(HEALTH_COUNTERS)] on the device; None: not kept)
+        self.health_counters = torch.zeros(len(HEALTH_COUNTERS), dtype=torch.float64, device=device) if health else None
 
     # ------------------------------------------------------------------ properties
     @property
@@ -554,7 +639,9 @@ class QuantizedKVCache:
         of a forward pass (:func:`flash_attn_tq.ops.raise_pack_errors`), saving a sync a call.
         """
         fused = isinstance(k, torch.Tensor) and self.pack_reason(k) is None
-        self.check_new_kv(k, v, check_values=not fused)
+        self.check_new_kv(k, v, check_values=not fused and self.health_counters is None)
+        if self.health_counters is not None:
+            k, v = self._screen(k, v)
         if error_flags is not None and (
             not isinstance(error_flags, torch.Tensor)
             or error_flags.dtype != torch.int32
@@ -601,6 +688,8 @@ class QuantizedKVCache:
                 self.calibrate(k[:, skip:], bidx, positions=None if pos is None else pos[:, skip:])
                 self._calibration_done = bool(self.calibrated.all())
             k = self.transform_keys(k, bidx, positions=pos)
+        if self.health_counters is not None:
+            self._observe(k, v, bidx)
         if fused:  # quantize-on-write kernel: slots, range and value checks on the GPU
             flags = torch.zeros(1, dtype=torch.int32, device=self.device) if error_flags is None else error_flags
             raw_idx = None if batch_idx is None else batch_idx.to(self.device, torch.int32).contiguous()
@@ -626,6 +715,42 @@ class QuantizedKVCache:
                 getattr(self, f"{name}_window_codes")[b2, slots] = fmt.pack_codes(codes, self.window_bits, check=False)
                 getattr(self, f"{name}_window_meta")[b2, slots] = meta[..., : self.k_window_meta.shape[-1]]
         self.seqlens[bidx] = start + n
+
+    # ------------------------------------------------------------------ health counters
+    def _screen(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``k, v`` with vectors holding NaN/Inf set to zero, counted (health counters on)."""
+        c = self.health_counters
+        c[0] += k.shape[0] * k.shape[1] * k.shape[2]
+        out = []
+        for i, x in enumerate((k, v)):
+            bad = ~torch.isfinite(x).all(-1, keepdim=True)
+            c[1 + i] += bad.sum()
+            out.append(x.masked_fill(bad, 0))
+        return out[0], out[1]
+
+    def _observe(self, k: torch.Tensor, v: torch.Tensor, bidx: torch.Tensor) -> None:
+        """Count clipped elements and sum relative errors of ``k`` (codes domain), ``v`` as written."""
+        c = self.health_counters
+        for i, (x, qz, rng) in enumerate(((k, self.k_quantizer, self.k_range), (v, self.v_quantizer, self.v_range))):
+            if self.streaming:  # (the ranges as the write will use them; their update is the write's)
+                codes, meta, _ = qz.quantize(x, rng[bidx])
+            else:
+                codes, meta = qz.quantize(x)
+            xr = qz.rotate(x) if self.quantizer == "turbo" else x.float()
+            err = qz.dequantize_rotated(codes, meta) - xr
+            norm = xr.norm(dim=-1)
+            c[3 + i] += qz.clipped(xr, codes, meta).sum()
+            c[5 + i] += torch.where(norm > 0, err.norm(dim=-1) / norm.clamp(min=1e-30), 0.0).sum()
+
+    def health(self) -> dict[str, float | None]:
+        """The health counters (``health=True``) as numbers, one host sync; see :func:`health_reports`."""
+        return health_reports([[self]])[0]
+
+    def reset_health(self) -> None:
+        """Zero the health counters (``health=True``)."""
+        if self.health_counters is None:
+            raise RuntimeError("this cache keeps no health counters (QuantizedKVCache(..., health=True))")
+        self.health_counters.zero_()
 
     def _write_side(self, k: torch.Tensor, v: torch.Tensor, bidx: torch.Tensor, pos: torch.Tensor) -> None:
         """Copy the chunk's sinks and its last ``side_ring`` tokens (``[B, n, kv_heads, d]`` at cache
@@ -867,6 +992,7 @@ class QuantizedKVCache:
         "k_shift",
         "calibrated",
         "rope_inv_freq",
+        "health_counters",
     )
 
     def to(self, device: torch.device | str) -> "QuantizedKVCache":
@@ -901,6 +1027,7 @@ class QuantizedKVCache:
             rope_position_offset=self.rope_position_offset,
             calib_min_tokens=self.calib_min_tokens,
             scale_only=self.scale_only,
+            health=self.health_counters is not None,
             dtype=str(self.dtype).replace("torch.", ""),
         )
 
@@ -921,6 +1048,7 @@ class QuantizedKVCache:
             ("scale_only", False),
             ("window_bits", 16),
             ("sink_tokens", 0),
+            ("health", False),
         ):
             theirs.setdefault(key, default)  # saved before the option existed
         for key, off in (("key_scale", 0.0), ("key_scale_q", False), ("key_pca", False), ("value_pca", False)):

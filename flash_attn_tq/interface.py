@@ -30,7 +30,8 @@ _LAST_PATH: contextvars.ContextVar[str] = contextvars.ContextVar("flash_attn_tq_
 
 def last_path() -> str:
     """The path the last attention call in this context took, e.g. ``"quantized:fused-cuda"``,
-    ``"quantized:reference (head_dim 96 ...)"``, ``"baseline:upstream"``, ``"baseline:fused-kv16-cuda"``, ``"baseline:torch"``."""
+    ``"quantized:reference (head_dim 96 ...)"``, ``"baseline:upstream"``, ``"baseline:fused-kv16-cuda"``,
+    ``"baseline:torch"``."""
     return _LAST_PATH.get()
 
 

@@ -104,8 +104,9 @@ def fake_quant(
     dequantizes from the scale alone (``meta[..., :1]``: offset ``-mid * scale`` exactly, what the
     scale-only cache stores); False: from the float16 (scale, offset) pair (``scale_only=False``
     caches, the Lloyd-Max grid). The float16 rounding of that offset moves SmolLM2's large keys
-    enough to matter (logits differ by several units), so match the cache you will decode with. Backward: the straight-through estimator of the module
-    docstring (identity, except the rotated directions the grid clipped get zero gradient).
+    enough to matter (logits differ by several units), so match the cache you will decode with.
+    Backward: the straight-through estimator of the module docstring (identity, except the rotated
+    directions the grid clipped get zero gradient).
     Only ``quantizer="turbo"`` with its default fit (``"norm"``, what the cache uses) is supported.
     """
     if quantizer != "turbo":

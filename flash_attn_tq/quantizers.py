@@ -306,6 +306,15 @@ class TurboQuantizer:
         """Codes + meta -> float32 values in the original domain."""
         return self.unrotate(self.dequantize_rotated(codes, meta))
 
+    def clipped(self, xr: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
+        """bool ``[..., d]``: the elements of rotated vectors ``xr`` (:meth:`rotate`) outside the grid's
+        range, which the outermost codes clip: beyond half a step past the outermost uniform level,
+        or past the outermost Lloyd-Max cell's mirror (in the norm fit's unit scale)."""
+        norm = xr.norm(dim=-1, keepdim=True)
+        y = xr * torch.where(norm > 0, math.sqrt(self.head_dim) / norm.clamp(min=1e-30), torch.zeros_like(norm))
+        lv = self.levels_unit
+        return y.abs() > lv[-1] + 0.5 * (lv[-1] - lv[-2])
+
 
 class AsymQuantizer:
     """Asymmetric uniform quantization per vector with an integer zero point.
@@ -364,3 +373,10 @@ class AsymQuantizer:
         return codes.float() * m[..., :1] + m[..., 1:]
 
     dequantize_rotated = dequantize  # no rotation: the kernel attends in the original domain
+
+    def clipped(self, x: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
+        """bool ``[..., d]``: the elements of ``x`` the codes clipped (an outermost code more than half
+        a step away: only a streaming range can clip, the per-vector range never does)."""
+        err = (self.dequantize(codes, meta) - x.float()).abs()
+        edge = (codes == 0) | (codes == (1 << self.bits) - 1)
+        return edge & (err > 0.5 * meta[..., :1].float() * (1 + 1e-3))

@@ -265,7 +265,7 @@ def test_without_cache_falls_back_to_sdpa():
 def test_pack_errors_are_read_back_once_a_forward():
     """The layers share one pack-error word; only the last quantized layer reads it back (one host
     sync a step on the GPU), and a read raises for any bit set and clears it."""
-    from flash_attn_tq.integrations.transformers import PackErrors
+    from flash_attn_tq.cache import PackErrors
 
     model = tiny_model(layers=3)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
@@ -649,3 +649,27 @@ def test_rope_center_takes_the_model_rope():
     from flash_attn_tq import last_path
 
     assert last_path().startswith("quantized:reference (q is not on a CUDA device")
+
+
+def test_health_per_layer():
+    """TQCache(..., health=True): each quantized layer's counters (head groups summed), kept across the
+    cache's growth; None for a protected layer."""
+    model = tiny_model(layers=3)
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    cache = TQCache(
+        model.config,
+        max_cache_len=8,
+        protected_layers=(1,),
+        head_options={(2, 1): {"k_bits": 8, "v_bits": 8}},
+        health=True,
+    )
+    with torch.no_grad():
+        model(torch.randint(3, 96, (1, 20)), past_key_values=cache)
+        for _ in range(4):
+            model(torch.randint(3, 96, (1, 1)), past_key_values=cache)
+    reports = cache.health()
+    assert reports[1] is None and len(reports) == 3
+    for r in (reports[0], reports[2]):
+        assert r["vectors"] == 24 * 2 and r["k_nonfinite"] == 0 and 0 < r["k_rel_error"] < 0.5
+        assert r["sink_occupancy"] == 1.0 and r["window_occupancy"] == pytest.approx(8 / 112)
+    assert reports[2]["k_rel_error"] < reports[0]["k_rel_error"]  # one of layer 2's heads at 8 bits

@@ -36,8 +36,7 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without transformers
     raise ImportError("flash_attn_tq.integrations.transformers needs transformers >= 5") from e
 
-from .. import ops
-from ..cache import QuantizedKVCache, capturing
+from ..cache import PackErrors, QuantizedKVCache, health_reports
 from ..format import bits_per_element as _format_bits
 from ..interface import flash_attn_with_kvcache
 from .options import (
@@ -57,28 +56,6 @@ def _check_no_padding(attention_mask) -> None:
     if isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool:
         if not bool(attention_mask[:, :, -1, :].all()):
             raise NotImplementedError("TQCache does not support padded batches (use equal-length prompts)")
-
-
-class PackErrors:
-    """The pack kernel's error bits of a TQCache's layers, read back once a forward pass (one host
-    sync a step instead of one a layer) by the last quantized layer."""
-
-    def __init__(self):
-        self.flags: torch.Tensor | None = None
-
-    def buffer(self, device: torch.device) -> torch.Tensor:
-        if self.flags is None or self.flags.device != device:
-            self.flags = torch.zeros(1, dtype=torch.int32, device=device)
-        return self.flags
-
-    def check(self) -> None:
-        """Raise ValueError for any error bit set since the last check (and clear them)."""
-        if self.flags is None or capturing():
-            return
-        bits = int(self.flags.item())
-        if bits:
-            self.flags.zero_()
-            ops.raise_pack_errors(bits)
 
 
 class TQLayer(CacheLayerMixin):
@@ -437,6 +414,13 @@ class TQCache(Cache):
                 mb = 2 if o.get("scale_only") else 4  # metadata bytes a vector
                 total += (_format_bits(head_dim, o["k_bits"], mb) + _format_bits(head_dim, o["v_bits"], mb)) / (2 * H)
         return total / L
+
+    def health(self) -> list[dict | None]:
+        """Each layer's health counters (``TQCache(..., health=True)``), its head groups summed, with
+        one host sync (see :func:`flash_attn_tq.cache.health_reports`); None for layers without codes."""
+        groups = [getattr(layer, "caches", None) for layer in self.layers]
+        reports = iter(health_reports([g for g in groups if g]))
+        return [next(reports) if g else None for g in groups]
 
     def quantized_caches(self) -> list:
         """Each layer's QuantizedKVCache: None for protected or not-yet-used layers, a tuple of them for
