@@ -39,8 +39,9 @@ Nothing upstream changes." \
 add "csrc: quantize-on-write kernel" \
 "Eight threads a vector: the randomized Hadamard rotation in registers with one shared-memory
 transpose, the code run of each thread packed without atomics, cache slots (contiguous, paged or a
-vLLM-style slot mapping) resolved and range-checked in the kernel, errors ORed into one flag word." \
-    tq_pack_kernel.h tq_pack_launch.h 'tq_pack_*.cu'
+vLLM-style slot mapping) resolved and range-checked in the kernel, errors ORed into one flag word.
+Its instantiations come with the generated case table (patch 7)." \
+    tq_pack_kernel.h tq_pack_launch.h
 
 add "csrc: K/V loader policies" \
 "One kernel body, two loaders: PackedKV copies 32-token tiles of codes with cp.async and expands them
@@ -49,35 +50,38 @@ probabilities), Fp16KV stages 16-bit tiles for ldmatrix (our FP16 baseline, and 
 packed cache). The KV storage type is the loader's template parameter, separate from Q's." \
     tq_kv_loader.h
 
-add "csrc: query rows and the RoPE-center term" \
+add "csrc: query rows, the RoPE-center term, Hopper wgmma helpers" \
 "tq_rows.h: causal limits, the query rotation, stores. tq_rope_center.h: each score's q . R(p) c for
 caches whose keys are stored less R(p) c, one more MMA chain against a cos/sin table, its
-coefficients carried from tile to tile." \
-    tq_rows.h tq_rope_center.h
+coefficients carried from tile to tile. tq_wgmma.h: wgmma.mma_async descriptors and fences for the
+prefill kernel's sm_90a variant." \
+    tq_rows.h tq_rope_center.h tq_wgmma.h
 
 add "csrc: split-KV decode kernel and its combine pass" \
 "S^T = K Q^T and O^T += V^T P^T with the keys as the A operand (the GQA group's rows as N), an online
 softmax per warp, warps then splits merged through their log-sum-exp. A packed cache's sinks and
 recent window (16-bit) are one more split of the same launch. Variants: contiguous / paged (32+ and
 16-token pages), local (window, leftpad, softcap), RoPE center, 16-bit side." \
-    tq_decode_kernel.h tq_decode_launch.h 'tq_decode_*.cu'
-
-add "csrc: Hopper warpgroup MMA helpers" \
-"wgmma.mma_async descriptors and fences for the prefill kernel's sm_90a variant." \
-    tq_wgmma.h
+    tq_decode_kernel.h tq_decode_launch.h
 
 add "csrc: chunked-prefill kernel over packed K/V" \
 "256-row CTAs (from 128 query rows a kv head) that expand each packed tile once into shared memory
 for all their rows; on sm_90a builds the warpgroups multiply through wgmma." \
-    tq_prefill_kernel.h tq_prefill_launch.h 'tq_prefill_*.cu'
+    tq_prefill_kernel.h
+
+add "csrc: the kernel cases, generated once" \
+"generate_instantiations.py lists the (dtype, head_dim, K bits, V bits, metadata) cases and writes a
+tiny .cu file a case (decode, prefill, pack: they build in parallel), the C++ case table the ops
+dispatch over (tq_cases.h) and the Python list of fused cases; tq_prefill_launch.h picks the
+prefill variant (wgmma from 256 rows a kv head on sm_90a builds)." \
+    generate_instantiations.py tq_cases.h tq_prefill_launch.h 'tq_decode_*.cu' 'tq_prefill_*.cu' 'tq_pack_*.cu'
 
 add "csrc: register flash_attn_tq::decode_kvcache, decode_kv16 and pack_kv" \
 "torch.library ops (traceable with fake implementations registered from Python, CUDA-graph safe:
-num_splits is chosen on the host), the dispatch over the generated case table (tq_cases.h) and
-the generator of the instantiation files, that table and the Python list of cases; setup.py builds
-them into flash_attn_2_cuda (its module stays upstream's: FLASH_TQ_NO_PYBIND_MODULE; upstream
-targets sm_90, not sm_90a, so this build runs the mma.sync prefill variant on Hopper). Built inside flash_attn_2_cuda with FLASH_TQ_NO_PYBIND_MODULE." \
-    tq_api.h tq_cases.h generate_instantiations.py
+num_splits is chosen on the host) dispatching over the generated case table; setup.py builds them
+into flash_attn_2_cuda (its module stays upstream's: FLASH_TQ_NO_PYBIND_MODULE; upstream targets
+sm_90, not sm_90a, so this build runs the mma.sync prefill variant on Hopper)." \
+    tq_api.h
 cp "$here"/csrc/flash_attn/flash_api_tq.cpp csrc/flash_attn/
 git add csrc/flash_attn/flash_api_tq.cpp
 git commit -q --amend --no-edit
