@@ -12,6 +12,9 @@ Side by side in one run, the same model, prompt and number of decoded tokens thr
 * ``tq``: ``TQCache(model.config)`` with ``attn_implementation="tq_kvcache"`` (the fused kernels on a GPU);
 * ``tq_calibrated``: ``TQCache.calibrated(model)`` (measured once a model; its time is reported as
   ``calibration_s``, not in the decode speed; the cache of each prompt reuses its bit widths);
+* ``tq_graph``: ``TQCache(model.config)`` decoded by
+  :class:`flash_attn_tq.integrations.graphs.GraphDecoder`, each decode step replayed as one CUDA graph
+  (CUDA only), its greedy tokens checked against the eager ``tq`` run's;
 * ``tq_compiled`` (``--tq-compile`` only): TQCache with the compiled decode step, its greedy tokens
   checked against the eager ``tq`` run's.
 
@@ -59,7 +62,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 ATTN_KEYWORDS = ("decode", "flash", "attention", "sdpa", "fmha", "combine")
 FP16_VARIANTS = ("dynamic", "static", "static_compiled")
-ALL_VARIANTS = ("dynamic", "static", "tq", "tq_calibrated", "static_compiled", "tq_compiled")
+ALL_VARIANTS = ("dynamic", "static", "tq", "tq_calibrated", "tq_graph", "static_compiled", "tq_compiled")
+TQ_REFERENCE = ("tq_compiled", "tq_graph")  # variants whose tokens are checked against the eager tq run
 
 LLAMA8B = dict(
     vocab_size=128256,
@@ -121,13 +125,13 @@ MODELS = {  # batch, prompts (None: --prompts), variants; GPU dtype
         B=1,
         prompts=None,
         dtype=torch.float16,
-        variants=("dynamic", "static", "tq", "tq_calibrated", "static_compiled", "tq_compiled"),
+        variants=("dynamic", "static", "tq", "tq_calibrated", "tq_graph", "static_compiled", "tq_compiled"),
     ),
     "llama8b": dict(
         B=8,
         prompts=(32768,),
         dtype=torch.bfloat16,
-        variants=("dynamic", "static", "tq", "static_compiled", "tq_compiled"),
+        variants=("dynamic", "static", "tq", "tq_graph", "static_compiled", "tq_compiled"),
     ),
 }
 
@@ -340,6 +344,7 @@ def run_variant(model, variant, ids, args, calibrated=None) -> dict:
     prof_steps = 0 if args.no_profile else args.profile_steps
     capacity = P + warmup + steps + 2 * prof_steps + 8  # (the profiled steps run twice: kernels, then wall time)
     compiled = variant.endswith("_compiled")
+    graph = variant.endswith("_graph")
     model.set_attn_implementation(ATTN_IMPLEMENTATION if variant.startswith("tq") else "sdpa")
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
@@ -351,9 +356,17 @@ def run_variant(model, variant, ids, args, calibrated=None) -> dict:
         call, mark_step = model, (lambda: None)
     cache = make_cache(variant, model, capacity, calibrated)
     out = {}
+    decoder = None
+    if graph:
+        from flash_attn_tq.integrations.graphs import GraphDecoder
+
+        decoder = GraphDecoder(model, cache)
 
     a = clock.mark()
-    logits = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+    if graph:
+        logits = decoder.prefill(ids)[:, None]
+    else:
+        logits = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
     nxt = logits[:, -1:].argmax(-1)
     b = clock.mark()
     sync(device)
@@ -368,8 +381,11 @@ def run_variant(model, variant, ids, args, calibrated=None) -> dict:
         position_ids = torch.full((1, 1), pos, dtype=torch.long, device=device)
         mark_step()
         t0 = clock.mark()
-        o = call(input_ids=nxt, past_key_values=cache, position_ids=position_ids, use_cache=True, logits_to_keep=1)
-        nxt = o.logits[:, -1:].argmax(-1)
+        if graph:
+            nxt = decoder.step(nxt).argmax(-1, keepdim=True)
+        else:
+            o = call(input_ids=nxt, past_key_values=cache, position_ids=position_ids, use_cache=True, logits_to_keep=1)
+            nxt = o.logits[:, -1:].argmax(-1)
         t1 = clock.mark()
         if record is not None:
             record.append((t0, t1))
@@ -407,7 +423,7 @@ def run_variant(model, variant, ids, args, calibrated=None) -> dict:
             out["attn_share"], out["top_kernels"] = kernel_share(prof, cuda)
         except Exception as e:  # (the profiler is a diagnostic: never fail the run for it)
             out["attn_share_error"] = f"{type(e).__name__}: {e}"[:300]
-        if not compiled:  # time inside the attention function over the step time
+        if not compiled and not graph:  # time inside the attention function over the step time
             spans, stepm = [], []
             with timed_attention(model, clock, spans):
                 for _ in range(prof_steps):
@@ -449,7 +465,7 @@ def bench_model(name, args) -> list[dict]:
         prompts = [args.llama_prompt]
     wanted = [v for v in spec["variants"] if v in args.variants]
     if not cuda:
-        wanted = [v for v in wanted if not v.endswith("_compiled")]  # (CUDA graphs)
+        wanted = [v for v in wanted if not v.endswith(("_compiled", "_graph"))]  # (CUDA graphs)
     if args.no_compile:
         wanted = [v for v in wanted if v != "static_compiled"]
     if not args.tq_compile:
@@ -518,15 +534,16 @@ def bench_model(name, args) -> list[dict]:
                 flush=True,
             )
         for v, r in results.items():  # greedy tokens against the reference run (a sanity check)
-            ref = results.get("tq" if v == "tq_compiled" else "dynamic")
-            if ref is not None and v != ("tq" if v == "tq_compiled" else "dynamic"):
+            ref_name = "tq" if v in TQ_REFERENCE else "dynamic"
+            ref = results.get(ref_name)
+            if ref is not None and v != ref_name:
                 n = min(ref["tokens"].shape[1], r["tokens"].shape[1])
                 row[f"{v}_tokens_agree"] = (ref["tokens"][:, :n] == r["tokens"][:, :n]).float().mean().item()
         fp16 = {v: row[f"{v}_tok_s"] for v in FP16_VARIANTS if row.get(f"{v}_tok_s")}
         if fp16:
             best = max(fp16, key=fp16.get)
             row.update(best_fp16=best, best_fp16_tok_s=fp16[best])
-            for v in ("tq", "tq_calibrated", "tq_compiled"):
+            for v in ("tq", "tq_calibrated", "tq_graph", "tq_compiled"):
                 if row.get(f"{v}_tok_s"):
                     row[f"{v}_vs_best_fp16"] = row[f"{v}_tok_s"] / fp16[best]
             if row.get("tq_cache_bytes") and row.get("dynamic_cache_bytes"):
@@ -556,15 +573,17 @@ def markdown(res) -> str:
         "",
         "Decode tokens/s = B / median step time (CUDA events, one greedy token a step after "
         f"{res['setup']['warmup']} warm-up steps, {res['setup']['new_tokens']} timed). static+compile: "
-        "StaticCache with torch.compile(mode='reduce-overhead'). TQ / best: TQCache(config) over the fastest "
+        "StaticCache with torch.compile(mode='reduce-overhead'). TQCache, CUDA graph: the same TQCache "
+        "decoded by GraphDecoder (each step one CUDA graph). TQ / best, TQ graph / best: over the fastest "
         "transformers cache. KV MiB: the cache as held after the run (dynamic: its K/V; TQCache: codes, "
         "metadata, window and sinks). Attention share: attention kernels' share of the step's CUDA time "
         "(profiler; in brackets: the time inside the attention function over the step time).",
         "",
         "| model | dtype | B | prompt | dynamic | static | static+compile | TQCache | TQCache.calibrated "
-        "| TQ / best | KV MiB dynamic | KV MiB TQ | fp16/TQ bytes | attn share dynamic | attn share TQ "
+        "| TQCache, CUDA graph | TQ / best | TQ graph / best | KV MiB dynamic | KV MiB TQ | fp16/TQ bytes "
+        "| attn share dynamic | attn share TQ "
         "| prefill ms dyn / TQ | calibration s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in res["rows"]:
 
@@ -574,7 +593,8 @@ def markdown(res) -> str:
         lines.append(
             f"| {r['model']} | {r['dtype']} | {r['B']} | {r['prompt']} | {fmt(r.get('dynamic_tok_s'))} "
             f"| {fmt(r.get('static_tok_s'))} | {fmt(r.get('static_compiled_tok_s'))} | {fmt(r.get('tq_tok_s'))} "
-            f"| {fmt(r.get('tq_calibrated_tok_s'))} | {fmt(r.get('tq_vs_best_fp16'), '.2f')}x "
+            f"| {fmt(r.get('tq_calibrated_tok_s'))} | {fmt(r.get('tq_graph_tok_s'))} "
+            f"| {fmt(r.get('tq_vs_best_fp16'), '.2f')}x | {fmt(r.get('tq_graph_vs_best_fp16'), '.2f')}x "
             f"| {mib(r.get('dynamic_cache_bytes'))} | {mib(r.get('tq_cache_bytes'))} "
             f"| {fmt(r.get('kv_bytes_ratio'), '.2f')} | {share('dynamic')} | {share('tq')} "
             f"| {fmt(r.get('dynamic_prefill_ms'))} / {fmt(r.get('tq_prefill_ms'))} | {fmt(r.get('calibration_s'))} |"

@@ -36,7 +36,7 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without transformers
     raise ImportError("flash_attn_tq.integrations.transformers needs transformers >= 5") from e
 
-from ..cache import PackErrors, QuantizedKVCache, health_reports
+from ..cache import PackErrors, QuantizedKVCache, capturing, health_reports
 from ..format import bits_per_element as _format_bits
 from ..interface import flash_attn_with_kvcache
 from .options import (
@@ -53,7 +53,7 @@ ATTN_IMPLEMENTATION = "tq_kvcache"  # (a name containing "flash" would make tran
 
 
 def _check_no_padding(attention_mask) -> None:
-    if isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool:
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool and not capturing():
         if not bool(attention_mask[:, :, -1, :].all()):
             raise NotImplementedError("TQCache does not support padded batches (use equal-length prompts)")
 

@@ -1,0 +1,102 @@
+"""GraphDecoder: a transformers model's decode step over TQCache replayed as one CUDA graph matches the
+same steps run eagerly (tokens and logits); the argument checks run anywhere."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+if int(transformers.__version__.split(".")[0]) < 5:
+    pytest.skip("needs transformers >= 5", allow_module_level=True)
+
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from flash_attn_tq import ops  # noqa: E402
+from flash_attn_tq.integrations.graphs import GraphDecoder  # noqa: E402
+from flash_attn_tq.integrations.transformers import ATTN_IMPLEMENTATION, TQCache  # noqa: E402
+
+GPU = torch.cuda.is_available() and ops.extension_available()
+
+
+def llama(device="cpu", dtype=torch.float32, layers=3, head_dim=64):
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=128,
+        hidden_size=4 * head_dim,
+        intermediate_size=512,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=head_dim,
+        max_position_embeddings=4096,
+    )
+    model = LlamaForCausalLM(cfg).eval().to(device=device, dtype=dtype)
+    with torch.no_grad():  # larger logits: greedy choices are not near-ties
+        model.lm_head.weight.mul_(8)
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    return model
+
+
+def test_argument_checks():
+    model = llama()
+    with pytest.raises(TypeError, match="TQCache"):
+        GraphDecoder(model, object())
+    with pytest.raises(ValueError, match="max_cache_len"):
+        GraphDecoder(model, TQCache(model.config))
+    with pytest.raises(ValueError, match="protected_layers"):
+        GraphDecoder(model, TQCache(model.config, max_cache_len=64, protected_layers=(1,)))
+    with pytest.raises(ValueError, match="CUDA"):
+        GraphDecoder(model, TQCache(model.config, max_cache_len=64))
+    model.set_attn_implementation("sdpa")
+    with pytest.raises(ValueError, match="attn_implementation"):
+        GraphDecoder(model, TQCache(model.config, max_cache_len=64))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU and the flash_attn_tq_cuda extension")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_graph_steps_match_eager_steps(dtype, head_dim):
+    """The default cache (RoPE center, 16 sinks, 112-token window) plus a K8V8 head group in one layer;
+    a 300-token prompt, then 150 steps (past the window), graph against eager."""
+    model = llama("cuda", dtype, head_dim=head_dim)
+    kw = dict(max_cache_len=512, head_options={(1, 0): {"k_bits": 8, "v_bits": 8}})
+    prompt = torch.randint(0, 128, (2, 300), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    dec = GraphDecoder(model, TQCache(model.config, **kw))
+    ref_cache = TQCache(model.config, **kw)
+    with torch.no_grad():
+        ref = model(input_ids=prompt, past_key_values=ref_cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+    got = dec.prefill(prompt)
+    torch.testing.assert_close(got, ref)
+    nxt = ref.argmax(-1, keepdim=True)
+    for t in range(150):
+        got = dec.step(nxt).clone()
+        pos = torch.full_like(nxt, 300 + t)
+        with torch.no_grad():
+            ref = model(
+                input_ids=nxt, position_ids=pos, past_key_values=ref_cache, use_cache=True, logits_to_keep=1
+            ).logits[:, -1]
+        assert (got - ref).abs().max().item() <= 1e-2 * ref.abs().max().item(), t
+        nxt = ref.argmax(-1, keepdim=True)
+    assert dec.graph is not None and dec.length == ref_cache.get_seq_length() == 450
+    for mine, theirs in zip(dec.cache.quantized_caches(), ref_cache.quantized_caches()):
+        for a, b in zip(
+            mine if isinstance(mine, tuple) else (mine,), theirs if isinstance(theirs, tuple) else (theirs,)
+        ):
+            assert torch.equal(a.seqlens, b.seqlens) and torch.equal(a.k_codes, b.k_codes)
+    dec.check()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU and the flash_attn_tq_cuda extension")
+def test_generate_and_capacity():
+    model = llama("cuda", torch.float16)
+    prompt = torch.randint(0, 128, (1, 40), device="cuda")
+    dec = GraphDecoder(model, TQCache(model.config, max_cache_len=64))
+    out = dec.generate(prompt, max_new_tokens=25)
+    assert out.shape == (1, 65) and torch.equal(out[:, :40], prompt)
+    with pytest.raises(ValueError, match="cache full"):
+        dec.step(out[:, -1:])
+    with pytest.raises(ValueError, match="exceed max_cache_len"):
+        GraphDecoder(model, TQCache(model.config, max_cache_len=64)).generate(prompt, max_new_tokens=30)
