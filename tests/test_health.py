@@ -102,10 +102,12 @@ def test_off_by_default_and_nonfinite_still_raises():
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU, reason="needs a CUDA GPU and the flash_attn_tq_cuda extension")
 def test_health_inside_a_cuda_graph():
-    """The counters update inside a captured append (no host sync) and count each replay."""
+    """The counters update inside a captured append (the quantize-on-write kernel's float16 input; no
+    host sync) and count each replay."""
     cache = fa.QuantizedKVCache(1, 512, 2, 128, health=True, device="cuda")
-    cache.append(torch.randn(1, 64, 2, 128, device="cuda"), torch.randn(1, 64, 2, 128, device="cuda"))
-    k, v = torch.randn(1, 1, 2, 128, device="cuda"), torch.randn(1, 1, 2, 128, device="cuda")
+    kv = torch.randn(2, 1, 65, 2, 128, device="cuda", dtype=torch.float16)
+    cache.append(kv[0, :, :64], kv[1, :, :64])
+    k, v = kv[0, :, 64:], kv[1, :, 64:]
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
