@@ -164,3 +164,22 @@ def test_bench_generate_quick(tmp_path):
     assert row["tq_path"].startswith("quantized:")
     assert 0.0 <= row["tq_attn_wall_share"] <= 1.0
     assert "| llama8b |" in (out / "generate.md").read_text()
+
+
+def test_mean_error_offset_removes_the_mean_residual():
+    """The error-compensation study's correction: each vector's mean error over its rotated coordinates
+    goes into the offset, so the corrected residual has (float16-rounded) zero mean there and a smaller
+    norm; a simulation-only option, which TQCache refuses."""
+    from flash_attn_tq import QuantizedKVCache
+
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(2, 50, 2, 64, generator=g) + 0.5, torch.randn(2, 50, 2, 64, generator=g)
+    cache = QuantizedKVCache(2, 50, 2, 64, scale_only=False)
+    cache.append(k, v)
+    kd, vd = cache.dequantize(use_window=False)
+    kc, vc = eval_quality.Sim.mean_error_offset(cache, k, kd, v, vd)
+    for x, before, after, qz in ((k, kd, kc, cache.k_quantizer), (v, vd, vc, cache.v_quantizer)):
+        r_before, r_after = qz.rotate(x - before), qz.rotate(x - after)
+        assert r_after.mean(-1).abs().max() < 1e-2 < r_before.mean(-1).abs().max()
+        assert (r_after.norm(dim=-1) <= r_before.norm(dim=-1) + 1e-4).all()
+    assert eval_quality.simulation_only(eval_quality.CONFIGS["turbo3+rc+sink16+me"]) == ["mean_error"]
