@@ -165,9 +165,9 @@ class Attn:
 
 
 def quality(window: int, windows_per_text: int) -> dict:
+    import eval_quality
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-    import eval_quality
 
     tok, model = eval_quality.load_model(GGUF_DIR)
     AttentionInterface.register(ATTN_NAME, Attn.forward)

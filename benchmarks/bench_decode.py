@@ -345,11 +345,13 @@ def write_results(rows, pack_rows, meta, out_dir, name):
         f"commit {meta['commit']})",
         "",
         "µs are do_bench medians (random data, warm-up); speedup = fastest FP16 path (SDPA flash, SDPA cuDNN, "
-        "upstream FA2, our kv16 = this kernel body over the fp16 cache) / ours. 'kernel' is the fused op alone; 'API' is flash_attn_with_kvcache end to end "
+        "upstream FA2, our kv16 = this kernel body over the fp16 cache) / ours. 'kernel' is the fused op alone; "
+        "'API' is flash_attn_with_kvcache end to end "
         "(argument handling + the kernel), eager and replayed as a CUDA graph as serving engines "
         "run decode. GB/s = bytes that must be read (packed codes + metadata, or fp16 K/V) / time.",
         "",
-        "| B | S | Hq/Hk | d | tq3 kernel µs | tq3 API µs (eager) | tq3 API µs (graph) | SDPA flash µs | SDPA cuDNN µs | "
+        "| B | S | Hq/Hk | d | tq3 kernel µs | tq3 API µs (eager) | tq3 API µs (graph) | SDPA flash µs "
+        "| SDPA cuDNN µs | "
         "FA2 µs | kv16 µs | speedup (kernel) | speedup (API, graph) | tq3 GB/s | fp16 GB/s |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]

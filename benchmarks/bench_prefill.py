@@ -30,11 +30,11 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench_decode import bench, fill_cache, fmt, stamp, upstream_fa2  # noqa: E402
+
 import flash_attn_tq as fa  # noqa: E402
 from flash_attn_tq import ops  # noqa: E402
 from flash_attn_tq.cache import QuantizedKVCache  # noqa: E402
-
-from bench_decode import bench, fill_cache, fmt, stamp, upstream_fa2  # noqa: E402
 
 HQ, HK, D = 32, 8, 128
 
@@ -125,7 +125,9 @@ def write_results(prefill_rows, paged_rows, page_sizes, meta, out_dir, name):
         "ours) and attended. On Hopper the prefill kernel uses wgmma from 256 query rows a kv head "
         "(q_len 64 here); 'mma.sync' = its other variant (FLASH_ATTN_TQ_PREFILL_WGMMA=0), what other GPUs run.",
         "",
-        "| S | q_len | tq3 µs | FA2 µs | speedup | tq3 TFLOP/s | FA2 TFLOP/s | tq3 append µs | FA2 append µs | speedup (append) | tq3 (scale, offset) µs | speedup (scale, offset) | tq3 mma.sync µs | speedup (mma.sync) |",
+        "| S | q_len | tq3 µs | FA2 µs | speedup | tq3 TFLOP/s | FA2 TFLOP/s | tq3 append µs | FA2 append µs "
+        "| speedup (append) | tq3 (scale, offset) µs | speedup (scale, offset) | tq3 mma.sync µs "
+        "| speedup (mma.sync) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in prefill_rows:

@@ -23,6 +23,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_decode import bench, fill_cache, stamp  # noqa: E402
+
 from flash_attn_tq import ops  # noqa: E402
 
 SHAPES = [  # (B, S, Hq, Hk, d)

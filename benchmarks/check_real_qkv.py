@@ -54,6 +54,7 @@ def rel(a, b):
 def _rope_freqs(data):
     """The dumped model's RoPE frequencies (for the key_center='rope' configs)."""
     from transformers import LlamaConfig
+
     from flash_attn_tq.integrations.transformers import rope_inv_freq
 
     return rope_inv_freq(
@@ -104,6 +105,7 @@ def _head_options(config):
     """The per-head widths TQCache.calibrated(model, per_head=True) chose for SmolLM2 (results/
     head_sensitivity.json), else 9 heads with 8-bit keys spread over the layers."""
     from eval_quality import load_head_sensitivity
+
     from flash_attn_tq.integrations.calibration import allocate_head_bits
 
     H, L = config.num_key_value_heads, config.num_hidden_layers

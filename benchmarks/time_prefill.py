@@ -8,8 +8,9 @@ import triton.testing
 
 sys.path.insert(0, ".")
 sys.path.insert(0, "benchmarks")
-from flash_attn_tq import ops  # noqa: E402
 from bench_decode import fill_cache  # noqa: E402
+
+from flash_attn_tq import ops  # noqa: E402
 
 torch.manual_seed(0)
 res = []

@@ -13,7 +13,7 @@ import torch
 
 from flash_attn_tq import QuantizedKVCache
 from flash_attn_tq.format import code_bytes, pack_codes, unpack_codes
-from flash_attn_tq.quantizers import AsymQuantizer, TurboQuantizer
+from flash_attn_tq.quantizers import AsymQuantizer
 
 LAYOUTS = ["contiguous", "paged16", "paged32", "paged64", "paged16-shuffled", "paged32-shuffled"]
 

@@ -9,11 +9,12 @@ import zlib
 
 import pytest
 import torch
+from gpu_cases import DECODE_CASES, DEV, PREFILL_CASES, poison_allocator, shuffled_block_table
 
 import flash_attn_tq as fa
-from flash_attn_tq import baseline, format as fmt, ops
+from flash_attn_tq import baseline, ops
+from flash_attn_tq import format as fmt
 from flash_attn_tq.cache import QuantizedKVCache
-from gpu_cases import DECODE_CASES, DEV, PREFILL_CASES, poison_allocator, shuffled_block_table
 
 pytestmark = [
     pytest.mark.gpu,
@@ -628,8 +629,8 @@ def test_varlen_mixed_batch_on_the_fused_kernel():
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_decode_kernel_many_query_rows(dtype):
-    """1028 query rows a kv head (5 prefill CTAs of 256 rows along grid.z, the last with 4), causal, against float32 attention over
-    the dequantized cache."""
+    """1028 query rows a kv head (5 prefill CTAs of 256 rows along grid.z, the last with 4), causal,
+    against float32 attention over the dequantized cache."""
     cache, _, _ = _make_cache(2, [700, 1500], 2, 128, dtype=dtype, seed=17)
     q = torch.randn(2, 257, 8, 128, device=DEV, dtype=dtype)
     poison_allocator()

@@ -10,10 +10,10 @@ import zlib
 
 import pytest
 import torch
+from gpu_cases import DECODE_CASES, DEV, poison_allocator
 
 import flash_attn_tq as fa
 from flash_attn_tq import baseline, interface, ops
-from gpu_cases import DECODE_CASES, DEV, poison_allocator
 
 pytestmark = [
     pytest.mark.gpu,

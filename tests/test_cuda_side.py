@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gpu_cases import DEV, poison_allocator, shuffled_block_table
 
 import flash_attn_tq as fa
 from flash_attn_tq import baseline, ops
 from flash_attn_tq.cache import QuantizedKVCache, rope_turn
-from gpu_cases import DEV, poison_allocator, shuffled_block_table
 
 pytestmark = [
     pytest.mark.gpu,

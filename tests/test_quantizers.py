@@ -12,7 +12,6 @@ import pytest
 import torch
 from scipy import integrate, stats
 
-from flash_attn_tq import quantizers as Q
 from flash_attn_tq.quantizers import (
     AsymQuantizer,
     TurboQuantizer,
@@ -24,7 +23,6 @@ from flash_attn_tq.quantizers import (
     uniform_levels,
     uniform_step,
 )
-
 
 # ----------------------------------------------------------------------------- independent helpers
 

@@ -52,7 +52,6 @@ def oracle_attention(module, query, key, value, attention_mask, scaling=None, dr
         layer.commit()
     if layer is None or (layer.prefill == "full" and layer.chunk_start == 0):  # plain / protected / prefill
         ks, vs = key.double(), value.double()
-        kvalid = None
     else:
         kd, vd = layer.dequantize()
         ks, vs = kd.double().transpose(1, 2), vd.double().transpose(1, 2)
