@@ -100,3 +100,48 @@ def test_generate_and_capacity():
         dec.step(out[:, -1:])
     with pytest.raises(ValueError, match="exceed max_cache_len"):
         GraphDecoder(model, TQCache(model.config, max_cache_len=64)).generate(prompt, max_new_tokens=30)
+
+
+class ScriptedDecoder(GraphDecoder):
+    """GraphDecoder's generate() loop over scripted logits (no model, no graph): step t returns row t."""
+
+    def __init__(self, logits):
+        self.device, self.capacity, self.script, self.calls = torch.device("cpu"), 1000, logits, []
+
+    def prefill(self, input_ids):
+        self.calls.append(None)
+        return self.script[0]
+
+    def step(self, ids):
+        self.calls.append(ids.clone())
+        return self.script[len(self.calls) - 1]
+
+    def check(self):
+        pass
+
+
+def test_generate_greedy_eos_and_sampling():
+    from flash_attn_tq.integrations.graphs import sampling_probs
+
+    V, eos = 6, 5
+    one_hot = lambda *tokens: torch.nn.functional.one_hot(torch.tensor(tokens), V).float() * 10  # noqa: E731
+    script = [one_hot(1, 2), one_hot(eos, 3), one_hot(4, eos), one_hot(2, 2), one_hot(0, 0)]
+    prompt = torch.zeros(2, 3, dtype=torch.long)
+    out = ScriptedDecoder(script).generate(prompt, max_new_tokens=5)
+    assert out[:, 3:].tolist() == [[1, eos, 4, 2, 0], [2, 3, eos, 2, 0]]
+    dec = ScriptedDecoder(script)
+    out = dec.generate(prompt, max_new_tokens=5, eos_token_id=eos)
+    assert out[:, 3:].tolist() == [[1, eos, eos], [2, 3, eos]] and len(dec.calls) == 3  # both done: stop
+    # sampling: top_k=1 is greedy; the probabilities follow transformers' warpers
+    g = torch.Generator().manual_seed(0)
+    out = ScriptedDecoder(script).generate(prompt, max_new_tokens=5, do_sample=True, top_k=1, generator=g)
+    assert out[:, 3:].tolist() == [[1, eos, 4, 2, 0], [2, 3, eos, 2, 0]]
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    p = sampling_probs(logits, temperature=0.5)
+    torch.testing.assert_close(p, (logits / 0.5).softmax(-1))
+    p = sampling_probs(logits, top_p=0.7)  # softmax: 0.64, 0.24, ...: the first two reach 0.7
+    assert (p[0, :2] > 0).all() and (p[0, 2:] == 0).all()
+    torch.testing.assert_close(p[0, :2], logits[0, :2].softmax(-1))
+    assert (sampling_probs(logits, top_k=3)[0, 3] == 0) and sampling_probs(logits, top_p=0.1)[0, 0] == 1
+    with pytest.raises(ValueError, match="temperature"):
+        ScriptedDecoder(script).generate(prompt, 2, do_sample=True, temperature=0.0)

@@ -124,19 +124,65 @@ class GraphDecoder:
         self.cache.pack_errors.check()
 
     @torch.no_grad()
-    def generate(self, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
-        """Greedy decoding: ``input_ids [B, P]`` followed by ``max_new_tokens`` tokens, ``[B, P + max_new_tokens]``."""
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int,
+        *,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        eos_token_id: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """``input_ids [B, P]`` followed by up to ``max_new_tokens`` tokens: greedy, or sampled
+        (``do_sample``, with ``temperature``, ``top_k``, ``top_p`` as transformers applies them) with
+        ``generator``. With ``eos_token_id`` a sequence that emits it continues with it, and decoding
+        stops once every sequence has (``[B, P + n]``, n <= max_new_tokens)."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if input_ids.shape[1] + max_new_tokens > self.capacity + 1:
             raise ValueError(
                 f"{input_ids.shape[1]} prompt + {max_new_tokens} new tokens exceed max_cache_len={self.capacity}"
             )
+        if do_sample and temperature <= 0:
+            raise ValueError(f"temperature must be > 0 when sampling, got {temperature}")
+
+        def choose(logits: torch.Tensor) -> torch.Tensor:
+            if not do_sample:
+                return logits.argmax(-1, keepdim=True)
+            return torch.multinomial(sampling_probs(logits, temperature, top_k, top_p), 1, generator=generator)
+
         out = [input_ids.to(self.device)]
-        nxt = self.prefill(input_ids).argmax(-1, keepdim=True)
+        nxt = choose(self.prefill(input_ids))
+        done = None if eos_token_id is None else nxt[:, 0] == eos_token_id
         out.append(nxt)
         for _ in range(max_new_tokens - 1):
-            nxt = self.step(nxt).argmax(-1, keepdim=True)
+            if done is not None and bool(done.all()):
+                break
+            nxt = choose(self.step(nxt))
+            if done is not None:
+                nxt = torch.where(done[:, None], torch.full_like(nxt, eos_token_id), nxt)
+                done = done | (nxt[:, 0] == eos_token_id)
             out.append(nxt)
         self.check()
         return torch.cat(out, 1)
+
+
+def sampling_probs(
+    logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None
+) -> torch.Tensor:
+    """float32 probabilities ``[B, vocab]`` from ``logits [B, vocab]``: divided by ``temperature``, then
+    only the ``top_k`` largest kept, then the smallest set whose probability reaches ``top_p`` (the
+    most likely token always stays), as transformers' logits warpers do."""
+    x = logits.float() / temperature
+    if top_k is not None and 0 < top_k < x.shape[-1]:
+        kth = x.topk(top_k, dim=-1).values[:, -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_x, order = x.sort(dim=-1, descending=True)
+        cum = sorted_x.softmax(-1).cumsum(-1)
+        drop = cum - sorted_x.softmax(-1) >= top_p  # the mass before a token already reaches top_p
+        x = x.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return x.softmax(-1)
