@@ -101,3 +101,36 @@ def test_bad_options_are_usage_errors():
         with pytest.raises(SystemExit) as e:
             verify.main(SMALL + bad)
         assert e.value.code == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or not flash_attn_tq.ops.extension_available(),
+    reason="needs a CUDA GPU and the flash_attn_tq_cuda extension",
+)
+@pytest.mark.parametrize(
+    "extra",
+    [
+        [],
+        [
+            "--head-dim",
+            "64",
+            "--sink-tokens",
+            "16",
+            "--fp16-window",
+            "112",
+            "--key-center",
+            "rope",
+            "--dtype",
+            "bfloat16",
+        ],
+        ["--page-size", "256", "--seqlen-q", "300", "--k-bits", "4"],
+    ],
+)
+def test_shapes_pass_on_the_gpu(extra, capsys):
+    """The same checks through the fused kernels (default options, the default cache's side and RoPE
+    center in bf16, a paged prefill-sized chunk)."""
+    args = ["--batch", "2", "--seqlen", "1000", "--q-heads", "8", "--kv-heads", "2", "--device", "cuda"]
+    assert verify.main(args + extra) == 0
+    out = capsys.readouterr().out
+    assert "all checks passed" in out and "path: quantized:fused-cuda" in out
