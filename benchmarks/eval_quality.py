@@ -86,6 +86,7 @@ BASE = dict(
     k_hcal_8bit_units=None,
     recent_window=0,
     recent_bits=(4, 4),
+    mean_error=False,
 )
 
 
@@ -308,6 +309,21 @@ CONFIGS.update(
     }
 )
 
+# Error compensation: each vector's mean quantization error (over its rotated coordinates) added to
+# its stored offset (mean_error; simulation only). It needs the offset (scale_only=False: 16 bits a
+# vector, what the default spends on 4-bit keys instead), so it is compared at equal bits with the
+# same cache without it and with the default. The other compensation measured, a residual sign
+# sketch at the same bits, is the K2qjl rows above.
+_ME = dict(_RC, sink_tokens=16, rope_center="exact", scale_only=False)
+CONFIGS.update(
+    {
+        "turbo3+rc+sink16+w112": _cfg(fp16_window=112, **_ME),
+        "turbo3+rc+sink16+w112+me": _cfg(fp16_window=112, mean_error=True, **_ME),
+        "turbo3+rc+sink16": _cfg(**_ME),
+        "turbo3+rc+sink16+me": _cfg(mean_error=True, **_ME),
+    }
+)
+
 DEFAULT = "Kcal34+copy1+rc+sink16+w112"  # = TQCache.calibrated(model) (flash_attn_tq.integrations.transformers)
 NO_WINDOW_DEFAULT = "Kcal34+copy1+rc+sink16+r128@K4V4"  # (calibrated(model, **NO_FP16_WINDOW): a 4-bit recent band)
 UNCALIBRATED_DEFAULT = "K3.5mix(last)+V3+rc+sink16+w112"  # = TQCache(config): 4-bit keys in the last layers
@@ -419,7 +435,7 @@ def tq_options(cfg):
 
 def simulation_only(cfg) -> list[str]:
     """The options of a config that only the simulation implements (no TQCache equivalent)."""
-    out = [k for k in ("klt", "qjl", "value_center", *RESEARCH_TRANSFORMS) if cfg and cfg.get(k)]
+    out = [k for k in ("klt", "qjl", "value_center", "mean_error", *RESEARCH_TRANSFORMS) if cfg and cfg.get(k)]
     if cfg and cfg.get("rope_center") not in (None, False, "exact"):
         out.append(f"rope_center={cfg['rope_center']}")
     return out
@@ -469,7 +485,7 @@ def resolve(cfg, model):
     opts = tq_options(cfg)
     opts.pop("k_bits")
     if cfg.get("rope_center") and not cfg.get("cal_own_center"):  # the bits placed as measured with the
-        opts["key_center"] = True  # post-RoPE centering (the session-12 tables; "Kcal34rc": with its own)
+        opts["key_center"] = True  # post-RoPE centering (as TQCache.calibrated places them; "Kcal34rc": with its own)
     prot = protected_layers(cfg, L)
     tokens = cfg.get("k_cal_tokens", 1024)
     key = (tuple(sorted(opts.items())), tuple(sorted(prot)), tuple(cfg["k_cal"]), tokens)
@@ -775,6 +791,8 @@ class Sim:
             ).transpose(1, 2)
         cache.append(k, v)
         kd, vd = cache.dequantize(use_window=False)
+        if cfg.get("mean_error"):
+            kd, vd = Sim.mean_error_offset(cache, k, kd, v, vd)
         if tf is not None:  # back from the transformed domain the cache held
             kd, vd = tf.keys_back(kd), tf.values(vd)
         kh[:, :, s0:] = (kd if shift is None else kd + shift).transpose(1, 2)
@@ -786,6 +804,19 @@ class Sim:
             proj = Sim.projection(D).to(r.device)
             Sim.sketch = (torch.sign(r @ proj.T), r.norm(dim=-1).half().float())
         return kh, vh, k16, v16
+
+    @staticmethod
+    def mean_error_offset(cache, k, kd, v, vd):
+        """The dequantized ``kd, vd [B, n, H, D]`` with each vector's mean error over its rotated
+        coordinates added to its offset (rounded to float16): the error along the rotated all-ones
+        direction removed. A key transform (centering) shifts a key and its reconstruction alike, so
+        the error is the same in the domain the cache coded."""
+        out = []
+        for x, xd, qz in ((k, kd, cache.k_quantizer), (v, vd, cache.v_quantizer)):
+            xdr = qz.rotate(xd.float())
+            m = (qz.rotate(x.float()) - xdr).mean(-1, keepdim=True).half().float()
+            out.append(qz.unrotate(xdr + m))
+        return out[0], out[1]
 
     inv_freq = None  # the model's RoPE frequencies (rotate-half convention), for rope_center
 
