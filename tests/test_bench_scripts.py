@@ -183,3 +183,22 @@ def test_mean_error_offset_removes_the_mean_residual():
         assert r_after.mean(-1).abs().max() < 1e-2 < r_before.mean(-1).abs().max()
         assert (r_after.norm(dim=-1) <= r_before.norm(dim=-1) + 1e-4).all()
     assert eval_quality.simulation_only(eval_quality.CONFIGS["turbo3+rc+sink16+me"]) == ["mean_error"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU and the flash_attn_tq_cuda extension")
+def test_product_path_graph_matches_eager():
+    """eval_quality --graph: the decode steps as CUDA graphs give the eager product path's log-probs."""
+    from flash_attn_tq import ops
+    from flash_attn_tq.integrations.transformers import ATTN_IMPLEMENTATION
+
+    if not ops.extension_available():
+        pytest.skip("the CUDA extension is not built")
+    model = tiny_smol().cuda().half()
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    cfg = eval_quality.CONFIGS["K3.5mix(last)+V3+rc+sink16+w112"]
+    seqs = torch.randint(0, VOCAB, (2, 400), device="cuda")
+    eager = eval_quality.decode_log_probs(model, seqs, 300, eval_quality.tq_cache(model, cfg))
+    graph = eval_quality.decode_log_probs_graph(model, seqs, 300, eval_quality.tq_cache(model, cfg, max_cache_len=400))
+    assert graph.shape == eager.shape == (2, 100, VOCAB)
+    assert (graph - eager).abs().max().item() < 2e-2
