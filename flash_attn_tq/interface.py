@@ -273,40 +273,19 @@ def flash_attn_with_kvcache(
     cache's ``seqlens`` are advanced. Returns out (batch, seqlen_q, nheads, headdim)
     [, softmax_lse (batch, nheads, seqlen_q) float32].
     """
-    if isinstance(kv_cache, cpu.CpuQuantizedKVCache) or isinstance(k_cache, cpu.CpuQuantizedKVCache):
+    if kv_cache is not None or isinstance(k_cache, (QuantizedKVCache, cpu.CpuQuantizedKVCache)):
         cache = kv_cache if kv_cache is not None else k_cache
         if v_cache is not None and v_cache is not cache:
-            raise ValueError("v_cache: pass None (or the same cache) when k_cache is a CpuQuantizedKVCache")
-        _check_query(q, cache)
-        _LAST_PATH.set("quantized:cpu-int8-keys")
-        return cpu.flash_attn_with_kvcache(
+            raise ValueError(f"v_cache: pass None (or the same cache) when k_cache is a {type(cache).__name__}")
+        if isinstance(cache, cpu.CpuQuantizedKVCache):
+            _check_query(q, cache)
+            _LAST_PATH.set("quantized:cpu-int8-keys")
+            attend = cpu.flash_attn_with_kvcache
+        else:
+            attend = _quantized_kvcache
+        return attend(
             q,
             cache,
-            k,
-            v,
-            rotary_cos,
-            rotary_sin,
-            cache_seqlens,
-            cache_batch_idx,
-            cache_leftpad,
-            block_table,
-            softmax_scale,
-            causal,
-            window_size,
-            softcap,
-            rotary_interleaved,
-            alibi_slopes,
-            num_splits,
-            return_softmax_lse,
-        )
-    if kv_cache is None and isinstance(k_cache, QuantizedKVCache):
-        kv_cache = k_cache
-    if kv_cache is not None:
-        if v_cache is not None and v_cache is not kv_cache:
-            raise ValueError("v_cache: pass None (or the same QuantizedKVCache) when k_cache is a QuantizedKVCache")
-        return _quantized_kvcache(
-            q,
-            kv_cache,
             k,
             v,
             rotary_cos,
