@@ -336,39 +336,18 @@ class TQCache(Cache):
         )
 
     @classmethod
-    def calibrated(
-        cls,
-        model,
-        *,
-        per_head: bool = False,
-        bits: Iterable[int] | None = None,
-        widths: Iterable[tuple[int, int]] | None = None,
-        fine_budget: int | None = None,
-        copy_heads: int | None = None,
-        sensitivity: Mapping[tuple, float] | None = None,
-        copy_sensitivity: Mapping[tuple, float] | None = None,
-        **kwargs,
-    ) -> "TQCache":
+    def calibrated(cls, model, **kwargs) -> "TQCache":
         """A TQCache for ``model`` with its widths measured on the model itself, once per model (keep
         ``cache.layer_options`` / ``cache.head_options`` to reuse them), in the default's bits budget
         (3.5 bits/element at head_dim 64, 3.25 at 128): ``copy_heads`` kv heads at K8V8 where copying
         needs them, then 4-bit keys in the most sensitive layers (``per_head=True``: (K, V) widths a
-        kv head). The arguments and the cost of each measurement: :func:`flash_attn_tq.integrations.
-        calibration.calibrated_cache`. ``kwargs``: TQCache options (``layer_options`` on top)."""
+        kv head). The measurement's keyword arguments (``per_head``, ``bits``, ``widths``,
+        ``fine_budget``, ``copy_heads``, ``sensitivity``, ``copy_sensitivity``) and their costs:
+        :func:`flash_attn_tq.integrations.calibration.calibrated_cache`; the other ``kwargs`` are
+        TQCache options (``layer_options`` on top)."""
         from .calibration import calibrated_cache
 
-        return calibrated_cache(
-            cls,
-            model,
-            per_head=per_head,
-            bits=bits,
-            widths=widths,
-            fine_budget=fine_budget,
-            copy_heads=copy_heads,
-            sensitivity=sensitivity,
-            copy_sensitivity=copy_sensitivity,
-            **kwargs,
-        )
+        return calibrated_cache(cls, model, **kwargs)
 
     def layer_cache_kwargs(self, idx: int) -> dict:
         """The QuantizedKVCache options of layer ``idx`` (the TQCache's, with its layer_options)."""
