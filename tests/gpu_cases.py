@@ -4,9 +4,21 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
+from flash_attn_tq import ops
+
 DEV = "cuda"
+
+# the marks of a GPU test module (pytestmark = NEEDS_GPU): selected by -m gpu, skipped without the extension
+NEEDS_GPU = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or not ops.extension_available(),
+        reason="needs a CUDA GPU and the flash_attn_tq_cuda extension",
+    ),
+]
 
 DECODE_CASES = [
     # batch, seqlens, q heads, kv heads, seqlen_q

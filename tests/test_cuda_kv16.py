@@ -10,18 +10,12 @@ import zlib
 
 import pytest
 import torch
-from gpu_cases import DECODE_CASES, DEV, poison_allocator
+from gpu_cases import DECODE_CASES, DEV, NEEDS_GPU, poison_allocator
 
 import flash_attn_tq as fa
 from flash_attn_tq import baseline, interface, ops
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not torch.cuda.is_available() or not ops.extension_available(),
-        reason="needs a CUDA GPU and the flash_attn_tq_cuda extension",
-    ),
-]
+pytestmark = NEEDS_GPU
 
 
 def _kv(batch, capacity, hk, d, dtype, seed, seqlens=None):

@@ -9,19 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gpu_cases import DEV, poison_allocator, shuffled_block_table
+from gpu_cases import DEV, NEEDS_GPU, poison_allocator, shuffled_block_table
 
 import flash_attn_tq as fa
-from flash_attn_tq import baseline, ops
+from flash_attn_tq import baseline
 from flash_attn_tq.cache import QuantizedKVCache, rope_turn
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not torch.cuda.is_available() or not ops.extension_available(),
-        reason="needs a CUDA GPU and the flash_attn_tq_cuda extension",
-    ),
-]
+pytestmark = NEEDS_GPU
 
 
 def _cache(
