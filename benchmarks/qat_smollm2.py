@@ -30,8 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -43,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from bench_cpu import commit, cpu_model  # noqa: E402
 from eval_quality import ensure_model, load_model  # noqa: E402
 
 from flash_attn_tq.integrations.transformers import ATTN_IMPLEMENTATION, TQCache  # noqa: E402
@@ -50,25 +49,6 @@ from flash_attn_tq.qat import register_fake_quant_attention  # noqa: E402
 
 LICENSES = Path("/usr/share/common-licenses")
 TRAINABLE = {"qkv": ("q_proj", "k_proj", "v_proj"), "qkvo": ("q_proj", "k_proj", "v_proj", "o_proj")}
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def tokens(tok, path: Path) -> torch.Tensor:
@@ -259,7 +239,7 @@ def main(argv=None):
 
     res = dict(
         stamp=dict(
-            cpu=cpu_name(),
+            cpu=cpu_model(),
             threads=torch.get_num_threads(),
             torch=torch.__version__,
             transformers=transformers.__version__,
