@@ -217,6 +217,53 @@ def run_production(B, S, Hq, Hk, d, dtype=torch.float16):
     return row
 
 
+PRODUCTION_PREFILL = [(S, n) for S in (8192, 16384, 32768) for n in (512, 1024, 2048)]  # (S, q_len)
+
+
+def run_production_prefill(S, q_len, Hq=32, Hk=8, d=128, dtype=torch.float16):
+    """One prefill row of production.json: a chunk of q_len queries over a cache of S tokens that holds
+    it (B=1, causal), the plain and the default cache (layers weighted as in run_production) beside
+    upstream FA2 over the fp16 cache when it is importable."""
+    q = torch.randn(1, q_len, Hq, d, device="cuda", dtype=dtype)
+    row = {"S": S, "q_len": q_len}
+    plain, k, v = fill_cache(1, S, Hk, d, dtype)
+    f2 = upstream_fa2()
+    seq = torch.full((1,), S, dtype=torch.int32, device="cuda")
+    row["fa2_us"] = bench(lambda: f2(q, k, v, cache_seqlens=seq, causal=True)) if f2 else None
+    call = lambda c: lambda: fa.flash_attn_with_kvcache(q, c, causal=True)  # noqa: E731
+    row["plain_us"] = bench(call(plain))
+    del plain, k, v
+    torch.cuda.empty_cache()
+    n4 = round(DEFAULT_LAYERS * 32 / d)
+    total = 0.0
+    for name, kb, vb, layers in (("k3", 3, 3, DEFAULT_LAYERS - n4 - 1), ("k4", 4, 3, n4)):
+        c = fill_default(1, S, Hk, d, dtype, kb, vb)
+        fn = call(c)
+        fn()
+        assert fa.last_path() == "quantized:fused-cuda", fa.last_path()
+        row[f"{name}_us"] = bench(fn)
+        total += layers * row[f"{name}_us"]
+        del c
+        torch.cuda.empty_cache()
+    wide, rest = fill_default(1, S, 1, d, dtype, 8, 8), fill_default(1, S, Hk - 1, d, dtype)
+    G = Hq // Hk
+    q_wide, q_rest = q[:, :, :G].contiguous(), q[:, :, G:].contiguous()
+    out = torch.empty_like(q)
+
+    def mixed():
+        out[:, :, :G] = fa.flash_attn_with_kvcache(q_wide, wide, causal=True)
+        out[:, :, G:] = fa.flash_attn_with_kvcache(q_rest, rest, causal=True)
+
+    row["mixed_us"] = bench(mixed)
+    row["default_us"] = (total + row["mixed_us"]) / DEFAULT_LAYERS
+    if row["fa2_us"]:
+        row["plain_vs_fa2"] = row["fa2_us"] / row["plain_us"]
+        row["default_vs_fa2"] = row["fa2_us"] / row["default_us"]
+    del wide, rest
+    torch.cuda.empty_cache()
+    return row
+
+
 def write_production(rows, meta, out_dir, prefill=(), generate=()):
     """production.json / .md / .png; ``generate``: rows of benchmarks/bench_generate.py."""
     os.makedirs(out_dir, exist_ok=True)
@@ -243,6 +290,25 @@ def write_production(rows, meta, out_dir, prefill=(), generate=()):
             f"{r['default_eager_us'] / r['plain_eager_us']:.2f}x | {fmt(r['k3_us'])} | {fmt(r['k4_us'])} | "
             f"{fmt(r['mixed_us'])} |"
         )
+    if prefill:
+        lines += [
+            "",
+            "## Chunked prefill over the default cache",
+            "",
+            "B=1, 32/8 heads, d 128, fp16: a chunk of q_len queries over a cache of S tokens that holds it, "
+            "causal, flash_attn_with_kvcache eager, µs. FA2: upstream 2.8.3 over the fp16 cache; default: the "
+            "layers weighted as above (the copy-head layer's K8V8 head runs the decode kernel).",
+            "",
+            "| S | q_len | FA2 | plain | default | FA2 / plain | FA2 / default | K3V3 layer | K4V3 layer | "
+            "copy-head layer |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in prefill:
+            lines.append(
+                f"| {r['S']} | {r['q_len']} | {fmt(r['fa2_us'])} | {fmt(r['plain_us'])} | {fmt(r['default_us'])} | "
+                f"{fmt(r.get('plain_vs_fa2'), '.2f')}x | {fmt(r.get('default_vs_fa2'), '.2f')}x | "
+                f"{fmt(r['k3_us'])} | {fmt(r['k4_us'])} | {fmt(r['mixed_us'])} |"
+            )
     if generate:
         lines += [
             "",
@@ -422,11 +488,14 @@ def main():
         sys.exit("bench_decode needs a CUDA GPU and the built extension")
     torch.manual_seed(0)
     if args.production:
-        rows = []
+        rows, prefill = [], []
         for shp in PRODUCTION_SHAPES:
             rows.append(run_production(*shp))
             print(rows[-1], flush=True)
-        write_production(rows, stamp(), args.out)
+        for shp in PRODUCTION_PREFILL:
+            prefill.append(run_production_prefill(*shp))
+            print(prefill[-1], flush=True)
+        write_production(rows, stamp(), args.out, prefill=prefill)
         return
     rows = []
     for shp in [] if args.pack_only else ISSUE_SHAPES:

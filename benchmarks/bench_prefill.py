@@ -9,6 +9,9 @@ cache of S tokens that already holds the chunk: B=1, 32 q heads / 8 kv heads, he
   kernel) over the 3-bit turbo cache (default format: codes + one fp16 scale a vector);
 * ``tq3_append``: ``flash_attn_with_kvcache(q, cache, k=k_new, v=v_new, causal=True)`` end to end:
   the chunk quantized into the cache (pack kernel) and then attended;
+* ``default_kernel``: ``flash_attn_with_kvcache(q, cache, causal=True)`` over the default cache's
+  3-bit layer (16 sinks and a 112-token window in 16-bit, keys centered before RoPE:
+  ``bench_decode.DEFAULT_OPTS``; ``bench_decode.py --production`` weighs every kind of layer);
 * ``tq3o_kernel``: the same over a cache that also stores the offset (``scale_only=False``: fp16
   (scale, offset) a vector, the format asym always uses; the kernel adds the K/V offset terms);
 * ``fa2`` / ``fa2_append``: upstream ``flash_attn_with_kvcache`` on the fp16 cache, the same two ways.
@@ -30,7 +33,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench_decode import bench, fill_cache, fmt, stamp, upstream_fa2  # noqa: E402
+from bench_decode import bench, fill_cache, fill_default, fmt, stamp, upstream_fa2  # noqa: E402
 
 import flash_attn_tq as fa  # noqa: E402
 from flash_attn_tq import ops  # noqa: E402
@@ -63,6 +66,9 @@ def run_prefill(S: int, q_len: int, dtype=torch.float16) -> dict:
         lambda: ops.decode(q, cache_o.seqlens, None, D**-0.5, True, 0, **cache_o.kernel_args(q.shape[0]))
     )
     del cache_o
+    cache_d = fill_default(1, S, HK, D, dtype)
+    row["default_kernel"] = bench(lambda: fa.flash_attn_with_kvcache(q, cache_d, causal=True))
+    del cache_d
 
     def tq3_append():  # re-appends the chunk at S - q_len each call (the cache ends where it was)
         return fa.flash_attn_with_kvcache(q, cache, k=k_new, v=v_new, cache_seqlens=S - q_len, causal=True)
@@ -82,6 +88,7 @@ def run_prefill(S: int, q_len: int, dtype=torch.float16) -> dict:
         row["fa2_TFLOPs"] = flops / row["fa2"] / 1e6
         row["speedup"] = row["fa2"] / row["tq3_kernel"]
         row["speedup_offset"] = row["fa2"] / row["tq3o_kernel"]
+        row["speedup_default"] = row["fa2"] / row["default_kernel"]
         row["speedup_sync"] = row["fa2"] / row["tq3_sync_kernel"]
         row["speedup_append"] = row["fa2_append"] / row["tq3_append"]
     del cache, k, v
@@ -123,12 +130,14 @@ def write_results(prefill_rows, paged_rows, page_sizes, meta, out_dir, name):
         "of S tokens that holds them. µs are do_bench medians; speedup = FA2 time / ours. 'append' = the "
         "whole flash_attn_with_kvcache call with k/v: the chunk is written into the cache (quantized for "
         "ours) and attended. On Hopper the prefill kernel uses wgmma from 256 query rows a kv head "
-        "(q_len 64 here); 'mma.sync' = its other variant (FLASH_ATTN_TQ_PREFILL_WGMMA=0), what other GPUs run.",
+        "(q_len 64 here); 'mma.sync' = its other variant (FLASH_ATTN_TQ_PREFILL_WGMMA=0), what other GPUs run. "
+        "'default cache' = the default's 3-bit layer (16 sinks and 112 recent tokens in 16-bit, keys centered "
+        "before RoPE) through flash_attn_with_kvcache.",
         "",
         "| S | q_len | tq3 µs | FA2 µs | speedup | tq3 TFLOP/s | FA2 TFLOP/s | tq3 append µs | FA2 append µs "
         "| speedup (append) | tq3 (scale, offset) µs | speedup (scale, offset) | tq3 mma.sync µs "
-        "| speedup (mma.sync) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| speedup (mma.sync) | default cache µs | speedup (default) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in prefill_rows:
         lines.append(
@@ -136,7 +145,8 @@ def write_results(prefill_rows, paged_rows, page_sizes, meta, out_dir, name):
             f"{fmt(r.get('speedup'), '.2f')}x | {fmt(r['tq3_TFLOPs'], '.0f')} | {fmt(r.get('fa2_TFLOPs'), '.0f')} | "
             f"{fmt(r['tq3_append'])} | {fmt(r['fa2_append'])} | {fmt(r.get('speedup_append'), '.2f')}x | "
             f"{fmt(r['tq3o_kernel'])} | {fmt(r.get('speedup_offset'), '.2f')}x | "
-            f"{fmt(r.get('tq3_sync_kernel'))} | {fmt(r.get('speedup_sync'), '.2f')}x |"
+            f"{fmt(r.get('tq3_sync_kernel'))} | {fmt(r.get('speedup_sync'), '.2f')}x | "
+            f"{fmt(r.get('default_kernel'))} | {fmt(r.get('speedup_default'), '.2f')}x |"
         )
     lines += [
         "",

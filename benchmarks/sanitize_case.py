@@ -57,7 +57,7 @@ for opts in (
         torch.randn(2, 300, 2, 64, device="cuda", dtype=torch.float16),
         torch.randn(2, 300, 2, 64, device="cuda", dtype=torch.float16),
     )
-    for rows in (1, 40):
+    for rows in (1, 40, 70):  # 70 x 4 rows a kv head: the prefill kernel (RoPE center: its table) + side launch
         for splits in (1, 3):
             outs = fa.flash_attn_with_kvcache(
                 torch.randn(2, rows, 8, 64, device="cuda", dtype=torch.float16), side, causal=True, num_splits=splits

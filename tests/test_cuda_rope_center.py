@@ -107,7 +107,8 @@ def _check(q, cache, out, lse, causal, seqlens):
 
 
 ROPE_CASES = DECODE_CASES + [
-    (2, [300, 1500], 8, 2, 64, True),  # 256 rows a kv head: the decode kernel serves it (no prefill kernel)
+    (2, [300, 1500], 8, 2, 64, True),  # 256 rows a kv head: the prefill kernel (Hopper; else the decode kernel)
+    (1, [1333], 12, 4, 111, True),  # 333 rows, an odd chunk over a long cache
 ]
 
 

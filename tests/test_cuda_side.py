@@ -145,6 +145,40 @@ def test_side_chunk(seqlen_q, center):
     _check(q, cache, out, lse, causal=True)
 
 
+PREFILL_SIDES = [(16, 112), (0, 64), (5, 0)]  # (sinks, window): the default's, a window alone, odd sinks alone
+
+
+@pytest.mark.parametrize("seqlen_q", [77, 300])
+@pytest.mark.parametrize("sinks,window", PREFILL_SIDES)
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("center", [False, True, "rope"])
+def test_side_prefill_kernel(seqlen_q, sinks, window, d, dtype, center):
+    """Chunks of 256+ query rows a kv head: the prefill kernel over the codes between the sinks and the
+    ring (with the RoPE center: its table added into the expanded keys), the side as one more launch."""
+    seqlens = [seqlen_q + 10, seqlen_q + 1500]
+    cache = _cache(2, seqlens, 2, d, sinks=sinks, window=window, center=center, dtype=dtype, seed=seqlen_q)
+    q = torch.randn(2, seqlen_q, 8, d, device=DEV, dtype=dtype)
+    poison_allocator()
+    out, lse = fa.flash_attn_with_kvcache(q, cache, causal=True, return_softmax_lse=True)
+    assert fa.last_path() == "quantized:fused-cuda"
+    _check(q, cache, out, lse, causal=True)
+
+
+@pytest.mark.parametrize("page_size,num_splits", [(32, 0), (256, 1), (None, 3)])
+def test_side_prefill_kernel_pages_splits_rows(page_size, num_splits):
+    """The prefill kernel with the default's side and RoPE center over pages, forced splits and rows
+    picked by cache_batch_idx."""
+    cache = _cache(3, [900, 400, 2100], 2, 128, sinks=16, window=112, center="rope", page_size=page_size)
+    rows = torch.tensor([2, 0], dtype=torch.int32, device=DEV)
+    q = torch.randn(2, 130, 8, 128, device=DEV, dtype=torch.float16)
+    out, lse = fa.flash_attn_with_kvcache(
+        q, cache, cache_batch_idx=rows, causal=True, num_splits=num_splits, return_softmax_lse=True
+    )
+    assert fa.last_path() == "quantized:fused-cuda"
+    _check(q, cache, out, lse, causal=True, rows=rows)
+
+
 @pytest.mark.parametrize("page_size", [32, 256])
 @pytest.mark.parametrize("center", [False, "rope"])
 def test_side_paged(page_size, center):

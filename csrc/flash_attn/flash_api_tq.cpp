@@ -204,20 +204,27 @@ std::tuple<at::Tensor, at::Tensor> run_decode_op(Store store, DecodeParams &p, c
     const bool side = p.side_k != nullptr;
     TQ_CHECK(!(side || p.codes_tail > 0) || !p.local(),
              "a 16-bit side or codes_tail does not combine with window_size, softcap or cache_leftpad");
-    // (8-bit keys: the decode kernel for every row count; no prefill instantiations for them; the
-    // RoPE center, a 16-bit side or a tail: the decode kernel too, which takes any row count)
-    const bool prefill = store == Store::kPacked && p.rope_center == nullptr && !side && p.codes_tail == 0 &&
-                         rows >= kPrefillMinRows &&
-                         has_prefill(q.scalar_type(), d, k_bits, v_bits, p.meta_words == 1) && prefill_fits();
+    bool wgmma = false;  // Hopper's wgmma variant of the prefill kernel (FLASH_ATTN_TQ_PREFILL_WGMMA=0: the mma.sync one)
 #ifdef FLASH_TQ_SM90A
-    if (prefill) {  // Hopper's wgmma variant of the prefill kernel (FLASH_ATTN_TQ_PREFILL_WGMMA=0: the mma.sync one)
+    if (rows >= kWgmmaMinRows) {
         int major = 0, minor = 0;
         C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, q.get_device()));
         C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, q.get_device()));
         const char *env = std::getenv("FLASH_ATTN_TQ_PREFILL_WGMMA");
-        p.use_wgmma = major == 9 && minor == 0 && rows >= kWgmmaMinRows && !(env != nullptr && env[0] == '0');
+        wgmma = major == 9 && minor == 0 && !(env != nullptr && env[0] == '0');
     }
 #endif
+    // (8-bit keys: the decode kernel for every row count, no prefill instantiations for them; the RoPE
+    // center: the wgmma variant only, else the decode kernel too, which takes any row count)
+    const bool prefill = store == Store::kPacked && rows >= kPrefillMinRows && (p.rope_center == nullptr || wgmma) &&
+                         has_prefill(q.scalar_type(), d, k_bits, v_bits, p.meta_words == 1) && prefill_fits();
+    p.use_wgmma = prefill && wgmma;
+    at::Tensor rope_table;
+    if (prefill && p.rope_center != nullptr) {  // v(p) / |c| of every position (rope_table_kernel), for this call
+        rope_table = at::empty({b, h_k, max_seqlen_k, d}, q.options());
+        p.rope_table = rope_table.data_ptr();
+        p.rope_table_len = max_seqlen_k;
+    }
     const int rows_per_cta = prefill ? kPrefillRowsPerCta : (rows <= 8 ? 8 : 16);
     // a prefill CTA (8 warps, one an SM) counts as two 4-warp decode CTAs in the split heuristic
     const int ctas = b * h_k * ((rows + rows_per_cta - 1) / rows_per_cta) * (prefill ? 2 : 1);
@@ -225,8 +232,9 @@ std::tuple<at::Tensor, at::Tensor> run_decode_op(Store store, DecodeParams &p, c
     C10_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, q.get_device()));
     // keys a row can see at most: the local window's span when there is one
     const int span = p.window_left >= 0 ? std::min<int64_t>(max_seqlen_k, p.window_left + seqlen_q + 1) : max_seqlen_k;
-    p.num_splits =
-        num_splits > 0 ? static_cast<int>(num_splits) : choose_num_splits(ctas, span, num_sms, side ? 58 : 38);
+    // (the decode kernel's side CTAs share its launch; the prefill kernel's side is a launch of its own)
+    p.num_splits = num_splits > 0 ? static_cast<int>(num_splits)
+                                  : choose_num_splits(ctas, span, num_sms, side && !prefill ? 58 : 38);
     p.num_splits += side ? 1 : 0;  // the side pass: one more split, merged by the combine kernel
     at::Tensor out_accum, lse_accum;
     if (p.num_splits > 1) {

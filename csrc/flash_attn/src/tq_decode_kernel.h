@@ -470,6 +470,13 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_split_kernel(const D
     }
 }
 
+// The side pass alone (split num_splits - 1; the prefill kernel's launch runs the codes): launch_side.
+template <typename Traits>
+__global__ void __launch_bounds__(Traits::kNThreads) decode_side_kernel(const DecodeParams p) {
+    extern __shared__ __align__(16) char smem[];
+    split_body<SideTraits<Traits>, Paging::kNone, false, false, Part::kSide>(p, smem, p.num_splits - 1, blockIdx.y);
+}
+
 // The end of a merged row: o (the lane's kV elements of sum_s w_s o_s, w_s = exp(lse_s - use)) over
 // total = sum_s w_s, rotated back (turbo), to out; lse = use + log(total) (+inf without keys).
 template <typename Elem, int kHeadDim>

@@ -49,6 +49,10 @@ struct DecodeParams {
     int64_t rope_center_batch_stride;
     const float *rope_inv_freq;
     int rope_offset;
+    // The prefill kernel's form of that term: H R(pos) c of every key position, in the codes' domain
+    // and the loader's K slot order (rope_table_kernel), [b, h_k, rope_table_len, d] in q's dtype.
+    const void *rope_table;
+    int rope_table_len;
 
     // The 16-bit side of a packed cache (its sink tokens and recent-token ring, attended by the decode
     // kernel's side pass, tq_decode_kernel.h): side_k / side_v [rows, side_sinks + side_ring, h_k, d]

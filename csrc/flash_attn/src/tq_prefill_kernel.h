@@ -33,7 +33,7 @@
 namespace flash_tq {
 
 template <typename Elem_, int kHeadDim_, int kKBits, int kVBits, int kNWarps_, int kMTiles_, bool kScaleOnly = false,
-          bool kWgmma_ = false>
+          bool kWgmma_ = false, bool kRope_ = false>
 struct PrefillTraits {
     using Elem = Elem_;
     using KV = PackedKV<kKBits, kVBits, kHeadDim_, Elem_, kScaleOnly>;
@@ -45,6 +45,9 @@ struct PrefillTraits {
     // Hopper: S and O through wgmma (a warpgroup's 4 warps x kMTiles m16 tiles = kMTiles m64 tiles),
     // Q and the expanded K / V tiles in the swizzled layout of tq_wgmma.h; else mma.sync fragments.
     static constexpr bool kWgmma = kWgmma_;
+    // key_center='rope': v(p) = H R(p) c / sqrt(d) (tq_rope_center.h) added into the expanded K tiles
+    static constexpr bool kRope = kRope_;
+    static_assert(!kRope || kWgmma, "the RoPE-center variant is the wgmma kernel's (sm_90a)");
     static constexpr int kNThreads = 32 * kNWarps;
     static constexpr int kMTiles = kMTiles_;  // 16-row MMA tiles a warp (2: half the fragment reads an MMA)
     static constexpr int kWarpRows = 16 * kMTiles;
@@ -66,21 +69,39 @@ struct PrefillTraits {
     // float rows of the q rotation and the output: 4 floats of padding a row, so that the 8 rows a
     // warp's thread groups read / write at once fall in different banks (8-way conflicts without)
     static constexpr int kRowStride = kHeadDim + 4;
-    // turbo q rotation: all rows in one pass (wgmma: sm_90's 227 KB), else half at a time (sm_80's budget)
-    static constexpr int kQPasses = kWgmma ? 1 : 2;
-    static constexpr int kQBytes = kRows / kQPasses * kRowStride * 4;
     static constexpr int kOBytes = kRows * kRowStride * 4;  // output rows at the end
-    // offsets in the pipeline's memory. wgmma: the fragment buffers first (their alignment), the packed
-    // ring past the rotation's rows too, so the first tiles' loads are issued before the rotation
-    static constexpr int kFragsOff = kWgmma ? 0 : kPackedStages * kPackedBytes;
-    static constexpr int kPackedOff =
-        !kWgmma ? 0 : (kFragBuffers * kFragBytes > kQBytes ? kFragBuffers * kFragBytes : (kQBytes + 127) / 128 * 128);
-    static constexpr int kPipeBytes =
-        kWgmma ? kPackedOff + kPackedStages * kPackedBytes : kPackedStages * kPackedBytes + kFragBuffers * kFragBytes;
-    static constexpr int kWorkBytes = kPipeBytes > kQBytes ? kPipeBytes : kQBytes;  // rotation, then the pipeline
     static constexpr int kAlignSlack = kWgmma ? 1024 : 0;  // the dynamic shared memory is aligned up to 1 KB
-    static constexpr int kSmemBytes =
-        (kQFragBytes + kWorkBytes > kOBytes ? kQFragBytes + kWorkBytes : kOBytes) + kAlignSlack;
+    // kRope: two stages of table rows (tile i + 1 read by the expansion while tile i + 2 arrives)
+    static constexpr int kTabStageBytes = kRope ? kTileN * kHeadDim * 2 : 0;
+    static constexpr int kTabBytes = 2 * kTabStageBytes;
+    // 16-byte chunk l of token t's table row in a stage: XOR-swizzled by the token, so that an 8-lane
+    // phase of the expansion's reads (4 tokens x 2 quads at d = 128) hits 8 bank groups
+    __device__ static int tab_chunk(int t, int l) { return t * (kHeadDim / 8) + (l ^ (t & 7)); }
+    // Offsets in the pipeline's memory, for q rotated in `passes` passes. wgmma: the fragment buffers
+    // first (their alignment), the packed ring (and table stages) past the rotation's rows, so the
+    // first tiles' loads are issued before the rotation.
+    static constexpr int q_bytes(int passes) { return kRows / passes * kRowStride * 4; }
+    static constexpr int packed_off(int passes) {
+        return !kWgmma ? 0
+                       : (kFragBuffers * kFragBytes > q_bytes(passes) ? kFragBuffers * kFragBytes
+                                                                      : (q_bytes(passes) + 127) / 128 * 128);
+    }
+    static constexpr int smem_bytes(int passes) {
+        const int pipe = (kWgmma ? packed_off(passes) + kPackedStages * kPackedBytes
+                                 : kPackedStages * kPackedBytes + kFragBuffers * kFragBytes) +
+                         kTabBytes;
+        const int work = pipe > q_bytes(passes) ? pipe : q_bytes(passes);  // rotation, then the pipeline
+        return (kQFragBytes + work > kOBytes ? kQFragBytes + work : kOBytes) + kAlignSlack;
+    }
+    // turbo q rotation: all rows in one pass where sm_90's 227 KB hold it (wgmma), else half at a
+    // time (sm_80's budget; the wgmma RoPE variant at d = 128, whose table stages take the room)
+    static constexpr int kQPasses = kWgmma && smem_bytes(1) <= 227 * 1024 ? 1 : 2;
+    static constexpr int kQBytes = q_bytes(kQPasses);
+    static constexpr int kFragsOff = kWgmma ? 0 : kPackedStages * kPackedBytes;
+    static constexpr int kPackedOff = packed_off(kQPasses);
+    static constexpr int kTabOff = kWgmma ? kPackedOff + kPackedStages * kPackedBytes
+                                          : kPackedStages * kPackedBytes + kFragBuffers * kFragBytes;
+    static constexpr int kSmemBytes = smem_bytes(kQPasses);
     // sm_80's budget (tq_params.h); the wgmma variant runs on sm_90 only (227 KB a CTA)
     static_assert(kSmemBytes <= (kWgmma ? 227 * 1024 : kPrefillSmemBudget), "within the budget the host checks");
     static constexpr int kUnits = kTileN * 4;  // K units (token, lane quad) = V units (token pair, group)
@@ -136,9 +157,12 @@ __device__ __forceinline__ uint32_t code_pair(uint32_t raw, int e) {
 }
 
 // Expand packed tile `packed` (two PackedKV stages) into fragment buffer `frag`; the K terms are
-// stored times the softmax scale (log2 domain).
+// stored times the softmax scale (log2 domain). kRope: `tab` holds the tile's rope_table rows, added
+// to K as row * |c| / scale (center_norm = |c|; scales below |c| 2^-15 count as that, so that the
+// sum stays within float16's range).
 template <typename T>
-__device__ __forceinline__ void expand_tile(const char *packed, char *frag, float softmax_scale_log2, int tid) {
+__device__ __forceinline__ void expand_tile(const char *packed, char *frag, float softmax_scale_log2, int tid,
+                                            const char *tab = nullptr, float center_norm = 0.f) {
     using KV = typename T::KV;
     using Elem = typename T::Elem;
     constexpr int D = T::kHeadDim, kSlots = KV::kSlotsK, kCodes = KV::kGroupCodes;
@@ -156,9 +180,31 @@ __device__ __forceinline__ void expand_tile(const char *packed, char *frag, floa
             const float vscale = KV::v_affine(stage, tok).x;
             const uint32_t neg_kmid = pack2<Elem>(-T::kKMid, -T::kKMid), neg_vmid = pack2<Elem>(-KV::kVMid, -KV::kVMid);
             const uint32_t one = pow2_pair<Elem>(0, false), scale = pack2<Elem>(vscale, vscale);
+            uint32_t kadd[kSlots];  // -mid, + v / scale with the RoPE center
+            if constexpr (T::kRope) {
+                const float f = center_norm / fmaxf(KV::k_affine(stage, tok).x, fmaxf(center_norm * 0x1p-15f, 1e-30f));
+                const uint32_t f2 = pack2<Elem>(f, f);
+                #pragma unroll
+                for (int q = 0; q < kSlots / 4; ++q) {
+                    const uint4 r = lds128(tab, T::tab_chunk(t, c * (kSlots / 4) + q));
+                    const uint32_t w[4] = {r.x, r.y, r.z, r.w};
+                    #pragma unroll
+                    for (int k = 0; k < 4; ++k) {
+                        if constexpr (std::is_same_v<Elem, __half>) {  // (float16: one rounding more, 3 bits finer)
+                            kadd[4 * q + k] = fma2<Elem>(w[k], f2, neg_kmid);
+                        } else {  // bfloat16: the product rounded once
+                            const float2 v = unpack2<Elem>(w[k]);
+                            kadd[4 * q + k] = pack2<Elem>(fmaf(v.x, f, -T::kKMid), fmaf(v.y, f, -T::kKMid));
+                        }
+                    }
+                }
+            } else {
+                #pragma unroll
+                for (int i = 0; i < kSlots; ++i) { kadd[i] = neg_kmid; }
+            }
             #pragma unroll
             for (int i = 0; i < kSlots; ++i) {
-                wk[i] = fma2<Elem>(code_pair<Elem>(wk[i], KV::q_scale_exp(i)), one, neg_kmid);
+                wk[i] = fma2<Elem>(code_pair<Elem>(wk[i], KV::q_scale_exp(i)), one, kadd[i]);
                 wv[i] =
                     fma2<Elem>(fma2<Elem>(code_pair<Elem>(wv[i], KV::v_slot_scale_exp(i)), one, neg_vmid), scale, 0u);
             }
@@ -255,7 +301,7 @@ __device__ __forceinline__ void softmax_half(float (&s)[T::kMTiles][T::kTileN / 
                     v = s[m][j][e] * (e % 2 ? f.z : f.x);
                 }
                 // (wgmma: the mask below, on masked tiles only; here predicated on every tile)
-                if (!T::kWgmma && masked && (tok >= lim[m][h] || (kLocal && tok < first[m][h]))) v = kNegInf;
+                if (!T::kWgmma && masked && (tok >= lim[m][h] || tok < first[m][h])) v = kNegInf;
                 if (kLocal && softcap_log2 > 0.f && v != kNegInf) v = softcap_score(v, softcap_log2);
                 s[m][j][e] = v;
                 if constexpr (!T::kWgmma) { tile_max[m][h] = fmaxf(tile_max[m][h], v); }
@@ -268,7 +314,7 @@ __device__ __forceinline__ void softmax_half(float (&s)[T::kMTiles][T::kTileN / 
                     #pragma unroll
                     for (int e = 0; e < 4; ++e) {
                         const int h = e / 2, tok = tile_start + t0 + 8 * j + 2 * c + e % 2;
-                        if (tok >= lim[m][h] || (kLocal && tok < first[m][h])) s[m][j][e] = kNegInf;
+                        if (tok >= lim[m][h] || tok < first[m][h]) s[m][j][e] = kNegInf;
                     }
                 }
             }
@@ -512,6 +558,12 @@ __device__ __forceinline__ void prefill_split_body(const DecodeParams &p) {
     const int bc = p.cache_batch_idx != nullptr ? p.cache_batch_idx[b] : b;
     const int seqlen_k = max(0, min(p.seqlens_k[b], p.max_seqlen_k));
     const int key_start = kLocal && p.leftpad_k != nullptr ? max(0, p.leftpad_k[b]) : 0;
+    // The codes' keys [side_sinks, seqlen_k - codes_tail) with a 16-bit side (its sinks and ring are
+    // the decode kernel's side pass, run as the launch's last split: run_prefill); causal alignment
+    // counts every key. (0 and seqlen_k without one.)
+    const int codes_end = max(0, seqlen_k - p.codes_tail);
+    auto limit = [&](int r) { return min(codes_end, key_limit(p, seqlen_k, total_rows, r)); };
+    auto lower = [&](int r) { return max(p.side_sinks, key_first<kLocal>(p, seqlen_k, total_rows, r, key_start)); };
 
     // keys [first, lim) of rows wrow0 + 16m + g (h = 0) and + 8 (h = 1); limits and firsts grow with the row
     int lim[MT][2], first[MT][2];
@@ -519,21 +571,21 @@ __device__ __forceinline__ void prefill_split_body(const DecodeParams &p) {
     for (int m = 0; m < MT; ++m) {
         #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            lim[m][h] = key_limit(p, seqlen_k, total_rows, wrow0 + 16 * m + g + 8 * h);
-            first[m][h] = key_first<kLocal>(p, seqlen_k, total_rows, wrow0 + 16 * m + g + 8 * h, key_start);
+            lim[m][h] = limit(wrow0 + 16 * m + g + 8 * h);
+            first[m][h] = lower(wrow0 + 16 * m + g + 8 * h);
         }
     }
-    const int cta_limit = key_limit(p, seqlen_k, total_rows, min(row0 + T::kRows, total_rows) - 1);
+    const int cta_limit = limit(min(row0 + T::kRows, total_rows) - 1);
     const int warp_last = min(wrow0 + WR, total_rows) - 1;
-    const int warp_limit = wrow0 < total_rows ? key_limit(p, seqlen_k, total_rows, warp_last) : 0;
-    const int warp_first = wrow0 < total_rows ? key_first<kLocal>(p, seqlen_k, total_rows, wrow0, key_start) : 0;
+    const int warp_limit = wrow0 < total_rows ? limit(warp_last) : 0;
+    const int warp_first = wrow0 < total_rows ? lower(wrow0) : 0;
     // tiles within [the last row's first key, the first row's limit) need no mask
-    const int warp_unmasked = wrow0 < total_rows ? key_limit(p, seqlen_k, total_rows, wrow0) : 0;
-    const int warp_first_max =
-        wrow0 < total_rows ? key_first<kLocal>(p, seqlen_k, total_rows, warp_last, key_start) : 0;
-    const int tile_first = key_first<kLocal>(p, seqlen_k, total_rows, row0, key_start) / T::kTileN;
+    const int warp_unmasked = wrow0 < total_rows ? limit(wrow0) : 0;
+    const int warp_first_max = wrow0 < total_rows ? lower(warp_last) : 0;
+    const int tile_first = lower(row0) / T::kTileN;
     const int n_tiles = (cta_limit + T::kTileN - 1) / T::kTileN;
-    const int tiles_per_split = (max(0, n_tiles - tile_first) + p.num_splits - 1) / p.num_splits;
+    const int code_splits = p.num_splits - (p.side_k != nullptr ? 1 : 0);
+    const int tiles_per_split = (max(0, n_tiles - tile_first) + code_splits - 1) / code_splits;
     const int tile_begin = tile_first + split * tiles_per_split;
     const int n_mine = max(0, min(n_tiles, tile_begin + tiles_per_split) - tile_begin);
 
@@ -583,11 +635,41 @@ __device__ __forceinline__ void prefill_split_body(const DecodeParams &p) {
     const typename KV::Bases bases = KV::bases(p, bc, hk);
     char *packed = work + T::kPackedOff;
     char *frags = work + T::kFragsOff;
+    // kRope: tile i's rope_table rows, by every thread, to table stage i % 2 (tile i + 1 is expanded
+    // from the other while they arrive); |c| for the expansion
+    const char *tab_rows = nullptr;
+    char *tabs = work + T::kTabOff;
+    float center_norm = 0.f;
+    if constexpr (T::kRope) {
+        tab_rows = static_cast<const char *>(p.rope_table) +
+                   static_cast<int64_t>(blockIdx.y) * p.rope_table_len * (D * 2);  // (blockIdx.y = b h_k + hk)
+        const float *center = p.rope_center + b * p.rope_center_batch_stride + hk * D;
+        #pragma unroll
+        for (int e = lane; e < D; e += 32) { center_norm = fmaf(__ldg(center + e), __ldg(center + e), center_norm); }
+        #pragma unroll
+        for (int o = 16; o > 0; o >>= 1) { center_norm += __shfl_xor_sync(0xffffffffu, center_norm, o); }
+        center_norm = sqrtf(center_norm);
+    }
+    auto load_tab = [&](int i) {
+        if (T::kRope && i < n_mine) {
+            constexpr int kRowChunks = D * 2 / 16;
+            const int t0 = (tile_begin + i) * T::kTileN;
+            char *dst = tabs + (i % 2) * T::kTabStageBytes;
+            #pragma unroll
+            for (int k = tid; k < T::kTileN * kRowChunks; k += T::kNThreads) {
+                const int t = k / kRowChunks, tok = t0 + t;
+                const bool valid = tok < p.rope_table_len;
+                cp_async<16>(dst + 16 * T::tab_chunk(t, k % kRowChunks),
+                             tab_rows + static_cast<int64_t>(valid ? tok : 0) * (D * 2) + 16 * (k % kRowChunks), valid);
+            }
+        }
+    };
     auto load = [&](int i) {  // packed tile i of this split, by warps 0 and 1 (32 tokens each)
         if (warp < 2 && i < n_mine) {
             KV::load_tile(p, bases, packed + (i % T::kPackedStages) * T::kPackedBytes + warp * KV::kStageBytes, bc,
                           (tile_begin + i) * T::kTileN + warp * KV::kTileN, seqlen_k, lane);
         }
+        if (i < 2) { load_tab(i); }  // (later tiles' rows: after the barrier that frees their stage)
         cp_async_commit();
     };
     // wgmma: the first two tiles arrive while q is rotated (their ring lies past the rotation's rows)
@@ -638,7 +720,7 @@ __device__ __forceinline__ void prefill_split_body(const DecodeParams &p) {
     }
     cp_async_wait<1>();
     __syncthreads();
-    if (n_mine > 0) { expand_tile<T>(packed, frags, p.scale_softmax_log2, tid); }
+    if (n_mine > 0) { expand_tile<T>(packed, frags, p.scale_softmax_log2, tid, tabs, center_norm); }
     // Warps 0-3 expand before their tile's MMAs, warps 4-7 after: each scheduler (warp % 4) holds
     // one of each, so one runs integer work while the other keeps its tensor core busy.
     const bool expand_first = warp < T::kNWarps / 2;
@@ -646,10 +728,15 @@ __device__ __forceinline__ void prefill_split_body(const DecodeParams &p) {
         load(it + 2);
         cp_async_wait<1>();
         __syncthreads();  // tile it + 1 landed, tile it expanded, tile it - 1's fragments free
+        if constexpr (T::kRope) {  // (tile it's table stage is free: it was expanded before the barrier)
+            load_tab(it + 2);
+            cp_async_commit();
+        }
         auto expand_next = [&]() {
             if (it + 1 < n_mine) {
                 expand_tile<T>(packed + ((it + 1) % T::kPackedStages) * T::kPackedBytes,
-                               frags + ((it + 1) % T::kFragBuffers) * T::kFragBytes, p.scale_softmax_log2, tid);
+                               frags + ((it + 1) % T::kFragBuffers) * T::kFragBytes, p.scale_softmax_log2, tid,
+                               tabs + ((it + 1) % 2) * T::kTabStageBytes, center_norm);
             }
         };
         if (expand_first) { expand_next(); }
@@ -657,7 +744,7 @@ __device__ __forceinline__ void prefill_split_body(const DecodeParams &p) {
         // warp-uniform: a row sees the tile. wgmma: every tile of the CTA's range (at most one more
         // than a warpgroup's rows see); a warp-dependent branch around wgmma serializes its MMAs.
         if (T::kWgmma || (tile_start < warp_limit && tile_start + T::kTileN > warp_first)) {
-            const bool masked = tile_start + T::kTileN > warp_unmasked || (kLocal && tile_start < warp_first_max);
+            const bool masked = tile_start + T::kTileN > warp_unmasked || tile_start < warp_first_max;
             const char *frag = frags + (it % T::kFragBuffers) * T::kFragBytes;
             if constexpr (T::kWgmma) {
                 attend_tile_wgmma<T, kLocal>(frag, qfrag, tile_start, masked, lim, first, p.softcap_log2, sumq, row_max,

@@ -10,26 +10,44 @@
 
 namespace flash_tq {
 
+// The RoPE center's table (tq_rope_center.h): 32 positions a CTA.
+template <typename Elem, int kHeadDim, typename KV>
+void launch_rope_table(const DecodeParams &p, cudaStream_t stream) {
+    dim3 grid((p.rope_table_len + 31) / 32, p.b * p.h_k);
+    rope_table_kernel<Elem, kHeadDim, KV><<<grid, 128, 0, stream>>>(p);
+}
+
+// The codes' splits (a 16-bit side: its own launch as the last split, launch_side), then the combine.
 template <typename Elem, int kHeadDim, int kKBits, int kVBits, bool kScaleOnly>
 void run_prefill(const DecodeParams &p, cudaStream_t stream) {
+    using KV = PackedKV<kKBits, kVBits, kHeadDim, Elem, kScaleOnly>;
+    const bool side = p.side_k != nullptr;
+    const int code_splits = p.num_splits - (side ? 1 : 0);
     // 8 warps of 32 rows, one CTA an SM (4 warps with two CTAs an SM: 153-166 TFLOP/s against 171-188 at
     // 16 rows a warp, H200)
     auto go = [&](auto wgmma) {
         using Traits = PrefillTraits<Elem, kHeadDim, kKBits, kVBits, 8, 2, kScaleOnly, decltype(wgmma)::value>;
         if (p.local()) {  // a lower key bound or softcap (tq_decode_launch.h)
-            launch_split<Traits>(&prefill_split_kernel<Traits, true>, p, stream);
+            launch_split<Traits>(&prefill_split_kernel<Traits, true>, p, stream, code_splits);
         } else {
-            launch_split<Traits>(&prefill_split_kernel<Traits, false>, p, stream);
+            launch_split<Traits>(&prefill_split_kernel<Traits, false>, p, stream, code_splits);
         }
     };
 #ifdef FLASH_TQ_SM90A
     if (p.use_wgmma) {  // an sm_90 device and sm_90a code in this build (flash_api_tq.cpp)
-        go(std::true_type{});
+        if (p.rope_center != nullptr) {  // (the host sends the RoPE center here only: no kLocal with it)
+            using Traits = PrefillTraits<Elem, kHeadDim, kKBits, kVBits, 8, 2, kScaleOnly, true, true>;
+            launch_rope_table<Elem, kHeadDim, KV>(p, stream);
+            launch_split<Traits>(&prefill_split_kernel<Traits, false>, p, stream, code_splits);
+        } else {
+            go(std::true_type{});
+        }
     } else
 #endif
     {
         go(std::false_type{});
     }
+    if (side) { launch_side<Elem, kHeadDim, KV>(p, stream); }
     launch_combine<Elem, kHeadDim>(p, stream);
 }
 

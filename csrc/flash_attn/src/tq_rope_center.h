@@ -20,6 +20,14 @@
 // four FMAs a pair, the constants in shared memory; every kAnchor tiles they are computed afresh
 // (D / 8 sincos a lane), which bounds the float32 drift. With more rows (chunks) each tile turns the
 // shared-memory (alpha, beta) by its own sincos (tile_bias).
+//
+// The prefill kernel (256 query rows a CTA) takes the term from the key side instead: the codes'
+// domain vector v(p) = H R(p) c / sqrt(D) (turbo's rotation H = WHT diag(signs); R(p) c itself
+// without one) added into each expanded K tile, so that q . (k - R(p) c) + q . v(p) comes out of the
+// same S = Q K^T. rope_table_kernel writes v(p) / |c| for every position once a call (rope_table;
+// |v| <= |c| elementwise, so the rows fit 16 bits whatever c's size), so a tile costs one table row a
+// key to copy and one packed FMA a K pair slot: code - mid + row * |c| / scale. The sum carries
+// 16-bit precision relative to the whole key, as an fp16 / bf16 cache would.
 #pragma once
 
 #include "tq_params.h"
@@ -27,6 +35,15 @@
 #include "tq_utils.h"
 
 namespace flash_tq {
+
+// sin and cos of an angle of any size: reduced to [-pi, pi] (2 pi in two parts), then the fast
+// intrinsic (accurate there; past it its error grows with the angle)
+__device__ __forceinline__ void sincos_any(float a, float &s, float &c) {
+    const float turns = rintf(a * 0.159154943f);
+    float r = fmaf(-turns, 6.28318548f, a);
+    r = fmaf(-turns, -1.74845553e-7f, r);
+    __sincosf(r, &s, &c);
+}
 
 template <int D, int kTileN, int kNT, int kStride>
 struct RopeCenter {
@@ -38,15 +55,6 @@ struct RopeCenter {
     static constexpr int kBytes = kTableBytes + kCoeffBytes + kStepBytes;
     static constexpr bool kRecur = kNT == 1;  // coefficients carried in registers from tile to tile
     static constexpr int kAnchor = 64;        // tiles between exact coefficients (float32 drift ~1e-6 a turn)
-
-    // sin and cos of an angle of any size: reduced to [-pi, pi] (2 pi in two parts), then the fast
-    // intrinsic (accurate there; past it its error grows with the angle)
-    static __device__ __forceinline__ void sincos_any(float a, float &s, float &c) {
-        const float turns = rintf(a * 0.159154943f);
-        float r = fmaf(-turns, 6.28318548f, a);
-        r = fmaf(-turns, -1.74845553e-7f, r);
-        __sincosf(r, &s, &c);
-    }
 
     // Lane l of an m16n8k16 fragment holds pairs m = 8 kb + l % 4 + 4 h (h = 0, 1) of its k-block;
     // the table's A fragment also tokens tau = 16 mt + l / 4 (+ 8).
@@ -194,5 +202,90 @@ struct RopeCenter {
         }
     }
 };
+
+// Whether quad c's K slot i holds elements q_element_at(0, i, hi) + 2c, all in the lane's own set
+// {8j + 2c + e} (every format but 3-bit codes at d = 64): then a lane has its slots' values itself.
+template <typename KV, int D>
+constexpr bool slots_in_lane() {
+    for (int c = 0; c < 4; ++c) {
+        for (int i = 0; i < KV::kSlotsK; ++i) {
+            for (int hi = 0; hi < 2; ++hi) {
+                const int e0 = KV::q_element_at(0, i, hi);
+                if ((e0 & 6) != 0 || KV::q_element_at(c, i, hi) != e0 + 2 * c) return false;
+            }
+        }
+    }
+    return true;
+}
+
+// v(p) / |c| of positions [0, rope_table_len) for every (batch entry, kv head): a warp 8 positions, a lane
+// quad a position, lane c holding elements 8j + 2c + e (fwht_quad_rows' layout, where the RoPE pair
+// m, m + D/2 is in one lane). Rows go out in the loader's K slot order: quad c's slots c kSlotsK + i
+// hold elements KV::q_element_at(c, i, 0 / 1) as a 16-bit pair (from the lane's registers, or
+// through shared memory where the slots leave the lane's set), so the prefill kernel's expansion
+// unit (token, quad c) reads its kSlotsK words as one contiguous run.
+template <typename Elem, int D, typename KV>
+__global__ void __launch_bounds__(128) rope_table_kernel(const DecodeParams p) {
+    constexpr int J = D / 8, kSlots = KV::kSlotsK;
+    constexpr bool kInLane = slots_in_lane<KV, D>();
+    __shared__ float rows[kInLane ? 1 : 4][8][D + 1];  // each warp's 8 positions (odd stride: no bank conflicts)
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+    const int b = blockIdx.y / p.h_k, hk = blockIdx.y % p.h_k;
+    const int pos = (blockIdx.x * 4 + warp) * 8 + g;
+    const float *center = p.rope_center + b * p.rope_center_batch_stride + hk * D;
+    const float at = static_cast<float>(pos + p.rope_offset);  // (float32 positions, as the cache's)
+    float x[1][J][2], norm = 0.f;
+    #pragma unroll
+    for (int j = 0; j < J / 2; ++j) {
+        #pragma unroll
+        for (int e = 0; e < 2; ++e) {  // pair (m, m + D/2): R(p) c = (c_m cos - c_m' sin, c_m' cos + c_m sin)
+            const int m = 8 * j + 2 * c + e;
+            float s, co;
+            sincos_any(at * __ldg(p.rope_inv_freq + m), s, co);
+            const float ca = __ldg(center + m), cb = __ldg(center + m + D / 2);
+            x[0][j][e] = ca * co - cb * s;
+            x[0][j + J / 2][e] = cb * co + ca * s;
+            norm += ca * ca + cb * cb;
+        }
+    }
+    norm += __shfl_xor_sync(0xffffffffu, norm, 1);
+    norm += __shfl_xor_sync(0xffffffffu, norm, 2);
+    const float inv_norm = norm > 0.f ? rsqrtf(norm) : 0.f;
+    const bool rotate = p.rot_signs != nullptr;
+    if (rotate) {
+        #pragma unroll
+        for (int j = 0; j < J; ++j) {
+            #pragma unroll
+            for (int e = 0; e < 2; ++e) { x[0][j][e] *= __ldg(p.rot_signs + 8 * j + 2 * c + e); }
+        }
+        fwht_quad_rows<D, 1>(x, lane);
+    }
+    const float scale = rotate ? inv_norm * RowMath<D>::kInvSqrtD : inv_norm;
+    uint32_t w[kSlots];
+    if constexpr (kInLane) {
+        #pragma unroll
+        for (int i = 0; i < kSlots; ++i) {
+            const int e0 = KV::q_element_at(0, i, 0), e1 = KV::q_element_at(0, i, 1);  // (compile-time)
+            w[i] = pack2<Elem>(x[0][e0 / 8][e0 % 2] * scale, x[0][e1 / 8][e1 % 2] * scale);
+        }
+    } else {
+        #pragma unroll
+        for (int j = 0; j < J; ++j) {
+            #pragma unroll
+            for (int e = 0; e < 2; ++e) { rows[warp][g][8 * j + 2 * c + e] = x[0][j][e] * scale; }
+        }
+        __syncwarp();
+        #pragma unroll
+        for (int i = 0; i < kSlots; ++i) {
+            w[i] = pack2<Elem>(rows[warp][g][KV::q_element_at(c, i, 0)], rows[warp][g][KV::q_element_at(c, i, 1)]);
+        }
+    }
+    if (pos >= p.rope_table_len) return;
+    uint4 *out = reinterpret_cast<uint4 *>(reinterpret_cast<Elem *>(const_cast<void *>(p.rope_table)) +
+                                           (static_cast<int64_t>(blockIdx.y) * p.rope_table_len + pos) * D) +
+                 c * (kSlots / 4);
+    #pragma unroll
+    for (int q = 0; q < kSlots / 4; ++q) { out[q] = make_uint4(w[4 * q], w[4 * q + 1], w[4 * q + 2], w[4 * q + 3]); }
+}
 
 }  // namespace flash_tq
