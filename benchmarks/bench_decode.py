@@ -314,14 +314,19 @@ def write_production(rows, meta, out_dir, prefill=(), generate=()):
             "",
             "## generate() decode tokens/s (benchmarks/bench_generate.py)",
             "",
-            "| model | B | prompt | DynamicCache | StaticCache | TQCache | TQCache / best fp16 |",
-            "|---|---|---|---|---|---|---|",
+            "Eager steps, except 'TQCache, CUDA graph' (GraphDecoder: each step one graph).",
+            "",
+            "| model | B | prompt | DynamicCache | StaticCache | TQCache | TQCache.calibrated | TQCache, CUDA graph "
+            "| TQCache / best fp16 | graph / best fp16 |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for g in generate:
             best = max(x for x in (g.get("dynamic_tok_s"), g.get("static_tok_s")) if x)
+            graph = g.get("tq_graph_tok_s")
             lines.append(
                 f"| {g.get('model_desc') or g['model']} | {g['B']} | {g['prompt']} | {fmt(g.get('dynamic_tok_s'))} | "
-                f"{fmt(g.get('static_tok_s'))} | {fmt(g.get('tq_tok_s'))} | {g['tq_tok_s'] / best:.2f}x |"
+                f"{fmt(g.get('static_tok_s'))} | {fmt(g.get('tq_tok_s'))} | {fmt(g.get('tq_calibrated_tok_s'))} | "
+                f"{fmt(graph)} | {g['tq_tok_s'] / best:.2f}x | {fmt(graph and graph / best, '.2f')}x |"
             )
     with open(os.path.join(out_dir, "production.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -483,7 +488,20 @@ def main():
     ap.add_argument(
         "--production", action="store_true", help="only the default-vs-plain table (production.json / production.md)"
     )
+    ap.add_argument(
+        "--merge-generate",
+        metavar="JSON",
+        help="put the rows of a bench_generate.py result into <out>/production.json's generate table and exit",
+    )
     args = ap.parse_args()
+    if args.merge_generate:
+        with open(os.path.join(args.out, "production.json")) as f:
+            prod = json.load(f)
+        with open(args.merge_generate) as f:
+            keep = ("model", "model_desc", "B", "prompt", "dynamic_tok_s", "static_tok_s", "tq_tok_s")
+            gen = [{k: r.get(k) for k in keep + ("tq_calibrated_tok_s", "tq_graph_tok_s")} for r in json.load(f)["rows"]]
+        write_production(prod["rows"], prod["meta"], args.out, prefill=prod["prefill"], generate=gen)
+        return
     if not torch.cuda.is_available() or not ops.extension_available():
         sys.exit("bench_decode needs a CUDA GPU and the built extension")
     torch.manual_seed(0)
