@@ -220,9 +220,10 @@ class QuantizedKVCache:
     ``p`` plus ``rope_position_offset``. RoPE turns a key's constant part with its position, so a
     post-RoPE mean only matches near the prompt; this center matches at every position (SmolLM2, 3K
     tokens from the prompt: 2-7x less key energy to code). Each score then lacks a different
-    ``q . R(p) c``, which the fused decode kernel adds back (csrc/flash_attn/src/tq_rope_center.h;
-    chunks of any length run it, window_size / softcap / cache_leftpad and pages of fewer than 32
-    tokens take the reference path); the fp16 window's keys get ``R(p) c`` back before their pass.
+    ``q . R(p) c``, which the fused kernels add back (csrc/flash_attn/src/tq_rope_center.h: the decode
+    kernel per score; the prefill kernel's Hopper variant, from 256 query rows a kv head, into the
+    expanded keys; window_size / softcap / cache_leftpad and pages of fewer than 32 tokens take the
+    reference path); the sinks and the 16-bit window hold the keys as they came (no term).
 
     **Health counters** (``health=True``): each append also counts, on the device and without a host
     sync, the vectors written, those holding NaN/Inf (stored as zeros instead of raising), the

@@ -53,7 +53,8 @@ packed cache). The KV storage type is the loader's template parameter, separate 
 add "csrc: query rows, the RoPE-center term, Hopper wgmma helpers" \
 "tq_rows.h: causal limits, the query rotation, stores. tq_rope_center.h: each score's q . R(p) c for
 caches whose keys are stored less R(p) c, one more MMA chain against a cos/sin table, its
-coefficients carried from tile to tile. tq_wgmma.h: wgmma.mma_async descriptors and fences for the
+coefficients carried from tile to tile; for the prefill kernel, a per-call table of each position's
+H R(p) c, added into the expanded keys. tq_wgmma.h: wgmma.mma_async descriptors and fences for the
 prefill kernel's sm_90a variant." \
     tq_rows.h tq_rope_center.h tq_wgmma.h
 
@@ -64,9 +65,17 @@ recent window (16-bit) are one more split of the same launch. Variants: contiguo
 16-token pages), local (window, leftpad, softcap), RoPE center, 16-bit side." \
     tq_decode_kernel.h tq_decode_launch.h
 
+add "csrc: the prefill kernel's traits and tile steps" \
+"The shared-memory layout of a 256-row CTA and its work on one 64-token tile: the packed tile expanded
+once into shared memory (mma.sync fragments, or wgmma's swizzled tiles), the online softmax of a half
+tile, and the MMAs of a warp or a warpgroup." \
+    tq_prefill_tile.h
+
 add "csrc: chunked-prefill kernel over packed K/V" \
 "256-row CTAs (from 128 query rows a kv head) that expand each packed tile once into shared memory
-for all their rows; on sm_90a builds the warpgroups multiply through wgmma." \
+for all their rows; on sm_90a builds the warpgroups multiply through wgmma. Over a cache with a
+16-bit side they read the codes between the sinks and the window (the side: the decode kernel's side
+pass as one more launch); with the RoPE center the wgmma variant adds the table's rows to K." \
     tq_prefill_kernel.h
 
 add "csrc: the kernel cases, generated once" \
