@@ -165,20 +165,6 @@ def test_side_prefill_kernel(seqlen_q, sinks, window, d, dtype, center):
     _check(q, cache, out, lse, causal=True)
 
 
-@pytest.mark.parametrize("page_size,num_splits", [(32, 0), (256, 1), (None, 3)])
-def test_side_prefill_kernel_pages_splits_rows(page_size, num_splits):
-    """The prefill kernel with the default's side and RoPE center over pages, forced splits and rows
-    picked by cache_batch_idx."""
-    cache = _cache(3, [900, 400, 2100], 2, 128, sinks=16, window=112, center="rope", page_size=page_size)
-    rows = torch.tensor([2, 0], dtype=torch.int32, device=DEV)
-    q = torch.randn(2, 130, 8, 128, device=DEV, dtype=torch.float16)
-    out, lse = fa.flash_attn_with_kvcache(
-        q, cache, cache_batch_idx=rows, causal=True, num_splits=num_splits, return_softmax_lse=True
-    )
-    assert fa.last_path() == "quantized:fused-cuda"
-    _check(q, cache, out, lse, causal=True, rows=rows)
-
-
 @pytest.mark.parametrize("page_size", [32, 256])
 @pytest.mark.parametrize("center", [False, "rope"])
 def test_side_paged(page_size, center):
@@ -189,12 +175,16 @@ def test_side_paged(page_size, center):
     _check(q, cache, out, lse, causal=True)
 
 
-@pytest.mark.parametrize("num_splits", [1, 3, 17])
-def test_side_splits_and_batch_idx(num_splits):
-    """Forced code splits (the side is one more) and cache rows picked by cache_batch_idx."""
-    cache = _cache(4, [50, 2000, 130, 700], 2, 128, sinks=16, window=112, center="rope")
+SPLIT_CASES = [(1, None, 1), (1, None, 3), (1, None, 17), (130, 32, 0), (130, 256, 1), (130, None, 3)]
+
+
+@pytest.mark.parametrize("seqlen_q,page_size,num_splits", SPLIT_CASES)
+def test_side_splits_pages_and_batch_idx(seqlen_q, page_size, num_splits):
+    """Forced code splits (the side is one more), pages and cache rows picked by cache_batch_idx, with
+    the RoPE center: the decode kernel (one query) and the prefill kernel (130 x 4 rows a kv head)."""
+    cache = _cache(4, [50, 2000, 130, 700], 2, 128, sinks=16, window=112, center="rope", page_size=page_size)
     rows = torch.tensor([3, 1], dtype=torch.int32, device=DEV)
-    q = torch.randn(2, 1, 8, 128, device=DEV, dtype=torch.float16)
+    q = torch.randn(2, seqlen_q, 8, 128, device=DEV, dtype=torch.float16)
     out, lse = fa.flash_attn_with_kvcache(
         q, cache, cache_batch_idx=rows, causal=True, num_splits=num_splits, return_softmax_lse=True
     )
