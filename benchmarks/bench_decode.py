@@ -314,11 +314,12 @@ def write_production(rows, meta, out_dir, prefill=(), generate=()):
             "",
             "## generate() decode tokens/s (benchmarks/bench_generate.py)",
             "",
-            "Eager steps, except 'TQCache, CUDA graph' (GraphDecoder: each step one graph).",
+            "Eager steps, except 'TQCache, CUDA graph' (GraphDecoder: each step one graph); 'commit': where the "
+            "row was measured (bench_generate.py's own result file).",
             "",
             "| model | B | prompt | DynamicCache | StaticCache | TQCache | TQCache.calibrated | TQCache, CUDA graph "
-            "| TQCache / best fp16 | graph / best fp16 |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "| TQCache / best fp16 | graph / best fp16 | commit |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for g in generate:
             best = max(x for x in (g.get("dynamic_tok_s"), g.get("static_tok_s")) if x)
@@ -326,7 +327,8 @@ def write_production(rows, meta, out_dir, prefill=(), generate=()):
             lines.append(
                 f"| {g.get('model_desc') or g['model']} | {g['B']} | {g['prompt']} | {fmt(g.get('dynamic_tok_s'))} | "
                 f"{fmt(g.get('static_tok_s'))} | {fmt(g.get('tq_tok_s'))} | {fmt(g.get('tq_calibrated_tok_s'))} | "
-                f"{fmt(graph)} | {g['tq_tok_s'] / best:.2f}x | {fmt(graph and graph / best, '.2f')}x |"
+                f"{fmt(graph)} | {g['tq_tok_s'] / best:.2f}x | {f'{graph / best:.2f}x' if graph else '–'} | "
+                f"{g.get('commit') or meta['commit']} |"
             )
     with open(os.path.join(out_dir, "production.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -491,15 +493,21 @@ def main():
     ap.add_argument(
         "--merge-generate",
         metavar="JSON",
-        help="put the rows of a bench_generate.py result into <out>/production.json's generate table and exit",
+        nargs="+",
+        help="put the rows of bench_generate.py results into <out>/production.json's generate table and exit",
     )
     args = ap.parse_args()
     if args.merge_generate:
         with open(os.path.join(args.out, "production.json")) as f:
             prod = json.load(f)
-        with open(args.merge_generate) as f:
-            keep = ("model", "model_desc", "B", "prompt", "dynamic_tok_s", "static_tok_s", "tq_tok_s")
-            gen = [{k: r.get(k) for k in keep + ("tq_calibrated_tok_s", "tq_graph_tok_s")} for r in json.load(f)["rows"]]
+        keep = ("model", "model_desc", "B", "prompt", "dynamic_tok_s", "static_tok_s", "tq_tok_s")
+        gen = []
+        for path in args.merge_generate:
+            with open(path) as f:
+                res = json.load(f)
+            commit = res["meta"].get("commit")  # (each file's rows keep the commit they were measured at)
+            gen += [{**{k: r.get(k) for k in keep + ("tq_calibrated_tok_s", "tq_graph_tok_s")}, "commit": commit}
+                    for r in res["rows"]]
         write_production(prod["rows"], prod["meta"], args.out, prefill=prod["prefill"], generate=gen)
         return
     if not torch.cuda.is_available() or not ops.extension_available():
