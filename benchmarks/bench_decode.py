@@ -169,6 +169,43 @@ def fill_default(B, S, Hk, d, dtype, k_bits=3, v_bits=3):
     return cache
 
 
+def default_layer_times(q, S, Hk, dtype, timers, causal=False):
+    """The default cache's kinds of layer for queries ``q [B, q_len, Hq, d]`` over S tokens:
+    ``{kind + suffix: µs}`` for each ``timers[suffix]`` (a timing function of a call), kinds k3 and k4
+    (3- / 4-bit keys) and mixed (the copy-head layer), and ``default + suffix``: their mean weighted
+    as the model holds them."""
+    B, _, Hq, d = q.shape
+    call = lambda c: lambda: fa.flash_attn_with_kvcache(q, c, causal=causal)  # noqa: E731
+    n4 = round(DEFAULT_LAYERS * 32 / d)  # 4-bit-key layers
+    times, total = {}, dict.fromkeys(timers, 0.0)
+    for name, kb, vb, layers in (("k3", 3, 3, DEFAULT_LAYERS - n4 - 1), ("k4", 4, 3, n4)):
+        c = fill_default(B, S, Hk, d, dtype, kb, vb)
+        fn = call(c)
+        fn()
+        assert fa.last_path() == "quantized:fused-cuda", fa.last_path()
+        for sfx, timer in timers.items():
+            times[name + sfx] = timer(fn)
+            total[sfx] += layers * times[name + sfx]
+        del c
+        torch.cuda.empty_cache()
+    # the copy-head layer: a K8V8 cache of one kv head beside a K3V3 cache of the rest, as TQLayer attends them
+    wide, rest = fill_default(B, S, 1, d, dtype, 8, 8), fill_default(B, S, Hk - 1, d, dtype)
+    G = Hq // Hk
+    q_wide, q_rest = q[:, :, :G].contiguous(), q[:, :, G:].contiguous()
+    out = torch.empty_like(q)
+
+    def mixed():
+        out[:, :, :G] = fa.flash_attn_with_kvcache(q_wide, wide, causal=causal)
+        out[:, :, G:] = fa.flash_attn_with_kvcache(q_rest, rest, causal=causal)
+
+    for sfx, timer in timers.items():
+        times["mixed" + sfx] = timer(mixed)
+        times["default" + sfx] = (total[sfx] + times["mixed" + sfx]) / DEFAULT_LAYERS
+    del wide, rest
+    torch.cuda.empty_cache()
+    return times
+
+
 def run_production(B, S, Hq, Hk, d, dtype=torch.float16):
     """One row of production.json: the plain 3-bit cache and the default cache (see DEFAULT_OPTS),
     flash_attn_with_kvcache replayed as a CUDA graph and eager, beside cuDNN SDPA on fp16."""
@@ -185,35 +222,9 @@ def run_production(B, S, Hq, Hk, d, dtype=torch.float16):
     row["plain_us"], row["plain_eager_us"] = bench_graph(call(plain)), bench(call(plain))
     del plain
     torch.cuda.empty_cache()
-    n4 = round(DEFAULT_LAYERS * 32 / d)  # 4-bit-key layers
-    kinds = [("k3", 3, 3, DEFAULT_LAYERS - n4 - 1), ("k4", 4, 3, n4)]
-    graph = eager = 0.0
-    for name, kb, vb, layers in kinds:
-        c = fill_default(B, S, Hk, d, dtype, kb, vb)
-        fn = call(c)
-        fn()
-        assert fa.last_path() == "quantized:fused-cuda", fa.last_path()
-        row[f"{name}_us"], row[f"{name}_eager_us"] = bench_graph(fn), bench(fn)
-        graph, eager = graph + layers * row[f"{name}_us"], eager + layers * row[f"{name}_eager_us"]
-        del c
-        torch.cuda.empty_cache()
-    # the copy-head layer: a K8V8 cache of one kv head beside a K3V3 cache of the rest, as TQLayer attends them
-    wide, rest = fill_default(B, S, 1, d, dtype, 8, 8), fill_default(B, S, Hk - 1, d, dtype)
-    G = Hq // Hk
-    q_wide, q_rest = q[:, :, :G].contiguous(), q[:, :, G:].contiguous()
-    out = torch.empty_like(q)
-
-    def mixed():
-        out[:, :, :G] = fa.flash_attn_with_kvcache(q_wide, wide)
-        out[:, :, G:] = fa.flash_attn_with_kvcache(q_rest, rest)
-
-    row["mixed_us"], row["mixed_eager_us"] = bench_graph(mixed), bench(mixed)
-    row["default_us"] = (graph + row["mixed_us"]) / DEFAULT_LAYERS
-    row["default_eager_us"] = (eager + row["mixed_eager_us"]) / DEFAULT_LAYERS
+    row.update(default_layer_times(q, S, Hk, dtype, {"_us": bench_graph, "_eager_us": bench}))
     row["default_vs_plain"] = row["default_us"] / row["plain_us"]
     row["default_speedup_vs_cudnn"] = row["cudnn_us"] / row["default_us"]
-    del wide, rest
-    torch.cuda.empty_cache()
     return row
 
 
@@ -230,37 +241,13 @@ def run_production_prefill(S, q_len, Hq=32, Hk=8, d=128, dtype=torch.float16):
     f2 = upstream_fa2()
     seq = torch.full((1,), S, dtype=torch.int32, device="cuda")
     row["fa2_us"] = bench(lambda: f2(q, k, v, cache_seqlens=seq, causal=True)) if f2 else None
-    call = lambda c: lambda: fa.flash_attn_with_kvcache(q, c, causal=True)  # noqa: E731
-    row["plain_us"] = bench(call(plain))
+    row["plain_us"] = bench(lambda: fa.flash_attn_with_kvcache(q, plain, causal=True))
     del plain, k, v
     torch.cuda.empty_cache()
-    n4 = round(DEFAULT_LAYERS * 32 / d)
-    total = 0.0
-    for name, kb, vb, layers in (("k3", 3, 3, DEFAULT_LAYERS - n4 - 1), ("k4", 4, 3, n4)):
-        c = fill_default(1, S, Hk, d, dtype, kb, vb)
-        fn = call(c)
-        fn()
-        assert fa.last_path() == "quantized:fused-cuda", fa.last_path()
-        row[f"{name}_us"] = bench(fn)
-        total += layers * row[f"{name}_us"]
-        del c
-        torch.cuda.empty_cache()
-    wide, rest = fill_default(1, S, 1, d, dtype, 8, 8), fill_default(1, S, Hk - 1, d, dtype)
-    G = Hq // Hk
-    q_wide, q_rest = q[:, :, :G].contiguous(), q[:, :, G:].contiguous()
-    out = torch.empty_like(q)
-
-    def mixed():
-        out[:, :, :G] = fa.flash_attn_with_kvcache(q_wide, wide, causal=True)
-        out[:, :, G:] = fa.flash_attn_with_kvcache(q_rest, rest, causal=True)
-
-    row["mixed_us"] = bench(mixed)
-    row["default_us"] = (total + row["mixed_us"]) / DEFAULT_LAYERS
+    row.update(default_layer_times(q, S, Hk, dtype, {"_us": bench}, causal=True))
     if row["fa2_us"]:
         row["plain_vs_fa2"] = row["fa2_us"] / row["plain_us"]
         row["default_vs_fa2"] = row["fa2_us"] / row["default_us"]
-    del wide, rest
-    torch.cuda.empty_cache()
     return row
 
 
