@@ -204,9 +204,12 @@ std::tuple<at::Tensor, at::Tensor> run_decode_op(Store store, DecodeParams &p, c
     const bool side = p.side_k != nullptr;
     TQ_CHECK(!(side || p.codes_tail > 0) || !p.local(),
              "a 16-bit side or codes_tail does not combine with window_size, softcap or cache_leftpad");
+    // (8-bit keys: the decode kernel for every row count, no prefill instantiations for them)
+    const bool prefill_sized = store == Store::kPacked && rows >= kPrefillMinRows &&
+                               has_prefill(q.scalar_type(), d, k_bits, v_bits, p.meta_words == 1) && prefill_fits();
     bool wgmma = false;  // Hopper's wgmma variant of the prefill kernel (FLASH_ATTN_TQ_PREFILL_WGMMA=0: the mma.sync one)
 #ifdef FLASH_TQ_SM90A
-    if (rows >= kWgmmaMinRows) {
+    if (prefill_sized && rows >= kWgmmaMinRows) {
         int major = 0, minor = 0;
         C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, q.get_device()));
         C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, q.get_device()));
@@ -214,10 +217,8 @@ std::tuple<at::Tensor, at::Tensor> run_decode_op(Store store, DecodeParams &p, c
         wgmma = major == 9 && minor == 0 && !(env != nullptr && env[0] == '0');
     }
 #endif
-    // (8-bit keys: the decode kernel for every row count, no prefill instantiations for them; the RoPE
-    // center: the wgmma variant only, else the decode kernel too, which takes any row count)
-    const bool prefill = store == Store::kPacked && rows >= kPrefillMinRows && (p.rope_center == nullptr || wgmma) &&
-                         has_prefill(q.scalar_type(), d, k_bits, v_bits, p.meta_words == 1) && prefill_fits();
+    // (the RoPE center: the wgmma variant only, else the decode kernel, which takes any row count)
+    const bool prefill = prefill_sized && (p.rope_center == nullptr || wgmma);
     p.use_wgmma = prefill && wgmma;
     at::Tensor rope_table;
     if (prefill && p.rope_center != nullptr) {  // v(p) / |c| of every position (rope_table_kernel), for this call
