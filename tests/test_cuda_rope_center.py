@@ -109,6 +109,7 @@ def _check(q, cache, out, lse, causal, seqlens):
 ROPE_CASES = DECODE_CASES + [
     (2, [300, 1500], 8, 2, 64, True),  # 256 rows a kv head: the prefill kernel (Hopper; else the decode kernel)
     (1, [1333], 12, 4, 111, True),  # 333 rows, an odd chunk over a long cache
+    (2, [300, 1100], 16, 2, 1),  # GQA 8: rows fill the n8 tile (decode's unpaired recurrence)
 ]
 
 
@@ -135,8 +136,9 @@ def test_rope_center_decode_matches_reference(dtype, d, bits, quantizer, case):
 @pytest.mark.parametrize("page_size", [None, 32, 256])
 @pytest.mark.parametrize("num_splits", [1, 3, 0])
 def test_rope_center_offsets_pages_and_splits(offset, page_size, num_splits):
-    """Positions from rope_offset (up to 250K: the angle reduction), shuffled pages, split counts."""
-    seqlens = [1, 600, 4097]
+    """Positions from rope_offset (up to 250K: the angle reduction), shuffled pages, split counts (one
+    split: a warp's 130 tiles cross the recurrence's anchors)."""
+    seqlens = [1, 600, 16700]
     cache = _rope_cache(3, seqlens, 4, 128, offset=offset, page_size=page_size, seed=offset % 97 + num_splits)
     q = torch.randn(3, 1, 16, 128, device=DEV, dtype=torch.float16)
     poison_allocator()

@@ -207,30 +207,28 @@ __device__ __forceinline__ void split_body(const DecodeParams &p, char *smem, in
 
     int load_stage = kStages - 1, compute_stage = 0;
     typename Rope::State rope_state;
+    float rope_next[kRope ? MT : 1][4];  // paired: the next tile's term
+    [[maybe_unused]] const bool rope_pair = Rope::paired(row0, total_rows);
     for (int it = 0; it < my_count; ++it) {
         const int ahead = it + kStages - 1;
         if (ahead < my_count) { load(ahead, load_stage); }
         load_stage = load_stage == kStages - 1 ? 0 : load_stage + 1;
         cp_async_commit();
+        const int tile_start = (my_first + it * kWarps) * kTileN;
+        // the RoPE-center term needs no tile data: computed while the tile may still be in flight
+        float rope_bias[kRope ? MT : 1][NT][4];
+        if constexpr (kRope && Rope::kRecur) {  // coefficients carried from the warp's previous tile
+            Rope::recur_bias(p, sm_rope, it, tile_start, rope_pair, lane, rope_state, rope_next, rope_bias);
+        } else if constexpr (kRope) {
+            Rope::tile_bias(p, sm_rope, tile_start, lane, rope_bias);
+        }
         cp_async_wait<kStages - 1>();
         __syncwarp();
         const char *stage = pipe + compute_stage * KV::kStageBytes;
         compute_stage = compute_stage == kStages - 1 ? 0 : compute_stage + 1;
-        const int tile_start = (my_first + it * kWarps) * kTileN;
 
         // ---- scores S^T for the tile's 16-token m-tiles
         float sc[MT][NT][4];
-        float rope_bias[kRope ? MT : 1][NT][4];
-        if constexpr (kRope && Rope::kRecur) {  // coefficients carried from the warp's previous tile
-            if (it % Rope::kAnchor == 0) {
-                Rope::anchor(p, sm_rope, tile_start, lane, rope_state);
-            } else {
-                Rope::advance(sm_rope, lane, rope_state);
-            }
-            Rope::state_bias(sm_rope, rope_state, lane, rope_bias);
-        } else if constexpr (kRope) {
-            Rope::tile_bias(p, sm_rope, tile_start, lane, rope_bias);
-        }
         #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
             const int t0 = mt * 16 + g, t1 = t0 + 8;
@@ -451,8 +449,8 @@ __device__ __forceinline__ void split_body(const DecodeParams &p, char *smem, in
     }
 }
 
-template <typename Traits, Paging kPaging, bool kLocal, bool kRope = false, bool kSide = false>
-__global__ void __launch_bounds__(Traits::kNThreads) decode_split_kernel(const DecodeParams p) {
+template <typename Traits, Paging kPaging, bool kLocal, bool kRope, bool kSide>
+__device__ __forceinline__ void decode_split(const DecodeParams &p) {
     extern __shared__ __align__(16) char smem[];
     if constexpr (kSide) {  // (no kLocal with a side: host checks)
         // CTAs start in linear order (x fastest): the codes' CTAs of a row block first, its side CTAs
@@ -468,6 +466,18 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_split_kernel(const D
     } else {
         split_body<Traits, kPaging, kLocal, kRope, Part::kAll>(p, smem, blockIdx.x, blockIdx.y);
     }
+}
+
+template <typename Traits, Paging kPaging, bool kLocal, bool kRope = false, bool kSide = false>
+__global__ void __launch_bounds__(Traits::kNThreads) decode_split_kernel(const DecodeParams p) {
+    decode_split<Traits, kPaging, kLocal, kRope, kSide>(p);
+}
+
+// The RoPE-center variants with one n8 tile of rows, held to 3 CTAs an SM (<= 168 registers; left
+// free, the one with a side took 200 and fit 2)
+template <typename Traits, Paging kPaging, bool kSide>
+__global__ void __launch_bounds__(Traits::kNThreads, 3) decode_split_rope_kernel(const DecodeParams p) {
+    decode_split<Traits, kPaging, false, true, kSide>(p);
 }
 
 // The side pass alone (split num_splits - 1; the prefill kernel's launch runs the codes): launch_side.

@@ -74,7 +74,11 @@ void launch_decode_split(const DecodeParams &p, cudaStream_t stream) {
     auto go_plain = [&](auto paging, auto rope) {
         constexpr Paging kP = decltype(paging)::value;
         constexpr bool kR = decltype(rope)::value;
-        if (p.side_k != nullptr) {
+        const bool side = p.side_k != nullptr;
+        if constexpr (kR && Traits::kNT == 1) {  // (held to 3 CTAs an SM: tq_decode_kernel.h)
+            side ? launch_split<Traits, true, true>(&decode_split_rope_kernel<Traits, kP, true>, p, stream)
+                 : launch_split<Traits, true>(&decode_split_rope_kernel<Traits, kP, false>, p, stream);
+        } else if (side) {
             launch_split<Traits, kR, true>(&decode_split_kernel<Traits, kP, false, kR, true>, p, stream);
         } else {
             launch_split<Traits, kR>(&decode_split_kernel<Traits, kP, false, kR>, p, stream);

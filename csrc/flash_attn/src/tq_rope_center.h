@@ -18,8 +18,12 @@
 // stay in float32 registers and turn from tile to tile by the constant angle kStride theta_m:
 //   (A, B) <- (A cos + B sin, B cos - A sin),
 // four FMAs a pair, the constants in shared memory; every kAnchor tiles they are computed afresh
-// (D / 8 sincos a lane), which bounds the float32 drift. With more rows (chunks) each tile turns the
-// shared-memory (alpha, beta) by its own sincos (tile_bias).
+// (D / 8 sincos a lane), which bounds the float32 drift. With at most 4 rows (GQA groups of 4 or
+// less, one query) the n8 tile's other 4 columns would be padding, so they carry the same rows at
+// the warp's next tile instead ("paired"): one chain gives two tiles' terms, each lane turns its
+// coefficients once every two tiles (by 2 kStride theta_m), and the second tile's columns reach the
+// score layout by one shuffle. With more rows (chunks) each tile turns the shared-memory
+// (alpha, beta) by its own sincos (tile_bias).
 //
 // The prefill kernel (256 query rows a CTA) takes the term from the key side instead: the codes'
 // domain vector v(p) = H R(p) c / sqrt(D) (turbo's rotation H = WHT diag(signs); R(p) c itself
@@ -54,7 +58,10 @@ struct RopeCenter {
     static constexpr int kStepBytes = KB * 4 * 16;  // [kb][lane % 4] float4: (cos, sin) of kStride theta, 2 pairs
     static constexpr int kBytes = kTableBytes + kCoeffBytes + kStepBytes;
     static constexpr bool kRecur = kNT == 1;  // coefficients carried in registers from tile to tile
-    static constexpr int kAnchor = 64;        // tiles between exact coefficients (float32 drift ~1e-6 a turn)
+    static constexpr int kAnchor = 64;        // tiles between exact coefficients (float32 drift ~1e-6 a turn; even)
+
+    // Whether a CTA's rows [row0, total_rows) fit the paired layout (see above).
+    static __device__ __forceinline__ bool paired(int row0, int total_rows) { return kRecur && total_rows - row0 <= 4; }
 
     // Lane l of an m16n8k16 fragment holds pairs m = 8 kb + l % 4 + 4 h (h = 0, 1) of its k-block;
     // the table's A fragment also tokens tau = 16 mt + l / 4 (+ 8).
@@ -62,10 +69,12 @@ struct RopeCenter {
 
     // Before the first tile, all the CTA's threads (a barrier follows): the table's fragments, and
     // each query row's (alpha, beta) from q (the RoPE domain, before turbo's rotation) and the
-    // center c of (batch entry b, kv head hk). Rows past total_rows get zeros.
+    // center c of (batch entry b, kv head hk). Rows past total_rows get zeros; paired, columns 4-7
+    // repeat rows 0-3.
     template <typename Elem, int kRows>
     static __device__ void setup(const DecodeParams &p, int b, int hk, int row0, int total_rows, char *smem, int tid,
                                  int nthreads) {
+        const bool pair = paired(row0, total_rows);
         uint4 *table = reinterpret_cast<uint4 *>(smem);
         for (int i = tid; i < MT * KB * 32; i += nthreads) {
             const int lane = i % 32, kb = (i / 32) % KB, tau = (i / (32 * KB)) * 16 + lane / 4;
@@ -83,7 +92,7 @@ struct RopeCenter {
         const float *center = p.rope_center + b * p.rope_center_batch_stride + hk * D;
         for (int i = tid; i < kNT * KB * 32; i += nthreads) {
             const int lane = i % 32, kb = (i / 32) % KB, nt = i / (32 * KB);
-            const int r = row0 + nt * 8 + lane / 4;
+            const int r = row0 + nt * 8 + (pair ? lane / 4 % 4 : lane / 4);
             float ab[4] = {0.f, 0.f, 0.f, 0.f};
             if (r < total_rows) {
                 const Elem *q = q_row_ptr<Elem>(p, b, hk, r);
@@ -99,10 +108,11 @@ struct RopeCenter {
             coeff[i] = make_float4(ab[0], ab[1], ab[2], ab[3]);
         }
         float4 *step = reinterpret_cast<float4 *>(smem + kTableBytes + kCoeffBytes);
+        const float turn = static_cast<float>(pair ? 2 * kStride : kStride);  // between a lane's tiles
         for (int i = tid; i < KB * 4; i += nthreads) {
             float s0, c0, s1, c1;
-            sincos_any(static_cast<float>(kStride) * __ldg(p.rope_inv_freq + pair_of(i / 4, i % 4, 0)), s0, c0);
-            sincos_any(static_cast<float>(kStride) * __ldg(p.rope_inv_freq + pair_of(i / 4, i % 4, 1)), s1, c1);
+            sincos_any(turn * __ldg(p.rope_inv_freq + pair_of(i / 4, i % 4, 0)), s0, c0);
+            sincos_any(turn * __ldg(p.rope_inv_freq + pair_of(i / 4, i % 4, 1)), s1, c1);
             step[i] = make_float4(c0, s0, c1, s1);
         }
     }
@@ -112,11 +122,12 @@ struct RopeCenter {
         float4 ab[KB];
     };
 
-    // The exact coefficients of the tile starting at key index tile_start.
-    static __device__ __forceinline__ void anchor(const DecodeParams &p, const char *smem, int tile_start, int lane,
-                                                  State &st) {
+    // The exact coefficients of the tile starting at key index tile_start (paired: lanes of columns
+    // 4-7 those of the warp's next tile).
+    static __device__ __forceinline__ void anchor(const DecodeParams &p, const char *smem, int tile_start, bool pair,
+                                                  int lane, State &st) {
         const float4 *coeff = reinterpret_cast<const float4 *>(smem + kTableBytes);
-        const float pos = static_cast<float>(tile_start + p.rope_offset);
+        const float pos = static_cast<float>(tile_start + (pair && lane >= 16 ? kStride : 0) + p.rope_offset);
         #pragma unroll
         for (int kb = 0; kb < KB; ++kb) {
             float s[2], co[2];
@@ -130,7 +141,8 @@ struct RopeCenter {
         }
     }
 
-    // The next tile of the warp (kStride tokens on): each pair turned by kStride theta_m.
+    // The next tile of the warp (kStride tokens on; paired, two tiles on): each pair turned by the
+    // step's angle.
     static __device__ __forceinline__ void advance(const char *smem, int lane, State &st) {
         const float4 *step = reinterpret_cast<const float4 *>(smem + kTableBytes + kCoeffBytes);
         #pragma unroll
@@ -146,11 +158,7 @@ struct RopeCenter {
     static __device__ __forceinline__ void state_bias(const char *smem, const State &st, int lane,
                                                       float (&bias)[MT][kNT][4]) {
         const uint4 *table = reinterpret_cast<const uint4 *>(smem);
-        #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-            #pragma unroll
-            for (int j = 0; j < 4; ++j) { bias[mt][0][j] = 0.f; }
-        }
+        float part[2][MT][4] = {};  // even / odd k-blocks: two independent MMA chains an m-tile (latency)
         #pragma unroll
         for (int kb = 0; kb < KB; ++kb) {
             const uint32_t b0 = pack2<__half>(st.ab[kb].x, st.ab[kb].y), b1 = pack2<__half>(st.ab[kb].z, st.ab[kb].w);
@@ -158,7 +166,41 @@ struct RopeCenter {
             for (int mt = 0; mt < MT; ++mt) {
                 const uint4 t = table[(mt * KB + kb) * 32 + lane];
                 const uint32_t a[4] = {t.x, t.y, t.z, t.w};
-                mma_16816<__half>(bias[mt][0], a, b0, b1);
+                mma_16816<__half>(part[kb % 2][mt], a, b0, b1);
+            }
+        }
+        #pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            #pragma unroll
+            for (int j = 0; j < 4; ++j) { bias[mt][0][j] = part[0][mt][j] + part[1][mt][j]; }
+        }
+    }
+
+    // The term of the warp's it-th tile (kRecur), from key index tile_start: coefficients anchored
+    // every kAnchor tiles and turned in between; paired, an odd tile takes what the even one before
+    // it left in `next` (its columns 4-7 moved to columns 0-3).
+    static __device__ __forceinline__ void recur_bias(const DecodeParams &p, const char *smem, int it, int tile_start,
+                                                      bool pair, int lane, State &st, float (&next)[MT][4],
+                                                      float (&bias)[MT][kNT][4]) {
+        if (pair && (it & 1)) {  // (pair: warp-uniform)
+            #pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                #pragma unroll
+                for (int j = 0; j < 4; ++j) { bias[mt][0][j] = next[mt][j]; }
+            }
+            return;
+        }
+        if (it % kAnchor == 0) {
+            anchor(p, smem, tile_start, pair, lane, st);
+        } else {
+            advance(smem, lane, st);
+        }
+        state_bias(smem, st, lane, bias);
+        if (pair) {
+            #pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                #pragma unroll
+                for (int j = 0; j < 4; ++j) { next[mt][j] = __shfl_xor_sync(0xffffffffu, bias[mt][0][j], 2); }
             }
         }
     }
