@@ -284,17 +284,18 @@ def write_production(rows, meta, out_dir, prefill=(), generate=()):
             "",
             "B=1, 32/8 heads, d 128, fp16: a chunk of q_len queries over a cache of S tokens that holds it, "
             "causal, flash_attn_with_kvcache eager, µs. FA2: upstream 2.8.3 over the fp16 cache; default: the "
-            "layers weighted as above (the copy-head layer's K8V8 head runs the decode kernel).",
+            "layers weighted as above (the copy-head layer's K8V8 head runs the decode kernel); 'commit': where "
+            "the row was measured.",
             "",
             "| S | q_len | FA2 | plain | default | FA2 / plain | FA2 / default | K3V3 layer | K4V3 layer | "
-            "copy-head layer |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "copy-head layer | commit |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in prefill:
             lines.append(
                 f"| {r['S']} | {r['q_len']} | {fmt(r['fa2_us'])} | {fmt(r['plain_us'])} | {fmt(r['default_us'])} | "
                 f"{fmt(r.get('plain_vs_fa2'), '.2f')}x | {fmt(r.get('default_vs_fa2'), '.2f')}x | "
-                f"{fmt(r['k3_us'])} | {fmt(r['k4_us'])} | {fmt(r['mixed_us'])} |"
+                f"{fmt(r['k3_us'])} | {fmt(r['k4_us'])} | {fmt(r['mixed_us'])} | {r.get('commit') or meta['commit']} |"
             )
     if generate:
         lines += [
@@ -478,6 +479,12 @@ def main():
         "--production", action="store_true", help="only the default-vs-plain table (production.json / production.md)"
     )
     ap.add_argument(
+        "--keep-prefill",
+        action="store_true",
+        help="with --production: measure the decode rows only, keeping production.json's prefill rows (and the "
+        "commit each was measured at)",
+    )
+    ap.add_argument(
         "--merge-generate",
         metavar="JSON",
         nargs="+",
@@ -501,14 +508,19 @@ def main():
         sys.exit("bench_decode needs a CUDA GPU and the built extension")
     torch.manual_seed(0)
     if args.production:
-        rows, prefill = [], []
+        rows, prefill, generate = [], [], []
         for shp in PRODUCTION_SHAPES:
             rows.append(run_production(*shp))
             print(rows[-1], flush=True)
-        for shp in PRODUCTION_PREFILL:
+        if args.keep_prefill:
+            with open(os.path.join(args.out, "production.json")) as f:
+                old = json.load(f)
+            prefill = [{**r, "commit": r.get("commit") or old["meta"]["commit"]} for r in old["prefill"]]
+            generate = old["generate"]
+        for shp in [] if args.keep_prefill else PRODUCTION_PREFILL:
             prefill.append(run_production_prefill(*shp))
             print(prefill[-1], flush=True)
-        write_production(rows, stamp(), args.out, prefill=prefill)
+        write_production(rows, stamp(), args.out, prefill=prefill, generate=generate)
         return
     rows = []
     for shp in [] if args.pack_only else ISSUE_SHAPES:
