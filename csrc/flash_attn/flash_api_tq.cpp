@@ -33,9 +33,16 @@ namespace {
 // 16, 98 us at 17 (4 SMs run two CTAs), 81 us at 66; B=8 x 32K: 112 us at 8, 126 us at 2.
 // per_sm_x20: the CTAs an SM to reach, times 20 (38: 1.9). A launch with a 16-bit side asks 2.9:
 // its short side CTAs start after the codes' and take SM slots, and one code split then measured
-// 125 us at 32 x 8K against 94 us with two (92 without the side).
-int choose_num_splits(int ctas, int max_seqlen_k, int num_sms, int per_sm_x20 = 38) {
-    const int max_splits = std::max(1, std::min(128, max_seqlen_k / 128));
+// 125 us at 32 x 8K against 94 us with two (92 without the side). side_ctas: that side's CTAs; a
+// split count whose code CTAs are short (< 512 keys) must leave them a slot (kSideSlotsPerSm), or
+// they run as a second wave as long as the first: B=8 x 1K, 6 splits 24.4 us, 2 splits 20.2.
+constexpr int kSideSlotsPerSm = 3;  // one row tile with a side: <= 168 registers, 3 CTAs an SM
+int choose_num_splits(int ctas, int max_seqlen_k, int num_sms, int per_sm_x20 = 38, int side_ctas = 0) {
+    int max_splits = std::max(1, std::min(128, max_seqlen_k / 128));
+    while (side_ctas > 0 && max_splits > 1 && max_seqlen_k / max_splits < 512 &&
+           static_cast<int64_t>(ctas) * max_splits + side_ctas > static_cast<int64_t>(kSideSlotsPerSm) * num_sms) {
+        --max_splits;
+    }
     auto load = [&](int s) {
         return static_cast<double>((static_cast<int64_t>(ctas) * s + num_sms - 1) / num_sms) / s;
     };
@@ -235,7 +242,8 @@ std::tuple<at::Tensor, at::Tensor> run_decode_op(Store store, DecodeParams &p, c
     const int span = p.window_left >= 0 ? std::min<int64_t>(max_seqlen_k, p.window_left + seqlen_q + 1) : max_seqlen_k;
     // (the decode kernel's side CTAs share its launch; the prefill kernel's side is a launch of its own)
     p.num_splits = num_splits > 0 ? static_cast<int>(num_splits)
-                                  : choose_num_splits(ctas, span, num_sms, side && !prefill ? 58 : 38);
+                                  : side && !prefill ? choose_num_splits(ctas, span, num_sms, 58, ctas)
+                                                     : choose_num_splits(ctas, span, num_sms);
     p.num_splits += side ? 1 : 0;  // the side pass: one more split, merged by the combine kernel
     at::Tensor out_accum, lse_accum;
     if (p.num_splits > 1) {
