@@ -57,7 +57,9 @@ for opts in (
         torch.randn(2, 300, 2, 64, device="cuda", dtype=torch.float16),
         torch.randn(2, 300, 2, 64, device="cuda", dtype=torch.float16),
     )
-    for rows in (1, 40, 70):  # 70 x 4 rows a kv head: the prefill kernel (RoPE center: its table) + side launch
+    # 70 x 4 rows a kv head: the prefill kernel (RoPE center: its table, capacity past the length) + side
+    # launch; 200: rows before the ring's first key, whose side CTAs attend the sinks only
+    for rows in (1, 40, 70, 200):
         for splits in (1, 3):
             outs = fa.flash_attn_with_kvcache(
                 torch.randn(2, rows, 8, 64, device="cuda", dtype=torch.float16), side, causal=True, num_splits=splits

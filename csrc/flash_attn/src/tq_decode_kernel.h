@@ -111,7 +111,11 @@ __device__ __forceinline__ void split_body(const DecodeParams &p, char *smem, in
         }
     }
     const int cta_last_row = min(row0 + kRows, total_rows) - 1;
-    const int cta_limit = kSide ? seqlen_k : min(seqlen_k, key_limit(p, seqlen_all, total_rows, cta_last_row));
+    const int cta_key_limit = key_limit(p, seqlen_all, total_rows, cta_last_row);
+    // the side: the ring's keys are the sequence's last side_ring; rows of a chunk that see none of
+    // them (most of a long chunk's, causal) attend the sinks' tiles only
+    const bool sees_ring = cta_key_limit > max(p.side_sinks, seqlen_all - p.side_ring);
+    const int cta_limit = kSide ? (sees_ring ? seqlen_k : p.side_sinks) : min(seqlen_k, cta_key_limit);
     const int cta_first_max =
         key_first<kLower>(p, seqlen_all, total_rows, cta_last_row, key_start);  // tiles before it need the lower mask
     const int tile_first = kSide ? 0 : key_first<kLower>(p, seqlen_all, total_rows, row0, key_start) / kTileN;
@@ -481,8 +485,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 3) decode_split_rope_kernel
 }
 
 // The side pass alone (split num_splits - 1; the prefill kernel's launch runs the codes): launch_side.
+// Held to 3 CTAs an SM: its short CTAs are latency-bound (16 rows: 166 registers, no spills; 201 and
+// 2 CTAs an SM left free)
 template <typename Traits>
-__global__ void __launch_bounds__(Traits::kNThreads) decode_side_kernel(const DecodeParams p) {
+__global__ void __launch_bounds__(Traits::kNThreads, 3) decode_side_kernel(const DecodeParams p) {
     extern __shared__ __align__(16) char smem[];
     split_body<SideTraits<Traits>, Paging::kNone, false, false, Part::kSide>(p, smem, p.num_splits - 1, blockIdx.y);
 }
