@@ -10,11 +10,11 @@
 
 namespace flash_tq {
 
-// The RoPE center's table (tq_rope_center.h): 32 positions a CTA.
-template <typename Elem, int kHeadDim, typename KV>
+// The RoPE center's table (tq_rope_center.h) for the prefill kernel's tiles of kTileN: 32 positions a CTA.
+template <typename Elem, int kHeadDim, typename KV, int kTileN>
 void launch_rope_table(const DecodeParams &p, cudaStream_t stream) {
     dim3 grid((p.rope_table_len + 31) / 32, p.b * p.h_k);
-    rope_table_kernel<Elem, kHeadDim, KV><<<grid, 128, 0, stream>>>(p);
+    rope_table_kernel<Elem, kHeadDim, KV, kTileN><<<grid, 128, 0, stream>>>(p);
 }
 
 // The codes' splits (a 16-bit side: its own launch as the last split, launch_side), then the combine.
@@ -37,7 +37,7 @@ void run_prefill(const DecodeParams &p, cudaStream_t stream) {
     if (p.use_wgmma) {  // an sm_90 device and sm_90a code in this build (flash_api_tq.cpp)
         if (p.rope_center != nullptr) {  // (the host sends the RoPE center here only: no kLocal with it)
             using Traits = PrefillTraits<Elem, kHeadDim, kKBits, kVBits, 8, 2, kScaleOnly, true, true>;
-            launch_rope_table<Elem, kHeadDim, KV>(p, stream);
+            launch_rope_table<Elem, kHeadDim, KV, Traits::kTileN>(p, stream);
             launch_split<Traits>(&prefill_split_kernel<Traits, false>, p, stream, code_splits);
         } else {
             go(std::true_type{});

@@ -28,7 +28,7 @@
 // The prefill kernel (256 query rows a CTA) takes the term from the key side instead: the codes'
 // domain vector v(p) = H R(p) c / sqrt(D) (turbo's rotation H = WHT diag(signs); R(p) c itself
 // without one) added into each expanded K tile, so that q . (k - R(p) c) + q . v(p) comes out of the
-// same S = Q K^T. rope_table_kernel writes v(p) / |c| for every position once a call (rope_table;
+// same S = Q K^T. rope_table_kernel writes v(p) / |c| for every key position once a call (rope_table;
 // |v| <= |c| elementwise, so the rows fit 16 bits whatever c's size), so a tile costs one table row a
 // key to copy and one packed FMA a K pair slot: code - mid + row * |c| / scale. The sum carries
 // 16-bit precision relative to the whole key, as an fp16 / bf16 cache would.
@@ -265,14 +265,18 @@ constexpr bool slots_in_lane() {
 // m, m + D/2 is in one lane). Rows go out in the loader's K slot order: quad c's slots c kSlotsK + i
 // hold elements KV::q_element_at(c, i, 0 / 1) as a 16-bit pair (from the lane's registers, or
 // through shared memory where the slots leave the lane's set), so the prefill kernel's expansion
-// unit (token, quad c) reads its kSlotsK words as one contiguous run.
-template <typename Elem, int D, typename KV>
+// unit (token, quad c) reads its kSlotsK words as one contiguous run. Only the rows of the entry's
+// keys are written, up to its last tile of kTileN (the prefill kernel reads no others): the table is
+// sized by the cache's capacity, which may be far past its length.
+template <typename Elem, int D, typename KV, int kTileN>
 __global__ void __launch_bounds__(128) rope_table_kernel(const DecodeParams p) {
     constexpr int J = D / 8, kSlots = KV::kSlotsK;
     constexpr bool kInLane = slots_in_lane<KV, D>();
     __shared__ float rows[kInLane ? 1 : 4][8][D + 1];  // each warp's 8 positions (odd stride: no bank conflicts)
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
     const int b = blockIdx.y / p.h_k, hk = blockIdx.y % p.h_k;
+    const int keys = max(0, min(p.seqlens_k[b], p.max_seqlen_k));
+    if ((blockIdx.x * 4 + warp) * 8 >= (keys + kTileN - 1) / kTileN * kTileN) return;  // (warp-uniform)
     const int pos = (blockIdx.x * 4 + warp) * 8 + g;
     const float *center = p.rope_center + b * p.rope_center_batch_stride + hk * D;
     const float at = static_cast<float>(pos + p.rope_offset);  // (float32 positions, as the cache's)
