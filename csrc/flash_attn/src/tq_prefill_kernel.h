@@ -148,17 +148,23 @@ __device__ __forceinline__ void prefill_split_body(const DecodeParams &p) {
         for (int o = 16; o > 0; o >>= 1) { center_norm += __shfl_xor_sync(0xffffffffu, center_norm, o); }
         center_norm = sqrtf(center_norm);
     }
+    // a thread copies chunk tid % kRowChunks of rows tab_t + kTabPassRows j: its source and destination
+    // offsets are set once (the swizzle's period, 8 rows, divides kTabPassRows), an add and a compare a copy
+    constexpr int kRowChunks = D * 2 / 16, kTabPassRows = T::kNThreads / kRowChunks;
+    static_assert(kTabPassRows % 8 == 0 && T::kTileN % kTabPassRows == 0, "whole swizzle periods a pass");
+    const int tab_t = tid / kRowChunks;
+    const char *tab_src = T::kRope ? tab_rows + tab_t * (D * 2) + 16 * (tid % kRowChunks) : nullptr;
+    const int tab_dst = 16 * T::tab_chunk(tab_t, tid % kRowChunks);
     auto load_tab = [&](int i) {
         if (T::kRope && i < n_mine) {
-            constexpr int kRowChunks = D * 2 / 16;
             const int t0 = (tile_begin + i) * T::kTileN;
-            char *dst = tabs + (i % 2) * T::kTabStageBytes;
+            char *dst = tabs + (i % 2) * T::kTabStageBytes + tab_dst;
+            const char *src = tab_src + static_cast<int64_t>(t0) * (D * 2);
             #pragma unroll
-            for (int k = tid; k < T::kTileN * kRowChunks; k += T::kNThreads) {
-                const int t = k / kRowChunks, tok = t0 + t;
-                const bool valid = tok < p.rope_table_len;
-                cp_async<16>(dst + 16 * T::tab_chunk(t, k % kRowChunks),
-                             tab_rows + static_cast<int64_t>(valid ? tok : 0) * (D * 2) + 16 * (k % kRowChunks), valid);
+            for (int j = 0; j < T::kTileN / kTabPassRows; ++j) {
+                const bool valid = t0 + tab_t + j * kTabPassRows < p.rope_table_len;
+                cp_async<16>(dst + j * kTabPassRows * kRowChunks * 16, valid ? src + j * kTabPassRows * (D * 2) : tab_rows,
+                             valid);
             }
         }
     };
