@@ -244,7 +244,9 @@ std::tuple<at::Tensor, at::Tensor> run_decode_op(Store store, DecodeParams &p, c
     p.num_splits = num_splits > 0 ? static_cast<int>(num_splits)
                                   : side && !prefill ? choose_num_splits(ctas, span, num_sms, 58, ctas)
                                                      : choose_num_splits(ctas, span, num_sms);
-    p.num_splits += side ? 1 : 0;  // the side pass: one more split, merged by the combine kernel
+    // the side pass: one more split, merged by the combine kernel (prefill over one code split: by the
+    // prefill kernel, run_prefill)
+    p.num_splits += side ? 1 : 0;
     at::Tensor out_accum, lse_accum;
     if (p.num_splits > 1) {
         out_accum = at::empty({p.num_splits, b, h, seqlen_q, d}, opts.dtype(at::kFloat));

@@ -64,6 +64,9 @@ struct DecodeParams {
     // The codes' keys of a sequence of n keys: [side_sinks, n - codes_tail) (the tail: the recent
     // tokens another pass attends); causal alignment counts all n.
     int codes_tail;
+    // The side's split (num_splits - 1) was written by an earlier launch and the codes are one split:
+    // the prefill kernel merges the side's partial rows into its output (no combine kernel).
+    bool side_first;
 
     int b, seqlen_q, h, h_k, h_h_k_ratio;
     float scale_softmax_log2;  // softmax_scale * log2(e)

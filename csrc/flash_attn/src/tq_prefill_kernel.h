@@ -307,7 +307,8 @@ __device__ __forceinline__ void prefill_split_body(const DecodeParams &p) {
         }
         __syncwarp();
     }
-    const bool unrotate = rotate && p.num_splits == 1;
+    // the output rows are final: one split, or the side's split merged here (side_first)
+    const bool unrotate = rotate && (p.num_splits == 1 || p.side_first);
     float sign[DJ][2];  // of the lane's columns, times 1 / sqrt(d)
     #pragma unroll
     for (int j = 0; j < DJ; ++j) {
@@ -337,16 +338,32 @@ __device__ __forceinline__ void prefill_split_body(const DecodeParams &p) {
                     }
                 }
             }
-            const float total = row_sum[m][h], inv = total > 0.f ? 1.f / total : 0.f;
+            float total = row_sum[m][h], inv = total > 0.f ? 1.f / total : 0.f;
+            float lse = row_lse(row_max[m][h] == kNegInf ? 0.f : row_max[m][h], total);
+            const int i = r / group, hq = hk * group + r % group;
+            if (p.side_first && r < total_rows) {  // o = (w o + w_side o_side) / (w + w_side), in the codes' domain
+                const int64_t side_row = ((static_cast<int64_t>(p.num_splits - 1) * p.b + b) * p.h + hq) * p.seqlen_q + i;
+                const float lse_side = p.lse_accum[side_row], mx = fmaxf(lse, lse_side);
+                const float w = mx == kNegInf ? 0.f : __expf(lse - mx), w_side = mx == kNegInf ? 0.f : __expf(lse_side - mx);
+                const float sum = w + w_side, f_side = sum > 0.f ? w_side / sum : 0.f;
+                inv *= sum > 0.f ? w / sum : 0.f;
+                #pragma unroll
+                for (int j = 0; j < DJ; ++j) {
+                    const float2 o = *reinterpret_cast<const float2 *>(p.out_accum + side_row * D + 8 * j + 2 * c);
+                    x[0][j][0] = fmaf(x[0][j][0], inv, f_side * o.x);
+                    x[0][j][1] = fmaf(x[0][j][1], inv, f_side * o.y);
+                }
+                inv = 1.f;
+                total = sum;  // (> 0 when either part has keys: the lse below)
+                lse = sum > 0.f ? mx + __logf(sum) : kNegInf;
+            }
             if (unrotate) { fwht_quad_rows<D, 1>(x, lane); }
             #pragma unroll
             for (int j = 0; j < DJ; ++j) {
                 #pragma unroll
                 for (int e = 0; e < 2; ++e) { x[0][j][e] *= unrotate ? sign[j][e] * inv : inv; }
             }
-            const float lse = row_lse(row_max[m][h] == kNegInf ? 0.f : row_max[m][h], total);
-            const int i = r / group, hq = hk * group + r % group;
-            if (p.num_splits == 1) {
+            if (p.num_splits == 1 || p.side_first) {
                 __syncwarp();  // the quad's reads of its row are done: stage it there as Elem
                 uint32_t *staged = reinterpret_cast<uint32_t *>(sm_o + n * RS);
                 #pragma unroll

@@ -18,11 +18,15 @@ void launch_rope_table(const DecodeParams &p, cudaStream_t stream) {
 }
 
 // The codes' splits (a 16-bit side: its own launch as the last split, launch_side), then the combine.
+// With one code split the side goes first and the prefill kernel merges it (DecodeParams::side_first).
 template <typename Elem, int kHeadDim, int kKBits, int kVBits, bool kScaleOnly>
-void run_prefill(const DecodeParams &p, cudaStream_t stream) {
+void run_prefill(const DecodeParams &params, cudaStream_t stream) {
     using KV = PackedKV<kKBits, kVBits, kHeadDim, Elem, kScaleOnly>;
-    const bool side = p.side_k != nullptr;
-    const int code_splits = p.num_splits - (side ? 1 : 0);
+    const bool side = params.side_k != nullptr;
+    const int code_splits = params.num_splits - (side ? 1 : 0);
+    DecodeParams p = params;
+    p.side_first = side && code_splits == 1;
+    if (p.side_first) { launch_side<Elem, kHeadDim, KV>(p, stream); }
     // 8 warps of 32 rows, one CTA an SM (4 warps with two CTAs an SM: 153-166 TFLOP/s against 171-188 at
     // 16 rows a warp, H200)
     auto go = [&](auto wgmma) {
@@ -47,8 +51,10 @@ void run_prefill(const DecodeParams &p, cudaStream_t stream) {
     {
         go(std::false_type{});
     }
-    if (side) { launch_side<Elem, kHeadDim, KV>(p, stream); }
-    launch_combine<Elem, kHeadDim>(p, stream);
+    if (!p.side_first) {
+        if (side) { launch_side<Elem, kHeadDim, KV>(p, stream); }
+        launch_combine<Elem, kHeadDim>(p, stream);
+    }
 }
 
 }  // namespace flash_tq
