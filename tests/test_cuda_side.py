@@ -33,12 +33,14 @@ def _cache(
     v_bits=3,
     window_bits=16,
     seed=0,
+    capacity=None,
 ):
     """A GPU cache filled as a model fills it: a prompt (each row's first 3/4), then token by token,
-    so the window's ring wraps; keys with a large constant part before RoPE (as real keys have)."""
+    so the window's ring wraps; keys with a large constant part before RoPE (as real keys have).
+    ``capacity``: tokens a row holds (default: the longest row + 5)."""
     gen = torch.Generator(device=DEV).manual_seed(seed)
     inv_freq = 1.0 / 10000.0 ** (torch.arange(0, d, 2, device=DEV).float() / d)
-    max_len = max(seqlens) + 5
+    max_len = capacity or max(seqlens) + 5
     bt = shuffled_block_table(batch, max_len, page_size, seed) if page_size is not None else None
     opts = dict(key_center=center, calib_min_tokens=1)
     if center == "rope":
@@ -161,6 +163,19 @@ def test_side_prefill_kernel(seqlen_q, sinks, window, d, dtype, center):
     q = torch.randn(2, seqlen_q, 8, d, device=DEV, dtype=dtype)
     poison_allocator()
     out, lse = fa.flash_attn_with_kvcache(q, cache, causal=True, return_softmax_lse=True)
+    assert fa.last_path() == "quantized:fused-cuda"
+    _check(q, cache, out, lse, causal=True)
+
+
+@pytest.mark.parametrize("num_splits", [0, 1, 3])
+def test_side_prefill_capacity_and_merge(num_splits):
+    """A chunk over a cache whose capacity is 4x its longest row (the RoPE table is written for each
+    row's keys only), with rows before the ring (their side CTAs read the sinks alone) and after it;
+    the side merged by the prefill kernel (one code split) or by the combine kernel (three)."""
+    cache = _cache(2, [700, 450], 2, 128, sinks=16, window=112, center="rope", capacity=2800)
+    q = torch.randn(2, 300, 8, 128, device=DEV, dtype=torch.float16)
+    poison_allocator()
+    out, lse = fa.flash_attn_with_kvcache(q, cache, causal=True, num_splits=num_splits, return_softmax_lse=True)
     assert fa.last_path() == "quantized:fused-cuda"
     _check(q, cache, out, lse, causal=True)
 
