@@ -62,18 +62,6 @@ using SideTraits = DecodeTraits<typename Traits::Elem, Traits::kHeadDim, Traits:
 // 16-bit side, or that side.
 enum class Part { kAll, kCodes, kSide };
 
-// Position of side slot t in a sequence of n keys (see DecodeParams::side_k), or -1 when the slot
-// holds no key that pass attends: a sink beyond n, a ring slot not yet written or holding a sink.
-__device__ __forceinline__ int side_position(const DecodeParams &p, int t, int n) {
-    if (t < p.side_sinks) return t < n ? t : -1;
-    const int s = t - p.side_sinks;
-    if (s >= p.side_ring) return -1;
-    int age = (n - 1 - s) % p.side_ring;
-    age += age < 0 ? p.side_ring : 0;
-    const int pos = n - 1 - age;
-    return pos >= p.side_sinks && pos >= 0 ? pos : -1;
-}
-
 // split: the CTA's split index (where its partial result goes); bh: batch entry * h_k + kv head.
 template <typename Traits, Paging kPaging, bool kLocal, bool kRope, Part kPart>
 __device__ __forceinline__ void split_body(const DecodeParams &p, char *smem, int split, int bh) {
@@ -482,15 +470,6 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_split_kernel(const D
 template <typename Traits, Paging kPaging, bool kSide>
 __global__ void __launch_bounds__(Traits::kNThreads, 3) decode_split_rope_kernel(const DecodeParams p) {
     decode_split<Traits, kPaging, false, true, kSide>(p);
-}
-
-// The side pass alone (split num_splits - 1; the prefill kernel's launch runs the codes): launch_side.
-// Held to 3 CTAs an SM: its short CTAs are latency-bound (16 rows: 166 registers, no spills; 201 and
-// 2 CTAs an SM left free)
-template <typename Traits>
-__global__ void __launch_bounds__(Traits::kNThreads, 3) decode_side_kernel(const DecodeParams p) {
-    extern __shared__ __align__(16) char smem[];
-    split_body<SideTraits<Traits>, Paging::kNone, false, false, Part::kSide>(p, smem, p.num_splits - 1, blockIdx.y);
 }
 
 // The end of a merged row: o (the lane's kV elements of sum_s w_s o_s, w_s = exp(lse_s - use)) over

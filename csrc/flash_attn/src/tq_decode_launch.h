@@ -53,7 +53,7 @@ constexpr int split_smem_bytes() {
     }
 }
 
-// splits: the grid's splits (0: p.num_splits; the prefill kernel leaves a side's split to launch_side).
+// splits: the grid's splits (0: p.num_splits; the prefill kernel leaves a side's split to launch_side_rows).
 template <typename Traits, bool kRope = false, bool kSide = false>
 void launch_split(void (*kernel)(const DecodeParams), const DecodeParams &p, cudaStream_t stream, int splits = 0) {
     constexpr int smem = split_smem_bytes<Traits, kRope, kSide>();
@@ -111,18 +111,6 @@ void launch_decode_split(const DecodeParams &p, cudaStream_t stream) {
             launch_split<Traits>(&decode_split_kernel<Traits, Paging::kRuntime, false>, p, stream);
         }
     }
-}
-
-// The 16-bit side of a packed cache alone, as split num_splits - 1 (the prefill kernel's launches
-// take the codes' splits): 16 query rows a CTA, like the decode kernel's side pass.
-template <typename Elem, int kHeadDim, typename KV>
-void launch_side(const DecodeParams &p, cudaStream_t stream) {
-    using Traits = DecodeTraits<Elem, kHeadDim, 2, KV>;
-    constexpr int smem = SideTraits<Traits>::kSmemBytes;
-    if constexpr (smem > 48 * 1024) { allow_smem(reinterpret_cast<const void *>(&decode_side_kernel<Traits>), smem); }
-    const int rows = p.h_h_k_ratio * p.seqlen_q;
-    dim3 grid(1, p.b * p.h_k, (rows + Traits::kRows - 1) / Traits::kRows);
-    decode_side_kernel<Traits><<<grid, Traits::kNThreads, smem, stream>>>(p);
 }
 
 template <typename Elem, int kHeadDim, typename KV>

@@ -7,6 +7,7 @@
 
 #include "tq_decode_launch.h"
 #include "tq_prefill_kernel.h"
+#include "tq_side_rows.h"
 
 namespace flash_tq {
 
@@ -17,7 +18,15 @@ void launch_rope_table(const DecodeParams &p, cudaStream_t stream) {
     rope_table_kernel<Elem, kHeadDim, KV, kTileN><<<grid, 128, 0, stream>>>(p);
 }
 
-// The codes' splits (a 16-bit side: its own launch as the last split, launch_side), then the combine.
+// The side of a chunk's rows (tq_side_rows.h) as the launch's last split.
+template <typename Elem, int kHeadDim>
+void launch_side_rows(const DecodeParams &p, cudaStream_t stream) {
+    using T = SideRowsTraits<Elem, kHeadDim>;
+    dim3 grid((p.h_h_k_ratio * p.seqlen_q + T::kRows - 1) / T::kRows, p.b * p.h_k);
+    side_rows_kernel<T><<<grid, T::kNThreads, 0, stream>>>(p);
+}
+
+// The codes' splits (a 16-bit side: its own launch as the last split, launch_side_rows), then the combine.
 // With one code split the side goes first and the prefill kernel merges it (DecodeParams::side_first).
 template <typename Elem, int kHeadDim, int kKBits, int kVBits, bool kScaleOnly>
 void run_prefill(const DecodeParams &params, cudaStream_t stream) {
@@ -26,7 +35,7 @@ void run_prefill(const DecodeParams &params, cudaStream_t stream) {
     const int code_splits = params.num_splits - (side ? 1 : 0);
     DecodeParams p = params;
     p.side_first = side && code_splits == 1;
-    if (p.side_first) { launch_side<Elem, kHeadDim, KV>(p, stream); }
+    if (p.side_first) { launch_side_rows<Elem, kHeadDim>(p, stream); }
     // 8 warps of 32 rows, one CTA an SM (4 warps with two CTAs an SM: 153-166 TFLOP/s against 171-188 at
     // 16 rows a warp, H200)
     auto go = [&](auto wgmma) {
@@ -52,7 +61,7 @@ void run_prefill(const DecodeParams &params, cudaStream_t stream) {
         go(std::false_type{});
     }
     if (!p.side_first) {
-        if (side) { launch_side<Elem, kHeadDim, KV>(p, stream); }
+        if (side) { launch_side_rows<Elem, kHeadDim>(p, stream); }
         launch_combine<Elem, kHeadDim>(p, stream);
     }
 }

@@ -36,6 +36,18 @@ __device__ __forceinline__ int key_first(const DecodeParams &p, int seqlen_k, in
     return max(key_start, seqlen_k - p.seqlen_q + r / p.h_h_k_ratio - p.window_left);
 }
 
+// Position of side slot t in a sequence of n keys (see DecodeParams::side_k), or -1 when the slot
+// holds no key that pass attends: a sink beyond n, a ring slot not yet written or holding a sink.
+__device__ __forceinline__ int side_position(const DecodeParams &p, int t, int n) {
+    if (t < p.side_sinks) return t < n ? t : -1;
+    const int s = t - p.side_sinks;
+    if (s >= p.side_ring) return -1;
+    int age = (n - 1 - s) % p.side_ring;
+    age += age < 0 ? p.side_ring : 0;
+    const int pos = n - 1 - age;
+    return pos >= p.side_sinks && pos >= 0 ? pos : -1;
+}
+
 // Upstream's softcap on a base-2 score: c tanh(s / c), c = softcap * log2(e).
 __device__ __forceinline__ float softcap_score(float s, float c) {
     float t;
