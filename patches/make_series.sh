@@ -74,9 +74,10 @@ tile, and the MMAs of a warp or a warpgroup." \
 add "csrc: chunked-prefill kernel over packed K/V" \
 "256-row CTAs (from 128 query rows a kv head) that expand each packed tile once into shared memory
 for all their rows; on sm_90a builds the warpgroups multiply through wgmma. Over a cache with a
-16-bit side they read the codes between the sinks and the window (the side: the decode kernel's side
-pass as one more launch); with the RoPE center the wgmma variant adds the table's rows to K." \
-    tq_prefill_kernel.h
+16-bit side they read the codes between the sinks and the window; tq_side_rows.h attends the side
+(64-row CTAs, the chunk's rows as the MMA's M) as one more split. With the RoPE center the wgmma
+variant adds the table's rows to K." \
+    tq_prefill_kernel.h tq_side_rows.h
 
 add "csrc: the kernel cases, generated once" \
 "generate_instantiations.py lists the (dtype, head_dim, K bits, V bits, metadata) cases and writes a
