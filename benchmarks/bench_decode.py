@@ -9,7 +9,9 @@ For each shape (batch B, cache length S, q heads, kv heads, head_dim d; q_len 1)
 * ``tq3_api``: ``flash_attn_tq.flash_attn_with_kvcache(q, cache)`` end to end, eager and as a CUDA graph;
 * ``kv16``: the same kernel body over the fp16 cache (its Fp16KV loader policy): our FP16 baseline;
 * ``sdpa_flash`` / ``sdpa_cudnn``: PyTorch SDPA on the fp16 cache;
-* ``fa2``: upstream ``flash_attn.flash_attn_with_kvcache`` when importable.
+* ``fa2``: upstream ``flash_attn.flash_attn_with_kvcache`` when importable;
+* ``--production`` adds the FP8 anchor, FlashInfer's decode over an e4m3 cache, when ``flashinfer``
+  is importable.
 
 Speedups are the fastest FP16 path's time over ours (FP16 paths: SDPA flash, SDPA cuDNN, upstream
 FA2, our kv16). GB/s counts the bytes the kernel must read
@@ -100,6 +102,31 @@ def upstream_fa2():
         return f
     except Exception:
         return None
+
+
+def flashinfer_fp8_decode(q, k, v, page_size=16):
+    """The FP8 anchor: FlashInfer's batch decode (its CUDA-core kernel) over an e4m3 copy of the fp16
+    cache ``k, v [B, S, Hk, d]`` in 16-token pages, for queries ``q [B, 1, Hq, d]``; a call, or None
+    when ``flashinfer`` is not importable (it is an optional extra of the benchmark, JIT-compiled at
+    first use). The cast keeps unit scales: the data is N(0, 1), inside e4m3's range."""
+    try:
+        import flashinfer
+    except Exception:
+        return None
+    B, S, Hk, d = k.shape
+    Hq, pages = q.shape[2], (S + page_size - 1) // page_size
+    kv = torch.zeros(B, pages * page_size, 2, Hk, d, device=k.device, dtype=torch.float8_e4m3fn)
+    kv[:, :S, 0], kv[:, :S, 1] = k, v
+    kv = kv.view(B, pages, page_size, 2, Hk, d).transpose(2, 3).reshape(B * pages, 2, page_size, Hk, d)
+    indptr = torch.arange(0, B * pages + 1, pages, dtype=torch.int32, device=k.device)
+    indices = torch.arange(B * pages, dtype=torch.int32, device=k.device)
+    last = torch.full((B,), S - (pages - 1) * page_size, dtype=torch.int32, device=k.device)
+    workspace = torch.empty(128 << 20, dtype=torch.uint8, device=k.device)
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=False, backend="fa2")
+    wrapper.plan(indptr, indices, last, Hq, Hk, d, page_size, pos_encoding_mode="NONE", q_data_type=q.dtype,
+                 kv_data_type=torch.float8_e4m3fn, o_data_type=q.dtype, sm_scale=d**-0.5)
+    q3, out = q[:, 0].contiguous(), torch.empty(B, Hq, d, device=q.device, dtype=q.dtype)
+    return lambda: wrapper.run(q3, kv, out=out)
 
 
 def fill_cache(B, S, Hk, d, dtype, chunk=8192, **cache_kwargs):
@@ -236,7 +263,9 @@ def run_production(B, S, Hq, Hk, d, dtype=torch.float16):
 
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         row["cudnn_us"] = bench(lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True))
-    del k, v, kt, vt
+    fp8 = flashinfer_fp8_decode(q, k, v)
+    row["fp8_us"] = bench(fp8) if fp8 is not None else None
+    del k, v, kt, vt, fp8
     call = lambda c: lambda: fa.flash_attn_with_kvcache(q, c)  # noqa: E731
     row["plain_us"], row["plain_eager_us"] = bench_graph(call(plain)), bench_eager(call(plain))
     del plain
@@ -244,6 +273,9 @@ def run_production(B, S, Hq, Hk, d, dtype=torch.float16):
     row.update(default_layer_times(q, S, Hk, dtype, {"_us": bench_graph, "_eager_us": bench_eager}))
     row["default_vs_plain"] = row["default_us"] / row["plain_us"]
     row["default_speedup_vs_cudnn"] = row["cudnn_us"] / row["default_us"]
+    if row["fp8_us"] is not None:
+        row["plain_speedup_vs_fp8"] = row["fp8_us"] / row["plain_us"]
+        row["default_speedup_vs_fp8"] = row["fp8_us"] / row["default_us"]
     return row
 
 
@@ -283,17 +315,22 @@ def write_production(rows, meta, out_dir, prefill=(), generate=()):
         "graph; 'eager': 50 calls issued back to back, so host time counts where it exceeds the kernels'). "
         "default = TQCache.calibrated's SmolLM2 layout mapped onto the shape: 16 sink + 112 recent "
         f"tokens in 16-bit, keys centered before RoPE, 32/d of {DEFAULT_LAYERS} layers with 4-bit keys, one layer "
-        "with a K8V8 kv head beside 3-bit ones (two launches); its time is the layers' weighted mean.",
+        "with a K8V8 kv head beside 3-bit ones (two launches); its time is the layers' weighted mean. "
+        "FP8: FlashInfer's batch decode over an e4m3 copy of the cache (16-token pages), eager like cuDNN; "
+        "'–' where flashinfer was not importable.",
         "",
-        "| B | S | Hq/Hk | d | cuDNN | plain (graph) | default (graph) | default / plain | cuDNN / default | "
-        "plain eager | default eager | eager default / plain | K3V3 layer | K4V3 layer | copy-head layer |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| B | S | Hq/Hk | d | cuDNN | FP8 | plain (graph) | default (graph) | default / plain | cuDNN / default | "
+        "FP8 / default | plain eager | default eager | eager default / plain | K3V3 layer | K4V3 layer | "
+        "copy-head layer |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        vs_fp8 = r.get("default_speedup_vs_fp8")
         lines.append(
-            f"| {r['B']} | {r['S']} | {r['Hq']}/{r['Hk']} | {r['d']} | {fmt(r['cudnn_us'])} | "
+            f"| {r['B']} | {r['S']} | {r['Hq']}/{r['Hk']} | {r['d']} | {fmt(r['cudnn_us'])} | {fmt(r.get('fp8_us'))} | "
             f"{fmt(r['plain_us'])} | {fmt(r['default_us'])} | {r['default_vs_plain']:.2f}x | "
-            f"{r['default_speedup_vs_cudnn']:.2f}x | {fmt(r['plain_eager_us'])} | {fmt(r['default_eager_us'])} | "
+            f"{r['default_speedup_vs_cudnn']:.2f}x | {f'{vs_fp8:.2f}x' if vs_fp8 else '–'} | "
+            f"{fmt(r['plain_eager_us'])} | {fmt(r['default_eager_us'])} | "
             f"{r['default_eager_us'] / r['plain_eager_us']:.2f}x | {fmt(r['k3_us'])} | {fmt(r['k4_us'])} | "
             f"{fmt(r['mixed_us'])} |"
         )
@@ -350,10 +387,12 @@ def write_production(rows, meta, out_dir, prefill=(), generate=()):
         fig, ax = plt.subplots(figsize=(8, 4))
         names = [f"{r['B']}x{r['S'] // 1024}K d{r['d']}" for r in rows]
         x = range(len(rows))
-        for i, (key, label) in enumerate(
-            (("cudnn_us", "cuDNN fp16"), ("plain_us", "plain 3-bit"), ("default_us", "default cache"))
-        ):
-            ax.bar([j + 0.27 * (i - 1) for j in x], [r[key] for r in rows], width=0.27, label=label)
+        series = [("cudnn_us", "cuDNN fp16"), ("fp8_us", "FlashInfer fp8"), ("plain_us", "plain 3-bit"),
+                  ("default_us", "default cache")]
+        series = [(k, lab) for k, lab in series if all(r.get(k) for r in rows)]
+        w = 0.8 / len(series)
+        for i, (key, label) in enumerate(series):
+            ax.bar([j + w * (i - (len(series) - 1) / 2) for j in x], [r[key] for r in rows], width=w, label=label)
         ax.set_xticks(list(x), names, rotation=30, fontsize=8)
         ax.set_ylabel("µs (CUDA graph)")
         ax.set_title(f"decode, default vs plain 3-bit cache, {meta['gpu']}")
