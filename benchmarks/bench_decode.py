@@ -122,10 +122,15 @@ def flashinfer_fp8_decode(q, k, v, page_size=16):
     indices = torch.arange(B * pages, dtype=torch.int32, device=k.device)
     last = torch.full((B,), S - (pages - 1) * page_size, dtype=torch.int32, device=k.device)
     workspace = torch.empty(128 << 20, dtype=torch.uint8, device=k.device)
-    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=False, backend="fa2")
-    wrapper.plan(indptr, indices, last, Hq, Hk, d, page_size, pos_encoding_mode="NONE", q_data_type=q.dtype,
-                 kv_data_type=torch.float8_e4m3fn, o_data_type=q.dtype, sm_scale=d**-0.5)
     q3, out = q[:, 0].contiguous(), torch.empty(B, Hq, d, device=q.device, dtype=q.dtype)
+    try:
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=False, backend="fa2")
+        wrapper.plan(indptr, indices, last, Hq, Hk, d, page_size, pos_encoding_mode="NONE", q_data_type=q.dtype,
+                     kv_data_type=torch.float8_e4m3fn, o_data_type=q.dtype, sm_scale=d**-0.5)
+        wrapper.run(q3, kv, out=out)
+    except Exception as e:  # a JIT or planning failure leaves the row without the anchor, and says why
+        print(f"flashinfer fp8 decode unavailable at B={B} S={S} d={d}: {str(e).splitlines()[0][:200]}", flush=True)
+        return None
     return lambda: wrapper.run(q3, kv, out=out)
 
 
