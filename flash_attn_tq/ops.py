@@ -7,8 +7,8 @@ The extension ``flash_attn_tq_cuda`` registers three ops:
   rope_offset, side_k, side_v, side_sinks, side_ring, codes_tail) -> (out, softmax_lse)``: split-KV
   attention of ``q [batch, seqlen_q, heads, d]`` over packed K/V and, in the same launch, a 16-bit
   side (sink tokens and a recent-token ring): the decode kernel, or from :data:`PREFILL_MIN_ROWS`
-  query rows a kv head the prefill kernel (its side: the decode kernel's side pass as one more
-  launch; with ``rope_center`` only its Hopper variant, from 256 rows, which adds ``R(p) c`` to the
+  query rows a kv head the prefill kernel (its side: one more launch, the chunk's rows as the
+  MMA's M; with ``rope_center`` only its Hopper variant, from 256 rows, which adds ``R(p) c`` to the
   expanded keys through a per-call table). :func:`decode` takes its tensors.
 * ``decode_kv16(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, softmax_scale,
   is_causal, num_splits) -> (out, softmax_lse)``: the same kernel body over a float16/bfloat16

@@ -22,8 +22,8 @@
 // MMAs (attend_tile_wgmma). The traits and the per-tile steps are tq_prefill_tile.h.
 //
 // A cache with a 16-bit side (sinks, recent window): the CTAs read the codes' keys between the sinks
-// and the window; the side is the decode kernel's side pass, launched as the last split
-// (run_prefill). With the RoPE center (wgmma only) each tile's rope_table rows are copied beside its
+// and the window; the side is a launch of its own written as the last split (tq_side_rows.h,
+// run_prefill). With the RoPE center (wgmma only) each tile's rope_table rows are copied beside its
 // codes and added into the expanded keys (tq_rope_center.h).
 #pragma once
 
@@ -57,8 +57,8 @@ __device__ __forceinline__ void prefill_split_body(const DecodeParams &p) {
     const int seqlen_k = max(0, min(p.seqlens_k[b], p.max_seqlen_k));
     const int key_start = kLocal && p.leftpad_k != nullptr ? max(0, p.leftpad_k[b]) : 0;
     // The codes' keys [side_sinks, seqlen_k - codes_tail) with a 16-bit side (its sinks and ring are
-    // the decode kernel's side pass, run as the launch's last split: run_prefill); causal alignment
-    // counts every key. (0 and seqlen_k without one.)
+    // the last split, tq_side_rows.h: run_prefill); causal alignment counts every key. (0 and
+    // seqlen_k without one.)
     const int codes_end = max(0, seqlen_k - p.codes_tail);
     auto limit = [&](int r) { return min(codes_end, key_limit(p, seqlen_k, total_rows, r)); };
     auto lower = [&](int r) { return max(p.side_sinks, key_first<kLocal>(p, seqlen_k, total_rows, r, key_start)); };
