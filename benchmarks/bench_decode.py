@@ -11,7 +11,8 @@ For each shape (batch B, cache length S, q heads, kv heads, head_dim d; q_len 1)
 * ``sdpa_flash`` / ``sdpa_cudnn``: PyTorch SDPA on the fp16 cache;
 * ``fa2``: upstream ``flash_attn.flash_attn_with_kvcache`` when importable;
 * ``--production`` adds the FP8 anchor, FlashInfer's decode over an e4m3 cache, when ``flashinfer``
-  is importable.
+  is importable (``pip install flashinfer-python``; 0.7.4 measured, its kernels JIT-compiled with
+  nvcc at first use).
 
 Speedups are the fastest FP16 path's time over ours (FP16 paths: SDPA flash, SDPA cuDNN, upstream
 FA2, our kv16). GB/s counts the bytes the kernel must read
