@@ -100,10 +100,9 @@ __device__ __forceinline__ void split_body(const DecodeParams &p, char *smem, in
     }
     const int cta_last_row = min(row0 + kRows, total_rows) - 1;
     const int cta_key_limit = key_limit(p, seqlen_all, total_rows, cta_last_row);
-    // the side: the ring's keys are the sequence's last side_ring; rows of a chunk that see none of
-    // them (most of a long chunk's, causal) attend the sinks' tiles only
-    const bool sees_ring = cta_key_limit > max(p.side_sinks, seqlen_all - p.side_ring);
-    const int cta_limit = kSide ? (sees_ring ? seqlen_k : p.side_sinks) : min(seqlen_k, cta_key_limit);
+    // the side: CTAs whose rows see none of the ring's keys attend the sinks' tiles only
+    const int cta_limit = kSide ? (sees_side_ring(p, cta_key_limit, seqlen_all) ? seqlen_k : p.side_sinks)
+                                : min(seqlen_k, cta_key_limit);
     const int cta_first_max =
         key_first<kLower>(p, seqlen_all, total_rows, cta_last_row, key_start);  // tiles before it need the lower mask
     const int tile_first = kSide ? 0 : key_first<kLower>(p, seqlen_all, total_rows, row0, key_start) / kTileN;

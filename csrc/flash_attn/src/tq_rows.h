@@ -48,6 +48,13 @@ __device__ __forceinline__ int side_position(const DecodeParams &p, int t, int n
     return pos >= p.side_sinks && pos >= 0 ? pos : -1;
 }
 
+// Whether a row whose keys end at key_limit (exclusive) sees any of the ring's keys: the last
+// side_ring of n, after the sinks. Rows that see none (most of a long causal chunk's) attend the
+// side's sinks alone.
+__device__ __forceinline__ bool sees_side_ring(const DecodeParams &p, int key_limit, int n) {
+    return key_limit > max(p.side_sinks, n - p.side_ring);
+}
+
 // Upstream's softcap on a base-2 score: c tanh(s / c), c = softcap * log2(e).
 __device__ __forceinline__ float softcap_score(float s, float c) {
     float t;

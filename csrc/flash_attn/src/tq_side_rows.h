@@ -48,7 +48,7 @@ __global__ void __launch_bounds__(T::kNThreads) side_rows_kernel(const DecodePar
 
     // the slots the CTA's rows can see: the sinks, and the ring when its last row reaches the ring's first key
     const int cta_last = min(row0 + T::kRows, total_rows) - 1;
-    const bool sees_ring = key_limit(p, seqlen_all, total_rows, cta_last) > max(p.side_sinks, seqlen_all - p.side_ring);
+    const bool sees_ring = sees_side_ring(p, key_limit(p, seqlen_all, total_rows, cta_last), seqlen_all);
     const int n_slots = sees_ring ? p.side_sinks + p.side_ring : p.side_sinks;
     const int n_tiles = (n_slots + kTileN - 1) / kTileN;
 
