@@ -105,9 +105,11 @@ def health_reports(groups: Sequence[Sequence["QuantizedKVCache"]]) -> list[dict[
 def rope_turn(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """``x [batch, n, heads, d]`` turned by RoPE to ``positions [batch, n]`` (or ``[n]``) with
     frequencies ``inv_freq [d / 2]``, rotate-half pairs ``(i, i + d/2)`` as transformers' Llama
-    (``inverse``: turned back), float32."""
-    ang = positions.float()[..., None] * inv_freq.to(x.device).float()  # [(batch,) n, d/2]
-    cos, sin = ang.cos()[..., None, :], ang.sin()[..., None, :]
+    (``inverse``: turned back), float32. The angles are float32 products; their cosines and sines are
+    taken in float64 and rounded once, as the pack kernel takes them (exact for any angle, so both
+    agree to the bit)."""
+    ang = (positions.float()[..., None] * inv_freq.to(x.device).float()).double()  # [(batch,) n, d/2]
+    cos, sin = ang.cos().float()[..., None, :], ang.sin().float()[..., None, :]
     sin = -sin if inverse else sin
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half].float(), x[..., half:].float()
@@ -633,7 +635,9 @@ class QuantizedKVCache:
         Afterwards ``seqlens[batch_idx] = cache_seqlens + n``.
 
         On the GPU the pack kernel resolves the slots and checks positions, batch indices and values
-        itself; the call then reads back one flag word (one sync; none inside CUDA-graph capture,
+        itself, and (key_center='rope', a 16-bit side in the new keys' dtype) centers the keys and
+        copies sinks and recent tokens into :attr:`kv_side` in the same launch; the call then reads
+        back one flag word (one sync; none inside CUDA-graph capture,
         where nothing is checked) and raises ValueError for NaN/Inf values or a cache overflow.
         ``error_flags`` (int32 ``[1]`` on the cache's device): the kernel ORs its error bits into it
         and the call does not read it back; the caller checks later, e.g. once for all the layers
@@ -682,29 +686,44 @@ class QuantizedKVCache:
         if n == 0:
             return
         k_raw = k
+        # What the pack kernel does besides the codes: the RoPE center's k - R(p) c (where no PyTorch
+        # step needs the centered keys) and the 16-bit side's copy (raw keys with the RoPE center)
+        kernel_rope = fused and self.rope_center and self.health_counters is None and self.window_quantizer is None
+        kernel_side = (
+            fused
+            and self.kv_side is not None
+            and self.kv_side.dtype == k.dtype
+            and (kernel_rope or not self.rope_center)
+        )
+        calibrating = self.key_center and not self._calibration_done and not capturing()  # (no GPU sync once done)
+        needs_pos = (
+            not fused
+            or (self.kv_side is not None and not kernel_side)
+            or (self.window_quantizer is not None and self.fp16_window)
+            or (self.rope_center and (calibrating or not kernel_rope))
+        )
+        pos = start.long().unsqueeze(1) + torch.arange(n, device=self.device) if needs_pos else None  # [B, n]
         if self.key_center:
-            pos = start.long().unsqueeze(1) + torch.arange(n, device=self.device) if self.rope_center else None
-            if not self._calibration_done and not capturing():  # (a Python flag: no GPU sync once done)
+            if calibrating:
                 skip = min(n, max(0, self.sink_tokens - int(start.min()))) if self.sink_tokens else 0  # not the sinks
-                self.calibrate(k[:, skip:], bidx, positions=None if pos is None else pos[:, skip:])
+                self.calibrate(k[:, skip:], bidx, positions=pos[:, skip:] if self.rope_center else None)
                 self._calibration_done = bool(self.calibrated.all())
-            k = self.transform_keys(k, bidx, positions=pos)
+            if not kernel_rope:
+                k = self.transform_keys(k, bidx, positions=pos if self.rope_center else None)
         if self.health_counters is not None:
             self._observe(k, v, bidx)
         if fused:  # quantize-on-write kernel: slots, range and value checks on the GPU
             flags = torch.zeros(1, dtype=torch.int32, device=self.device) if error_flags is None else error_flags
             raw_idx = None if batch_idx is None else batch_idx.to(self.device, torch.int32).contiguous()
-            self.write_codes(k, v, start.contiguous(), raw_idx, flags)
+            self.write_codes(k, v, start.contiguous(), raw_idx, flags, side=kernel_side, rope_center=kernel_rope)
             if checking and error_flags is None:
                 ops.raise_pack_errors(int(flags.item()))
-        if not fused or self.fp16_window or self.sink_tokens:
-            pos = start.long().unsqueeze(1) + torch.arange(n, device=self.device)  # [B, n]
         if not fused:
             rows, cols = self._slots(bidx.unsqueeze(1).expand(B, n), pos)
             packed = self.quantize(k, v, bidx)
             for name in ("k_codes", "v_codes", "k_meta", "v_meta"):
                 getattr(self, name)[rows, cols] = packed[name]
-        if self.kv_side is not None:
+        if self.kv_side is not None and not kernel_side:
             self._write_side(k_raw if self.rope_center else k, v, bidx, pos)
         if self.window_quantizer is not None and self.fp16_window:
             R = self.fp16_window
@@ -784,15 +803,26 @@ class QuantizedKVCache:
         start: torch.Tensor,
         batch_idx: torch.Tensor | None = None,
         error_flags: torch.Tensor | None = None,
+        side: bool = False,
+        rope_center: bool = False,
     ) -> None:
-        """The quantize-on-write kernel alone: ``k, v [batch, n, kv_heads, d]`` (already in the codes'
-        domain: transformed keys) into positions ``start[i] + j`` (int32 ``[batch]``) of cache rows
-        ``batch_idx`` (int32, None: 0..batch-1); no bookkeeping (``seqlens``, window, sinks). Error
-        bits go to ``error_flags`` (int32 [1]; see :data:`flash_attn_tq.ops.PACK_ERRORS`)."""
+        """The quantize-on-write kernel: ``k, v [batch, n, kv_heads, d]`` into positions ``start[i] + j``
+        (int32 ``[batch]``) of cache rows ``batch_idx`` (int32, None: 0..batch-1); keys already in the
+        codes' domain (transformed), or raw with ``rope_center`` (the kernel subtracts ``R(p) c``).
+        ``side``: the kernel also copies sinks and the chunk's recent tokens into :attr:`kv_side` (k and
+        v as given, k's dtype the side's). No other bookkeeping (``seqlens``). Error bits go to
+        ``error_flags`` (int32 [1]; see :data:`flash_attn_tq.ops.PACK_ERRORS`)."""
         quant = ops.QUANT_IDS[(self.quantizer, self.grid, self.fit)]
-        for x, codes, meta, qz, bits in (
-            (k, self.k_codes, self.k_meta, self.k_quantizer, self.k_bits),
-            (v, self.v_codes, self.v_meta, self.v_quantizer, self.v_bits),
+        extras = {}
+        if rope_center:
+            extras.update(
+                rope_center=self.k_shift, rope_inv_freq=self.rope_inv_freq, rope_offset=self.rope_position_offset
+            )
+        for i, (x, codes, meta, qz, bits) in enumerate(
+            (
+                (k, self.k_codes, self.k_meta, self.k_quantizer, self.k_bits),
+                (v, self.v_codes, self.v_meta, self.v_quantizer, self.v_bits),
+            )
         ):
             signs = qz.signs_on(x.device) if self.quantizer == "turbo" else None
             levels = qz.codebook(x.device) if self.quantizer == "turbo" and self.grid == "lloyd_max" else None
@@ -809,6 +839,10 @@ class QuantizedKVCache:
                 quant,
                 signs,
                 levels,
+                side=self.kv_side[i] if side else None,
+                side_sinks=self.sink_tokens,
+                side_ring=self.side_ring,
+                **(extras if i == 0 else {}),
             )
 
     # ------------------------------------------------------------------ attention (the fused kernels)

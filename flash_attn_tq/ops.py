@@ -107,6 +107,12 @@ def _register_fakes() -> None:
         signs,
         levels,
         step,
+        side=None,
+        side_sinks=0,
+        side_ring=0,
+        rope_center=None,
+        rope_inv_freq=None,
+        rope_offset=0,
     ):
         return None
 
@@ -304,11 +310,24 @@ def pack(
     quant: int,
     signs: torch.Tensor | None = None,
     levels: torch.Tensor | None = None,
+    *,
+    side: torch.Tensor | None = None,
+    side_sinks: int = 0,
+    side_ring: int = 0,
+    rope_center: torch.Tensor | None = None,
+    rope_inv_freq: torch.Tensor | None = None,
+    rope_offset: int = 0,
 ) -> None:
     """Quantize ``x [batch, n, kv_heads, d]`` on the GPU into positions ``start[i] + j`` of cache rows
     ``batch_idx[i]`` (int32 ``[batch]``; None: row i) of ``codes``/``meta`` (paged through
     ``block_table``). The kernel resolves the slots, skips tokens it cannot place or store and ORs
-    :data:`PACK_ERRORS` bits into ``error_flags`` (int32 [1]). ``quant``: a :data:`QUANT_IDS` value."""
+    :data:`PACK_ERRORS` bits into ``error_flags`` (int32 [1]). ``quant``: a :data:`QUANT_IDS` value.
+
+    In the same launch: ``side [batch rows, side_sinks + side_ring + 1, kv_heads, d]`` (x's dtype)
+    receives x as given for sinks (position ``p < side_sinks`` to slot ``p``) and the chunk's last
+    ``side_ring`` tokens (slot ``side_sinks + p % side_ring``); with ``rope_center [batch rows,
+    kv_heads, d]`` and ``rope_inv_freq [d / 2]`` (float32) the codes hold ``x - R(p + rope_offset) c``
+    (rounded to x's dtype), as :meth:`QuantizedKVCache.transform_keys` computes it."""
     x3 = x.reshape(-1, x.shape[-2], x.shape[-1])
     misaligned = not torch.compiler.is_compiling() and x3.data_ptr() % 16  # (the op checks it too)
     if x3.stride(-1) != 1 or x3.stride(0) % 8 or x3.stride(1) % 8 or misaligned:
@@ -328,6 +347,12 @@ def pack(
         signs,
         levels,
         float(uniform_step(bits)),
+        side,
+        side_sinks,
+        side_ring,
+        rope_center,
+        rope_inv_freq,
+        rope_offset,
     )
 
 

@@ -259,3 +259,44 @@ def test_side_rejects_local_options():
     q = torch.randn(1, 1, 8, 64, device=DEV, dtype=torch.float16)
     fa.flash_attn_with_kvcache(q, cache, causal=True, window_size=(100, 0))
     assert fa.last_path().startswith("quantized:reference (window_size / softcap / cache_leftpad")
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("page_size", [None, 16])
+@pytest.mark.parametrize("k_bits", [3, 4, 8])
+def test_append_books_in_the_pack_kernel(d, dtype, page_size, k_bits):
+    """The pack kernel's copy of sinks and recent tokens into kv_side and its k - R(p) c against the
+    same steps in PyTorch: the side holds the keys as given, bit for bit; the codes are those of the
+    keys centered by transform_keys (both round float64 cosines and sines once; one vector of the
+    1740 may differ, should a double-precision sine differ in its last bit across the two). A prompt
+    (calibrates the center), a chunk longer than the window, then single tokens, rows in a shuffled
+    order, positions offset."""
+    gen = torch.Generator(device=DEV).manual_seed(d + k_bits)
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, d, 2, device=DEV).float() / d)
+    B, H, S, R, L = 3, 2, 16, 112, 290
+    bt = shuffled_block_table(B, L, page_size, 1) if page_size is not None else None
+    common = dict(k_bits=k_bits, dtype=dtype, device=DEV, page_size=page_size, block_table=bt, seed=3)
+    cache = QuantizedKVCache(
+        B, L, H, d, sink_tokens=S, fp16_window=R, key_center="rope", rope_inv_freq=inv_freq,
+        rope_position_offset=7, calib_min_tokens=1, **common,
+    )  # fmt: skip
+    plain = QuantizedKVCache(B, L, H, d, **common)  # the codes of keys centered in PyTorch
+    raw = torch.randn(B, 1, H, d, device=DEV, generator=gen) * 2 + torch.randn(B, L, H, d, device=DEV, generator=gen)
+    k = rope_turn(raw, torch.arange(L, device=DEV) + 7, inv_freq).to(dtype)
+    v = torch.randn(B, L, H, d, device=DEV, generator=gen).to(dtype)
+    rows = torch.tensor([2, 0, 1], dtype=torch.int32, device=DEV)
+    for lo, hi in [(0, 150), (150, 280)] + [(t, t + 1) for t in range(280, L)]:
+        cache.append(k[:, lo:hi], v[:, lo:hi], batch_idx=rows)
+        pos = torch.arange(lo, hi, device=DEV).expand(B, -1)
+        plain.append(cache.transform_keys(k[:, lo:hi], rows, positions=pos), v[:, lo:hi], batch_idx=rows)
+    assert torch.equal(cache.seqlens, torch.full((B,), L, dtype=torch.int32, device=DEV))
+    got, want = cache.gather(rows), plain.gather(rows)
+    assert torch.equal(got["v_codes"], want["v_codes"]) and torch.equal(got["v_meta"], want["v_meta"])
+    diff = (got["k_codes"] != want["k_codes"]).any(-1) | (got["k_meta"] != want["k_meta"]).any(-1)
+    assert diff.sum().item() <= 1, diff.sum().item()
+    recent = torch.arange(L - R, L, device=DEV)
+    for name, x in (("k", k), ("v", v)):
+        side = getattr(cache, f"{name}_side")[rows.long()]  # [B, S + R, H, d]
+        assert torch.equal(side[:, :S], x[:, :S]), name
+        assert torch.equal(side[:, S + recent % R], x[:, recent]), name

@@ -95,3 +95,26 @@ def test_pack_arguments(recorded, monkeypatch):
     assert k_call["codes"] is cache.k_codes and v_call["meta"] is cache.v_meta and k_call["error_flags"] is flags
     assert (k_call["bits"], v_call["bits"], k_call["capacity"], k_call["quant"]) == (3, 4, 64, 0)
     assert k_call["x"].shape == (6, 2, 64) and torch.equal(k_call["start"], torch.zeros(2, dtype=torch.int32))
+
+
+def test_pack_keeps_the_books(recorded, monkeypatch):
+    """With the RoPE center and a 16-bit side the pack kernel gets the raw keys, the center, the
+    frequencies and each half of kv_side; PyTorch writes neither the centered keys nor the side."""
+    inv = 1.0 / 10000.0 ** (torch.arange(0, 64, 2).float() / 64)
+    cache = QuantizedKVCache(
+        2, 300, 2, 64, sink_tokens=16, fp16_window=112, key_center="rope", rope_inv_freq=inv,
+        rope_position_offset=5, calib_min_tokens=1,
+    )  # fmt: skip
+    monkeypatch.setattr(QuantizedKVCache, "pack_reason", lambda self, x: None)
+    recorded.pop("pack_kv", None)
+    k, v = torch.randn(2, 150, 2, 64).half(), torch.randn(2, 150, 2, 64).half()
+    cache.append(k, v, error_flags=torch.zeros(1, dtype=torch.int32))
+    k_call, v_call = recorded["pack_kv"]
+    assert torch.equal(k_call["x"], k.reshape(300, 2, 64)) and torch.equal(v_call["x"], v.reshape(300, 2, 64))
+    assert k_call["rope_center"] is cache.k_shift and k_call["rope_inv_freq"] is cache.rope_inv_freq
+    assert k_call["rope_offset"] == 5 and v_call.get("rope_center") is None  # (trailing defaults: not passed)
+    assert k_call["side"].data_ptr() == cache.kv_side[0].data_ptr() and k_call["side"].shape == cache.kv_side[0].shape
+    assert v_call["side"].data_ptr() == cache.kv_side[1].data_ptr()
+    assert (k_call["side_sinks"], k_call["side_ring"], v_call["side_ring"]) == (16, 112, 112)
+    assert not cache.kv_side.any()  # (the recording op writes nothing)
+    assert torch.equal(cache.seqlens, torch.full((2,), 150, dtype=torch.int32))

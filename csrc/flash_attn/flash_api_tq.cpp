@@ -435,7 +435,10 @@ std::tuple<at::Tensor, at::Tensor> decode_kv16(const at::Tensor &q,        // [b
 // Quantize-on-write of x [tokens, heads, d] into codes/meta. Token t goes to slot_mapping[t] (as
 // vLLM's reshape_and_cache; -1 skips), or, without one, to position start[i] + j of cache row
 // batch_idx[i] (t = i * n + j, n = tokens / start.size(0)), through block_table when paged: the
-// kernel resolves and range-checks the slots and ORs PackError bits into error_flags.
+// kernel resolves and range-checks the slots and ORs PackError bits into error_flags. Without a slot
+// mapping it can also keep the append's books (PackParams): the 16-bit side copy of sinks and recent
+// tokens (side [batch rows, side_sinks + side_ring + 1, heads, d], x's dtype) and the RoPE center
+// (rope_center [batch rows, heads, d] and rope_inv_freq [d / 2], float32).
 void pack_kv(const at::Tensor &x,                            // [tokens, heads, d] fp16/bf16
              const std::optional<at::Tensor> &slot_mapping,  // [tokens] int64
              const std::optional<at::Tensor> &start,         // [batch] int32
@@ -445,7 +448,9 @@ void pack_kv(const at::Tensor &x,                            // [tokens, heads, 
              at::Tensor &meta,   // [rows, cols, heads, 2] half
              const std::optional<at::Tensor> &error_flags,  // [1] int32
              int64_t capacity, int64_t bits, int64_t quant, const std::optional<at::Tensor> &signs,
-             const std::optional<at::Tensor> &levels, double step) {
+             const std::optional<at::Tensor> &levels, double step, const std::optional<at::Tensor> &side,
+             int64_t side_sinks, int64_t side_ring, const std::optional<at::Tensor> &rope_center,
+             const std::optional<at::Tensor> &rope_inv_freq, int64_t rope_offset) {
     CHECK_CUDA(x);
     CHECK_CUDA(codes);
     CHECK_CUDA(meta);
@@ -547,6 +552,39 @@ void pack_kv(const at::Tensor &x,                            // [tokens, heads, 
     }
     p.step = static_cast<float>(step);
     p.inv_step = static_cast<float>(1.0 / step);
+    const int64_t seqs = p.batch_rows;  // cache rows a token's batch index may name (checked in the kernel)
+    if (side.has_value()) {
+        CHECK_CUDA(*side);
+        TQ_CHECK(!slot_mapping.has_value(), "side needs start (not slot_mapping)");
+        TQ_CHECK(side->scalar_type() == x.scalar_type() && side->dim() == 4 && side->size(0) >= seqs &&
+                     side->size(1) == side_sinks + side_ring + 1 && side->size(2) == x.size(1) && side->size(3) == d,
+                 "side must be [batch rows, side_sinks + side_ring + 1, heads, head_dim] in x's dtype");
+        TQ_CHECK(side->stride(3) == 1 && side->stride(0) % 8 == 0 && side->stride(1) % 8 == 0 &&
+                     side->stride(2) % 8 == 0 && reinterpret_cast<uintptr_t>(side->data_ptr()) % 16 == 0,
+                 "side rows must be contiguous and 16-byte aligned");
+        TQ_CHECK(side_sinks >= 0 && side_ring >= 0, "side_sinks and side_ring must be >= 0");
+        p.side = side->data_ptr();
+        p.side_batch_stride = side->stride(0);
+        p.side_slot_stride = side->stride(1);
+        p.side_head_stride = side->stride(2);
+        p.side_sinks = static_cast<int>(side_sinks);
+        p.side_ring = static_cast<int>(side_ring);
+    }
+    if (rope_center.has_value()) {
+        CHECK_CUDA(*rope_center);
+        TQ_CHECK(!slot_mapping.has_value(), "rope_center needs start (not slot_mapping)");
+        TQ_CHECK(rope_center->scalar_type() == at::kFloat && rope_center->dim() == 3 && rope_center->size(0) >= seqs &&
+                     rope_center->size(1) == x.size(1) && rope_center->size(2) == d && rope_center->stride(2) == 1,
+                 "rope_center must be float32 [batch rows, heads, head_dim] with a contiguous last dim");
+        TQ_CHECK(rope_inv_freq.has_value() && rope_inv_freq->is_cuda() && rope_inv_freq->scalar_type() == at::kFloat &&
+                     rope_inv_freq->numel() == d / 2 && rope_inv_freq->is_contiguous(),
+                 "rope_center needs rope_inv_freq: float32 CUDA [head_dim / 2]");
+        p.rope_center = rope_center->data_ptr<float>();
+        p.rc_batch_stride = rope_center->stride(0);
+        p.rc_head_stride = rope_center->stride(1);
+        p.rope_inv_freq = rope_inv_freq->data_ptr<float>();
+        p.rope_offset = static_cast<int>(rope_offset);
+    }
     auto stream = c10::cuda::getCurrentCUDAStream().stream();
     if (d == 64) {
         x.scalar_type() == at::kHalf ? run_pack<__half, 64>(p, bits, quant, stream)
@@ -576,7 +614,8 @@ TORCH_LIBRARY(flash_attn_tq, m) {
         "pack_kv(Tensor x, Tensor? slot_mapping, Tensor? start, Tensor? batch_idx, Tensor? block_table, Tensor(a!) "
         "codes, "
         "Tensor(b!) meta, Tensor(c!)? error_flags, int capacity, int bits, int quant, Tensor? signs, Tensor? levels, "
-        "float step) -> ()");
+        "float step, Tensor(d!)? side=None, int side_sinks=0, int side_ring=0, Tensor? rope_center=None, "
+        "Tensor? rope_inv_freq=None, int rope_offset=0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(flash_attn_tq, CUDA, m) {

@@ -13,6 +13,10 @@
 // intrinsics; turbo folds the 1/sqrt(d) scale into the per-vector factor and evaluates the norm of
 // the levels in integers, so a code can differ from the reference only where the value lands
 // within float rounding of a bin edge (counted by the tests). asym matches bit for bit.
+//
+// Without a slot mapping the launch also keeps the append's books (PackParams::side, ::rope_center):
+// the 16-bit side's copy of the vector and the RoPE center's x - R(p) c, so an append is the two
+// launches (K, V) and no PyTorch step.
 #pragma once
 
 #include <cmath>
@@ -113,6 +117,44 @@ __device__ __forceinline__ int2 pack_slot(const PackParams &p, int t) {
     return make_int2(row, col);
 }
 
+// The RoPE center: thread s's P elements of the vector (raw Elem words) become x - R(p') c, p' = pos +
+// rope_offset, c = rope_center[seq, head], rounded to Elem, as QuantizedKVCache.transform_keys computes
+// them in PyTorch: float32 products and differences, the angle p' * inv_freq in float32, its cosine
+// and sine in double (correctly rounded to float; the fast intrinsics would be off by far more than
+// float rounding at angles of 1e5). Rotate-half pairs (m, m + d/2): the thread's elements all lie in
+// one half (P divides d / 2).
+template <typename Elem, int kHeadDim>
+__device__ __forceinline__ void rope_center_sub(const PackParams &p, int seq, int head, int pos, int s,
+                                                uint4 (&raw)[kHeadDim / 64]) {
+    constexpr int P = kHeadDim / 8, kHalf = kHeadDim / 2;
+    static_assert(kHalf % P == 0, "a thread's elements lie in one half");
+    const float *c = p.rope_center + seq * p.rc_batch_stride + head * p.rc_head_stride;
+    const bool upper = s * P >= kHalf;
+    const int m0 = (s * P) % kHalf;
+    const float pf = __fadd_rn(static_cast<float>(pos), static_cast<float>(p.rope_offset));
+    #pragma unroll
+    for (int q = 0; q < P / 8; ++q) {
+        uint32_t w[4] = {raw[q].x, raw[q].y, raw[q].z, raw[q].w};
+        #pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const float2 x = unpack2<Elem>(w[i]);
+            float y[2];
+            #pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int m = m0 + 8 * q + 2 * i + e;
+                double sd, cd;
+                sincos(static_cast<double>(__fmul_rn(pf, p.rope_inv_freq[m])), &sd, &cd);
+                const float sn = static_cast<float>(sd), cs = static_cast<float>(cd), c1 = c[m], c2 = c[m + kHalf];
+                const float rc = upper ? __fadd_rn(__fmul_rn(c2, cs), __fmul_rn(c1, sn))
+                                       : __fsub_rn(__fmul_rn(c1, cs), __fmul_rn(c2, sn));
+                y[e] = __fsub_rn(e == 0 ? x.x : x.y, rc);
+            }
+            w[i] = pack2<Elem>(y[0], y[1]);
+        }
+        raw[q] = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+}
+
 template <typename Elem, int kHeadDim, int kBits, Quant kQuant>
 __global__ void __launch_bounds__(128) pack_kv_kernel(const PackParams p) {
     constexpr int P = kHeadDim / 8;  // elements a thread
@@ -174,6 +216,16 @@ __global__ void __launch_bounds__(128) pack_kv_kernel(const PackParams p) {
         const int slot_row = __shfl_sync(0xffffffffu, cell.x, lane & ~7),
                   slot_col = __shfl_sync(0xffffffffu, cell.y, lane & ~7);
         bool store = slot_row >= 0;
+        // the append's bookkeeping (PackParams::side, ::rope_center): the token's cache row, position
+        // and index in the chunk (without a slot mapping, checked on the host)
+        const bool extras = p.side != nullptr || p.rope_center != nullptr;
+        const int chunk_i = extras ? token / p.n_new : 0, chunk_j = token - chunk_i * p.n_new;
+        const int seq = !extras ? 0 : p.batch_idx != nullptr ? p.batch_idx[chunk_i] : chunk_i;
+        const int pos = extras ? p.start[chunk_i] + chunk_j : 0;
+        uint4 as_given[P / 8];  // the vector before the RoPE center: what the 16-bit side holds
+        #pragma unroll
+        for (int q = 0; q < P / 8; ++q) { as_given[q] = cur[q]; }
+        if (p.rope_center != nullptr && store) { rope_center_sub<Elem, kHeadDim>(p, seq, head, pos, s, cur); }
 
         // ---- apply the signs, to float32
         float x[P];
@@ -348,6 +400,17 @@ __global__ void __launch_bounds__(128) pack_kv_kernel(const PackParams p) {
                 for (int i = 0; i < Packer::kLanes; ++i) {
                     reinterpret_cast<uint16_t *>(dst)[i] = static_cast<uint16_t>(lanes[i]);
                 }
+            }
+        }
+        if (p.side != nullptr && store) {  // a sink, or one of the chunk's last side_ring tokens
+            const int slot = pos < p.side_sinks                                      ? pos
+                             : p.side_ring > 0 && chunk_j >= p.n_new - p.side_ring ? p.side_sinks + pos % p.side_ring
+                                                                                     : -1;
+            if (slot >= 0) {
+                uint4 *dst = reinterpret_cast<uint4 *>(static_cast<Elem *>(p.side) + seq * p.side_batch_stride +
+                                                       slot * p.side_slot_stride + head * p.side_head_stride + s * P);
+                #pragma unroll
+                for (int q = 0; q < P / 8; ++q) { dst[q] = as_given[q]; }
             }
         }
         if (store && s == 0) {

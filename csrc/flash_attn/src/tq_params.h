@@ -111,6 +111,18 @@ struct PackParams {
     const float *levels;   // [2^bits] Lloyd-Max levels (unit variance)
     float inv_step, step;  // uniform grid
     int tokens, heads;
+    // Without a slot mapping, the append's bookkeeping in the same launch (each nullptr: not done):
+    // - side [batch rows, side_sinks + side_ring + 1, heads, d] (x's dtype, strides in elements): the
+    //   16-bit copy of the vector as given, sink p < side_sinks to slot p, a chunk's last side_ring
+    //   tokens to slot side_sinks + p % side_ring (QuantizedKVCache.kv_side, one of K or V);
+    // - rope_center [batch rows, heads, d] float32 (strides in floats), rope_inv_freq [d / 2]: the
+    //   codes hold x - R(p + rope_offset) c, rounded to x's dtype (key_center='rope').
+    void *side;
+    int64_t side_batch_stride, side_slot_stride, side_head_stride;
+    int side_sinks, side_ring;
+    const float *rope_center, *rope_inv_freq;
+    int64_t rc_batch_stride, rc_head_stride;
+    int rope_offset;
 };
 
 }  // namespace flash_tq
