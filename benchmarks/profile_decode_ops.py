@@ -47,7 +47,7 @@ class CountByFunction(TorchDispatchMode):
 def stub_kernels() -> None:
     """The GPU branches of the Python code, with shape-correct stand-ins for the two kernels."""
     QuantizedKVCache.pack_reason = lambda self, x: None
-    QuantizedKVCache.write_codes = lambda self, k, v, start, batch_idx=None, error_flags=None: None
+    QuantizedKVCache.write_codes = lambda self, k, v, start, batch_idx=None, error_flags=None, **books: None
     QuantizedKVCache.fused_reason = lambda self, q: None
     ops.decode = lambda q, lens, bidx, scale, causal, splits, *local, **args: (
         torch.zeros_like(q),
