@@ -40,7 +40,9 @@ add "csrc: quantize-on-write kernel" \
 "Eight threads a vector: the randomized Hadamard rotation in registers with one shared-memory
 transpose, the code run of each thread packed without atomics, cache slots (contiguous, paged or a
 vLLM-style slot mapping) resolved and range-checked in the kernel, errors ORed into one flag word.
-Its instantiations come with the generated case table (patch 7)." \
+Without a slot mapping it also keeps the append's books: the 16-bit side's copy of sinks and recent
+tokens, and the RoPE center's k - R(p) c. Its instantiations come with the generated case table
+(patch 7)." \
     tq_pack_kernel.h tq_pack_launch.h
 
 add "csrc: K/V loader policies" \
