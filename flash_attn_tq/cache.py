@@ -21,7 +21,10 @@ def scale_only_fits(quantizer: str, grid: str, fit: str) -> bool:
 
 
 def capturing() -> bool:
-    """True while a CUDA graph is being captured: value checks that read the GPU are skipped then."""
+    """True while a CUDA graph is being captured or ``torch.compile`` traces: value checks that read
+    the GPU back are skipped then (a traced step must not sync; its pack errors are read later)."""
+    if torch.compiler.is_compiling():
+        return True
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
@@ -35,6 +38,7 @@ class PackErrors:
     def buffer(self, device: torch.device) -> torch.Tensor:
         if self.flags is None or self.flags.device != device:
             self.flags = torch.zeros(1, dtype=torch.int32, device=device)
+            torch._dynamo.mark_static_address(self.flags)  # (a compiled step's CUDA graph writes it in place)
         return self.flags
 
     def check(self) -> None:

@@ -35,6 +35,13 @@ def last_path() -> str:
     return _LAST_PATH.get()
 
 
+def _took(path: str) -> None:
+    """Record the path an attention call took (not from inside a ``torch.compile`` trace: a context
+    variable would break the graph there)."""
+    if not torch.compiler.is_compiling():
+        _LAST_PATH.set(path)
+
+
 @functools.lru_cache(maxsize=None)
 def _upstream():
     """Upstream flash_attn's interface module, or None when it is not installed."""
@@ -48,9 +55,9 @@ def _upstream():
 def _baseline_impl(name: str, *tensors: torch.Tensor):
     up = _upstream()
     if up is not None and all(t.is_cuda and t.dtype in (torch.float16, torch.bfloat16) for t in tensors):
-        _LAST_PATH.set("baseline:upstream")
+        _took("baseline:upstream")
         return getattr(up, name)
-    _LAST_PATH.set("baseline:torch")
+    _took("baseline:torch")
     return getattr(baseline, name)
 
 
@@ -279,7 +286,7 @@ def flash_attn_with_kvcache(
             raise ValueError(f"v_cache: pass None (or the same cache) when k_cache is a {type(cache).__name__}")
         if isinstance(cache, cpu.CpuQuantizedKVCache):
             _check_query(q, cache)
-            _LAST_PATH.set("quantized:cpu-int8-keys")
+            _took("quantized:cpu-int8-keys")
             attend = cpu.flash_attn_with_kvcache
         else:
             attend = _quantized_kvcache
@@ -405,7 +412,7 @@ def _kv16_kvcache(
         lens = cache_seqlens
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    _LAST_PATH.set("baseline:fused-kv16-cuda")
+    _took("baseline:fused-kv16-cuda")
     out, lse = ops.decode_kv16(
         q, k_cache, v_cache, lens, cache_batch_idx, block_table, softmax_scale, causal, num_splits
     )
@@ -582,7 +589,7 @@ def _quantized_kvcache(
                 reason = f"{what} is not supported by the fused kernel"
                 break
     if reason is None:
-        _LAST_PATH.set("quantized:fused-cuda")
+        _took("quantized:fused-cuda")
         leftpad = None if cache_leftpad is None else cache_leftpad.to(device=device, dtype=torch.int32).contiguous()
         out, lse = cache.attend(
             q,
@@ -597,7 +604,7 @@ def _quantized_kvcache(
             with_lse=return_softmax_lse,
         )
     else:
-        _LAST_PATH.set(f"quantized:reference ({reason})")
+        _took(f"quantized:reference ({reason})")
         rows = bidx.long() if bidx is not None else torch.arange(batch, device=device)
         k_deq, v_deq = cache.dequantize(rows)
         out, lse = baseline.attention_reference(

@@ -22,8 +22,6 @@ Fake (meta) implementations are registered here so both trace under ``torch.comp
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 # which (head_dim, k_bits, v_bits) cases have fused kernels: generated with the C++ case table
@@ -40,9 +38,17 @@ QUANT_IDS = {
 }  # (quantizer, grid, fit) -> the pack kernel's Quant
 
 
-@functools.lru_cache(maxsize=None)
+_LOADED: dict[str, bool] = {}  # extension_available's answer (a dict: torch.compile reads it as a constant)
+
+
 def extension_available() -> bool:
     """True when the compiled kernels are importable (they still need a CUDA device to run)."""
+    if "extension" not in _LOADED:
+        _LOADED["extension"] = _load_extension()
+    return _LOADED["extension"]
+
+
+def _load_extension() -> bool:
     try:
         import flash_attn_tq_cuda  # noqa: F401  (registers torch.ops.flash_attn_tq.*)
     except (ImportError, OSError):

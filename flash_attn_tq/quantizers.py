@@ -82,9 +82,17 @@ def uniform_levels(bits: int, step: float) -> list[float]:
     return [(i - (n - 1) / 2) * step for i in range(n)]
 
 
-@functools.lru_cache(maxsize=None)
+_UNIFORM_STEPS: dict[int, float] = {}  # uniform_step's results (a dict: torch.compile reads it as a constant)
+
+
 def uniform_step(bits: int) -> float:
     """MSE-optimal step of the symmetric uniform ``2**bits``-level grid for N(0, 1)."""
+    if bits not in _UNIFORM_STEPS:
+        _UNIFORM_STEPS[bits] = _search_uniform_step(bits)
+    return _UNIFORM_STEPS[bits]
+
+
+def _search_uniform_step(bits: int) -> float:
     _check_bits(bits)
     lo, hi = 0.01, 3.0
     g = (math.sqrt(5) - 1) / 2
