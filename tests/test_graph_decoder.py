@@ -102,6 +102,47 @@ def test_generate_and_capacity():
         GraphDecoder(model, TQCache(model.config, max_cache_len=64)).generate(prompt, max_new_tokens=30)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU and the flash_attn_tq_cuda extension")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_generate_compiles_the_decode_steps(dtype):
+    """transformers' generate over a TQCache with max_cache_len compiles its decode steps (inductor,
+    CUDA graphs): one graph, no recompilation, no CUDA-graph skip; tokens and logits as eager; the
+    default options plus a K8V8 head group, 150 steps (past the window)."""
+    from torch._dynamo.utils import counters
+
+    model = llama("cuda", dtype)
+    prompt = torch.randint(0, 128, (2, 300), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    kw = dict(max_cache_len=512, head_options={(1, 0): {"k_bits": 8, "v_bits": 8}})
+    runs = {}
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        cache = TQCache(model.config, **kw)
+        runs[compiled] = model.generate(
+            prompt, past_key_values=cache, max_new_tokens=150, do_sample=False, disable_compile=not compiled,
+            output_logits=True, return_dict_in_generate=True,
+        )  # fmt: skip
+        cache.pack_errors.check()
+        assert cache.get_seq_length() == 300 + 149
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["recompiles"]
+    assert not counters["inductor"]["cudagraph_skips"]
+    assert torch.equal(runs[True].sequences, runs[False].sequences)
+    for got, ref in zip(runs[True].logits, runs[False].logits):
+        assert (got - ref).abs().max().item() <= 1e-2 * ref.abs().max().item()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason="needs a CUDA GPU and the flash_attn_tq_cuda extension")
+def test_compiled_steps_past_the_capacity_raise_at_the_check():
+    model = llama("cuda", torch.float16)
+    prompt = torch.randint(0, 128, (1, 40), device="cuda")
+    cache = TQCache(model.config, max_cache_len=48)
+    model.generate(prompt, past_key_values=cache, max_new_tokens=20, do_sample=False)
+    with pytest.raises(ValueError, match="overflow"):
+        cache.pack_errors.check()
+
+
 class ScriptedDecoder(GraphDecoder):
     """GraphDecoder's generate() loop over scripted logits (no model, no graph): step t returns row t."""
 

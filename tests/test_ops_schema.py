@@ -1,7 +1,8 @@
 """The Python side of the fused path against the ops' C++ schemas, on the CPU: the schemas are read
 from csrc/flash_attn/flash_api_tq.cpp and registered here with recording implementations (when the
 extension is not built), so a call through QuantizedKVCache checks that every tensor and option lands
-in its argument of the kernel."""
+in its argument of the kernel, and a transformers decode step over TQCache traces whole under
+``torch.compile`` (one graph for every step: what ``generate`` compiles)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,8 @@ def recorded():
     schemas = _schemas()
     lib.define(schemas["decode_kvcache"])
     lib.define(schemas["pack_kv"])
+    lib.define(schemas["decode_kv16"])
+    ops._register_fakes()  # (the extension's import registers them)
     names = {
         name: [a.name for a in getattr(torch.ops.flash_attn_tq, name).default._schema.arguments]
         for name in ("decode_kvcache", "pack_kv")
@@ -118,3 +121,46 @@ def test_pack_keeps_the_books(recorded, monkeypatch):
     assert (k_call["side_sinks"], k_call["side_ring"], v_call["side_ring"]) == (16, 112, 112)
     assert not cache.kv_side.any()  # (the recording op writes nothing)
     assert torch.equal(cache.seqlens, torch.full((2,), 150, dtype=torch.int32))
+
+
+def test_generate_compiles_one_graph(recorded, monkeypatch):
+    """transformers' generate over a TQCache with max_cache_len compiles its decode steps (here with
+    the recording ops on the CPU): one graph, no recompilation across steps, no graph break
+    (fullgraph), the default options plus a K8V8 head group; the tokens equal the eager run's."""
+    transformers = pytest.importorskip("transformers")
+    if int(transformers.__version__.split(".")[0]) < 5:
+        pytest.skip("needs transformers >= 5")
+    from torch._dynamo.utils import counters
+    from transformers import CompileConfig, LlamaConfig, LlamaForCausalLM
+
+    from flash_attn_tq.integrations.transformers import ATTN_IMPLEMENTATION, TQCache
+
+    monkeypatch.setattr(QuantizedKVCache, "pack_reason", lambda self, x: None)  # the CPU stands in for the GPU
+    monkeypatch.setattr(QuantizedKVCache, "fused_reason", lambda self, q: None)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=128, hidden_size=256, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, max_position_embeddings=1024,
+    )  # fmt: skip
+    model = LlamaForCausalLM(cfg).eval()
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    ids = torch.randint(0, 128, (2, 150))
+    compile_config = CompileConfig(backend="aot_eager", fullgraph=True, dynamic=False)
+    compile_config._compile_all_devices = True  # (transformers compiles on CUDA devices only by default)
+    runs = {}
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        counters.clear()
+        cache = TQCache(cfg, max_cache_len=200, head_options={(1, 0): {"k_bits": 8, "v_bits": 8}})
+        assert cache.is_compileable
+        recorded.clear()
+        with torch.no_grad():
+            runs[compiled] = model.generate(
+                ids, past_key_values=cache, max_new_tokens=6, do_sample=False,
+                compile_config=compile_config, disable_compile=not compiled,
+            )  # fmt: skip
+        assert len(recorded["decode_kvcache"]) == 5 * 4  # 5 decode steps, 3 layers, one with two head groups
+        assert cache.get_seq_length() == 150 + 5  # (read back from the cache after compiled steps)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["recompiles"]
+    assert torch.equal(runs[False], runs[True])
+    assert not TQCache(cfg).is_compileable and not TQCache(cfg, max_cache_len=64, protected_layers=(0,)).is_compileable

@@ -50,7 +50,7 @@ def oracle_attention(module, query, key, value, attention_mask, scaling=None, dr
     layer = getattr(key, "_tq_layer", None)
     if layer is not None:
         layer.commit()
-    if layer is None or (layer.prefill == "full" and layer.chunk_start == 0):  # plain / protected / prefill
+    if layer is None or (layer.prefill == "full" and layer.first_chunk):  # plain / protected / prefill
         ks, vs = key.double(), value.double()
     else:
         kd, vd = layer.dequantize()
@@ -235,8 +235,13 @@ def test_defaults_and_errors():
     ids = torch.randint(3, 96, (2, 12))
     mask = torch.ones_like(ids)
     mask[0, :3] = 0
-    with pytest.raises(NotImplementedError):
-        model(ids, attention_mask=mask, past_key_values=TQCache(model.config))
+    for capacity in (None, 64):  # (with a capacity the mask spans it: only the tokens are checked)
+        with pytest.raises(NotImplementedError):
+            model(ids, attention_mask=mask, past_key_values=TQCache(model.config, max_cache_len=capacity))
+    cache = TQCache(model.config, max_cache_len=64)
+    with torch.no_grad():
+        model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=3)
+    assert cache.get_seq_length() == 14 and cache.get_max_length() == 64
 
 
 def test_other_attention_implementation_is_refused():

@@ -102,7 +102,7 @@ class GraphDecoder:
             self._pos.fill_(n)
             self.graph.replay()
             for layer in self._layers():  # the host-side counters the replayed step did not advance
-                layer.chunk_start, layer.length = layer.length, layer.length + 1
+                layer.first_chunk, layer.length = False, layer.length + 1
             logits = self._logits
         self._steps += 1
         return logits
@@ -112,12 +112,12 @@ class GraphDecoder:
 
     def _capture(self, ids: torch.Tensor) -> None:
         self._ids, self._pos = ids.clone(), torch.zeros_like(ids)
-        saved = [(layer.length, layer.chunk_start) for layer in self._layers()]
+        saved = [(layer.length, layer.first_chunk) for layer in self._layers()]
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):  # (records the step without running it)
             self._logits = self._forward(self._ids, self._pos)
-        for layer, (length, start) in zip(self._layers(), saved):
-            layer.length, layer.chunk_start = length, start
+        for layer, (length, first) in zip(self._layers(), saved):
+            layer.length, layer.first_chunk = length, first
 
     def check(self) -> None:
         """Raise ValueError for a pack error (NaN/Inf in K/V, a cache overflow) of the steps so far."""

@@ -52,9 +52,13 @@ from .options import (
 ATTN_IMPLEMENTATION = "tq_kvcache"  # (a name containing "flash" would make transformers look for flash-attn)
 
 
-def _check_no_padding(attention_mask) -> None:
-    if isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool and not capturing():
-        if not bool(attention_mask[:, :, -1, :].all()):
+def _check_no_padding(attention_mask, layer: "TQLayer", query_len: int) -> None:
+    """Raise for a padded batch: a masked key among the layer's tokens in the last query row. Checked
+    for chunks (a prompt, where padding comes in), not for single decode tokens (a sync a layer)."""
+    if query_len == 1 or capturing():
+        return
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool:
+        if not bool(attention_mask[:, :, -1, : layer.length].all()):
             raise NotImplementedError("TQCache does not support padded batches (use equal-length prompts)")
 
 
@@ -65,9 +69,11 @@ class TQLayer(CacheLayerMixin):
     The kv heads are held in one QuantizedKVCache, or, with ``head_options`` (per-head bit widths),
     in one a *head group*: the heads that share their options. Heads attend independently (each query
     head reads one kv head), so a group is attended on its own and its query heads' outputs put in
-    place: no merging of partial softmaxes."""
+    place: no merging of partial softmaxes.
 
-    is_compileable = False
+    With ``max_cache_len`` the capacity is fixed once the prompt has run, and a decode step traced by
+    ``torch.compile`` reads no host-side counter (see :attr:`TQCache.is_compileable`)."""
+
     is_sliding = False
     is_croppable = False
 
@@ -92,8 +98,8 @@ class TQLayer(CacheLayerMixin):
         self.head_options = {int(h): dict(o) for h, o in (head_options or {}).items()}
         self.groups: list[tuple[int, ...]] = []  # kv heads of each head group (set on the first update)
         self.caches: list[QuantizedKVCache] = []  # one a group (created on the first token)
-        self.length = 0  # tokens seen
-        self.chunk_start = 0  # tokens seen before the last update
+        self._length: int | None = 0  # tokens seen (None after traced steps: see length)
+        self.first_chunk = True  # the last update was the sequence's first (its prompt)
         self.pending = None  # (k, v) of the last update, written by commit() (it needs the queries)
 
     @property
@@ -142,7 +148,33 @@ class TQLayer(CacheLayerMixin):
         idx = self._head_index(group, per_kv_head)
         return x if idx is None else x.index_select(2, idx.to(x.device))
 
+    @property
+    def is_compileable(self) -> bool:
+        """A fixed capacity (``max_cache_len``): see :attr:`TQCache.is_compileable`."""
+        return self.max_cache_len is not None
+
+    @property
+    def length(self) -> int:
+        """Tokens in the layer. Steps traced by ``torch.compile`` do not count them on the host (a
+        host counter would be a guard, one graph a step): the first read after them syncs once."""
+        if self._length is None:
+            self._length = int(self.caches[0].seqlens[0])
+        return self._length
+
+    @length.setter
+    def length(self, n: int) -> None:
+        self._length = n
+
     def _new_qcache(self, group: int, capacity: int) -> QuantizedKVCache:
+        qc = self._allocate(group, capacity)
+        if self.max_cache_len is not None:  # fixed capacity: tensors a compiled step may use as they are
+            for owner in [qc] + [o for o in vars(qc).values() if hasattr(o, "__dict__")]:
+                for t in vars(owner).values():
+                    if isinstance(t, torch.Tensor):  # (a CUDA graph copies any other input every replay)
+                        torch._dynamo.mark_static_address(t)
+        return qc
+
+    def _allocate(self, group: int, capacity: int) -> QuantizedKVCache:
         return QuantizedKVCache(
             self.batch_size,
             capacity,
@@ -188,27 +220,38 @@ class TQLayer(CacheLayerMixin):
         v = value_states.transpose(1, 2)
         if k.dtype == torch.float64:  # (float64 models, e.g. for exact checks: the codec takes float32)
             k, v = k.float(), v.float()
-        self._ensure_capacity(self.length + n)
+        if torch.compiler.is_compiling():  # a traced step: no host counter read, the capacity as it is
+            if not self.caches or self.max_cache_len is None:
+                raise RuntimeError(
+                    "TQCache: torch.compile traces decode steps over a cache built with max_cache_len, "
+                    "after an eager first forward (the prompt), as transformers' generate runs them"
+                )
+            self.first_chunk, self._length = False, None
+        else:
+            self._ensure_capacity(self.length + n)
+            self.first_chunk, self.length = self.length == 0, self.length + n
         self.pending = (k, v)
-        self.chunk_start = self.length
-        self.length += n
         key_states = key_states.view(key_states.shape)
         key_states._tq_layer = self  # read by tq_attention_forward (plain attribute: eager mode only)
         return key_states, value_states
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if self.caches and self.max_cache_len is not None:  # one mask shape a step, as a compiled step needs
+            return self.caches[0].max_seqlen, 0  # (the kernels take the lengths from the cache)
         return self.length + query_length, 0
 
     def get_seq_length(self) -> int:
+        if torch.compiler.is_compiling() and self.caches:  # a traced step: the GPU's count (no sync, no guard)
+            return self.caches[0].seqlens[0]
         return self.length
 
     def get_max_length(self) -> int:
-        return -1
+        return self.caches[0].max_seqlen if self.caches and self.max_cache_len is not None else -1
 
     def reset(self) -> None:
         self.caches = []
         self.pending = None
-        self.length = self.chunk_start = 0
+        self.length, self.first_chunk = 0, True
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise NotImplementedError("TQCache does not support beam search")
@@ -265,7 +308,9 @@ class TQCache(Cache):
 
     Args:
         config: the model config (optional; its layer count and head_dim place ``late_k_bits``).
-        max_cache_len: initial capacity in tokens per layer (grows by doubling when exceeded).
+        max_cache_len: capacity in tokens a layer. Eager forwards grow it (doubling) when exceeded;
+            it also makes the cache compileable (:attr:`is_compileable`), and compiled steps keep it
+            fixed.
         protected_layers: layer indices kept in a plain 16-bit cache.
         sink_tokens: leading tokens of each sequence kept in 16-bit (QuantizedKVCache's ``sink_tokens``).
         prefill: ``"full"`` (the first forward attends over its own full-precision K/V) or
@@ -349,6 +394,14 @@ class TQCache(Cache):
 
         return calibrated_cache(cls, model, **kwargs)
 
+    @property
+    def is_compileable(self) -> bool:
+        """True with ``max_cache_len`` and no protected layers: transformers' ``generate`` then runs the
+        prompt eagerly and the decode steps through ``torch.compile`` (CUDA graphs), as for its
+        StaticCache. A compiled step reads nothing back: a step past the capacity is not written
+        and sets a pack error, raised by ``cache.pack_errors.check()`` (or the next eager forward)."""
+        return self.initial_capacity is not None and not self.protected_layers
+
     def layer_cache_kwargs(self, idx: int) -> dict:
         """The QuantizedKVCache options of layer ``idx`` (the TQCache's, with its layer_options)."""
         return dict(self.cache_kwargs, **self.layer_options.get(idx, {}))
@@ -430,13 +483,13 @@ def tq_attention_forward(
     layer = getattr(key, "_tq_layer", None)
     if layer is not None:
         layer.commit()
-    if layer is None or (layer.prefill == "full" and layer.chunk_start == 0):
+    if layer is None or (layer.prefill == "full" and layer.first_chunk):
         if layer is not None:
-            _check_no_padding(attention_mask)
+            _check_no_padding(attention_mask, layer, query.shape[2])
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    _check_no_padding(attention_mask)
+    _check_no_padding(attention_mask, layer, query.shape[2])
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     return layer.attend(query, scaling), None
