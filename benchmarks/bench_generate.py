@@ -1,7 +1,7 @@
 """End-to-end decode speed of a transformers model over TQCache vs transformers' own KV caches.
 
     python benchmarks/bench_generate.py [--models smollm2,llama8b] [--prompts 2048,8192] [--new-tokens 64]
-        [--variants ...] [--no-compile] [--tq-compile] [--no-profile] [--quick] [--data DIR] [--out DIR]
+        [--variants ...] [--no-compile] [--no-profile] [--quick] [--data DIR] [--out DIR]
 
 Side by side in one run, the same model, prompt and number of decoded tokens through
 
@@ -15,8 +15,14 @@ Side by side in one run, the same model, prompt and number of decoded tokens thr
 * ``tq_graph``: ``TQCache(model.config)`` decoded by
   :class:`flash_attn_tq.integrations.graphs.GraphDecoder`, each decode step replayed as one CUDA graph
   (CUDA only), its greedy tokens checked against the eager ``tq`` run's;
-* ``tq_compiled`` (``--tq-compile`` only): TQCache with the compiled decode step, its greedy tokens
-  checked against the eager ``tq`` run's.
+* ``tq_compiled``: ``TQCache(model.config, max_cache_len=...)`` with the decode step compiled as
+  ``static_compiled``'s (one graph: the step reads no host-side counter), its greedy tokens checked
+  against the eager ``tq`` run's;
+* ``static_generate``, ``tq_generate``: what a user's ``model.generate(ids, past_key_values=cache)``
+  gets, host loop included: transformers compiles the decode steps itself for both caches
+  (``is_compileable``). Tokens/s = B x (N1 - N0) / (wall(N1) - wall(N0)) for two greedy ``generate``
+  calls of N0 = ``--warmup`` and N1 = N0 + ``--new-tokens`` new tokens on fresh caches (the prefill
+  and the CUDA-graph recording cancel), after an untimed call that compiles.
 
 Models: ``smollm2``: SmolLM2-135M-Instruct from its GGUF (float16 on the GPU; assets as
 ``benchmarks/eval_quality.py`` finds them, ``--data``), B=1, the ``--prompts`` lengths; ``llama8b``:
@@ -61,9 +67,11 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 ATTN_KEYWORDS = ("decode", "flash", "attention", "sdpa", "fmha", "combine")
-FP16_VARIANTS = ("dynamic", "static", "static_compiled")
-ALL_VARIANTS = ("dynamic", "static", "tq", "tq_calibrated", "tq_graph", "static_compiled", "tq_compiled")
-TQ_REFERENCE = ("tq_compiled", "tq_graph")  # variants whose tokens are checked against the eager tq run
+FP16_VARIANTS = ("dynamic", "static", "static_compiled", "static_generate")
+TQ_VARIANTS = ("tq", "tq_calibrated", "tq_graph", "tq_compiled", "tq_generate")
+ALL_VARIANTS = ("dynamic", "static", "static_compiled", "static_generate") + TQ_VARIANTS
+TQ_REFERENCE = ("tq_compiled", "tq_graph", "tq_generate")  # tokens checked against the eager tq run's
+CUDA_ONLY = ("_compiled", "_graph", "_generate")  # (CUDA graphs)
 
 LLAMA8B = dict(
     vocab_size=128256,
@@ -125,13 +133,13 @@ MODELS = {  # batch, prompts (None: --prompts), variants; GPU dtype
         B=1,
         prompts=None,
         dtype=torch.float16,
-        variants=("dynamic", "static", "tq", "tq_calibrated", "tq_graph", "static_compiled", "tq_compiled"),
+        variants=ALL_VARIANTS,
     ),
     "llama8b": dict(
         B=8,
         prompts=(32768,),
         dtype=torch.bfloat16,
-        variants=("dynamic", "static", "tq", "tq_graph", "static_compiled", "tq_compiled"),
+        variants=tuple(v for v in ALL_VARIANTS if v != "tq_calibrated"),
     ),
 }
 
@@ -332,6 +340,41 @@ def warm_up(model, device, B):
 
 
 @torch.no_grad()
+def run_generate(model, variant, ids, args) -> dict:
+    """``model.generate`` as a user calls it (see the module docstring): tokens/s from two timed calls."""
+    from flash_attn_tq.integrations.transformers import ATTN_IMPLEMENTATION
+
+    device = ids.device
+    B, P = ids.shape
+    n0, n1 = max(args.warmup, 2), max(args.warmup, 2) + args.new_tokens
+    model.set_attn_implementation(ATTN_IMPLEMENTATION if variant.startswith("tq") else "sdpa")
+    torch._dynamo.reset()
+
+    def generate(n):
+        cache = make_cache(variant, model, P + n1 + 8, None)
+        sync(device)
+        t = time.perf_counter()
+        out = model.generate(ids, past_key_values=cache, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        sync(device)
+        return time.perf_counter() - t, out, cache
+
+    t_w = time.perf_counter()
+    generate(n0)  # (compiles)
+    warm = round(time.perf_counter() - t_w, 2)
+    t0, _, _ = generate(n0)
+    t1, out, cache = generate(n1)
+    torch._dynamo.reset()
+    return dict(
+        tok_s=B * (n1 - n0) / (t1 - t0),
+        step_ms=(t1 - t0) * 1e3 / (n1 - n0),
+        prefill_ms=None,
+        warmup_s=warm,
+        cache_bytes=cache_bytes(cache),
+        tokens=out[:, P:].cpu(),
+    )
+
+
+@torch.no_grad()
 def run_variant(model, variant, ids, args, calibrated=None) -> dict:
     """Prefill ``ids`` [B, P], then ``warmup + new_tokens (+ 2 x profile_steps)`` greedy decode steps."""
     from flash_attn_tq.integrations.transformers import ATTN_IMPLEMENTATION
@@ -465,11 +508,9 @@ def bench_model(name, args) -> list[dict]:
         prompts = [args.llama_prompt]
     wanted = [v for v in spec["variants"] if v in args.variants]
     if not cuda:
-        wanted = [v for v in wanted if not v.endswith(("_compiled", "_graph"))]  # (CUDA graphs)
+        wanted = [v for v in wanted if not v.endswith(CUDA_ONLY)]
     if args.no_compile:
-        wanted = [v for v in wanted if v != "static_compiled"]
-    if not args.tq_compile:
-        wanted = [v for v in wanted if v != "tq_compiled"]
+        wanted = [v for v in wanted if not v.endswith(("_compiled", "_generate"))]
 
     try:
         warm_up(model, device, B)
@@ -513,12 +554,15 @@ def bench_model(name, args) -> list[dict]:
         for v in wanted:
             free_memory(device)
             try:
-                r = run_variant(model, v, ids, args, calibrated if v == "tq_calibrated" else None)
+                if v.endswith("_generate"):
+                    r = run_generate(model, v, ids, args)
+                else:
+                    r = run_variant(model, v, ids, args, calibrated if v == "tq_calibrated" else None)
             except Exception as e:
                 traceback.print_exc()
                 row[f"{v}_error"] = f"{type(e).__name__}: {e}"[:500]
                 print(f"[{name} P={P}] {v}: FAILED ({row[f'{v}_error'][:200]})", flush=True)
-                if v.endswith("_compiled"):
+                if v.endswith(("_compiled", "_generate")):
                     torch._dynamo.reset()
                 continue
             finally:
@@ -529,7 +573,7 @@ def bench_model(name, args) -> list[dict]:
                     row[f"{v}_{k}"] = x
             print(
                 f"[{name} B={B} P={P}] {v}: {r['tok_s']:.1f} tok/s (step {r['step_ms']:.3f} ms, prefill "
-                f"{r['prefill_ms']:.1f} ms, cache {r['cache_bytes'] / 2**20:.1f} MiB, attention share "
+                f"{fmt(r['prefill_ms'])} ms, cache {r['cache_bytes'] / 2**20:.1f} MiB, attention share "
                 f"{fmt(r.get('attn_share'), '.2f')} kernels / {fmt(r.get('attn_wall_share'), '.2f')} wall)",
                 flush=True,
             )
@@ -543,7 +587,7 @@ def bench_model(name, args) -> list[dict]:
         if fp16:
             best = max(fp16, key=fp16.get)
             row.update(best_fp16=best, best_fp16_tok_s=fp16[best])
-            for v in ("tq", "tq_calibrated", "tq_graph", "tq_compiled"):
+            for v in TQ_VARIANTS:
                 if row.get(f"{v}_tok_s"):
                     row[f"{v}_vs_best_fp16"] = row[f"{v}_tok_s"] / fp16[best]
             if row.get("tq_cache_bytes") and row.get("dynamic_cache_bytes"):
@@ -572,29 +616,35 @@ def markdown(res) -> str:
         f"transformers {m['transformers']}, commit {m['commit']})",
         "",
         "Decode tokens/s = B / median step time (CUDA events, one greedy token a step after "
-        f"{res['setup']['warmup']} warm-up steps, {res['setup']['new_tokens']} timed). static+compile: "
-        "StaticCache with torch.compile(mode='reduce-overhead'). TQCache, CUDA graph: the same TQCache "
-        "decoded by GraphDecoder (each step one CUDA graph). TQ / best, TQ graph / best: over the fastest "
-        "transformers cache. KV MiB: the cache as held after the run (dynamic: its K/V; TQCache: codes, "
-        "metadata, window and sinks). Attention share: attention kernels' share of the step's CUDA time "
-        "(profiler; in brackets: the time inside the attention function over the step time).",
+        f"{res['setup']['warmup']} warm-up steps, {res['setup']['new_tokens']} timed). +compile: the decode "
+        "step under torch.compile(mode='reduce-overhead') (CUDA graphs). TQCache, CUDA graph: decoded by "
+        "GraphDecoder. generate(): model.generate(ids, past_key_values=cache) as a user calls it "
+        "(transformers compiles the decode steps of both caches), tokens/s from the wall time of two calls. "
+        "/ best: over the fastest transformers cache of the run. KV MiB: the cache as held after the run "
+        "(dynamic: its K/V; TQCache: codes, metadata, window and sinks). Attention share: attention "
+        "kernels' share of the step's CUDA time (profiler; in brackets: the time inside the attention "
+        "function over the step time).",
         "",
-        "| model | dtype | B | prompt | dynamic | static | static+compile | TQCache | TQCache.calibrated "
-        "| TQCache, CUDA graph | TQ / best | TQ graph / best | KV MiB dynamic | KV MiB TQ | fp16/TQ bytes "
-        "| attn share dynamic | attn share TQ "
-        "| prefill ms dyn / TQ | calibration s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| model | dtype | B | prompt | dynamic | static | static+compile | generate(): static "
+        "| TQCache | TQCache.calibrated | TQCache+compile | TQCache, CUDA graph | generate(): TQCache "
+        "| generate() TQ / static | TQ+compile / best | KV MiB dynamic | KV MiB TQ | fp16/TQ bytes "
+        "| attn share dynamic | attn share TQ | prefill ms dyn / TQ | calibration s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in res["rows"]:
 
         def share(v):
             return f"{fmt(r.get(f'{v}_attn_share'), '.2f')} ({fmt(r.get(f'{v}_attn_wall_share'), '.2f')})"
 
+        gen = r.get("tq_generate_tok_s"), r.get("static_generate_tok_s")
         lines.append(
             f"| {r['model']} | {r['dtype']} | {r['B']} | {r['prompt']} | {fmt(r.get('dynamic_tok_s'))} "
-            f"| {fmt(r.get('static_tok_s'))} | {fmt(r.get('static_compiled_tok_s'))} | {fmt(r.get('tq_tok_s'))} "
-            f"| {fmt(r.get('tq_calibrated_tok_s'))} | {fmt(r.get('tq_graph_tok_s'))} "
-            f"| {fmt(r.get('tq_vs_best_fp16'), '.2f')}x | {fmt(r.get('tq_graph_vs_best_fp16'), '.2f')}x "
+            f"| {fmt(r.get('static_tok_s'))} | {fmt(r.get('static_compiled_tok_s'))} "
+            f"| {fmt(r.get('static_generate_tok_s'))} | {fmt(r.get('tq_tok_s'))} "
+            f"| {fmt(r.get('tq_calibrated_tok_s'))} | {fmt(r.get('tq_compiled_tok_s'))} "
+            f"| {fmt(r.get('tq_graph_tok_s'))} | {fmt(r.get('tq_generate_tok_s'))} "
+            f"| {fmt(gen[0] / gen[1] if all(gen) else None, '.2f')}x "
+            f"| {fmt(r.get('tq_compiled_vs_best_fp16'), '.2f')}x "
             f"| {mib(r.get('dynamic_cache_bytes'))} | {mib(r.get('tq_cache_bytes'))} "
             f"| {fmt(r.get('kv_bytes_ratio'), '.2f')} | {share('dynamic')} | {share('tq')} "
             f"| {fmt(r.get('dynamic_prefill_ms'))} / {fmt(r.get('tq_prefill_ms'))} | {fmt(r.get('calibration_s'))} |"
@@ -625,8 +675,7 @@ def parse_args(argv=None):
     p.add_argument("--profile-steps", type=int, default=3, help="decode steps profiled for the attention share")
     p.add_argument("--no-profile", action="store_true", help="skip the attention-share measurement")
     p.add_argument("--variants", default=",".join(ALL_VARIANTS), help="subset of " + ",".join(ALL_VARIANTS))
-    p.add_argument("--no-compile", action="store_true", help="skip static_compiled")
-    p.add_argument("--tq-compile", action="store_true", help="also TQCache with the compiled decode step (tq_compiled)")
+    p.add_argument("--no-compile", action="store_true", help="skip the compiled and generate() variants")
     p.add_argument("--quick", action="store_true", help="tiny random models and prompts (CPU smoke test)")
     p.add_argument(
         "--random-weights",
