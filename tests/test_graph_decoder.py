@@ -127,9 +127,17 @@ def test_generate_compiles_the_decode_steps(dtype):
         assert cache.get_seq_length() == 300 + 149
     assert counters["stats"]["unique_graphs"] == 1 and not counters["recompiles"]
     assert not counters["inductor"]["cudagraph_skips"]
-    assert torch.equal(runs[True].sequences, runs[False].sequences)
-    for got, ref in zip(runs[True].logits, runs[False].logits):
-        assert (got - ref).abs().max().item() <= 1e-2 * ref.abs().max().item()
+    # the model's own ops compile to other kernels (rounding differs): the logits agree step by step,
+    # and the greedy tokens until a near-tie, if any, where the two runs may part
+    differ = (runs[True].sequences != runs[False].sequences).any(0).nonzero()
+    first = differ[0].item() - 300 if differ.numel() else 150
+    tol = 1e-2 if dtype == torch.float16 else 3e-2
+    for t, (got, ref) in enumerate(zip(runs[True].logits[: first + 1], runs[False].logits[: first + 1])):
+        bound = tol * ref.abs().max().item()
+        assert (got - ref).abs().max().item() <= bound, t
+        if t == first:
+            top2 = ref.float().topk(2, dim=-1).values
+            assert (top2[:, 0] - top2[:, 1]).min().item() <= 2 * bound, "parted without a near-tie"
 
 
 @pytest.mark.gpu
