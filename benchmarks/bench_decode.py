@@ -373,21 +373,25 @@ def write_production(rows, meta, out_dir, prefill=(), generate=()):
             "",
             "## generate() decode tokens/s (benchmarks/bench_generate.py)",
             "",
-            "Eager steps, except 'TQCache, CUDA graph' (GraphDecoder: each step one graph); 'commit': where the "
-            "row was measured (bench_generate.py's own result file).",
+            "Eager steps; '+compile': the decode step under torch.compile(mode='reduce-overhead'); "
+            "'generate()': model.generate as a user calls it (transformers compiles the steps of both caches); "
+            "'commit': where the row was measured (bench_generate.py's own result file).",
             "",
-            "| model | B | prompt | DynamicCache | StaticCache | TQCache | TQCache.calibrated | TQCache, CUDA graph "
-            "| TQCache / best fp16 | graph / best fp16 | commit |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
+            "| model | B | prompt | DynamicCache | StaticCache | StaticCache+compile | generate(): StaticCache "
+            "| TQCache | TQCache+compile | generate(): TQCache | TQ+compile / best fp16 | generate() TQ / static "
+            "| commit |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for g in generate:
-            best = max(x for x in (g.get("dynamic_tok_s"), g.get("static_tok_s")) if x)
-            graph = g.get("tq_graph_tok_s")
+            fp16 = ("dynamic_tok_s", "static_tok_s", "static_compiled_tok_s", "static_generate_tok_s")
+            best = max(g[k] for k in fp16 if g.get(k))
+            tqc, gen = g.get("tq_compiled_tok_s"), (g.get("tq_generate_tok_s"), g.get("static_generate_tok_s"))
             lines.append(
                 f"| {g.get('model_desc') or g['model']} | {g['B']} | {g['prompt']} | {fmt(g.get('dynamic_tok_s'))} | "
-                f"{fmt(g.get('static_tok_s'))} | {fmt(g.get('tq_tok_s'))} | {fmt(g.get('tq_calibrated_tok_s'))} | "
-                f"{fmt(graph)} | {g['tq_tok_s'] / best:.2f}x | {f'{graph / best:.2f}x' if graph else '–'} | "
-                f"{g.get('commit') or meta['commit']} |"
+                f"{fmt(g.get('static_tok_s'))} | {fmt(g.get('static_compiled_tok_s'))} | "
+                f"{fmt(g.get('static_generate_tok_s'))} | {fmt(g.get('tq_tok_s'))} | {fmt(tqc)} | "
+                f"{fmt(gen[0])} | {fmt(tqc / best if tqc else None, '.2f')}x | "
+                f"{fmt(gen[0] / gen[1] if all(gen) else None, '.2f')}x | {g.get('commit') or meta['commit']} |"
             )
     with open(os.path.join(out_dir, "production.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
@@ -568,6 +572,7 @@ def main():
         with open(os.path.join(args.out, "production.json")) as f:
             prod = json.load(f)
         keep = ("model", "model_desc", "B", "prompt", "dynamic_tok_s", "static_tok_s", "tq_tok_s")
+        keep += ("static_compiled_tok_s", "static_generate_tok_s", "tq_compiled_tok_s", "tq_generate_tok_s")
         gen = []
         for path in args.merge_generate:
             with open(path) as f:

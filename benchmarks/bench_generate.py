@@ -20,9 +20,10 @@ Side by side in one run, the same model, prompt and number of decoded tokens thr
   against the eager ``tq`` run's;
 * ``static_generate``, ``tq_generate``: what a user's ``model.generate(ids, past_key_values=cache)``
   gets, host loop included: transformers compiles the decode steps itself for both caches
-  (``is_compileable``). Tokens/s = B x (N1 - N0) / (wall(N1) - wall(N0)) for two greedy ``generate``
-  calls of N0 = ``--warmup`` and N1 = N0 + ``--new-tokens`` new tokens on fresh caches (the prefill
-  and the CUDA-graph recording cancel), after an untimed call that compiles.
+  (``is_compileable``). Tokens/s = B x (N1 - N0) / (wall(N1) - wall(N0)), each wall time the median
+  of three greedy ``generate`` calls (interleaved) of N0 = ``--warmup`` and N1 = N0 +
+  ``--new-tokens`` new tokens on fresh caches (the prefill and the CUDA-graph recording cancel),
+  after an untimed call that compiles.
 
 Models: ``smollm2``: SmolLM2-135M-Instruct from its GGUF (float16 on the GPU; assets as
 ``benchmarks/eval_quality.py`` finds them, ``--data``), B=1, the ``--prompts`` lengths; ``llama8b``:
@@ -72,6 +73,7 @@ TQ_VARIANTS = ("tq", "tq_calibrated", "tq_graph", "tq_compiled", "tq_generate")
 ALL_VARIANTS = ("dynamic", "static", "static_compiled", "static_generate") + TQ_VARIANTS
 TQ_REFERENCE = ("tq_compiled", "tq_graph", "tq_generate")  # tokens checked against the eager tq run's
 CUDA_ONLY = ("_compiled", "_graph", "_generate")  # (CUDA graphs)
+GENERATE_TIMING = "the median of three pairs of generate() calls"
 
 LLAMA8B = dict(
     vocab_size=128256,
@@ -361,8 +363,12 @@ def run_generate(model, variant, ids, args) -> dict:
     t_w = time.perf_counter()
     generate(n0)  # (compiles)
     warm = round(time.perf_counter() - t_w, 2)
-    t0, _, _ = generate(n0)
-    t1, out, cache = generate(n1)
+    walls = {n0: [], n1: []}
+    for _ in range(3):
+        for n in (n0, n1):
+            wall, out, cache = generate(n)
+            walls[n].append(wall)
+    t0, t1 = statistics.median(walls[n0]), statistics.median(walls[n1])
     torch._dynamo.reset()
     return dict(
         tok_s=B * (n1 - n0) / (t1 - t0),
@@ -619,7 +625,8 @@ def markdown(res) -> str:
         f"{res['setup']['warmup']} warm-up steps, {res['setup']['new_tokens']} timed). +compile: the decode "
         "step under torch.compile(mode='reduce-overhead') (CUDA graphs). TQCache, CUDA graph: decoded by "
         "GraphDecoder. generate(): model.generate(ids, past_key_values=cache) as a user calls it "
-        "(transformers compiles the decode steps of both caches), tokens/s from the wall time of two calls. "
+        "(transformers compiles the decode steps of both caches), tokens/s from the wall times of "
+        f"{res['setup'].get('generate_timing', GENERATE_TIMING)}. "
         "/ best: over the fastest transformers cache of the run. KV MiB: the cache as held after the run "
         "(dynamic: its K/V; TQCache: codes, metadata, window and sinks). Attention share: attention "
         "kernels' share of the step's CUDA time (profiler; in brackets: the time inside the attention "
@@ -718,6 +725,7 @@ def run_benchmark(args, done=None) -> dict:
         quick=args.quick,
         device=str(args.device),
         attention_keywords=list(ATTN_KEYWORDS),
+        generate_timing=GENERATE_TIMING,
     )
     res = {"meta": meta(), "setup": setup, "rows": rows}
     for name in args.models:
