@@ -166,16 +166,7 @@ class TQLayer(CacheLayerMixin):
         self._length = n
 
     def _new_qcache(self, group: int, capacity: int) -> QuantizedKVCache:
-        qc = self._allocate(group, capacity)
-        if self.max_cache_len is not None:  # fixed capacity: tensors a compiled step may use as they are
-            for owner in [qc] + [o for o in vars(qc).values() if hasattr(o, "__dict__")]:
-                for t in vars(owner).values():
-                    if isinstance(t, torch.Tensor):  # (a CUDA graph copies any other input every replay)
-                        torch._dynamo.mark_static_address(t)
-        return qc
-
-    def _allocate(self, group: int, capacity: int) -> QuantizedKVCache:
-        return QuantizedKVCache(
+        qc = QuantizedKVCache(
             self.batch_size,
             capacity,
             len(self.groups[group]),
@@ -184,6 +175,12 @@ class TQLayer(CacheLayerMixin):
             device=self.device,
             **self.group_kwargs(group),
         )
+        if self.max_cache_len is not None:  # fixed capacity: tensors a compiled step may use as they are
+            for owner in [qc] + [o for o in vars(qc).values() if hasattr(o, "__dict__")]:
+                for t in vars(owner).values():
+                    if isinstance(t, torch.Tensor):  # (a CUDA graph copies any other input every replay)
+                        torch._dynamo.mark_static_address(t)
+        return qc
 
     def _ensure_capacity(self, needed: int) -> None:
         if not self.caches:
@@ -232,7 +229,7 @@ class TQLayer(CacheLayerMixin):
             self.first_chunk, self.length = self.length == 0, self.length + n
         self.pending = (k, v)
         key_states = key_states.view(key_states.shape)
-        key_states._tq_layer = self  # read by tq_attention_forward (plain attribute: eager mode only)
+        key_states._tq_layer = self  # read by tq_attention_forward (torch.compile tracks the attribute too)
         return key_states, value_states
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
