@@ -70,7 +70,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 ATTN_KEYWORDS = ("decode", "flash", "attention", "sdpa", "fmha", "combine")
 FP16_VARIANTS = ("dynamic", "static", "static_compiled", "static_generate")
 TQ_VARIANTS = ("tq", "tq_calibrated", "tq_graph", "tq_compiled", "tq_generate")
-ALL_VARIANTS = ("dynamic", "static", "static_compiled", "static_generate") + TQ_VARIANTS
+ALL_VARIANTS = FP16_VARIANTS + TQ_VARIANTS
 TQ_REFERENCE = ("tq_compiled", "tq_graph", "tq_generate")  # tokens checked against the eager tq run's
 CUDA_ONLY = ("_compiled", "_graph", "_generate")  # (CUDA graphs)
 GENERATE_TIMING = "the median of three pairs of generate() calls"
@@ -343,7 +343,8 @@ def warm_up(model, device, B):
 
 @torch.no_grad()
 def run_generate(model, variant, ids, args) -> dict:
-    """``model.generate`` as a user calls it (see the module docstring): tokens/s from two timed calls."""
+    """``model.generate`` as a user calls it (see the module docstring): tokens/s from the median wall
+    times of generate calls of two lengths."""
     from flash_attn_tq.integrations.transformers import ATTN_IMPLEMENTATION
 
     device = ids.device
