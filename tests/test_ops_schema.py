@@ -1,6 +1,6 @@
 """The Python side of the fused path against the ops' C++ schemas, on the CPU: the schemas are read
-from csrc/flash_attn/flash_api_tq.cpp and registered here with recording implementations (when the
-extension is not built), so a call through QuantizedKVCache checks that every tensor and option lands
+from csrc/flash_attn/flash_api_tq.cpp and registered here (or taken from the built extension) with
+recording CPU implementations, so a call through QuantizedKVCache checks that every tensor and option lands
 in its argument of the kernel, and a transformers decode step over TQCache traces whole under
 ``torch.compile`` (one graph for every step: what ``generate`` compiles)."""
 
@@ -17,10 +17,6 @@ from flash_attn_tq.cache import QuantizedKVCache
 
 API = pathlib.Path(__file__).resolve().parents[1] / "csrc" / "flash_attn" / "flash_api_tq.cpp"
 
-pytestmark = pytest.mark.skipif(
-    ops.extension_available(), reason="the real ops are registered (the GPU tests run them)"
-)
-
 
 def _schemas() -> dict[str, str]:
     """op name -> schema, from the m.def("...") calls (adjacent C++ string literals joined)."""
@@ -35,12 +31,14 @@ def _schemas() -> dict[str, str]:
 @pytest.fixture(scope="module")
 def recorded():
     calls = {}
-    lib = torch.library.Library("flash_attn_tq", "DEF")
-    schemas = _schemas()
-    lib.define(schemas["decode_kvcache"])
-    lib.define(schemas["pack_kv"])
-    lib.define(schemas["decode_kv16"])
-    ops._register_fakes()  # (the extension's import registers them)
+    if ops.extension_available():  # the built ops (CUDA kernels): recording CPU kernels beside them
+        lib = torch.library.Library("flash_attn_tq", "IMPL")
+    else:
+        lib = torch.library.Library("flash_attn_tq", "DEF")
+        schemas = _schemas()
+        for name in ("decode_kvcache", "pack_kv", "decode_kv16"):
+            lib.define(schemas[name])
+        ops._register_fakes()  # (the extension's import registers them)
     names = {
         name: [a.name for a in getattr(torch.ops.flash_attn_tq, name).default._schema.arguments]
         for name in ("decode_kvcache", "pack_kv")
