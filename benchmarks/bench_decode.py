@@ -383,14 +383,12 @@ def write_production(rows, meta, out_dir, prefill=(), generate=()):
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for g in generate:
-            fp16 = ("dynamic_tok_s", "static_tok_s", "static_compiled_tok_s", "static_generate_tok_s")
-            best = max(g[k] for k in fp16 if g.get(k))
             tqc, gen = g.get("tq_compiled_tok_s"), (g.get("tq_generate_tok_s"), g.get("static_generate_tok_s"))
             lines.append(
                 f"| {g.get('model_desc') or g['model']} | {g['B']} | {g['prompt']} | {fmt(g.get('dynamic_tok_s'))} | "
                 f"{fmt(g.get('static_tok_s'))} | {fmt(g.get('static_compiled_tok_s'))} | "
                 f"{fmt(g.get('static_generate_tok_s'))} | {fmt(g.get('tq_tok_s'))} | {fmt(tqc)} | "
-                f"{fmt(gen[0])} | {fmt(tqc / best if tqc else None, '.2f')}x | "
+                f"{fmt(gen[0])} | {fmt(g.get('tq_compiled_vs_best_fp16'), '.2f')}x | "
                 f"{fmt(gen[0] / gen[1] if all(gen) else None, '.2f')}x | {g.get('commit') or meta['commit']} |"
             )
     with open(os.path.join(out_dir, "production.md"), "w") as f:
@@ -573,12 +571,13 @@ def main():
             prod = json.load(f)
         keep = ("model", "model_desc", "B", "prompt", "dynamic_tok_s", "static_tok_s", "tq_tok_s")
         keep += ("static_compiled_tok_s", "static_generate_tok_s", "tq_compiled_tok_s", "tq_generate_tok_s")
+        keep += ("tq_calibrated_tok_s", "tq_graph_tok_s", "tq_compiled_vs_best_fp16")
         gen = []
         for path in args.merge_generate:
             with open(path) as f:
                 res = json.load(f)
             commit = res["meta"].get("commit")  # (each file's rows keep the commit they were measured at)
-            gen += [{**{k: r.get(k) for k in keep + ("tq_calibrated_tok_s", "tq_graph_tok_s")}, "commit": commit}
+            gen += [{**{k: r.get(k) for k in keep}, "commit": commit}
                     for r in res["rows"]]
         write_production(prod["rows"], prod["meta"], args.out, prefill=prod["prefill"], generate=gen)
         return
