@@ -43,10 +43,10 @@ def run_shape(B, S, Hq, Hk, d, dtype=torch.float16):
     q = torch.randn(B, 1, Hq, d, device="cuda", dtype=dtype)
     scale, lens = d**-0.5, cache.seqlens
     row = {"B": B, "S": S, "Hq": Hq, "Hk": Hk, "d": d}
-    row["rope_us"] = bench(lambda: ops.decode(q, cache, lens, None, scale, False, 0))
-    cache.rope_center = False  # the same codes, no term (ops.decode passes no center)
-    row["plain_us"] = bench(lambda: ops.decode(q, cache, lens, None, scale, False, 0))
-    cache.rope_center = True
+    args = cache.kernel_args(B)
+    row["rope_us"] = bench(lambda: ops.decode(q, lens, None, scale, False, 0, **args))
+    plain = {name: a for name, a in args.items() if name not in ("rope_center", "rope_inv_freq", "rope_offset")}
+    row["plain_us"] = bench(lambda: ops.decode(q, lens, None, scale, False, 0, **plain))  # the same codes, no term
     row["kv16_us"] = bench(lambda: ops.decode_kv16(q, k, v, lens, None, None, scale, False, 0))
     row["rope_over_plain"] = row["rope_us"] / row["plain_us"]
     row["kv16_over_rope"] = row["kv16_us"] / row["rope_us"]

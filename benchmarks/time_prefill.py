@@ -23,7 +23,7 @@ for S, q_len in shapes:
     for scale_only in (False, True):
         cache, _, _ = fill_cache(1, S, 8, 128, torch.float16, scale_only=scale_only)
         t = triton.testing.do_bench(
-            lambda: ops.decode(q, cache, cache.seqlens, None, 128**-0.5, True, 0), warmup=50, rep=200
+            lambda: ops.decode(q, cache.seqlens, None, 128**-0.5, True, 0, **cache.kernel_args(1)), warmup=50, rep=200
         )
         times.append(f"{t * 1000:.1f}")
         del cache
