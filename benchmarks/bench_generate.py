@@ -491,7 +491,8 @@ def run_variant(model, variant, ids, args, calibrated=None) -> dict:
     return out
 
 
-def bench_model(name, args) -> list[dict]:
+def bench_model(name, args, on_row=None) -> list[dict]:
+    """The model's rows, a prompt length each; ``on_row(row)`` as each is done."""
     spec = MODELS[name]
     device = torch.device(args.device)
     cuda = device.type == "cuda"
@@ -600,6 +601,8 @@ def bench_model(name, args) -> list[dict]:
             if row.get("tq_cache_bytes") and row.get("dynamic_cache_bytes"):
                 row["kv_bytes_ratio"] = row["dynamic_cache_bytes"] / row["tq_cache_bytes"]  # fp16 / TQ
         rows.append(row)
+        if on_row is not None:
+            on_row(row)
     del model
     free_memory(device)
     return rows
@@ -717,7 +720,7 @@ def parse_args(argv=None):
 
 
 def run_benchmark(args, done=None) -> dict:
-    """Every model's rows; ``done(result so far)`` after each model (main writes the files there)."""
+    """Every model's rows; ``done(result so far)`` after each row (main writes the files there)."""
     rows = []
     setup = dict(
         new_tokens=args.new_tokens,
@@ -729,10 +732,14 @@ def run_benchmark(args, done=None) -> dict:
         generate_timing=GENERATE_TIMING,
     )
     res = {"meta": meta(), "setup": setup, "rows": rows}
-    for name in args.models:
-        rows += bench_model(name, args)
+
+    def add(row):
+        rows.append(row)
         if done is not None:
             done(res)
+
+    for name in args.models:
+        bench_model(name, args, add)
     return res
 
 
@@ -740,7 +747,7 @@ def main(argv=None):
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
 
-    def write(res):  # (after each model: a run cut short keeps what it measured)
+    def write(res):  # (after each row: a run cut short keeps what it measured)
         (args.out / f"{args.tag}.json").write_text(json.dumps(res, indent=1, default=str))
         (args.out / f"{args.tag}.md").write_text(markdown(res))
 

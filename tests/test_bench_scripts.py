@@ -166,6 +166,25 @@ def test_bench_generate_quick(tmp_path):
     assert "| llama8b |" in (out / "generate.md").read_text()
 
 
+def test_bench_generate_keeps_finished_rows(tmp_path, monkeypatch):
+    """A run cut short keeps the rows it finished: the files are written after each prompt length."""
+    real = bench_generate.run_variant
+
+    def run_variant(model, variant, ids, args, calibrated=None):
+        if ids.shape[1] == 300:  # the quick SmolLM2 run's second prompt length
+            raise KeyboardInterrupt
+        return real(model, variant, ids, args, calibrated)
+
+    monkeypatch.setattr(bench_generate, "run_variant", run_variant)
+    out = tmp_path / "gen"
+    argv = ["--quick", "--models", "smollm2", "--variants", "dynamic", "--no-profile", "--out", str(out)]
+    with pytest.raises(KeyboardInterrupt):
+        bench_generate.main(argv)
+    (row,) = json.loads((out / "generate.json").read_text())["rows"]
+    assert row["prompt"] == 200 and row["dynamic_tok_s"] > 0
+    assert "| smollm2 |" in (out / "generate.md").read_text()
+
+
 def test_mean_error_offset_removes_the_mean_residual():
     """The error-compensation study's correction: each vector's mean error over its rotated coordinates
     goes into the offset, so the corrected residual has (float16-rounded) zero mean there and a smaller
