@@ -134,12 +134,13 @@ __device__ __forceinline__ void split_body(const DecodeParams &p, char *smem, in
         const int r = row0 + nt * 8 + g;
         const bool valid = r < total_rows;
         const Elem *qrow = q_row_ptr<Elem>(p, b, hk, valid ? r : 0);
-        auto q_at = [&](int e) {
-            if (rotate) return sm_q[(nt * 8 + g) * D + e] * RowMath<D>::kInvSqrtD;
-            return valid ? to_float(qrow[e]) : 0.f;
-        };
         float s, ms;
-        q_row_slots<KV, Elem, KB>(q_at, c, qf[nt], s, ms);
+        if (rotate) {  // (uniform: the two gathers compiled apart, no branch an element)
+            const float *qs = sm_q + (nt * 8 + g) * D;
+            q_row_slots<KV, Elem, KB>([&](int e) { return qs[e] * RowMath<D>::kInvSqrtD; }, c, qf[nt], s, ms);
+        } else {
+            q_row_slots<KV, Elem, KB>([&](int e) { return valid ? to_float(qrow[e]) : 0.f; }, c, qf[nt], s, ms);
+        }
         #pragma unroll
         for (int j = 0; j < 2; ++j) {  // to the accumulator layout: row 2c + j is a column
             sumq[nt][j] = __shfl_sync(0xffffffffu, s, (2 * c + j) * 4);

@@ -89,12 +89,12 @@ __device__ void rotate_q_rows(const DecodeParams &p, int b, int hk, int row0, in
         const int r = row0 + n;
         #pragma unroll
         for (int k = 0; k < kV; ++k) { x[k] = 0.f; }
-        if (r < total_rows) {
+        if (r < total_rows) {  // warp-uniform; padding rows stay zero, untransformed
             load_row_part<Elem, kV>(q_row_ptr<Elem>(p, b, hk, r) + lane * kV, x);
             #pragma unroll
             for (int k = 0; k < kV; ++k) { x[k] *= p.rot_signs[lane * kV + k]; }
+            fwht_warp<D>(x, lane);
         }
-        fwht_warp<D>(x, lane);
         #pragma unroll
         for (int k = 0; k < kV; ++k) { sm_q[n * kStride + lane * kV + k] = x[k]; }
     }
