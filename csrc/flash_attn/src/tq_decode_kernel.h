@@ -44,12 +44,14 @@ struct DecodeTraits {
     static constexpr int kMTiles = kTileN / 16;  // 16-token MMA blocks a tile
     static constexpr int kKBlocks = kHeadDim / 16;
     static constexpr int kPipeBytes = kNWarps * kStages * KV::kStageBytes;
-    // merge: per-warp max/sum and O slices, merged row stats
-    static constexpr int kMergeBytes = (kNWarps * kRows * (kHeadDim + 2) + 2 * kRows) * 4;
-    static constexpr int kSmemBytes = kPipeBytes > kMergeBytes ? kPipeBytes : kMergeBytes;
+    // turbo's rotated query rows (packed caches), past the pipeline and the RoPE tables: no barrier
+    // between their last read and the first tiles' copies
+    static constexpr int kQBytes = KV::kAffine ? kRows * kHeadDim * 4 : 0;
+    // merge: per-warp max/sum and O slices
+    static constexpr int kMergeBytes = kNWarps * kRows * (kHeadDim + 2) * 4;
+    static constexpr int kSmemBytes = cmax(kPipeBytes + kQBytes, kMergeBytes);
     using Rope = RopeCenter<kHeadDim, kTileN, kNT, kNWarps * kTileN>;  // (a warp's tiles are kNWarps apart)
-    static constexpr int kRopeSmemBytes =
-        kPipeBytes + Rope::kBytes > kMergeBytes ? kPipeBytes + Rope::kBytes : kMergeBytes;
+    static constexpr int kRopeSmemBytes = cmax(kPipeBytes + Rope::kBytes + kQBytes, kMergeBytes);
 };
 
 // The side pass of a packed cache's launch: the same rows over 16-bit tiles, one pipeline stage a
@@ -113,48 +115,6 @@ __device__ __forceinline__ void split_body(const DecodeParams &p, char *smem, in
     const int tile_begin = tile_first + (kSide ? 0 : split) * tiles_per_split;
     const int tile_end = min(n_tiles, tile_begin + tiles_per_split);
 
-    // turbo: q is rotated here (signs, then a Walsh-Hadamard transform, a warp a row, into shared
-    // memory before the pipeline uses it), and the output is rotated back at the end. The side
-    // holds keys and values as they are: its q is not rotated and its output is rotated forward.
-    const bool rotate = !kSide && p.rot_signs != nullptr;
-    constexpr int kV = RowMath<D>::kV;
-    float *sm_q = reinterpret_cast<float *>(smem);  // [kRows][D]
-    if (rotate) {
-        rotate_q_rows<Elem, D, kRows, kWarps>(p, b, hk, row0, total_rows, sm_q, warp, lane);
-        __syncthreads();
-    }
-
-    // Q as B fragments (rows g of each n8 tile), gathered in the loader's slot order and scaled by
-    // 8^-q_scale_exp (powers of two: exact), plus per row the sum of its (rounded) elements (for K's
-    // offsets) and magic * the sum of the scaled elements (for the magic number in the raw K values).
-    uint32_t qf[NT][KB][2];
-    float sumq[NT][2], magicq[NT][2];
-    #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-        const int r = row0 + nt * 8 + g;
-        const bool valid = r < total_rows;
-        const Elem *qrow = q_row_ptr<Elem>(p, b, hk, valid ? r : 0);
-        float s, ms;
-        if (rotate) {  // (uniform: the two gathers compiled apart, no branch an element)
-            const float *qs = sm_q + (nt * 8 + g) * D;
-            q_row_slots<KV, Elem, KB>([&](int e) { return qs[e] * RowMath<D>::kInvSqrtD; }, c, qf[nt], s, ms);
-        } else {
-            q_row_slots<KV, Elem, KB>([&](int e) { return valid ? to_float(qrow[e]) : 0.f; }, c, qf[nt], s, ms);
-        }
-        #pragma unroll
-        for (int j = 0; j < 2; ++j) {  // to the accumulator layout: row 2c + j is a column
-            sumq[nt][j] = __shfl_sync(0xffffffffu, s, (2 * c + j) * 4);
-            magicq[nt][j] = __shfl_sync(0xffffffffu, ms, (2 * c + j) * 4);
-        }
-    }
-    if (rotate) { __syncthreads(); }  // sm_q is the pipeline's memory from here on
-    using Rope = typename Traits::Rope;
-    char *sm_rope = smem + Traits::kPipeBytes;
-    if constexpr (kRope) {
-        Rope::template setup<Elem, kRows>(p, b, hk, row0, total_rows, sm_rope, threadIdx.x, Traits::kNThreads);
-        __syncthreads();
-    }
-
     const typename KV::Consts kv_consts = KV::consts();
     typename KV::Bases bases;
     if constexpr (kSide) {
@@ -191,6 +151,47 @@ __device__ __forceinline__ void split_body(const DecodeParams &p, char *smem, in
         KV::template load_tile<kPaging>(p, bases, pipe + st * KV::kStageBytes, bc, (my_first + i * kWarps) * kTileN,
                                         seqlen_k, lane, rows);
     };
+
+    // turbo: q is rotated here (signs, then a Walsh-Hadamard transform, a warp a row, into shared
+    // memory of its own), and the output is rotated back at the end. The side holds keys and values
+    // as they are: its q is not rotated and its output is rotated forward.
+    const bool rotate = !kSide && Traits::kQBytes > 0 && p.rot_signs != nullptr;
+    constexpr int kV = RowMath<D>::kV;
+    using Rope = typename Traits::Rope;
+    char *sm_rope = smem + Traits::kPipeBytes;
+    float *sm_q = reinterpret_cast<float *>(sm_rope + (kRope ? Rope::kBytes : 0));  // [kRows][D]
+    if (rotate) {
+        rotate_q_rows<Elem, D, kRows, kWarps>(p, b, hk, row0, total_rows, sm_q, warp, lane);
+        __syncthreads();
+    }
+
+    // Q as B fragments (rows g of each n8 tile), gathered in the loader's slot order and scaled by
+    // 8^-q_scale_exp (powers of two: exact), plus per row the sum of its (rounded) elements (for K's
+    // offsets) and magic * the sum of the scaled elements (for the magic number in the raw K values).
+    uint32_t qf[NT][KB][2];
+    float sumq[NT][2], magicq[NT][2];
+    #pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+        const int r = row0 + nt * 8 + g;
+        const bool valid = r < total_rows;
+        const Elem *qrow = q_row_ptr<Elem>(p, b, hk, valid ? r : 0);
+        float s, ms;
+        if (rotate) {  // (uniform: the two gathers compiled apart, no branch an element)
+            const float *qs = sm_q + (nt * 8 + g) * D;
+            q_row_slots<KV, Elem, KB>([&](int e) { return qs[e] * RowMath<D>::kInvSqrtD; }, c, qf[nt], s, ms);
+        } else {
+            q_row_slots<KV, Elem, KB>([&](int e) { return valid ? to_float(qrow[e]) : 0.f; }, c, qf[nt], s, ms);
+        }
+        #pragma unroll
+        for (int j = 0; j < 2; ++j) {  // to the accumulator layout: row 2c + j is a column
+            sumq[nt][j] = __shfl_sync(0xffffffffu, s, (2 * c + j) * 4);
+            magicq[nt][j] = __shfl_sync(0xffffffffu, ms, (2 * c + j) * 4);
+        }
+    }
+    if constexpr (kRope) {
+        Rope::template setup<Elem, kRows>(p, b, hk, row0, total_rows, sm_rope, threadIdx.x, Traits::kNThreads);
+        __syncthreads();
+    }
     #pragma unroll
     for (int s = 0; s < kStages - 1; ++s) {
         if (s < my_count) { load(s, s); }
@@ -379,11 +380,10 @@ __device__ __forceinline__ void split_body(const DecodeParams &p, char *smem, in
             row_corr[nt][j] = warp_sum_rows(row_corr[nt][j]);
         }
     }
-    __syncthreads();
+    __syncthreads();  // the pipeline's memory is the merge's from here on
     float *sm_max = reinterpret_cast<float *>(smem);  // [warps][rows]
     float *sm_sum = sm_max + kWarps * kRows;          // [warps][rows]
-    float *sm_row = sm_sum + kWarps * kRows;          // [2][rows]: merged max, merged sum
-    float *sm_o = sm_row + 2 * kRows;                 // [warps][rows][D]
+    float *sm_o = sm_sum + kWarps * kRows;            // [warps][rows][D], each warp's own max
     if (g == 0) {
         #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
@@ -394,50 +394,45 @@ __device__ __forceinline__ void split_body(const DecodeParams &p, char *smem, in
             }
         }
     }
-    __syncthreads();
-    if (threadIdx.x < kRows) {
-        const int n = threadIdx.x;
-        float mx = kNegInf;
-        #pragma unroll
-        for (int w = 0; w < kWarps; ++w) { mx = fmaxf(mx, sm_max[w * kRows + n]); }
-        const float use = mx == kNegInf ? 0.f : mx;
-        float total = 0.f;
-        #pragma unroll
-        for (int w = 0; w < kWarps; ++w) { total += sm_sum[w * kRows + n] * exp2f(sm_max[w * kRows + n] - use); }
-        sm_row[n] = use;
-        sm_row[kRows + n] = total;
-    }
-    __syncthreads();
     #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
         #pragma unroll
         for (int j = 0; j < 2; ++j) {
             const int n = nt * 8 + 2 * c + j;
-            const float f = exp2f(row_max[nt][j] - sm_row[n]);
             #pragma unroll
             for (int m = 0; m < KB; ++m) {
-                sm_o[(warp * kRows + n) * D + 16 * m + g] = (acc[nt][m][j] + row_corr[nt][j]) * f;
-                sm_o[(warp * kRows + n) * D + 16 * m + g + 8] = (acc[nt][m][j + 2] + row_corr[nt][j]) * f;
+                sm_o[(warp * kRows + n) * D + 16 * m + g] = acc[nt][m][j] + row_corr[nt][j];
+                sm_o[(warp * kRows + n) * D + 16 * m + g + 8] = acc[nt][m][j + 2] + row_corr[nt][j];
             }
         }
     }
     __syncthreads();
-    // a warp a row: sum the warps' slices, normalize, store (rotated back when there is one split)
+    // a warp a row: the warps' slices weighted by their maxima, normalized, stored (rotated back
+    // when there is one split)
     #pragma unroll
     for (int n = warp; n < kRows; n += kWarps) {
         const int r = row0 + n;
         if (r >= total_rows) continue;  // warp-uniform
-        const float total = sm_row[kRows + n];
+        float mx = kNegInf;
+        #pragma unroll
+        for (int w = 0; w < kWarps; ++w) { mx = fmaxf(mx, sm_max[w * kRows + n]); }
+        const float use = mx == kNegInf ? 0.f : mx;
+        float wt[kWarps], total = 0.f;
+        #pragma unroll
+        for (int w = 0; w < kWarps; ++w) {
+            wt[w] = exp2f(sm_max[w * kRows + n] - use);  // (0 for a warp without keys)
+            total += sm_sum[w * kRows + n] * wt[w];
+        }
         float o[kV];
         #pragma unroll
         for (int k = 0; k < kV; ++k) {
             float sum = 0.f;
             #pragma unroll
-            for (int w = 0; w < kWarps; ++w) { sum += sm_o[(w * kRows + n) * D + lane * kV + k]; }
+            for (int w = 0; w < kWarps; ++w) { sum += sm_o[(w * kRows + n) * D + lane * kV + k] * wt[w]; }
             o[k] = total > 0.f ? sum / total : 0.f;
         }
         if (kSide && p.rot_signs != nullptr) { rotate_row<D>(p.rot_signs, o, lane); }  // into the codes' domain
-        store_row<Elem, D>(p, b, hk, split, r, o, sm_row[n], total, lane);
+        store_row<Elem, D>(p, b, hk, split, r, o, use, total, lane);
     }
 }
 
