@@ -284,6 +284,21 @@ def test_decode_paged_and_splits(num_splits, page_size, quantizer):
     assert err <= 2 * err_lp + 2e-3, (err, err_lp)
 
 
+@pytest.mark.parametrize("num_splits", [2, 5, 33, 70])
+@pytest.mark.parametrize("batch,seqlen_q", [(3, 1), (16, 4)])
+def test_split_combine(num_splits, batch, seqlen_q):
+    """Both combine kernels (a CTA a row below 2048 rows; a warp a row from 2048 rows and at most 32
+    splits) against the reference: more splits than one load batch of a warp, and sequences shorter
+    than the split count (splits without keys, log-sum-exp -inf)."""
+    seqlens = [4500 if i == 1 else (37 * i + 1) % 600 + (i % 3) * 40 for i in range(batch)]
+    cache, _, _ = _make_cache(batch, seqlens, 8, 128, seed=num_splits + batch)
+    q = torch.randn(batch, seqlen_q, 32, 128, device=DEV, dtype=torch.float16)
+    poison_allocator()
+    out, lse = fa.flash_attn_with_kvcache(q, cache, num_splits=num_splits, return_softmax_lse=True)
+    assert fa.last_path() == "quantized:fused-cuda"
+    _check_against_reference(q, cache, out, lse, False)
+
+
 @pytest.mark.parametrize("page_size", [16, 32, 256])
 @pytest.mark.parametrize("window", [(-1, -1), (5000, 0)])
 def test_decode_paged_equals_contiguous_long(page_size, window):

@@ -498,45 +498,69 @@ __device__ __forceinline__ void load_accum(const float *src, float (&v)[kV]) {
 }
 
 // Merge the splits of each (batch, head, query) row: a CTA a row; its 4 warps take every 4th split
-// (lanes: kV consecutive d), then warp 0 sums them, normalizes and rotates back (turbo). For decode:
-// few rows, many splits.
+// (lanes: kV consecutive d), kChunk splits' lse and O loads issued before any is used (one L2 round
+// trip for up to 4 kChunk splits), each warp merging its own against its own max; then warp 0 merges
+// the warps, normalizes and rotates back (turbo). For decode: few rows, many splits.
 template <typename Elem, int kHeadDim>
 __global__ void __launch_bounds__(128) decode_combine_kernel(const DecodeParams p) {
-    constexpr int kV = kHeadDim / 32;
+    constexpr int kV = kHeadDim / 32, kChunk = 8;
     __shared__ float sm_max[4], sm_total[4];
     __shared__ __align__(16) float sm_o[4][kHeadDim];
     const int64_t rows = static_cast<int64_t>(p.b) * p.h * p.seqlen_q;
     const int64_t row = blockIdx.x;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    float mx = -INFINITY;
-    for (int s = threadIdx.x; s < p.num_splits; s += 128) { mx = fmaxf(mx, p.lse_accum[s * rows + row]); }
-    #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) { mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o)); }
-    if (lane == 0) sm_max[warp] = mx;
-    __syncthreads();
-    mx = fmaxf(fmaxf(sm_max[0], sm_max[1]), fmaxf(sm_max[2], sm_max[3]));
-    const float use = mx == -INFINITY ? 0.f : mx;
-    float o[kV] = {};
-    float total = 0.f;
-    #pragma unroll 4
-    for (int s = warp; s < p.num_splits; s += 4) {
-        const float w = __expf(p.lse_accum[s * rows + row] - use);
-        float v[kV];
-        load_accum<kV>(p.out_accum + (s * rows + row) * kHeadDim + lane * kV, v);
-        total += w;
+    float mx = -INFINITY, total = 0.f, o[kV] = {};
+    for (int s0 = warp; s0 < p.num_splits; s0 += 4 * kChunk) {
+        float lse[kChunk], v[kChunk][kV];
         #pragma unroll
-        for (int k = 0; k < kV; ++k) { o[k] += w * v[k]; }
+        for (int i = 0; i < kChunk; ++i) {
+            const int s = s0 + 4 * i;
+            lse[i] = s < p.num_splits ? p.lse_accum[s * rows + row] : -INFINITY;
+            if (s < p.num_splits) {
+                load_accum<kV>(p.out_accum + (s * rows + row) * kHeadDim + lane * kV, v[i]);
+            } else {
+                #pragma unroll
+                for (int k = 0; k < kV; ++k) { v[i][k] = 0.f; }
+            }
+        }
+        float cmx = mx;
+        #pragma unroll
+        for (int i = 0; i < kChunk; ++i) { cmx = fmaxf(cmx, lse[i]); }
+        if (cmx == -INFINITY) continue;  // (warp-uniform)
+        const float rescale = __expf(mx - cmx);  // (0 while mx is -inf)
+        total *= rescale;
+        #pragma unroll
+        for (int k = 0; k < kV; ++k) { o[k] *= rescale; }
+        #pragma unroll
+        for (int i = 0; i < kChunk; ++i) {
+            const float w = __expf(lse[i] - cmx);
+            total += w;
+            #pragma unroll
+            for (int k = 0; k < kV; ++k) { o[k] += w * v[i][k]; }
+        }
+        mx = cmx;
     }
     #pragma unroll
     for (int k = 0; k < kV; ++k) { sm_o[warp][lane * kV + k] = o[k]; }
-    if (lane == 0) sm_total[warp] = total;
+    if (lane == 0) {
+        sm_max[warp] = mx;
+        sm_total[warp] = total;
+    }
     __syncthreads();
     if (warp != 0) return;
-    total = sm_total[0] + sm_total[1] + sm_total[2] + sm_total[3];
+    const float m = fmaxf(fmaxf(sm_max[0], sm_max[1]), fmaxf(sm_max[2], sm_max[3]));
+    const float use = m == -INFINITY ? 0.f : m;
+    float f[4];
+    total = 0.f;
+    #pragma unroll
+    for (int w = 0; w < 4; ++w) {
+        f[w] = sm_max[w] == -INFINITY ? 0.f : __expf(sm_max[w] - use);
+        total += sm_total[w] * f[w];
+    }
     #pragma unroll
     for (int k = 0; k < kV; ++k) {
         const int d = lane * kV + k;
-        o[k] = sm_o[0][d] + sm_o[1][d] + sm_o[2][d] + sm_o[3][d];
+        o[k] = sm_o[0][d] * f[0] + sm_o[1][d] * f[1] + sm_o[2][d] * f[2] + sm_o[3][d] * f[3];
     }
     write_merged_row<Elem, kHeadDim>(p, row, o, total, use, lane);
 }
@@ -550,6 +574,17 @@ __global__ void __launch_bounds__(128) combine_rows_kernel(const DecodeParams p)
     const int64_t row = static_cast<int64_t>(blockIdx.x) * 4 + threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
     if (row >= rows) return;  // warp-uniform
+    constexpr int kEarly = 4;  // splits whose slices load beside the lse (one L2 round trip for that many)
+    float early[kEarly][kV];
+    #pragma unroll
+    for (int s = 0; s < kEarly; ++s) {
+        if (s < p.num_splits) {
+            load_accum<kV>(p.out_accum + (s * rows + row) * kHeadDim + lane * kV, early[s]);
+        } else {
+            #pragma unroll
+            for (int k = 0; k < kV; ++k) { early[s][k] = 0.f; }
+        }
+    }
     const float lse = lane < p.num_splits ? p.lse_accum[lane * rows + row] : -INFINITY;
     float mx = lse;
     #pragma unroll
@@ -560,8 +595,14 @@ __global__ void __launch_bounds__(128) combine_rows_kernel(const DecodeParams p)
     #pragma unroll
     for (int o = 16; o > 0; o >>= 1) { total += __shfl_xor_sync(0xffffffffu, total, o); }
     float o[kV] = {};
+    #pragma unroll
+    for (int s = 0; s < kEarly; ++s) {
+        const float w = __shfl_sync(0xffffffffu, w_lane, s);  // (0 past the splits)
+        #pragma unroll
+        for (int k = 0; k < kV; ++k) { o[k] += w * early[s][k]; }
+    }
     #pragma unroll 4
-    for (int s = 0; s < p.num_splits; ++s) {
+    for (int s = kEarly; s < p.num_splits; ++s) {
         const float w = __shfl_sync(0xffffffffu, w_lane, s);
         float v[kV];
         load_accum<kV>(p.out_accum + (s * rows + row) * kHeadDim + lane * kV, v);
