@@ -570,8 +570,11 @@ class QuantizedKVCache:
         return torch.einsum("bshgd,bhd->bhgs", q.float().reshape(B, Sq, self.num_kv_heads, -1, D), mu).reshape(B, H, Sq)
 
     def _per_row(self, table: torch.Tensor, batch_idx: torch.Tensor | None, batch: int) -> torch.Tensor:
-        """Rows ``batch_idx`` of a per-sequence table (rows 0..batch-1 by default: a slice, no gather)."""
-        return table[:batch] if batch_idx is None else table[batch_idx.to(self.device).long()]
+        """Rows ``batch_idx`` of a per-sequence table (rows 0..batch-1 by default: the table itself or a
+        slice, no gather)."""
+        if batch_idx is None:
+            return table if batch == table.shape[0] else table[:batch]  # (a slice is a host op a call)
+        return table[batch_idx.to(self.device).long()]
 
     # ------------------------------------------------------------------ writing
     def _slots(self, batch_idx: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -878,9 +881,8 @@ class QuantizedKVCache:
                 rope_offset=self.rope_position_offset,
             )
         if self.kv_side is not None:  # sinks and the 16-bit window, in the same launch
-            args.update(
-                side_k=self.kv_side[0], side_v=self.kv_side[1], side_sinks=self.sink_tokens, side_ring=self.side_ring
-            )
+            side_k, side_v = self.kv_side.unbind(0)  # (one host op, not two)
+            args.update(side_k=side_k, side_v=side_v, side_sinks=self.sink_tokens, side_ring=self.side_ring)
         return args
 
     def attend(
