@@ -59,6 +59,7 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -491,8 +492,8 @@ def run_variant(model, variant, ids, args, calibrated=None) -> dict:
     return out
 
 
-def bench_model(name, args, on_row=None) -> list[dict]:
-    """The model's rows, a prompt length each; ``on_row(row)`` as each is done."""
+def bench_model(name, args) -> Iterator[dict]:
+    """The model's rows, a prompt length each, yielded as each is done."""
     spec = MODELS[name]
     device = torch.device(args.device)
     cuda = device.type == "cuda"
@@ -543,7 +544,6 @@ def bench_model(name, args, on_row=None) -> list[dict]:
             calibration = dict(calibration_error=f"{type(e).__name__}: {e}"[:300])
             wanted.remove("tq_calibrated")
 
-    rows = []
     for P in prompts:
         g = torch.Generator().manual_seed(P)
         ids = torch.randint(0, model.config.vocab_size, (B, P), generator=g).to(device)
@@ -600,12 +600,9 @@ def bench_model(name, args, on_row=None) -> list[dict]:
                     row[f"{v}_vs_best_fp16"] = row[f"{v}_tok_s"] / fp16[best]
             if row.get("tq_cache_bytes") and row.get("dynamic_cache_bytes"):
                 row["kv_bytes_ratio"] = row["dynamic_cache_bytes"] / row["tq_cache_bytes"]  # fp16 / TQ
-        rows.append(row)
-        if on_row is not None:
-            on_row(row)
+        yield row
     del model
     free_memory(device)
-    return rows
 
 
 # --------------------------------------------------------------------------- output
@@ -732,14 +729,11 @@ def run_benchmark(args, done=None) -> dict:
         generate_timing=GENERATE_TIMING,
     )
     res = {"meta": meta(), "setup": setup, "rows": rows}
-
-    def add(row):
-        rows.append(row)
-        if done is not None:
-            done(res)
-
     for name in args.models:
-        bench_model(name, args, add)
+        for row in bench_model(name, args):
+            rows.append(row)
+            if done is not None:
+                done(res)
     return res
 
 
