@@ -49,14 +49,14 @@ def main():
         v = torch.randn_like(k)
         cache.append(k, v)
         q = torch.randn(B, 1, 32, 128, device="cuda", dtype=torch.float16)
-        lens = cache.seqlens
+        lens, cache_args = cache.seqlens, cache.kernel_args(B)
         for kind in kinds:
             times = {}
             for sp in SPLITS:
                 if sp > S // 32:
                     continue
                 if kind == "tq3":
-                    fn = lambda sp=sp: ops.decode(q, cache, lens, None, 0.088, False, sp)  # noqa: E731
+                    fn = lambda sp=sp: ops.decode(q, lens, None, 0.088, False, sp, **cache_args)  # noqa: E731
                 else:
                     fn = lambda sp=sp: ops.decode_kv16(q, k, v, lens, None, None, 0.088, False, sp)  # noqa: E731
                 times[sp] = graph_us(fn)
