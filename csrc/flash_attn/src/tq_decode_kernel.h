@@ -20,6 +20,7 @@
 // others over the codes' keys between the sinks and the ring (Part::kCodes).
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 
 #include "tq_kv_loader.h"
@@ -49,9 +50,9 @@ struct DecodeTraits {
     static constexpr int kQBytes = KV::kAffine ? kRows * kHeadDim * 4 : 0;
     // merge: per-warp max/sum and O slices
     static constexpr int kMergeBytes = kNWarps * kRows * (kHeadDim + 2) * 4;
-    static constexpr int kSmemBytes = cmax(kPipeBytes + kQBytes, kMergeBytes);
+    static constexpr int kSmemBytes = std::max(kPipeBytes + kQBytes, kMergeBytes);
     using Rope = RopeCenter<kHeadDim, kTileN, kNT, kNWarps * kTileN>;  // (a warp's tiles are kNWarps apart)
-    static constexpr int kRopeSmemBytes = cmax(kPipeBytes + Rope::kBytes + kQBytes, kMergeBytes);
+    static constexpr int kRopeSmemBytes = std::max(kPipeBytes + Rope::kBytes + kQBytes, kMergeBytes);
 };
 
 // The side pass of a packed cache's launch: the same rows over 16-bit tiles, one pipeline stage a

@@ -8,8 +8,6 @@
 
 namespace flash_tq {
 
-constexpr int cmax(int a, int b) { return a > b ? a : b; }
-
 // D += A (16x16, row) * B (16x8, col), fp32 accumulators.
 template <typename Elem>
 __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
