@@ -1437,7 +1437,9 @@ def markdown(res) -> str:
     if product:
         lines[0] += (
             f" Rows marked [product]: the model in {s.get('product_dtype')} decoding through TQCache "
-            f'(`attn_implementation="tq_kvcache"`; attention path: {product[-1].get("kernel_path")}): each '
+            f'(`attn_implementation="tq_kvcache"`; attention path: {product[-1].get("kernel_path")}), over '
+            f"{s.get('product_windows_1k')} x 1024 and {s.get('product_windows_4k')} x 4096-token windows and "
+            f"{s.get('product_copy_tasks_1k')} / {s.get('product_copy_tasks_4k')} copy tasks: each "
             f"window's last {s.get('product_decode_tokens')} tokens decoded one a step after a full-precision "
             f"prefill of the rest (PPL, top-1 and KL over those), copy with the context prefilled and the "
             f"repeat decoded; deltas, top-1 and KL against the same model through DynamicCache "
