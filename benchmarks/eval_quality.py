@@ -295,6 +295,12 @@ CONFIGS.update(
         ),
     }
 )
+# The default with the RoPE center kept on its strongest rotate-half pairs only (simulation only): the
+# decode kernel's term would be a chain over that many pairs instead of d / 2.
+for _pairs in (16, 8):
+    CONFIGS[f"Kcal34+copy1+rc{_pairs}p+sink16+w112"] = dict(
+        CONFIGS["Kcal34+copy1+rc+sink16+w112"], rope_center_pairs=_pairs
+    )
 # The rc configs above place their bits as measured with the post-RoPE centering (kc), as
 # TQCache.calibrated(model) does; "Kcal34rc" measures them with the configuration's own RoPE
 # centering (news top-1 97.0% against 97.3%, copy 1K -1.0 against -1.4)
@@ -387,6 +393,8 @@ LONG = [
     "Kcal34rc+copy1+rc+sink16+w112",
     "Kcal34rc+copy1+rc+sink16+r128@K4V4",
     "K3.5mix(last)+V3+rc+sink16+w112",
+    "Kcal34+copy1+rc16p+sink16+w112",
+    "Kcal34+copy1+rc8p+sink16+w112",
 ]
 
 
@@ -439,7 +447,11 @@ def tq_options(cfg):
 
 def simulation_only(cfg) -> list[str]:
     """The options of a config that only the simulation implements (no TQCache equivalent)."""
-    out = [k for k in ("klt", "qjl", "value_center", "mean_error", *RESEARCH_TRANSFORMS) if cfg and cfg.get(k)]
+    out = [
+        k
+        for k in ("klt", "qjl", "value_center", "mean_error", "rope_center_pairs", *RESEARCH_TRANSFORMS)
+        if cfg and cfg.get(k)
+    ]
     if cfg and cfg.get("rope_center") not in (None, False, "exact"):
         out.append(f"rope_center={cfg['rope_center']}")
     return out
@@ -749,6 +761,16 @@ class Sim:
     prefill_len = 0
 
     @staticmethod
+    def keep_center_pairs(cache, pairs):
+        """The calibrated RoPE center ``cache.k_shift [B, H, D]`` on its ``pairs`` strongest rotate-half
+        pairs ``(m, m + D/2)`` of each (row, head), zero on the others."""
+        c = cache.k_shift
+        half = c.shape[-1] // 2
+        energy = c[..., :half] ** 2 + c[..., half:] ** 2
+        keep = torch.zeros_like(energy).scatter_(-1, energy.topk(pairs, dim=-1).indices, 1.0)
+        cache.k_shift = c * torch.cat([keep, keep], -1)
+
+    @staticmethod
     def roundtrip(key, value, cfg, calib, query=None):
         """key/value [B, Hkv, S, D] -> (k_hat, v_hat, k_16, v_16), float32 [B, Hkv, S, D]: the dequantized
         values (original domain) and the 16-bit values the window/sinks hold (window keys are stored
@@ -790,6 +812,8 @@ class Sim:
             k, v = tf.keys(k), tf.values(v)
         elif cache.key_center:
             cache.calibrate(k[:, :c], positions=torch.arange(c, device=k.device).expand(B, -1))
+            if cfg.get("rope_center_pairs"):
+                Sim.keep_center_pairs(cache, cfg["rope_center_pairs"])
             pos = torch.arange(S - s0, device=k.device).expand(B, -1)
             k16[:, :, s0:] = cache.untransform_keys(
                 cache.transform_keys(k, positions=pos).half(), positions=pos
