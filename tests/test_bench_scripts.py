@@ -221,3 +221,26 @@ def test_product_path_graph_matches_eager():
     graph = eval_quality.decode_log_probs_graph(model, seqs, 300, eval_quality.tq_cache(model, cfg, max_cache_len=400))
     assert graph.shape == eager.shape == (2, 100, VOCAB)
     assert (graph - eager).abs().max().item() < 2e-2
+
+
+def test_center_on_strongest_pairs():
+    """The simulation's ``rope_center_pairs``: the calibrated RoPE center keeps, per (row, head), the
+    rotate-half pairs (m, m + d/2) of largest energy and is zero on the others; the config is marked
+    simulation-only (no TQCache equivalent)."""
+    from flash_attn_tq import QuantizedKVCache
+
+    d = 64
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, d, 2).float() / d)
+    cache = QuantizedKVCache(2, 64, 3, d, key_center="rope", rope_inv_freq=inv_freq, device="cpu")
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(2, 40, 3, d, generator=gen) + 3 * torch.randn(2, 1, 3, d, generator=gen)
+    cache.calibrate(k, positions=torch.arange(40).expand(2, -1))
+    full = cache.k_shift.clone()
+    eval_quality.Sim.keep_center_pairs(cache, 8)
+    kept = cache.k_shift
+    energy = full[..., : d // 2] ** 2 + full[..., d // 2 :] ** 2
+    top = torch.zeros_like(energy, dtype=torch.bool).scatter_(-1, energy.topk(8, dim=-1).indices, True)
+    mask = torch.cat([top, top], -1)
+    assert torch.equal(kept[mask], full[mask]) and not kept[~mask].any()
+    name = "Kcal34+copy1+rc8p+sink16+w112"
+    assert eval_quality.simulation_only(eval_quality.CONFIGS[name]) == ["rope_center_pairs"]
