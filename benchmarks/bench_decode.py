@@ -131,12 +131,27 @@ def flashinfer_fp8_decode(q, k, v, page_size=16):
             wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 workspace, "NHD", use_tensor_cores=tensor_cores, backend="fa2"
             )
-            wrapper.plan(indptr, indices, last, Hq, Hk, d, page_size, pos_encoding_mode="NONE", q_data_type=q.dtype,
-                         kv_data_type=torch.float8_e4m3fn, o_data_type=q.dtype, sm_scale=d**-0.5)
+            wrapper.plan(
+                indptr,
+                indices,
+                last,
+                Hq,
+                Hk,
+                d,
+                page_size,
+                pos_encoding_mode="NONE",
+                q_data_type=q.dtype,
+                kv_data_type=torch.float8_e4m3fn,
+                o_data_type=q.dtype,
+                sm_scale=d**-0.5,
+            )
             wrapper.run(q3, kv, out=out)
         except Exception as e:  # a JIT or planning failure leaves that kernel out, and says why
-            print(f"flashinfer fp8 decode (tensor_cores={tensor_cores}) unavailable at B={B} S={S} d={d}: "
-                  f"{str(e).splitlines()[0][:200]}", flush=True)
+            print(
+                f"flashinfer fp8 decode (tensor_cores={tensor_cores}) unavailable at B={B} S={S} d={d}: "
+                f"{str(e).splitlines()[0][:200]}",
+                flush=True,
+            )
             continue
         calls.append(lambda w=wrapper: w.run(q3, kv, out=out))
     return calls
@@ -193,7 +208,7 @@ def run_shape(B, S, Hq, Hk, d, dtype=torch.float16):
     packed = B * S * Hk * (cache.k_codes.shape[-1] + cache.v_codes.shape[-1] + 8)
     row["tq3_GBps"] = packed / row["tq3_kernel"] / 1e3
     row["fp16_GBps"] = B * S * Hk * d * 2 * 2 / best / 1e3
-    del cache, k, v
+    cache = k = v = None  # (not del: lambdas above name them)
     torch.cuda.empty_cache()
     return row
 
@@ -245,7 +260,7 @@ def default_layer_times(q, S, Hk, dtype, timers, causal=False):
         for sfx, timer in timers.items():
             times[name + sfx] = timer(fn)
             total[sfx] += layers * times[name + sfx]
-        del c
+        c = None  # (not del: lambdas above name them)
         torch.cuda.empty_cache()
     # the copy-head layer: a K8V8 cache of one kv head beside a K3V3 cache of the rest, as TQLayer attends them
     wide, rest = fill_default(B, S, 1, d, dtype, 8, 8), fill_default(B, S, Hk - 1, d, dtype)
@@ -260,7 +275,7 @@ def default_layer_times(q, S, Hk, dtype, timers, causal=False):
     for sfx, timer in timers.items():
         times["mixed" + sfx] = timer(mixed)
         times["default" + sfx] = (total[sfx] + times["mixed" + sfx]) / DEFAULT_LAYERS
-    del wide, rest
+    wide = rest = None  # (not del: lambdas above name them)
     torch.cuda.empty_cache()
     return times
 
@@ -278,10 +293,10 @@ def run_production(B, S, Hq, Hk, d, dtype=torch.float16):
         row["cudnn_us"] = bench(lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True))
     fp8 = flashinfer_fp8_decode(q, k, v)
     row["fp8_us"] = min((bench(f) for f in fp8), default=None)  # the faster of FlashInfer's two kernels
-    del k, v, kt, vt, fp8
+    k = v = kt = vt = fp8 = None  # (not del: lambdas above name them)
     call = lambda c: lambda: fa.flash_attn_with_kvcache(q, c)  # noqa: E731
     row["plain_us"], row["plain_eager_us"] = bench_graph(call(plain)), bench_eager(call(plain))
-    del plain
+    plain = None  # (not del: lambdas above name them)
     torch.cuda.empty_cache()
     row.update(default_layer_times(q, S, Hk, dtype, {"_us": bench_graph, "_eager_us": bench_eager}))
     row["default_vs_plain"] = row["default_us"] / row["plain_us"]
@@ -306,7 +321,7 @@ def run_production_prefill(S, q_len, Hq=32, Hk=8, d=128, dtype=torch.float16):
     seq = torch.full((1,), S, dtype=torch.int32, device="cuda")
     row["fa2_us"] = bench(lambda: f2(q, k, v, cache_seqlens=seq, causal=True)) if f2 else None
     row["plain_us"] = bench(lambda: fa.flash_attn_with_kvcache(q, plain, causal=True))
-    del plain, k, v
+    plain = k = v = None  # (not del: lambdas above name them)
     torch.cuda.empty_cache()
     row.update(default_layer_times(q, S, Hk, dtype, {"_us": bench}, causal=True))
     if row["fa2_us"]:
@@ -403,8 +418,12 @@ def write_production(rows, meta, out_dir, prefill=(), generate=()):
         fig, ax = plt.subplots(figsize=(8, 4))
         names = [f"{r['B']}x{r['S'] // 1024}K d{r['d']}" for r in rows]
         x = range(len(rows))
-        series = [("cudnn_us", "cuDNN fp16"), ("fp8_us", "FlashInfer fp8"), ("plain_us", "plain 3-bit"),
-                  ("default_us", "default cache")]
+        series = [
+            ("cudnn_us", "cuDNN fp16"),
+            ("fp8_us", "FlashInfer fp8"),
+            ("plain_us", "plain 3-bit"),
+            ("default_us", "default cache"),
+        ]
         series = [(k, lab) for k, lab in series if all(r.get(k) for r in rows)]
         w = 0.8 / len(series)
         for i, (key, label) in enumerate(series):
@@ -577,8 +596,7 @@ def main():
             with open(path) as f:
                 res = json.load(f)
             commit = res["meta"].get("commit")  # (each file's rows keep the commit they were measured at)
-            gen += [{**{k: r.get(k) for k in keep}, "commit": commit}
-                    for r in res["rows"]]
+            gen += [{**{k: r.get(k) for k in keep}, "commit": commit} for r in res["rows"]]
         write_production(prod["rows"], prod["meta"], args.out, prefill=prod["prefill"], generate=gen)
         return
     if not torch.cuda.is_available() or not ops.extension_available():

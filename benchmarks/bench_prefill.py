@@ -65,10 +65,10 @@ def run_prefill(S: int, q_len: int, dtype=torch.float16) -> dict:
     row["tq3o_kernel"] = bench(
         lambda: ops.decode(q, cache_o.seqlens, None, D**-0.5, True, 0, **cache_o.kernel_args(q.shape[0]))
     )
-    del cache_o
+    cache_o = None  # (not del: lambdas above name them)
     cache_d = fill_default(1, S, HK, D, dtype)
     row["default_kernel"] = bench(lambda: fa.flash_attn_with_kvcache(q, cache_d, causal=True))
-    del cache_d
+    cache_d = None  # (not del: lambdas above name them)
 
     def tq3_append():  # re-appends the chunk at S - q_len each call (the cache ends where it was)
         return fa.flash_attn_with_kvcache(q, cache, k=k_new, v=v_new, cache_seqlens=S - q_len, causal=True)
@@ -91,7 +91,7 @@ def run_prefill(S: int, q_len: int, dtype=torch.float16) -> dict:
         row["speedup_default"] = row["fa2"] / row["default_kernel"]
         row["speedup_sync"] = row["fa2"] / row["tq3_sync_kernel"]
         row["speedup_append"] = row["fa2_append"] / row["tq3_append"]
-    del cache, k, v
+    cache = k = v = None  # (not del: lambdas above name them)
     torch.cuda.empty_cache()
     return row
 
@@ -110,10 +110,10 @@ def run_paged(B: int, S: int, page_sizes, dtype=torch.float16) -> dict:
         cache.append(k, v)
         t = bench(lambda: ops.decode(q, cache.seqlens, None, D**-0.5, False, 0, **cache.kernel_args(q.shape[0])))
         row["contiguous" if ps is None else f"page{ps}"] = t
-        del cache
+        cache = None  # (not del: lambdas above name them)
     for ps in page_sizes:
         row[f"page{ps}_overhead_pct"] = 100.0 * (row[f"page{ps}"] / row["contiguous"] - 1.0)
-    del k, v
+    k = v = None  # (not del: lambdas above name them)
     torch.cuda.empty_cache()
     return row
 

@@ -50,7 +50,7 @@ def main():
             f"({t_tok / t_head:.2f}x), identical output: {same}",
             flush=True,
         )
-        del cache
+        cache = None  # (not del: lambdas above name them)
         torch.cuda.empty_cache()
 
 

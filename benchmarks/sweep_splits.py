@@ -72,7 +72,7 @@ def main():
             }
             rows.append(row)
             print(row, flush=True)
-        del cache, k, v
+        cache = k = v = None  # (not del: lambdas above name them)
         torch.cuda.empty_cache()
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"{args.name}.json"), "w") as f:

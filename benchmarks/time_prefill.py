@@ -26,6 +26,6 @@ for S, q_len in shapes:
             lambda: ops.decode(q, cache.seqlens, None, 128**-0.5, True, 0, **cache.kernel_args(1)), warmup=50, rep=200
         )
         times.append(f"{t * 1000:.1f}")
-        del cache
+        cache = None  # (not del: lambdas above name them)
     res.append(f"S={S} q={q_len}: {'/'.join(times)} us")
 print(sys.argv[1], "(plain/scale-only)", "; ".join(res), flush=True)
