@@ -260,7 +260,7 @@ def default_layer_times(q, S, Hk, dtype, timers, causal=False):
         for sfx, timer in timers.items():
             times[name + sfx] = timer(fn)
             total[sfx] += layers * times[name + sfx]
-        c = None  # (not del: lambdas above name them)
+        del c
         torch.cuda.empty_cache()
     # the copy-head layer: a K8V8 cache of one kv head beside a K3V3 cache of the rest, as TQLayer attends them
     wide, rest = fill_default(B, S, 1, d, dtype, 8, 8), fill_default(B, S, Hk - 1, d, dtype)
@@ -296,7 +296,7 @@ def run_production(B, S, Hq, Hk, d, dtype=torch.float16):
     k = v = kt = vt = fp8 = None  # (not del: lambdas above name them)
     call = lambda c: lambda: fa.flash_attn_with_kvcache(q, c)  # noqa: E731
     row["plain_us"], row["plain_eager_us"] = bench_graph(call(plain)), bench_eager(call(plain))
-    plain = None  # (not del: lambdas above name them)
+    del plain
     torch.cuda.empty_cache()
     row.update(default_layer_times(q, S, Hk, dtype, {"_us": bench_graph, "_eager_us": bench_eager}))
     row["default_vs_plain"] = row["default_us"] / row["plain_us"]

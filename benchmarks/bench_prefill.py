@@ -113,7 +113,7 @@ def run_paged(B: int, S: int, page_sizes, dtype=torch.float16) -> dict:
         cache = None  # (not del: lambdas above name them)
     for ps in page_sizes:
         row[f"page{ps}_overhead_pct"] = 100.0 * (row[f"page{ps}"] / row["contiguous"] - 1.0)
-    k = v = None  # (not del: lambdas above name them)
+    del k, v
     torch.cuda.empty_cache()
     return row
 
