@@ -459,6 +459,21 @@ class QuantizedKVCache:
         ]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
+    def static_tensors(self) -> list[torch.Tensor]:
+        """Every tensor of the cache a kernel call takes, its quantizers' device constants created now:
+        what a captured CUDA graph may read in place (``TQCache`` marks them static for
+        ``torch.compile``, which would otherwise copy the unmarked ones in at every replay)."""
+        if self.quantizer == "turbo":
+            for qz in (self.k_quantizer, self.v_quantizer):
+                qz.signs_on(self.device)
+                qz.codebook(self.device)
+        out = []
+        for owner in [self] + [o for o in vars(self).values() if hasattr(o, "__dict__")]:
+            for value in vars(owner).values():
+                items = value.values() if isinstance(value, dict) else (value,)  # (the quantizers' device copies)
+                out += [t for t in items if isinstance(t, torch.Tensor)]
+        return out
+
     def bits_per_element(self) -> float:
         """Average bits per stored K/V element (codes + metadata, window excluded)."""
         mb = 2 if self.scale_only else 4

@@ -176,10 +176,8 @@ class TQLayer(CacheLayerMixin):
             **self.group_kwargs(group),
         )
         if self.max_cache_len is not None:  # fixed capacity: tensors a compiled step may use as they are
-            for owner in [qc] + [o for o in vars(qc).values() if hasattr(o, "__dict__")]:
-                for t in vars(owner).values():
-                    if isinstance(t, torch.Tensor):  # (a CUDA graph copies any other input every replay)
-                        torch._dynamo.mark_static_address(t)
+            for t in qc.static_tensors():  # (a CUDA graph copies any other input every replay)
+                torch._dynamo.mark_static_address(t)
         return qc
 
     def _ensure_capacity(self, needed: int) -> None:
