@@ -840,32 +840,33 @@ class QuantizedKVCache:
             extras.update(
                 rope_center=self.k_shift, rope_inv_freq=self.rope_inv_freq, rope_offset=self.rope_position_offset
             )
-        for i, (x, codes, meta, qz, bits) in enumerate(
-            (
-                (k, self.k_codes, self.k_meta, self.k_quantizer, self.k_bits),
-                (v, self.v_codes, self.v_meta, self.v_quantizer, self.v_bits),
-            )
-        ):
-            signs = qz.signs_on(x.device) if self.quantizer == "turbo" else None
-            levels = qz.codebook(x.device) if self.quantizer == "turbo" and self.grid == "lloyd_max" else None
-            ops.pack(
-                x,
-                codes,
-                meta,
-                start,
-                batch_idx,
-                self.block_table,
-                error_flags,
-                self.max_seqlen,
-                bits,
-                quant,
-                signs,
-                levels,
-                side=self.kv_side[i] if side else None,
-                side_sinks=self.sink_tokens,
-                side_ring=self.side_ring,
-                **(extras if i == 0 else {}),
-            )
+        turbo, lloyd = self.quantizer == "turbo", self.quantizer == "turbo" and self.grid == "lloyd_max"
+        kq, vq = self.k_quantizer, self.v_quantizer
+        ops.pack(  # K and V in one launch
+            k,
+            self.k_codes,
+            self.k_meta,
+            start,
+            batch_idx,
+            self.block_table,
+            error_flags,
+            self.max_seqlen,
+            self.k_bits,
+            quant,
+            kq.signs_on(k.device) if turbo else None,
+            kq.codebook(k.device) if lloyd else None,
+            side=self.kv_side[0] if side else None,
+            side_sinks=self.sink_tokens,
+            side_ring=self.side_ring,
+            v=v,
+            v_codes=self.v_codes,
+            v_meta=self.v_meta,
+            v_bits=self.v_bits,
+            v_signs=vq.signs_on(v.device) if turbo else None,
+            v_levels=vq.codebook(v.device) if lloyd else None,
+            v_side=self.kv_side[1] if side else None,
+            **extras,
+        )
 
     # ------------------------------------------------------------------ attention (the fused kernels)
     def fused_reason(self, q: torch.Tensor) -> str | None:

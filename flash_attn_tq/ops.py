@@ -14,8 +14,9 @@ The extension ``flash_attn_tq_cuda`` registers three ops:
   is_causal, num_splits) -> (out, softmax_lse)``: the same kernel body over a float16/bfloat16
   cache (its Fp16KV loader policy): our FP16 decode baseline.
 * ``pack_kv(x, slot_mapping, start, batch_idx, block_table, codes, meta, error_flags, capacity, bits,
-  quant, signs, levels, step)``: quantize-on-write into slots given by a vLLM-style ``slot_mapping``
-  or resolved in the kernel from (start, batch_idx, block_table), with range checks.
+  quant, signs, levels, step, ..., v, v_codes, v_meta, v_bits, ...)``: quantize-on-write into slots
+  given by a vLLM-style ``slot_mapping`` or resolved in the kernel from (start, batch_idx,
+  block_table), with range checks; with ``v``, the values of the same tokens in the same launch.
 
 Fake (meta) implementations are registered here so both trace under ``torch.compile``.
 """
@@ -119,6 +120,14 @@ def _register_fakes() -> None:
         rope_center=None,
         rope_inv_freq=None,
         rope_offset=0,
+        v=None,
+        v_codes=None,
+        v_meta=None,
+        v_bits=0,
+        v_step=1.0,
+        v_signs=None,
+        v_levels=None,
+        v_side=None,
     ):
         return None
 
@@ -323,6 +332,13 @@ def pack(
     rope_center: torch.Tensor | None = None,
     rope_inv_freq: torch.Tensor | None = None,
     rope_offset: int = 0,
+    v: torch.Tensor | None = None,
+    v_codes: torch.Tensor | None = None,
+    v_meta: torch.Tensor | None = None,
+    v_bits: int = 0,
+    v_signs: torch.Tensor | None = None,
+    v_levels: torch.Tensor | None = None,
+    v_side: torch.Tensor | None = None,
 ) -> None:
     """Quantize ``x [batch, n, kv_heads, d]`` on the GPU into positions ``start[i] + j`` of cache rows
     ``batch_idx[i]`` (int32 ``[batch]``; None: row i) of ``codes``/``meta`` (paged through
@@ -333,11 +349,11 @@ def pack(
     receives x as given for sinks (position ``p < side_sinks`` to slot ``p``) and the chunk's last
     ``side_ring`` tokens (slot ``side_sinks + p % side_ring``); with ``rope_center [batch rows,
     kv_heads, d]`` and ``rope_inv_freq [d / 2]`` (float32) the codes hold ``x - R(p + rope_offset) c``
-    (rounded to x's dtype), as :meth:`QuantizedKVCache.transform_keys` computes it."""
-    x3 = x.reshape(-1, x.shape[-2], x.shape[-1])
-    misaligned = not torch.compiler.is_compiling() and x3.data_ptr() % 16  # (the op checks it too)
-    if x3.stride(-1) != 1 or x3.stride(0) % 8 or x3.stride(1) % 8 or misaligned:
-        x3 = x3.clone(memory_format=torch.contiguous_format)  # the kernel loads 16-byte aligned rows
+    (rounded to x's dtype), as :meth:`QuantizedKVCache.transform_keys` computes it. With ``v`` (x's
+    shape and dtype: the values of the same tokens, x the keys), ``v_codes``/``v_meta``/``v_side``
+    receive them as ``codes``/``meta``/``side`` receive x (no RoPE center): one launch for both."""
+    x3 = _pack_rows(x)
+    v3 = None if v is None else _pack_rows(v)
     torch.ops.flash_attn_tq.pack_kv(
         x3,
         None,
@@ -359,7 +375,24 @@ def pack(
         rope_center,
         rope_inv_freq,
         rope_offset,
+        v3,
+        v_codes,
+        v_meta,
+        v_bits,
+        float(uniform_step(v_bits)) if v is not None else 1.0,
+        v_signs,
+        v_levels,
+        v_side,
     )
+
+
+def _pack_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x [batch, n, kv_heads, d]`` as the pack kernel's ``[tokens, kv_heads, d]`` rows (16-byte aligned)."""
+    x3 = x.reshape(-1, x.shape[-2], x.shape[-1])
+    misaligned = not torch.compiler.is_compiling() and x3.data_ptr() % 16  # (the op checks it too)
+    if x3.stride(-1) != 1 or x3.stride(0) % 8 or x3.stride(1) % 8 or misaligned:
+        x3 = x3.clone(memory_format=torch.contiguous_format)  # the kernel loads 16-byte aligned rows
+    return x3
 
 
 def raise_pack_errors(flags: int, names: str = "k/v") -> None:

@@ -415,19 +415,23 @@ def test_pack_kernel_matches_reference_codes(quantizer, grid, bits, d, dtype):
         scale_only=scale_only,
     )
     assert cache.k_meta.shape[-1] == (1 if scale_only else 2)
-    cache.k_codes.fill_(0xAB)  # poison: every written byte must be overwritten
-    cache.k_meta.fill_(float("nan"))
-    cache.append(x, x)  # the pack kernel
+    for t in (cache.k_codes, cache.v_codes):
+        t.fill_(0xAB)  # poison: every written byte must be overwritten
+    for t in (cache.k_meta, cache.v_meta):
+        t.fill_(float("nan"))
+    cache.append(x, x)  # the pack kernel (K and V in one launch, each with its own rotation)
     ref = cache.quantize(x, x)  # the PyTorch reference, same data, same device
-    got_codes = fmt.unpack_codes(cache.k_codes[0, :n], bits, d)
-    ref_codes = fmt.unpack_codes(ref["k_codes"][0], bits, d)
-    diff = got_codes != ref_codes
-    # only values within float rounding of a bin edge may differ (reduction order of the norm), by one code
-    assert ((got_codes - ref_codes).abs() <= 1).all()
-    frac = diff.float().mean().item()
-    assert frac <= (0 if quantizer == "asym" else 2e-3), frac
-    print(f"\n{quantizer}/{grid} {bits}b d={d} {dtype}: {int(diff.sum())} of {diff.numel()} codes differ (ties)")
-    torch.testing.assert_close(cache.k_meta[0, :n].float(), ref["k_meta"][0].float(), rtol=2e-3, atol=1e-4)
+    for name in ("k", "v"):
+        got_codes = fmt.unpack_codes(getattr(cache, f"{name}_codes")[0, :n], bits, d)
+        ref_codes = fmt.unpack_codes(ref[f"{name}_codes"][0], bits, d)
+        diff = got_codes != ref_codes
+        # only values within float rounding of a bin edge may differ (reduction order of the norm), by one code
+        assert ((got_codes - ref_codes).abs() <= 1).all()
+        frac = diff.float().mean().item()
+        assert frac <= (0 if quantizer == "asym" else 2e-3), frac
+        print(f"\n{name}: {quantizer}/{grid} {bits}b d={d} {dtype}: {int(diff.sum())} of {diff.numel()} codes differ")
+        got_meta, ref_meta = getattr(cache, f"{name}_meta")[0, :n].float(), ref[f"{name}_meta"][0].float()
+        torch.testing.assert_close(got_meta, ref_meta, rtol=2e-3, atol=1e-4)
 
 
 def test_cuda_graph_capture_and_replay():

@@ -92,10 +92,14 @@ def test_pack_arguments(recorded, monkeypatch):
     recorded.pop("pack_kv", None)
     flags = torch.zeros(1, dtype=torch.int32)
     cache.append(torch.randn(2, 3, 2, 64).half(), torch.randn(2, 3, 2, 64).half(), error_flags=flags)
-    k_call, v_call = recorded["pack_kv"]
-    assert k_call["codes"] is cache.k_codes and v_call["meta"] is cache.v_meta and k_call["error_flags"] is flags
-    assert (k_call["bits"], v_call["bits"], k_call["capacity"], k_call["quant"]) == (3, 4, 64, 0)
-    assert k_call["x"].shape == (6, 2, 64) and torch.equal(k_call["start"], torch.zeros(2, dtype=torch.int32))
+    (call,) = recorded["pack_kv"]  # K and V in one launch
+    assert call["codes"] is cache.k_codes and call["v_meta"] is cache.v_meta and call["error_flags"] is flags
+    assert call["meta"] is cache.k_meta and call["v_codes"] is cache.v_codes
+    assert (call["bits"], call["v_bits"], call["capacity"], call["quant"]) == (3, 4, 64, 0)
+    assert call["v_step"] == ops.uniform_step(4) and call["step"] == ops.uniform_step(3)
+    assert torch.equal(call["v_signs"], cache.v_quantizer.signs_on("cpu"))
+    assert call["x"].shape == call["v"].shape == (6, 2, 64)
+    assert torch.equal(call["start"], torch.zeros(2, dtype=torch.int32))
 
 
 def test_pack_keeps_the_books(recorded, monkeypatch):
@@ -110,13 +114,13 @@ def test_pack_keeps_the_books(recorded, monkeypatch):
     recorded.pop("pack_kv", None)
     k, v = torch.randn(2, 150, 2, 64).half(), torch.randn(2, 150, 2, 64).half()
     cache.append(k, v, error_flags=torch.zeros(1, dtype=torch.int32))
-    k_call, v_call = recorded["pack_kv"]
-    assert torch.equal(k_call["x"], k.reshape(300, 2, 64)) and torch.equal(v_call["x"], v.reshape(300, 2, 64))
-    assert k_call["rope_center"] is cache.k_shift and k_call["rope_inv_freq"] is cache.rope_inv_freq
-    assert k_call["rope_offset"] == 5 and v_call.get("rope_center") is None  # (trailing defaults: not passed)
-    assert k_call["side"].data_ptr() == cache.kv_side[0].data_ptr() and k_call["side"].shape == cache.kv_side[0].shape
-    assert v_call["side"].data_ptr() == cache.kv_side[1].data_ptr()
-    assert (k_call["side_sinks"], k_call["side_ring"], v_call["side_ring"]) == (16, 112, 112)
+    (call,) = recorded["pack_kv"]
+    assert torch.equal(call["x"], k.reshape(300, 2, 64)) and torch.equal(call["v"], v.reshape(300, 2, 64))
+    assert call["rope_center"] is cache.k_shift and call["rope_inv_freq"] is cache.rope_inv_freq
+    assert call["rope_offset"] == 5  # (the kernel applies the center to x, the keys, only)
+    assert call["side"].data_ptr() == cache.kv_side[0].data_ptr() and call["side"].shape == cache.kv_side[0].shape
+    assert call["v_side"].data_ptr() == cache.kv_side[1].data_ptr()
+    assert (call["side_sinks"], call["side_ring"]) == (16, 112)
     assert not cache.kv_side.any()  # (the recording op writes nothing)
     assert torch.equal(cache.seqlens, torch.full((2,), 150, dtype=torch.int32))
 

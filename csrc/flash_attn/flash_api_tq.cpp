@@ -439,18 +439,11 @@ std::tuple<at::Tensor, at::Tensor> decode_kv16(const at::Tensor &q,        // [b
 // mapping it can also keep the append's books (PackParams): the 16-bit side copy of sinks and recent
 // tokens (side [batch rows, side_sinks + side_ring + 1, heads, d], x's dtype) and the RoPE center
 // (rope_center [batch rows, heads, d] and rope_inv_freq [d / 2], float32).
-void pack_kv(const at::Tensor &x,                            // [tokens, heads, d] fp16/bf16
-             const std::optional<at::Tensor> &slot_mapping,  // [tokens] int64
-             const std::optional<at::Tensor> &start,         // [batch] int32
-             const std::optional<at::Tensor> &batch_idx,     // [batch] int32
-             const std::optional<at::Tensor> &block_table,   // [cache rows, max_blocks] int32
-             at::Tensor &codes,  // [rows, cols, heads, bytes] uint8 (any strides, contiguous rows)
-             at::Tensor &meta,   // [rows, cols, heads, 2] half
-             const std::optional<at::Tensor> &error_flags,  // [1] int32
-             int64_t capacity, int64_t bits, int64_t quant, const std::optional<at::Tensor> &signs,
-             const std::optional<at::Tensor> &levels, double step, const std::optional<at::Tensor> &side,
-             int64_t side_sinks, int64_t side_ring, const std::optional<at::Tensor> &rope_center,
-             const std::optional<at::Tensor> &rope_inv_freq, int64_t rope_offset) {
+// One pack's vectors and destination (x, codes, meta) and quantizer constants into p; the slots
+// (start / slot_mapping, rows, cols) are the caller's.
+void set_pack_vectors(PackParams &p, const at::Tensor &x, at::Tensor &codes, at::Tensor &meta, int64_t bits,
+                      int64_t quant, const std::optional<at::Tensor> &signs, const std::optional<at::Tensor> &levels,
+                      double step) {
     CHECK_CUDA(x);
     CHECK_CUDA(codes);
     CHECK_CUDA(meta);
@@ -482,18 +475,81 @@ void pack_kv(const at::Tensor &x,                            // [tokens, heads, 
              "scale-only meta (last dim 1) needs turbo's uniform grid with the norm fit (offset = -mid * scale)");
     TQ_CHECK(quant >= 0 && quant <= 3,
              "quant must be 0 (turbo uniform), 1 (turbo Lloyd-Max), 2 (asym) or 3 (turbo, fit mean)");
-    TQ_CHECK(slot_mapping.has_value() != start.has_value(), "give either slot_mapping or start");
-    c10::cuda::CUDAGuard guard(x.device());
-    PackParams p{};
     p.x = x.data_ptr();
     p.x_token_stride = static_cast<int>(x.stride(0));
     p.x_head_stride = static_cast<int>(x.stride(1));
+    p.tokens = x.size(0);
+    p.heads = x.size(1);
+    p.codes = codes.data_ptr<uint8_t>();
+    p.meta = reinterpret_cast<uint16_t *>(meta.data_ptr());
+    p.codes_row_stride = codes.stride(0);
+    p.codes_col_stride = codes.stride(1);
+    p.codes_head_stride = codes.stride(2);
+    p.meta_row_stride = meta.stride(0);
+    p.meta_col_stride = meta.stride(1);
+    p.meta_head_stride = meta.stride(2);
+    p.meta_words = meta_words;
+    if (quant != 2) {
+        TQ_CHECK(signs.has_value() && signs->scalar_type() == at::kFloat && signs->numel() == d && signs->is_cuda(),
+                 "turbo needs signs: float32 CUDA [head_dim]");
+        p.signs = signs->data_ptr<float>();
+    }
+    if (quant == 1) {
+        TQ_CHECK(levels.has_value() && levels->scalar_type() == at::kFloat && levels->numel() == (1 << bits) &&
+                     levels->is_cuda(),
+                 "Lloyd-Max needs levels: float32 CUDA [2**bits]");
+        p.levels = levels->data_ptr<float>();
+    }
+    p.step = static_cast<float>(step);
+    p.inv_step = static_cast<float>(1.0 / step);
+}
+
+// The 16-bit side's half x is copied into (after the slots are set: p.batch_rows).
+void set_pack_side(PackParams &p, const at::Tensor &x, const at::Tensor &side, int64_t side_sinks, int64_t side_ring,
+                   bool slot_mapping) {
+    CHECK_CUDA(side);
+    TQ_CHECK(!slot_mapping, "side needs start (not slot_mapping)");
+    TQ_CHECK(side.scalar_type() == x.scalar_type() && side.dim() == 4 && side.size(0) >= p.batch_rows &&
+                 side.size(1) == side_sinks + side_ring + 1 && side.size(2) == x.size(1) && side.size(3) == x.size(2),
+             "side must be [batch rows, side_sinks + side_ring + 1, heads, head_dim] in x's dtype");
+    TQ_CHECK(side.stride(3) == 1 && side.stride(0) % 8 == 0 && side.stride(1) % 8 == 0 && side.stride(2) % 8 == 0 &&
+                 reinterpret_cast<uintptr_t>(side.data_ptr()) % 16 == 0,
+             "side rows must be contiguous and 16-byte aligned");
+    TQ_CHECK(side_sinks >= 0 && side_ring >= 0, "side_sinks and side_ring must be >= 0");
+    p.side = side.data_ptr();
+    p.side_batch_stride = side.stride(0);
+    p.side_slot_stride = side.stride(1);
+    p.side_head_stride = side.stride(2);
+    p.side_sinks = static_cast<int>(side_sinks);
+    p.side_ring = static_cast<int>(side_ring);
+}
+
+void pack_kv(const at::Tensor &x,                            // [tokens, heads, d] fp16/bf16
+             const std::optional<at::Tensor> &slot_mapping,  // [tokens] int64
+             const std::optional<at::Tensor> &start,         // [batch] int32
+             const std::optional<at::Tensor> &batch_idx,     // [batch] int32
+             const std::optional<at::Tensor> &block_table,   // [cache rows, max_blocks] int32
+             at::Tensor &codes,  // [rows, cols, heads, bytes] uint8 (any strides, contiguous rows)
+             at::Tensor &meta,   // [rows, cols, heads, 2] half
+             const std::optional<at::Tensor> &error_flags,  // [1] int32
+             int64_t capacity, int64_t bits, int64_t quant, const std::optional<at::Tensor> &signs,
+             const std::optional<at::Tensor> &levels, double step, const std::optional<at::Tensor> &side,
+             int64_t side_sinks, int64_t side_ring, const std::optional<at::Tensor> &rope_center,
+             const std::optional<at::Tensor> &rope_inv_freq, int64_t rope_offset,
+             // V of the same tokens (x: K), written in the same launch where a paired kernel exists
+             const std::optional<at::Tensor> &v, const std::optional<at::Tensor> &v_codes,
+             const std::optional<at::Tensor> &v_meta, int64_t v_bits, double v_step,
+             const std::optional<at::Tensor> &v_signs, const std::optional<at::Tensor> &v_levels,
+             const std::optional<at::Tensor> &v_side) {
+    TQ_CHECK(slot_mapping.has_value() != start.has_value(), "give either slot_mapping or start");
+    c10::cuda::CUDAGuard guard(x.device());
+    PackParams p{};
+    set_pack_vectors(p, x, codes, meta, bits, quant, signs, levels, step);
+    const int d = x.size(2);
     p.rows = codes.size(0);
     p.cols = codes.size(1);
     p.capacity = static_cast<int>(capacity);
     p.batch_rows = p.rows;
-    p.tokens = x.size(0);
-    p.heads = x.size(1);
     if (slot_mapping.has_value()) {
         CHECK_CUDA(*slot_mapping);
         TQ_CHECK(slot_mapping->scalar_type() == at::kLong && slot_mapping->numel() == x.size(0) &&
@@ -530,50 +586,11 @@ void pack_kv(const at::Tensor &x,                            // [tokens, heads, 
         TQ_CHECK(error_flags->scalar_type() == at::kInt && error_flags->numel() >= 1, "error_flags must be int32 [1]");
         p.error_flags = error_flags->data_ptr<int>();
     }
-    p.codes = codes.data_ptr<uint8_t>();
-    p.meta = reinterpret_cast<uint16_t *>(meta.data_ptr());
-    p.codes_row_stride = codes.stride(0);
-    p.codes_col_stride = codes.stride(1);
-    p.codes_head_stride = codes.stride(2);
-    p.meta_row_stride = meta.stride(0);
-    p.meta_col_stride = meta.stride(1);
-    p.meta_head_stride = meta.stride(2);
-    p.meta_words = meta_words;
-    if (quant != 2) {
-        TQ_CHECK(signs.has_value() && signs->scalar_type() == at::kFloat && signs->numel() == d && signs->is_cuda(),
-                 "turbo needs signs: float32 CUDA [head_dim]");
-        p.signs = signs->data_ptr<float>();
-    }
-    if (quant == 1) {
-        TQ_CHECK(levels.has_value() && levels->scalar_type() == at::kFloat && levels->numel() == (1 << bits) &&
-                     levels->is_cuda(),
-                 "Lloyd-Max needs levels: float32 CUDA [2**bits]");
-        p.levels = levels->data_ptr<float>();
-    }
-    p.step = static_cast<float>(step);
-    p.inv_step = static_cast<float>(1.0 / step);
-    const int64_t seqs = p.batch_rows;  // cache rows a token's batch index may name (checked in the kernel)
-    if (side.has_value()) {
-        CHECK_CUDA(*side);
-        TQ_CHECK(!slot_mapping.has_value(), "side needs start (not slot_mapping)");
-        TQ_CHECK(side->scalar_type() == x.scalar_type() && side->dim() == 4 && side->size(0) >= seqs &&
-                     side->size(1) == side_sinks + side_ring + 1 && side->size(2) == x.size(1) && side->size(3) == d,
-                 "side must be [batch rows, side_sinks + side_ring + 1, heads, head_dim] in x's dtype");
-        TQ_CHECK(side->stride(3) == 1 && side->stride(0) % 8 == 0 && side->stride(1) % 8 == 0 &&
-                     side->stride(2) % 8 == 0 && reinterpret_cast<uintptr_t>(side->data_ptr()) % 16 == 0,
-                 "side rows must be contiguous and 16-byte aligned");
-        TQ_CHECK(side_sinks >= 0 && side_ring >= 0, "side_sinks and side_ring must be >= 0");
-        p.side = side->data_ptr();
-        p.side_batch_stride = side->stride(0);
-        p.side_slot_stride = side->stride(1);
-        p.side_head_stride = side->stride(2);
-        p.side_sinks = static_cast<int>(side_sinks);
-        p.side_ring = static_cast<int>(side_ring);
-    }
+    if (side.has_value()) { set_pack_side(p, x, *side, side_sinks, side_ring, slot_mapping.has_value()); }
     if (rope_center.has_value()) {
         CHECK_CUDA(*rope_center);
         TQ_CHECK(!slot_mapping.has_value(), "rope_center needs start (not slot_mapping)");
-        TQ_CHECK(rope_center->scalar_type() == at::kFloat && rope_center->dim() == 3 && rope_center->size(0) >= seqs &&
+        TQ_CHECK(rope_center->scalar_type() == at::kFloat && rope_center->dim() == 3 && rope_center->size(0) >= p.batch_rows &&
                      rope_center->size(1) == x.size(1) && rope_center->size(2) == d && rope_center->stride(2) == 1,
                  "rope_center must be float32 [batch rows, heads, head_dim] with a contiguous last dim");
         TQ_CHECK(rope_inv_freq.has_value() && rope_inv_freq->is_cuda() && rope_inv_freq->scalar_type() == at::kFloat &&
@@ -586,12 +603,34 @@ void pack_kv(const at::Tensor &x,                            // [tokens, heads, 
         p.rope_offset = static_cast<int>(rope_offset);
     }
     auto stream = c10::cuda::getCurrentCUDAStream().stream();
-    if (d == 64) {
-        x.scalar_type() == at::kHalf ? run_pack<__half, 64>(p, bits, quant, stream)
-                                     : run_pack<__nv_bfloat16, 64>(p, bits, quant, stream);
+    const bool half = x.scalar_type() == at::kHalf;
+    if (!v.has_value()) {
+        TQ_CHECK(!v_codes.has_value() && !v_meta.has_value() && !v_side.has_value(), "v_codes, v_meta and v_side need v");
+        if (d == 64) {
+            half ? run_pack<__half, 64>(p, bits, quant, stream) : run_pack<__nv_bfloat16, 64>(p, bits, quant, stream);
+        } else {
+            half ? run_pack<__half, 128>(p, bits, quant, stream) : run_pack<__nv_bfloat16, 128>(p, bits, quant, stream);
+        }
     } else {
-        x.scalar_type() == at::kHalf ? run_pack<__half, 128>(p, bits, quant, stream)
-                                     : run_pack<__nv_bfloat16, 128>(p, bits, quant, stream);
+        TQ_CHECK(v_codes.has_value() && v_meta.has_value(), "v needs v_codes and v_meta");
+        TQ_CHECK(v->sizes() == x.sizes() && v->scalar_type() == x.scalar_type(), "v must match x's shape and dtype");
+        TQ_CHECK(v_codes->dim() == 4 && v_codes->size(0) == p.rows && v_codes->size(1) == p.cols,
+                 "v_codes must have the K codes' rows and columns");
+        TQ_CHECK(v_side.has_value() == side.has_value(), "give side and v_side together");
+        PackParams pv = p;
+        pv.rope_center = nullptr;  // (the RoPE center is K's)
+        pv.side = nullptr;
+        at::Tensor vc = *v_codes, vm = *v_meta;
+        set_pack_vectors(pv, *v, vc, vm, v_bits, quant, v_signs, v_levels, v_step);
+        if (v_side.has_value()) { set_pack_side(pv, *v, *v_side, side_sinks, side_ring, false); }
+        const int kb = static_cast<int>(bits), vb = static_cast<int>(v_bits), qt = static_cast<int>(quant);
+        if (d == 64) {
+            half ? run_pack_pair<__half, 64>(p, pv, kb, vb, qt, stream)
+                 : run_pack_pair<__nv_bfloat16, 64>(p, pv, kb, vb, qt, stream);
+        } else {
+            half ? run_pack_pair<__half, 128>(p, pv, kb, vb, qt, stream)
+                 : run_pack_pair<__nv_bfloat16, 128>(p, pv, kb, vb, qt, stream);
+        }
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -615,7 +654,9 @@ TORCH_LIBRARY(flash_attn_tq, m) {
         "codes, "
         "Tensor(b!) meta, Tensor(c!)? error_flags, int capacity, int bits, int quant, Tensor? signs, Tensor? levels, "
         "float step, Tensor(d!)? side=None, int side_sinks=0, int side_ring=0, Tensor? rope_center=None, "
-        "Tensor? rope_inv_freq=None, int rope_offset=0) -> ()");
+        "Tensor? rope_inv_freq=None, int rope_offset=0, Tensor? v=None, Tensor(e!)? v_codes=None, "
+        "Tensor(f!)? v_meta=None, int v_bits=0, float v_step=1.0, Tensor? v_signs=None, Tensor? v_levels=None, "
+        "Tensor(g!)? v_side=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(flash_attn_tq, CUDA, m) {

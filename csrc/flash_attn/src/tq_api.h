@@ -24,4 +24,8 @@ void run_decode_fp16(const DecodeParams &p, cudaStream_t stream);
 template <typename Elem, int kHeadDim>
 void run_pack(const PackParams &p, int bits, int quant, cudaStream_t stream);
 
+// K and V of one append (the same tokens and slots), in one launch where a paired kernel exists.
+template <typename Elem, int kHeadDim>
+void run_pack_pair(const PackParams &k, const PackParams &v, int k_bits, int v_bits, int quant, cudaStream_t stream);
+
 }  // namespace flash_tq

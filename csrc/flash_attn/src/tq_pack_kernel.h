@@ -15,8 +15,8 @@
 // within float rounding of a bin edge (counted by the tests). asym matches bit for bit.
 //
 // Without a slot mapping the launch also keeps the append's books (PackParams::side, ::rope_center):
-// the 16-bit side's copy of the vector and the RoPE center's x - R(p) c, so an append is the two
-// launches (K, V) and no PyTorch step.
+// the 16-bit side's copy of the vector and the RoPE center's x - R(p) c, so an append is one launch
+// (pack_pair_kernel: K and V) and no PyTorch step.
 #pragma once
 
 #include <cmath>
@@ -155,8 +155,10 @@ __device__ __forceinline__ void rope_center_sub(const PackParams &p, int seq, in
     }
 }
 
+// Blocks `block` of `blocks` (a grid-stride loop over 16 vectors a block) of one pack: the body of
+// pack_kv_kernel, and of each half of pack_pair_kernel.
 template <typename Elem, int kHeadDim, int kBits, Quant kQuant>
-__global__ void __launch_bounds__(128) pack_kv_kernel(const PackParams p) {
+__device__ __forceinline__ void pack_vectors(const PackParams &p, int block, int blocks) {
     constexpr int P = kHeadDim / 8;  // elements a thread
     constexpr int kLevels = 1 << kBits;
     constexpr int kPad = 8;  // floats between vectors in the transpose buffer: no bank conflicts
@@ -188,7 +190,7 @@ __global__ void __launch_bounds__(128) pack_kv_kernel(const PackParams p) {
     float *buf = xpose[warp][vsub];
 
     const int vectors = p.tokens * p.heads;  // < 2^31 (checked on the host)
-    const int stride = gridDim.x * 16;
+    const int stride = blocks * 16;
     // 16-byte loads of this thread's P elements of vector `vec` (rows are 16-byte aligned, checked
     // on the host); the next iteration's are in flight while this one computes
     auto load = [&](int vec, uint4(&raw)[P / 8]) {
@@ -200,7 +202,7 @@ __global__ void __launch_bounds__(128) pack_kv_kernel(const PackParams p) {
         for (int q = 0; q < P / 8; ++q) { raw[q] = live ? __ldg(src + q) : make_uint4(0u, 0u, 0u, 0u); }
     };
     uint4 next[P / 8];
-    int base = blockIdx.x * 16 + warp * 4;
+    int base = block * 16 + warp * 4;
     load(base + vsub, next);
     for (; base < vectors; base += stride) {
         const int vec = base + vsub;
@@ -424,6 +426,23 @@ __global__ void __launch_bounds__(128) pack_kv_kernel(const PackParams p) {
                     scale_bits | (static_cast<uint32_t>(__half_as_ushort(__float2half_rn(offset_out))) << 16);
             }
         }
+    }
+}
+
+template <typename Elem, int kHeadDim, int kBits, Quant kQuant>
+__global__ void __launch_bounds__(128) pack_kv_kernel(const __grid_constant__ PackParams p) {
+    pack_vectors<Elem, kHeadDim, kBits, kQuant>(p, blockIdx.x, gridDim.x);
+}
+
+// An append's K and V in one launch (grid.y: 0 K, 1 V): half the launches of a decode step's
+// appends, whose vectors are too few to fill the GPU either way.
+template <typename Elem, int kHeadDim, int kKBits, int kVBits, Quant kQuant>
+__global__ void __launch_bounds__(128) pack_pair_kernel(const __grid_constant__ PackParams k,
+                                                        const __grid_constant__ PackParams v) {
+    if (blockIdx.y == 0) {
+        pack_vectors<Elem, kHeadDim, kKBits, kQuant>(k, blockIdx.x, gridDim.x);
+    } else {
+        pack_vectors<Elem, kHeadDim, kVBits, kQuant>(v, blockIdx.x, gridDim.x);
     }
 }
 
