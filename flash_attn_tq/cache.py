@@ -698,7 +698,7 @@ class QuantizedKVCache:
             start = torch.full((B,), cache_seqlens, dtype=torch.int32, device=self.device)
         else:
             if cache_seqlens is None:
-                start = self.seqlens[:B].clone() if batch_idx is None else self.seqlens[bidx]
+                start = self.seqlens[:B] if batch_idx is None else self.seqlens[bidx]  # (a view: updated last)
             else:
                 start = cache_seqlens.to(self.device, torch.int32)
             if start.shape != (B,):
@@ -756,7 +756,10 @@ class QuantizedKVCache:
                 codes, meta = self.window_quantizer.quantize(x[:, j0:].float())
                 getattr(self, f"{name}_window_codes")[b2, slots] = fmt.pack_codes(codes, self.window_bits, check=False)
                 getattr(self, f"{name}_window_meta")[b2, slots] = meta[..., : self.k_window_meta.shape[-1]]
-        self.seqlens[bidx] = start + n
+        if batch_idx is None and cache_seqlens is None:  # start is seqlens[:B] itself: one in-place add
+            self.seqlens[:B] += n
+        else:
+            self.seqlens[bidx] = start + n
 
     # ------------------------------------------------------------------ health counters
     def _screen(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

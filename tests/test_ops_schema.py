@@ -99,7 +99,9 @@ def test_pack_arguments(recorded, monkeypatch):
     assert call["v_step"] == ops.uniform_step(4) and call["step"] == ops.uniform_step(3)
     assert torch.equal(call["v_signs"], cache.v_quantizer.signs_on("cpu"))
     assert call["x"].shape == call["v"].shape == (6, 2, 64)
-    assert torch.equal(call["start"], torch.zeros(2, dtype=torch.int32))
+    # the kernel reads the cache's own counts (0 then), which the append advances after it in stream order
+    assert call["start"].data_ptr() == cache.seqlens.data_ptr() and call["start"].shape == (2,)
+    assert torch.equal(cache.seqlens, torch.full((2,), 3, dtype=torch.int32))
 
 
 def test_pack_keeps_the_books(recorded, monkeypatch):
