@@ -590,8 +590,9 @@ void pack_kv(const at::Tensor &x,                            // [tokens, heads, 
     if (rope_center.has_value()) {
         CHECK_CUDA(*rope_center);
         TQ_CHECK(!slot_mapping.has_value(), "rope_center needs start (not slot_mapping)");
-        TQ_CHECK(rope_center->scalar_type() == at::kFloat && rope_center->dim() == 3 && rope_center->size(0) >= p.batch_rows &&
-                     rope_center->size(1) == x.size(1) && rope_center->size(2) == d && rope_center->stride(2) == 1,
+        TQ_CHECK(rope_center->scalar_type() == at::kFloat && rope_center->dim() == 3 &&
+                     rope_center->size(0) >= p.batch_rows && rope_center->size(1) == x.size(1) &&
+                     rope_center->size(2) == d && rope_center->stride(2) == 1,
                  "rope_center must be float32 [batch rows, heads, head_dim] with a contiguous last dim");
         TQ_CHECK(rope_inv_freq.has_value() && rope_inv_freq->is_cuda() && rope_inv_freq->scalar_type() == at::kFloat &&
                      rope_inv_freq->numel() == d / 2 && rope_inv_freq->is_contiguous(),
@@ -605,7 +606,8 @@ void pack_kv(const at::Tensor &x,                            // [tokens, heads, 
     auto stream = c10::cuda::getCurrentCUDAStream().stream();
     const bool half = x.scalar_type() == at::kHalf;
     if (!v.has_value()) {
-        TQ_CHECK(!v_codes.has_value() && !v_meta.has_value() && !v_side.has_value(), "v_codes, v_meta and v_side need v");
+        TQ_CHECK(!v_codes.has_value() && !v_meta.has_value() && !v_side.has_value(),
+                 "v_codes, v_meta and v_side need v");
         if (d == 64) {
             half ? run_pack<__half, 64>(p, bits, quant, stream) : run_pack<__nv_bfloat16, 64>(p, bits, quant, stream);
         } else {

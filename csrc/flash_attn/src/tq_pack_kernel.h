@@ -437,8 +437,8 @@ __global__ void __launch_bounds__(128) pack_kv_kernel(const __grid_constant__ Pa
 // An append's K and V in one launch (grid.y: 0 K, 1 V): half the launches of a decode step's
 // appends, whose vectors are too few to fill the GPU either way.
 template <typename Elem, int kHeadDim, int kKBits, int kVBits, Quant kQuant>
-__global__ void __launch_bounds__(128) pack_pair_kernel(const __grid_constant__ PackParams k,
-                                                        const __grid_constant__ PackParams v) {
+__global__ void __launch_bounds__(128)
+    pack_pair_kernel(const __grid_constant__ PackParams k, const __grid_constant__ PackParams v) {
     if (blockIdx.y == 0) {
         pack_vectors<Elem, kHeadDim, kKBits, kQuant>(k, blockIdx.x, gridDim.x);
     } else {

@@ -78,12 +78,12 @@ template <typename Elem, int kHeadDim>
 void run_pack_pair(const PackParams &k, const PackParams &v, int k_bits, int v_bits, int quant, cudaStream_t stream) {
     const bool uniform = quant == static_cast<int>(Quant::kTurboUniform);
     bool paired = false;
-#define TQ_PACK_PAIR(E, D, KB, VB, S, P)                                                \
-    if constexpr (std::is_same_v<E, Elem> && D == kHeadDim) {                          \
-        if (uniform && !paired && k_bits == KB && v_bits == VB) {                      \
-            launch_pack_pair<Elem, kHeadDim, KB, VB>(k, v, stream);                     \
-            paired = true;                                                             \
-        }                                                                              \
+#define TQ_PACK_PAIR(E, D, KB, VB, S, P)                            \
+    if constexpr (std::is_same_v<E, Elem> && D == kHeadDim) {       \
+        if (uniform && !paired && k_bits == KB && v_bits == VB) {   \
+            launch_pack_pair<Elem, kHeadDim, KB, VB>(k, v, stream); \
+            paired = true;                                          \
+        }                                                           \
     }
     TQ_FOR_EACH_PACKED_CASE(TQ_PACK_PAIR)
 #undef TQ_PACK_PAIR
