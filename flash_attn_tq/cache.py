@@ -895,7 +895,7 @@ class QuantizedKVCache:
             args["rot_signs"] = self.k_quantizer.signs_on(self.device)
         if self.rope_center:  # the kernel adds each score's q . R(p) c back
             args.update(
-                rope_center=self._per_row(self.k_shift, batch_idx, batch).float().contiguous(),
+                rope_center=self._per_row(self.k_shift, batch_idx, batch),  # (float32 rows: a slice or a gather)
                 rope_inv_freq=self.rope_inv_freq,
                 rope_offset=self.rope_position_offset,
             )
@@ -938,7 +938,7 @@ class QuantizedKVCache:
             out, lse = merge_lse(out, lse, out_w, lse_w)
         if self.key_center and not self.rope_center and with_lse:
             lse = lse + softmax_scale * self.query_shift(q, batch_idx)  # the scores lost q . mu (+inf stays +inf)
-        return out.to(q.dtype), lse
+        return (out if out.dtype == q.dtype else out.to(q.dtype)), lse
 
     # ------------------------------------------------------------------ reading
     def gather(self, batch_idx: torch.Tensor | None = None) -> dict[str, torch.Tensor]:

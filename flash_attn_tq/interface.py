@@ -544,8 +544,8 @@ def _quantized_kvcache(
     if cache_seqlens is None:
         if cache_batch_idx is not None:
             start = cache.seqlens[bidx.long()]
-        else:  # a view is enough when nothing is appended (no kernel in a decode-only CUDA graph)
-            start = cache.seqlens[:batch] if k is None else cache.seqlens[:batch].clone()
+        else:  # a view (no kernel): an append reads the counts, then advances them in place
+            start = cache.seqlens[:batch]
     elif isinstance(cache_seqlens, int):
         start = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=device)
     else:
@@ -567,9 +567,10 @@ def _quantized_kvcache(
             else torch.zeros(seqlen_q, dtype=torch.long, device=device)
         )
         q = baseline.rotary_at(q, rotary_cos, rotary_sin, qpos, rotary_interleaved).to(q.dtype)
+    lens = (start + seqlen_new).to(torch.int32) if seqlen_new else start  # (before the append advances start)
     if k is not None:
-        cache.append(k, v, cache_seqlens=start, batch_idx=bidx)
-    lens = (start + seqlen_new).to(torch.int32) if seqlen_new else start
+        own = cache_seqlens is None and cache_batch_idx is None  # start is the cache's own counts
+        cache.append(k, v, cache_seqlens=None if own else start, batch_idx=bidx)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
 
