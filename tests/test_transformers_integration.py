@@ -69,15 +69,15 @@ def oracle_attention(module, query, key, value, attention_mask, scaling=None, dr
 AttentionInterface.register(ORACLE, oracle_attention)
 
 
-def tiny_model(seed=0, layers=3):
+def tiny_model(seed=0, layers=3, kv_heads=2):
     torch.manual_seed(seed)
     cfg = LlamaConfig(
         vocab_size=96,
-        hidden_size=128,
+        hidden_size=64 * kv_heads,
         intermediate_size=256,
         num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=2 * kv_heads,
+        num_key_value_heads=kv_heads,
         head_dim=64,
         max_position_embeddings=1024,
         pad_token_id=0,
@@ -143,6 +143,24 @@ def test_generate_matches_attention_over_dequantized_cache(opts):
         assert gap > 1e-3
     else:
         assert gap < 1e-3
+
+
+@pytest.mark.parametrize(
+    "heads,groups",
+    [({(1, 1): dict(k_bits=8)}, [(0, 2), (1,)]), ({(1, 2): dict(k_bits=8, v_bits=8)}, [(0, 1), (2,)])],
+    ids=["apart: gathers", "adjacent: slices"],
+)
+def test_head_groups_apart_or_adjacent(heads, groups):
+    """A layer's head groups are gathered when a group's heads lie apart and sliced when each group is
+    a run of adjacent heads; either way the tokens and scores are attention's over the dequantized cache."""
+    model = tiny_model(kv_heads=3)
+    ids = torch.randint(3, 96, (2, 30), generator=torch.Generator().manual_seed(2))
+    caches = [TQCache(model.config, max_cache_len=16, fp16_window=4, sink_tokens=2, head_options=heads) for _ in "ab"]
+    seq, scores = generate(model, ATTN_IMPLEMENTATION, ids, caches[0], 8)
+    seq_o, scores_o = generate(model, ORACLE, ids, caches[1], 8)
+    assert caches[0].layers[1].groups == groups
+    assert torch.equal(seq, seq_o)
+    torch.testing.assert_close(scores, scores_o, rtol=1e-4, atol=1e-3)
 
 
 def test_cache_bookkeeping():

@@ -98,6 +98,7 @@ class TQLayer(CacheLayerMixin):
         self.head_options = {int(h): dict(o) for h, o in (head_options or {}).items()}
         self.groups: list[tuple[int, ...]] = []  # kv heads of each head group (set on the first update)
         self.caches: list[QuantizedKVCache] = []  # one a group (created on the first token)
+        self._runs: list[tuple[int, int]] | None = None  # (set with the groups)
         self._length: int | None = 0  # tokens seen (None after traced steps: see length)
         self.first_chunk = True  # the last update was the sequence's first (its prompt)
         self.pending = None  # (k, v) of the last update, written by commit() (it needs the queries)
@@ -125,10 +126,13 @@ class TQLayer(CacheLayerMixin):
             o = self.head_options.get(h, {})
             by_options.setdefault(tuple(sorted(o.items())), []).append(h)
         self.groups = [tuple(heads) for heads in by_options.values()]
-        # per group: its kv heads as an index tensor (None: one group of every head)
+        # per group: its kv heads as an index tensor (None: one group of every head), or, where every
+        # group is a run of adjacent heads, the runs' bounds: slices and a concatenation, no gathers
         self._index = [
             None if len(self.groups) == 1 else torch.tensor(heads, device=self.device) for heads in self.groups
         ]
+        runs = all(heads == tuple(range(heads[0], heads[-1] + 1)) for heads in self.groups)
+        self._runs = [(heads[0], heads[-1] + 1) for heads in self.groups] if runs and len(self.groups) > 1 else None
         self.is_initialized = True
 
     def group_kwargs(self, group: int) -> dict:
@@ -144,7 +148,11 @@ class TQLayer(CacheLayerMixin):
         return (idx[:, None] * per_kv_head + torch.arange(per_kv_head, device=idx.device)).flatten()
 
     def _heads(self, x: torch.Tensor, group: int, per_kv_head: int = 1) -> torch.Tensor:
-        """``x [B, n, heads, D]`` restricted to head group ``group``'s heads (see _head_index)."""
+        """``x [B, n, heads, D]`` restricted to head group ``group``'s heads (see _head_index): a view
+        where the groups are runs of adjacent heads."""
+        if self._runs is not None:
+            lo, hi = self._runs[group]
+            return x[:, :, lo * per_kv_head : hi * per_kv_head]
         idx = self._head_index(group, per_kv_head)
         return x if idx is None else x.index_select(2, idx.to(x.device))
 
@@ -292,6 +300,9 @@ class TQLayer(CacheLayerMixin):
             outs.append(flash_attn_with_kvcache(qq, qc, softmax_scale=scaling, causal=True))
         if len(self.caches) == 1:
             return outs[0].to(query.dtype)
+        if self._runs is not None:  # the groups' heads in head order already
+            order = sorted(range(len(outs)), key=lambda g: self._runs[g][0])
+            return torch.cat([outs[g] for g in order], 2).to(query.dtype)
         out = q.new_empty(*q.shape[:3], outs[0].shape[-1], dtype=outs[0].dtype)  # query heads back in place
         for g in range(len(self.caches)):
             out[:, :, self._head_index(g, G).to(q.device)] = outs[g]
