@@ -432,13 +432,6 @@ std::tuple<at::Tensor, at::Tensor> decode_kv16(const at::Tensor &q,        // [b
                          softmax_scale, is_causal, num_splits, -1, -1, std::nullopt, 0.0);
 }
 
-// Quantize-on-write of x [tokens, heads, d] into codes/meta. Token t goes to slot_mapping[t] (as
-// vLLM's reshape_and_cache; -1 skips), or, without one, to position start[i] + j of cache row
-// batch_idx[i] (t = i * n + j, n = tokens / start.size(0)), through block_table when paged: the
-// kernel resolves and range-checks the slots and ORs PackError bits into error_flags. Without a slot
-// mapping it can also keep the append's books (PackParams): the 16-bit side copy of sinks and recent
-// tokens (side [batch rows, side_sinks + side_ring + 1, heads, d], x's dtype) and the RoPE center
-// (rope_center [batch rows, heads, d] and rope_inv_freq [d / 2], float32).
 // One pack's vectors and destination (x, codes, meta) and quantizer constants into p; the slots
 // (start / slot_mapping, rows, cols) are the caller's.
 void set_pack_vectors(PackParams &p, const at::Tensor &x, at::Tensor &codes, at::Tensor &meta, int64_t bits,
@@ -524,6 +517,14 @@ void set_pack_side(PackParams &p, const at::Tensor &x, const at::Tensor &side, i
     p.side_ring = static_cast<int>(side_ring);
 }
 
+// Quantize-on-write of x [tokens, heads, d] into codes/meta. Token t goes to slot_mapping[t] (as
+// vLLM's reshape_and_cache; -1 skips), or, without one, to position start[i] + j of cache row
+// batch_idx[i] (t = i * n + j, n = tokens / start.size(0)), through block_table when paged: the
+// kernel resolves and range-checks the slots and ORs PackError bits into error_flags. Without a slot
+// mapping it can also keep the append's books (PackParams): the 16-bit side copy of sinks and recent
+// tokens (side [batch rows, side_sinks + side_ring + 1, heads, d], x's dtype) and the RoPE center
+// (rope_center [batch rows, heads, d] and rope_inv_freq [d / 2], float32). With v (x's shape: the
+// values of the same tokens, x the keys) v_codes / v_meta / v_side receive v in the same launch.
 void pack_kv(const at::Tensor &x,                            // [tokens, heads, d] fp16/bf16
              const std::optional<at::Tensor> &slot_mapping,  // [tokens] int64
              const std::optional<at::Tensor> &start,         // [batch] int32
@@ -535,11 +536,9 @@ void pack_kv(const at::Tensor &x,                            // [tokens, heads, 
              int64_t capacity, int64_t bits, int64_t quant, const std::optional<at::Tensor> &signs,
              const std::optional<at::Tensor> &levels, double step, const std::optional<at::Tensor> &side,
              int64_t side_sinks, int64_t side_ring, const std::optional<at::Tensor> &rope_center,
-             const std::optional<at::Tensor> &rope_inv_freq, int64_t rope_offset,
-             // V of the same tokens (x: K), written in the same launch where a paired kernel exists
-             const std::optional<at::Tensor> &v, const std::optional<at::Tensor> &v_codes,
-             const std::optional<at::Tensor> &v_meta, int64_t v_bits, double v_step,
-             const std::optional<at::Tensor> &v_signs, const std::optional<at::Tensor> &v_levels,
+             const std::optional<at::Tensor> &rope_inv_freq, int64_t rope_offset, const std::optional<at::Tensor> &v,
+             const std::optional<at::Tensor> &v_codes, const std::optional<at::Tensor> &v_meta, int64_t v_bits,
+             double v_step, const std::optional<at::Tensor> &v_signs, const std::optional<at::Tensor> &v_levels,
              const std::optional<at::Tensor> &v_side) {
     TQ_CHECK(slot_mapping.has_value() != start.has_value(), "give either slot_mapping or start");
     c10::cuda::CUDAGuard guard(x.device());
