@@ -678,10 +678,17 @@ class QuantizedKVCache:
             raise ValueError(f"error_flags must be an int32 [1] tensor on the cache's device ({self.device})")
         B, n = k.shape[:2]
         checking = B > 0 and not capturing()
+        bidx = None  # the rows as a tensor (with batch_idx None: 0..B-1, made where a step needs it)
+
+        def rows() -> torch.Tensor:
+            nonlocal bidx
+            if bidx is None:
+                bidx = torch.arange(B, device=self.device)
+            return bidx
+
         if batch_idx is None:
             if B > self.batch_size:
                 raise ValueError(f"batch {B} exceeds the cache's batch_size {self.batch_size}")
-            bidx = torch.arange(B, device=self.device)
         else:
             bidx = batch_idx.to(self.device).long()
             if bidx.numel() != B:
@@ -728,12 +735,12 @@ class QuantizedKVCache:
         if self.key_center:
             if calibrating:
                 skip = min(n, max(0, self.sink_tokens - int(start.min()))) if self.sink_tokens else 0  # not the sinks
-                self.calibrate(k[:, skip:], bidx, positions=pos[:, skip:] if self.rope_center else None)
+                self.calibrate(k[:, skip:], rows(), positions=pos[:, skip:] if self.rope_center else None)
                 self._calibration_done = bool(self.calibrated.all())
             if not kernel_rope:
-                k = self.transform_keys(k, bidx, positions=pos if self.rope_center else None)
+                k = self.transform_keys(k, rows(), positions=pos if self.rope_center else None)
         if self.health_counters is not None:
-            self._observe(k, v, bidx)
+            self._observe(k, v, rows())
         if fused:  # quantize-on-write kernel: slots, range and value checks on the GPU
             flags = torch.zeros(1, dtype=torch.int32, device=self.device) if error_flags is None else error_flags
             raw_idx = None if batch_idx is None else batch_idx.to(self.device, torch.int32).contiguous()
@@ -741,25 +748,27 @@ class QuantizedKVCache:
             if checking and error_flags is None:
                 ops.raise_pack_errors(int(flags.item()))
         if not fused:
-            rows, cols = self._slots(bidx.unsqueeze(1).expand(B, n), pos)
-            packed = self.quantize(k, v, bidx)
+            slot_rows, slot_cols = self._slots(rows().unsqueeze(1).expand(B, n), pos)
+            packed = self.quantize(k, v, rows())
             for name in ("k_codes", "v_codes", "k_meta", "v_meta"):
-                getattr(self, name)[rows, cols] = packed[name]
+                getattr(self, name)[slot_rows, slot_cols] = packed[name]
         if self.kv_side is not None and not kernel_side:
-            self._write_side(k_raw if self.rope_center else k, v, bidx, pos)
+            self._write_side(k_raw if self.rope_center else k, v, rows(), pos)
         if self.window_quantizer is not None and self.fp16_window:
             R = self.fp16_window
             j0 = max(0, n - R)  # only the last R tokens of this chunk matter (a slice: no sync)
-            b2 = bidx.unsqueeze(1).expand(B, n - j0)
+            b2 = rows().unsqueeze(1).expand(B, n - j0)
             slots = pos[:, j0:] % R
             for name, x in (("k", k), ("v", v)):
                 codes, meta = self.window_quantizer.quantize(x[:, j0:].float())
                 getattr(self, f"{name}_window_codes")[b2, slots] = fmt.pack_codes(codes, self.window_bits, check=False)
                 getattr(self, f"{name}_window_meta")[b2, slots] = meta[..., : self.k_window_meta.shape[-1]]
-        if batch_idx is None and cache_seqlens is None:  # start is seqlens[:B] itself: one in-place add
+        if batch_idx is not None:
+            self.seqlens[bidx] = start + n
+        elif cache_seqlens is None:  # start is seqlens[:B] itself: one in-place add
             self.seqlens[:B] += n
         else:
-            self.seqlens[bidx] = start + n
+            self.seqlens[:B] = start + n
 
     # ------------------------------------------------------------------ health counters
     def _screen(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
