@@ -58,8 +58,8 @@ def main() -> int:
         write(HERE / f"tq_pack_{name}_hdim{d}.cu",
               HEADER + '#include "tq_pack_launch.h"\n\nnamespace flash_tq {\n'
               f"template void run_pack<{elem}, {d}>(const PackParams &, int, int, cudaStream_t);\n"
-              f"template void run_pack_pair<{elem}, {d}>(const PackParams &, const PackParams &, int, int, int,\n"
-              "                                        cudaStream_t);\n"
+              f"template void run_pack_pair<{elem}, {d}>(const PackParams &, const PackParams &, int, int, int, "
+              "cudaStream_t);\n"
               "}  // namespace flash_tq\n")
     rows = "".join(f"    X({elem}, {d}, {kb}, {vb}, {scale_only}, {'true' if prefill else 'false'}) \\\n"
                    for _, elem, d, kb, vb, _, scale_only, prefill in cases)

@@ -3,6 +3,5 @@
 
 namespace flash_tq {
 template void run_pack<__nv_bfloat16, 128>(const PackParams &, int, int, cudaStream_t);
-template void run_pack_pair<__nv_bfloat16, 128>(const PackParams &, const PackParams &, int, int, int,
-                                        cudaStream_t);
+template void run_pack_pair<__nv_bfloat16, 128>(const PackParams &, const PackParams &, int, int, int, cudaStream_t);
 }  // namespace flash_tq

@@ -3,6 +3,5 @@
 
 namespace flash_tq {
 template void run_pack<__half, 64>(const PackParams &, int, int, cudaStream_t);
-template void run_pack_pair<__half, 64>(const PackParams &, const PackParams &, int, int, int,
-                                        cudaStream_t);
+template void run_pack_pair<__half, 64>(const PackParams &, const PackParams &, int, int, int, cudaStream_t);
 }  // namespace flash_tq
