@@ -66,4 +66,24 @@ for opts in (
             )
     torch.cuda.synchronize()
     assert torch.isfinite(outs).all(), opts
+# two head groups in one launch (3-bit heads beside a K8V8 copy head): one row tile and two, equal and
+# own split counts (the unused slots filled)
+rope = dict(sink_tokens=16, fp16_window=112, key_center="rope", rope_inv_freq=inv_freq, device="cuda")
+narrow, wide = (
+    fa.QuantizedKVCache(2, 400, 2, 64, **rope),
+    fa.QuantizedKVCache(2, 400, 1, 64, k_bits=8, v_bits=8, **rope),
+)
+for c in (narrow, wide):
+    n = c.num_kv_heads
+    c.append(
+        torch.randn(2, 300, n, 64, device="cuda", dtype=torch.float16),
+        torch.randn(2, 300, n, 64, device="cuda", dtype=torch.float16),
+    )
+for rows in (1, 5):
+    qp = torch.randn(2, rows, 12, 64, device="cuda", dtype=torch.float16)
+    assert narrow.pair_reason(wide, qp) is None
+    for splits in (0, 3):
+        outs, _ = narrow.attend(qp, narrow.seqlens, None, 0.125, True, splits, with_lse=False, group2=(wide, 1))
+torch.cuda.synchronize()
+assert torch.isfinite(outs).all()
 print("sanitize case done:", fa.last_path())

@@ -887,6 +887,46 @@ class QuantizedKVCache:
             q, self.head_dim, self.k_bits, self.v_bits, self.grid, self.rope_center, self.page_size
         )
 
+    # options two head groups attended by one launch must share (their bits and kv heads may differ)
+    _PAIR_SHARED = (
+        "batch_size",
+        "max_seqlen",
+        "head_dim",
+        "quantizer",
+        "grid",
+        "fit",
+        "seed",
+        "scale_only",
+        "fp16_window",
+        "window_bits",
+        "sink_tokens",
+        "key_center",
+        "rope_center",
+        "rope_position_offset",
+        "dtype",
+    )
+
+    def pair_reason(self, other: "QuantizedKVCache", q: torch.Tensor) -> str | None:
+        """None if one launch can attend ``q`` over this cache's kv heads and ``other``'s, a second head
+        group of the same layer built with the same options but its bits (:meth:`attend`'s ``group2``;
+        the launch takes this cache's RoPE frequencies), else the reason it cannot."""
+        reason = self.fused_reason(q) or other.fused_reason(q)
+        if reason is not None:
+            return reason
+        if ((self.k_bits, self.v_bits), (other.k_bits, other.v_bits)) not in ops.FUSED_PAIR_BITS:
+            return f"no one-launch kernel for K{self.k_bits}V{self.v_bits} beside K{other.k_bits}V{other.v_bits}"
+        diff = [name for name in self._PAIR_SHARED if getattr(self, name) != getattr(other, name)]
+        if diff:
+            return f"the head groups' caches differ in {diff[0]}"
+        if not self.scale_only or self.paged or self.kv_side is None or self.window_bits != 16:
+            return "one launch takes contiguous caches with scale-only metadata and a 16-bit side"
+        if self.key_center and not self.rope_center:
+            return "post-RoPE key centering (its lse shift is a head group's own)"
+        heads = self.num_kv_heads + other.num_kv_heads
+        if q.dim() != 4 or q.shape[2] % heads or q.shape[2] // heads * q.shape[1] >= ops.PREFILL_MIN_ROWS:
+            return "one launch takes decode-sized calls (fewer query rows a kv head than the prefill kernel's)"
+        return None
+
     def kernel_args(self, batch: int, batch_idx: torch.Tensor | None = None) -> dict[str, Any]:
         """The cache's tensors and options as :func:`flash_attn_tq.ops.decode` takes them, for a batch of
         ``batch`` sequences, cache rows ``batch_idx`` (int32 ``[batch]``; None: 0..batch-1)."""
@@ -925,11 +965,20 @@ class QuantizedKVCache:
         leftpad: torch.Tensor | None = None,
         softcap: float = 0.0,
         with_lse: bool = True,
+        group2: tuple["QuantizedKVCache", int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The fused kernels' attention of ``q [batch, seqlen_q, heads, d]`` over cache rows ``batch_idx``
         holding ``seqlens [batch]`` tokens: the decode kernel over the codes and the 16-bit side, a
         window of codes' own pass. Returns (out like q, lse ``[batch, heads, seqlen_q]``;
-        ``with_lse=False`` skips the key centering's lse shift)."""
+        ``with_lse=False`` skips the key centering's lse shift).
+
+        ``group2 = (other, head)``: ``other`` holds the layer's kv heads ``[head, head + its kv heads)``
+        and this cache the others, in order; ``q`` and the output hold the layer's query heads, and
+        one launch attends both (where :meth:`pair_reason` allows it)."""
+        extra = {}
+        if group2 is not None:
+            other, head = group2
+            extra = dict(group2=other.kernel_args(q.shape[0], batch_idx), group2_head=head)
         out, lse = ops.decode(
             q,
             seqlens,
@@ -941,6 +990,7 @@ class QuantizedKVCache:
             leftpad,
             softcap,
             **self.kernel_args(q.shape[0], batch_idx),
+            **extra,
         )
         if self.fp16_window and self.window_quantizer is not None:  # a window of codes: its own pass
             out_w, lse_w = window_attention(q, self, batch_idx, seqlens, softmax_scale, causal)

@@ -6,5 +6,8 @@ FUSED_HEAD_DIMS = (64, 128)
 FUSED_DECODE_BITS = ((3, 3), (4, 3), (8, 3), (8, 8))
 # (k_bits, v_bits) with a prefill kernel too (the others run the decode kernel for every row count)
 PREFILL_BITS = ((3, 3), (4, 3))
+# ((k_bits, v_bits), (k_bits, v_bits)) of two head groups one launch attends (scale-only metadata,
+# a 16-bit side; decode-sized calls)
+FUSED_PAIR_BITS = (((3, 3), (8, 8)), ((4, 3), (8, 8)))
 # query rows a kv head (GQA group x seqlen_q) from which the prefill kernel runs
 PREFILL_MIN_ROWS = 128

@@ -4,12 +4,13 @@ The extension ``flash_attn_tq_cuda`` registers three ops:
 
 * ``decode_kvcache(q, k_codes, k_meta, v_codes, v_meta, seqlens_k, cache_batch_idx, block_table,
   rot_signs, k_bits, v_bits, softmax_scale, is_causal, num_splits, ..., rope_center, rope_inv_freq,
-  rope_offset, side_k, side_v, side_sinks, side_ring, codes_tail) -> (out, softmax_lse)``: split-KV
-  attention of ``q [batch, seqlen_q, heads, d]`` over packed K/V and, in the same launch, a 16-bit
-  side (sink tokens and a recent-token ring): the decode kernel, or from :data:`PREFILL_MIN_ROWS`
-  query rows a kv head the prefill kernel (its side: one more launch, the chunk's rows as the
-  MMA's M; with ``rope_center`` only its Hopper variant, from 256 rows, which adds ``R(p) c`` to the
-  expanded keys through a per-call table). :func:`decode` takes its tensors.
+  rope_offset, side_k, side_v, side_sinks, side_ring, codes_tail, g2_*) -> (out, softmax_lse)``:
+  split-KV attention of ``q [batch, seqlen_q, heads, d]`` over packed K/V and, in the same launch, a
+  16-bit side (sink tokens and a recent-token ring) and a second head group of other widths
+  (``g2_*``: TQCache's 8-bit copy heads beside the 3-bit ones): the decode kernel, or from
+  :data:`PREFILL_MIN_ROWS` query rows a kv head the prefill kernel (its side: one more launch, the
+  chunk's rows as the MMA's M; with ``rope_center`` only its Hopper variant, from 256 rows, which
+  adds ``R(p) c`` to the expanded keys through a per-call table). :func:`decode` takes its tensors.
 * ``decode_kv16(q, k_cache, v_cache, seqlens_k, cache_batch_idx, block_table, softmax_scale,
   is_causal, num_splits) -> (out, softmax_lse)``: the same kernel body over a float16/bfloat16
   cache (its Fp16KV loader policy): our FP16 decode baseline.
@@ -23,10 +24,12 @@ Fake (meta) implementations are registered here so both trace under ``torch.comp
 
 from __future__ import annotations
 
+from typing import Any, Mapping
+
 import torch
 
 # which (head_dim, k_bits, v_bits) cases have fused kernels: generated with the C++ case table
-from .kernel_cases import FUSED_DECODE_BITS, FUSED_HEAD_DIMS, PREFILL_MIN_ROWS  # noqa: F401
+from .kernel_cases import FUSED_DECODE_BITS, FUSED_HEAD_DIMS, FUSED_PAIR_BITS, PREFILL_MIN_ROWS  # noqa: F401
 from .quantizers import uniform_step
 
 # Rows a kv head decode_kv16 (the fp16 cache, decode kernel only) takes; more take the reference path.
@@ -87,6 +90,16 @@ def _register_fakes() -> None:
         side_sinks=0,
         side_ring=0,
         codes_tail=0,
+        g2_k_codes=None,
+        g2_k_meta=None,
+        g2_v_codes=None,
+        g2_v_meta=None,
+        g2_k_bits=0,
+        g2_v_bits=0,
+        g2_rope_center=None,
+        g2_side_k=None,
+        g2_side_v=None,
+        g2_head=0,
     ):
         b, sq, h, _ = q.shape
         return torch.empty_like(q), q.new_empty((b, h, sq), dtype=torch.float32)
@@ -196,6 +209,8 @@ def decode(
     side_sinks: int = 0,
     side_ring: int = 0,
     codes_tail: int = 0,
+    group2: Mapping[str, Any] | None = None,
+    group2_head: int = 0,
 ):
     """Fused attention of ``q [batch, seqlen_q, heads, d]`` over packed K/V (``k_codes [rows, cols,
     kv_heads, bytes]`` uint8, ``k_meta [rows, cols, kv_heads, 1 or 2]`` float16, the same for v; rows
@@ -210,7 +225,14 @@ def decode(
     (the kernel rotates q in and the output back); ``rope_center [batch, kv_heads, d]`` float32 and
     ``rope_inv_freq [d / 2]``: each score gets ``q . R(p + rope_offset) c`` back (key_center='rope').
     Returns (out like q, lse ``[batch, heads, seqlen_q]`` float32).
+
+    ``group2``: a second head group of the layer in the same launch (:data:`FUSED_PAIR_BITS`; both with
+    scale-only metadata and a 16-bit side, contiguous, decode-sized calls), as ``kernel_args`` of its
+    cache gives it: its codes, metadata, RoPE center and side (the other arguments are the first
+    group's). Its kv heads are the layer's ``[group2_head, group2_head + its kv heads)``, the first
+    group's the others in order; ``q`` and the output hold the layer's query heads.
     """
+    g2 = group2 or {}
     return torch.ops.flash_attn_tq.decode_kvcache(
         _aligned_rows(q),
         k_codes,
@@ -238,6 +260,16 @@ def decode(
         int(side_sinks),
         int(side_ring),
         int(codes_tail),
+        g2.get("k_codes"),
+        g2.get("k_meta"),
+        g2.get("v_codes"),
+        g2.get("v_meta"),
+        int(g2.get("k_bits", 0)),
+        int(g2.get("v_bits", 0)),
+        g2.get("rope_center"),
+        g2.get("side_k"),
+        g2.get("side_v"),
+        int(group2_head),
     )
 
 

@@ -237,6 +237,72 @@ def test_side_8bit_head():
     _check(q, cache, out, lse, causal=True)
 
 
+PAIR_CASES = [
+    # batch, seqlens, kv heads of the first group, of the second, where the second sits, GQA group, seqlen_q
+    (2, [100, 1500], 2, 1, 2, 3, 1),  # SmolLM2's layout: the copy head last, one row below sinks + window
+    (3, [129, 4000, 17], 7, 1, 0, 4, 1),  # the copy head first, 8 kv heads
+    (1, [3000], 6, 2, 3, 4, 1),  # two heads in the middle
+    (2, [700, 260], 3, 1, 1, 4, 5),  # 20 query rows a kv head: two row tiles a CTA
+]
+
+
+def _pair(batch, seqlens, hk1, hk2, d, dtype, center, bits):
+    """Two head groups of one layer: ``bits`` for the first, K8V8 for the second, every other option shared."""
+    make = dict(sinks=16, window=112, center=center, dtype=dtype, capacity=max(seqlens) + 9)
+    a = _cache(batch, seqlens, hk1, d, k_bits=bits[0], v_bits=bits[1], seed=0, **make)
+    b = _cache(batch, seqlens, hk2, d, k_bits=8, v_bits=8, seed=0, **make)
+    return a, b
+
+
+def _layer_heads(hk1, hk2, at, group):
+    """The layer's query heads of each group (the second's kv heads [at, at + hk2), the first's the rest)."""
+    kv = list(range(hk1 + hk2))
+    second = kv[at : at + hk2]
+    first = [h for h in kv if h not in second]
+    q_heads = lambda hs: [h * group + j for h in hs for j in range(group)]  # noqa: E731
+    return torch.tensor(q_heads(first), device=DEV), torch.tensor(q_heads(second), device=DEV)
+
+
+@pytest.mark.parametrize("batch,seqlens,hk1,hk2,at,group,seqlen_q", PAIR_CASES)
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("center", [False, "rope"])
+@pytest.mark.parametrize("bits", [(3, 3), (4, 3)])
+def test_side_two_head_groups_one_launch(batch, seqlens, hk1, hk2, at, group, seqlen_q, d, dtype, center, bits):
+    """Two head groups of other widths (3-bit heads, a K8V8 copy head) attended by one launch: each
+    group's query heads get what a launch over its own cache gives with the same splits (bit for
+    bit), and float32 attention over what the cache holds."""
+    a, b = _pair(batch, seqlens, hk1, hk2, d, dtype, center, bits)
+    q = torch.randn(batch, seqlen_q, (hk1 + hk2) * group, d, device=DEV, dtype=dtype)
+    assert a.pair_reason(b, q) is None
+    heads_a, heads_b = _layer_heads(hk1, hk2, at, group)
+    lens, scale = a.seqlens[:batch], d**-0.5
+    for splits in (0, 1, 5):
+        poison_allocator()
+        out, lse = a.attend(q, lens, None, scale, True, num_splits=splits, with_lse=False, group2=(b, at))
+        for cache, heads in ((a, heads_a), (b, heads_b)):
+            qg = q[:, :, heads]
+            if splits:
+                one, one_lse = cache.attend(qg, lens, None, scale, True, num_splits=splits)
+                assert torch.equal(out[:, :, heads], one) and torch.equal(lse[:, heads], one_lse)
+            else:
+                _check(qg, cache, out[:, :, heads], lse[:, heads], causal=True)
+
+
+def test_side_two_head_groups_reasons():
+    """What one launch for two head groups does not take, said by pair_reason (those calls run a launch a group)."""
+    a, b = _pair(2, [300, 40], 2, 1, 64, torch.float16, "rope", (3, 3))
+    q = torch.randn(2, 1, 9, 64, device=DEV, dtype=torch.float16)
+    assert a.pair_reason(b, q) is None
+    assert "K8V8 beside K3V3" in b.pair_reason(a, q)
+    assert "decode-sized" in a.pair_reason(b, torch.randn(2, 50, 9, 64, device=DEV, dtype=torch.float16))
+    c = _cache(2, [300, 40], 1, 64, sinks=8, window=112, center="rope", k_bits=8, v_bits=8, capacity=309)
+    assert "differ in sink_tokens" in a.pair_reason(c, q)
+    no_side = dict(sinks=0, window=0, capacity=309)
+    plain = [_cache(2, [300, 40], h, 64, k_bits=kb, v_bits=kb, **no_side) for h, kb in ((2, 3), (1, 8))]
+    assert "16-bit side" in plain[0].pair_reason(plain[1], q)
+
+
 def test_side_cuda_graph():
     """The decode call (codes, side and combine) captured once and replayed after appends."""
     cache = _cache(2, [500, 300], 2, 128, sinks=16, window=112, center="rope")

@@ -345,15 +345,18 @@ def test_pack_errors_surface_in_the_same_forward_on_the_gpu():
         NO_FP16_WINDOW,
         dict(head_options={(2, 1): {"k_bits": 8}, (0, 0): {"k_bits": 4}}),
         dict(key_center="rope", head_options={(1, 0): {"k_bits": 4}}),
+        dict(key_center="rope", head_options={(1, 1): {"k_bits": 8, "v_bits": 8}}),
+        dict(late_k_bits=None, head_options={(1, 0): {"k_bits": 8, "v_bits": 8}}),
     ],
-    ids=["default", "no_fp16_window", "head_options", "rope_center"],
+    ids=["default", "no_fp16_window", "head_options", "rope_center", "copy_head_last", "copy_head_first"],
 )
 def test_fused_decode_matches_the_oracle_on_the_gpu(opts):
     """A float16 model on the GPU: the prompt, a 5-token chunk and single tokens through the fused
     kernel (+ the recent window: 16-bit, or 4-bit codes; per-head bits: the last layer's second head
     at 8-bit keys, attended last) against float64 attention over the same dequantized cache; every
     step's logits agree to float16 rounding (key_center='rope': the kernel adds q . R(p) c, the
-    window pass and the sinks get R(p) c back in PyTorch)."""
+    window pass and the sinks get R(p) c back in PyTorch; a K8V8 copy head: both head groups in one
+    launch)."""
     from flash_attn_tq import last_path, ops
 
     if not ops.extension_available():
@@ -371,6 +374,12 @@ def test_fused_decode_matches_the_oracle_on_the_gpu(opts):
                 steps.append(model(ids[:, a:b], past_key_values=cache).logits[:, -1].float())
                 if impl == ATTN_IMPLEMENTATION and a:
                     assert last_path() == path
+            if impl == ATTN_IMPLEMENTATION:  # a K8V8 copy head: its layer's two head groups in one launch
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                    model(ids[:, 48:49], past_key_values=cache)
+                pairs = sum(e.name.count("decode_pair_kernel") for e in prof.events())
+                copy_head = any(o.get("v_bits") == 8 for o in opts.get("head_options", {}).values())
+                assert (pairs > 0) == copy_head
         logits[impl] = torch.stack(steps)
     got, want = logits[ATTN_IMPLEMENTATION], logits[ORACLE]
     assert (got - want).abs().max() < 2e-2 * want.abs().max()

@@ -9,6 +9,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <functional>
 #include <limits>
 #include <type_traits>
 
@@ -116,24 +117,50 @@ void dispatch_kv16(at::ScalarType dtype, int d, const DecodeParams &p, cudaStrea
     TQ_CHECK(false, "no float16-cache kernel for this dtype and head_dim");
 }
 
+// Two head groups in one launch: the case table's pair entry for (dtype, head dim, both groups' bits).
+bool has_pair(at::ScalarType dtype, int d, int ka, int va, int kb, int vb) {
+#define TQ_HAS_PAIR(Elem, D, KA, VA, KB, VB) \
+    if (dtype == scalar_type_of<Elem>() && d == D && ka == KA && va == VA && kb == KB && vb == VB) return true;
+    TQ_FOR_EACH_PAIR_CASE(TQ_HAS_PAIR)
+#undef TQ_HAS_PAIR
+    return false;
+}
+
+void dispatch_pair(at::ScalarType dtype, int d, int ka, int va, int kb, int vb, const DecodeParams &a,
+                   const DecodeParams &b, cudaStream_t stream) {
+#define TQ_RUN_PAIR(Elem, D, KA, VA, KB, VB)                                                         \
+    if (dtype == scalar_type_of<Elem>() && d == D && ka == KA && va == VA && kb == KB && vb == VB) { \
+        run_decode_pair<Elem, D, KA, VA, KB, VB, true>(a, b, stream);                                \
+        return;                                                                                      \
+    }
+    TQ_FOR_EACH_PAIR_CASE(TQ_RUN_PAIR)
+#undef TQ_RUN_PAIR
+    TQ_CHECK(false, "no two-group kernel for this dtype, head_dim and bits (flash_attn_tq.kernel_cases)");
+}
+
 // What the K/V store holds: packed codes (PackedKV) or the float16/bfloat16 cache itself (Fp16KV).
 enum class Store { kPacked, kFp16 };
 
+// A second head group attended by the same launch (decode_kvcache's g2_* arguments): its kv heads,
+// where they sit among the layer's, its bits, and what sets its packed store on a copy of the params.
+struct Pair {
+    int h_k, head, k_bits, v_bits;
+    std::function<void(DecodeParams &)> set_store;
+};
+
 // Everything but the K/V pointers and strides: q/out/lse, lengths, batch map, block table, signs,
-// num_splits; then the launch (k_bits / v_bits: the packed store's).
-std::tuple<at::Tensor, at::Tensor> run_decode_op(Store store, DecodeParams &p, const at::Tensor &q,
-                                                 const at::Tensor &k_store, const at::Tensor &seqlens_k,
-                                                 const std::optional<at::Tensor> &cache_batch_idx,
-                                                 const std::optional<at::Tensor> &block_table,
-                                                 const std::optional<at::Tensor> &rot_signs, int k_bits, int v_bits,
-                                                 double softmax_scale, bool is_causal, int64_t num_splits,
-                                                 int64_t window_left, int64_t window_right,
-                                                 const std::optional<at::Tensor> &cache_leftpad, double softcap) {
+// num_splits; then the launch (k_bits / v_bits: the packed store's; pair: a second head group).
+std::tuple<at::Tensor, at::Tensor> run_decode_op(
+    Store store, DecodeParams &p, const at::Tensor &q, const at::Tensor &k_store, const at::Tensor &seqlens_k,
+    const std::optional<at::Tensor> &cache_batch_idx, const std::optional<at::Tensor> &block_table,
+    const std::optional<at::Tensor> &rot_signs, int k_bits, int v_bits, double softmax_scale, bool is_causal,
+    int64_t num_splits, int64_t window_left, int64_t window_right, const std::optional<at::Tensor> &cache_leftpad,
+    double softcap, const Pair *pair = nullptr) {
     CHECK_CUDA(seqlens_k);
     TQ_CHECK(seqlens_k.scalar_type() == at::kInt && seqlens_k.dim() == 1 && seqlens_k.is_contiguous(),
              "seqlens_k must be contiguous int32 [batch]");
     const int b = q.size(0), seqlen_q = q.size(1), h = q.size(2), d = q.size(3);
-    const int h_k = k_store.size(2);
+    const int h_k = k_store.size(2) + (pair != nullptr ? pair->h_k : 0);
     TQ_CHECK(h_k > 0 && h % h_k == 0, "q heads must be a multiple of kv heads");
     TQ_CHECK(seqlens_k.size(0) == b, "seqlens_k must have batch entries");
     auto opts = q.options();
@@ -212,7 +239,7 @@ std::tuple<at::Tensor, at::Tensor> run_decode_op(Store store, DecodeParams &p, c
     TQ_CHECK(!(side || p.codes_tail > 0) || !p.local(),
              "a 16-bit side or codes_tail does not combine with window_size, softcap or cache_leftpad");
     // (8-bit keys: the decode kernel for every row count, no prefill instantiations for them)
-    const bool prefill_sized = store == Store::kPacked && rows >= kPrefillMinRows &&
+    const bool prefill_sized = store == Store::kPacked && pair == nullptr && rows >= kPrefillMinRows &&
                                has_prefill(q.scalar_type(), d, k_bits, v_bits, p.meta_words == 1) && prefill_fits();
     bool wgmma = false;  // Hopper's wgmma variant of the prefill kernel (FLASH_ATTN_TQ_PREFILL_WGMMA=0: the mma.sync one)
 #ifdef FLASH_TQ_SM90A
@@ -246,16 +273,35 @@ std::tuple<at::Tensor, at::Tensor> run_decode_op(Store store, DecodeParams &p, c
                                                      : choose_num_splits(ctas, span, num_sms);
     // the side pass: one more split, merged by the combine kernel (prefill over one code split: by the
     // prefill kernel, run_prefill)
+    // A second head group splits its keys into as many more splits as its codes' bits over the first's
+    // (CTAs of about one length)
+    const int pair_splits =
+        pair == nullptr || num_splits > 0
+            ? p.num_splits
+            : std::min(std::max(1, std::min(128, span / 128)),
+                       (p.num_splits * (pair->k_bits + pair->v_bits) + k_bits + v_bits - 1) / (k_bits + v_bits));
     p.num_splits += side ? 1 : 0;
+    const int slots = std::max(p.num_splits, pair_splits + (side ? 1 : 0));  // (the split buffers' count)
     at::Tensor out_accum, lse_accum;
-    if (p.num_splits > 1) {
-        out_accum = at::empty({p.num_splits, b, h, seqlen_q, d}, opts.dtype(at::kFloat));
-        lse_accum = at::empty({p.num_splits, b, h, seqlen_q}, opts.dtype(at::kFloat));
+    if (slots > 1) {
+        out_accum = at::empty({slots, b, h, seqlen_q, d}, opts.dtype(at::kFloat));
+        lse_accum = at::empty({slots, b, h, seqlen_q}, opts.dtype(at::kFloat));
         p.out_accum = out_accum.data_ptr<float>();
         p.lse_accum = lse_accum.data_ptr<float>();
     }
     auto stream = c10::cuda::getCurrentCUDAStream().stream();
-    if (store == Store::kFp16) {
+    if (pair != nullptr) {  // the layer's q, out and split buffers, each group's codes (DecodeParams::head_base)
+        DecodeParams g = p;
+        pair->set_store(g);
+        TQ_CHECK(p.meta_words == 1 && g.meta_words == 1, "two head groups take scale-only metadata");
+        g.h_k = pair->h_k;
+        g.num_splits = pair_splits + 1;
+        g.head_base = pair->head;
+        p.h_k -= pair->h_k;
+        p.head_skip_from = pair->head;
+        p.head_skip = pair->h_k;
+        dispatch_pair(q.scalar_type(), d, k_bits, v_bits, pair->k_bits, pair->v_bits, p, g, stream);
+    } else if (store == Store::kFp16) {
         dispatch_kv16(q.scalar_type(), d, p, stream);
     } else {
         dispatch_packed(q.scalar_type(), d, k_bits, v_bits, p.meta_words == 1, prefill, p, stream);
@@ -284,22 +330,14 @@ void check_strides_32bit(const at::Tensor &t, bool paged) {
              "cache strides must fit in 32 bits");
 }
 
-std::tuple<at::Tensor, at::Tensor> decode_kvcache(
-    const at::Tensor &q,        // [b, seqlen_q, h, d]
-    const at::Tensor &k_codes,  // [rows, cols, h_k, bytes] uint8
-    const at::Tensor &k_meta,   // [rows, cols, h_k, 2] half
-    const at::Tensor &v_codes, const at::Tensor &v_meta,
-    const at::Tensor &seqlens_k,  // [b] int32
-    const std::optional<at::Tensor> &cache_batch_idx, const std::optional<at::Tensor> &block_table,
-    const std::optional<at::Tensor> &rot_signs,  // turbo: [d] float32 Hadamard signs (rotate q in, output out)
-    int64_t k_bits, int64_t v_bits, double softmax_scale, bool is_causal, int64_t num_splits, int64_t window_left,
-    int64_t window_right, const std::optional<at::Tensor> &cache_leftpad, double softcap,
-    const std::optional<at::Tensor> &rope_center,    // key_center='rope': [b, h_k, d] float32, each batch entry's c
-    const std::optional<at::Tensor> &rope_inv_freq,  // [d / 2] float32
-    int64_t rope_offset,                             // a key's RoPE position = its index + rope_offset
-    const std::optional<at::Tensor> &side_k,         // [rows, side_sinks + side_ring (+ more), h_k, d], q's dtype
-    const std::optional<at::Tensor> &side_v, int64_t side_sinks, int64_t side_ring, int64_t codes_tail) {
-    check_query(q);
+// One head group's packed store: codes and metadata, its RoPE center, its 16-bit side (the arguments
+// of decode_kvcache after v_bits; paged: the block table's rows are the side's).
+void set_packed_store(DecodeParams &p, const at::Tensor &q, const at::Tensor &k_codes, const at::Tensor &k_meta,
+                      const at::Tensor &v_codes, const at::Tensor &v_meta, int64_t k_bits, int64_t v_bits,
+                      const std::optional<at::Tensor> &block_table, const std::optional<at::Tensor> &rope_center,
+                      const std::optional<at::Tensor> &rope_inv_freq, int64_t rope_offset,
+                      const std::optional<at::Tensor> &side_k, const std::optional<at::Tensor> &side_v,
+                      int64_t side_sinks, int64_t side_ring, int64_t codes_tail) {
     CHECK_CUDA(k_codes);
     CHECK_CUDA(v_codes);
     CHECK_CUDA(k_meta);
@@ -323,8 +361,6 @@ std::tuple<at::Tensor, at::Tensor> decode_kvcache(
     for (const at::Tensor *t : {&k_codes, &v_codes, &k_meta, &v_meta}) {
         check_strides_32bit(*t, block_table.has_value());
     }
-    c10::cuda::CUDAGuard guard(q.device());
-    DecodeParams p{};
     p.k_codes = k_codes.data_ptr<uint8_t>();
     p.v_codes = v_codes.data_ptr<uint8_t>();
     p.k_meta = reinterpret_cast<const uint16_t *>(k_meta.data_ptr());
@@ -390,9 +426,62 @@ std::tuple<at::Tensor, at::Tensor> decode_kvcache(
         p.side_ring = static_cast<int>(side_ring);
     }
     p.codes_tail = static_cast<int>(codes_tail);
+}
+
+std::tuple<at::Tensor, at::Tensor> decode_kvcache(
+    const at::Tensor &q,        // [b, seqlen_q, h, d]
+    const at::Tensor &k_codes,  // [rows, cols, h_k, bytes] uint8
+    const at::Tensor &k_meta,   // [rows, cols, h_k, 2] half
+    const at::Tensor &v_codes, const at::Tensor &v_meta,
+    const at::Tensor &seqlens_k,  // [b] int32
+    const std::optional<at::Tensor> &cache_batch_idx, const std::optional<at::Tensor> &block_table,
+    const std::optional<at::Tensor> &rot_signs,  // turbo: [d] float32 Hadamard signs (rotate q in, output out)
+    int64_t k_bits, int64_t v_bits, double softmax_scale, bool is_causal, int64_t num_splits, int64_t window_left,
+    int64_t window_right, const std::optional<at::Tensor> &cache_leftpad, double softcap,
+    const std::optional<at::Tensor> &rope_center,    // key_center='rope': [b, h_k, d] float32, each batch entry's c
+    const std::optional<at::Tensor> &rope_inv_freq,  // [d / 2] float32
+    int64_t rope_offset,                             // a key's RoPE position = its index + rope_offset
+    const std::optional<at::Tensor> &side_k,         // [rows, side_sinks + side_ring (+ more), h_k, d], q's dtype
+    const std::optional<at::Tensor> &side_v, int64_t side_sinks, int64_t side_ring, int64_t codes_tail,
+    // a second head group in the same launch (its codes, metadata, RoPE center and side; the rest shared):
+    // the layer's kv heads [g2_head, g2_head + its kv heads), the first group's the others in order
+    const std::optional<at::Tensor> &g2_k_codes, const std::optional<at::Tensor> &g2_k_meta,
+    const std::optional<at::Tensor> &g2_v_codes, const std::optional<at::Tensor> &g2_v_meta, int64_t g2_k_bits,
+    int64_t g2_v_bits, const std::optional<at::Tensor> &g2_rope_center, const std::optional<at::Tensor> &g2_side_k,
+    const std::optional<at::Tensor> &g2_side_v, int64_t g2_head) {
+    check_query(q);
+    c10::cuda::CUDAGuard guard(q.device());
+    DecodeParams p{};
+    set_packed_store(p, q, k_codes, k_meta, v_codes, v_meta, k_bits, v_bits, block_table, rope_center, rope_inv_freq,
+                     rope_offset, side_k, side_v, side_sinks, side_ring, codes_tail);
+    if (!g2_k_codes.has_value()) {
+        return run_decode_op(Store::kPacked, p, q, k_codes, seqlens_k, cache_batch_idx, block_table, rot_signs, k_bits,
+                             v_bits, softmax_scale, is_causal, num_splits, window_left, window_right, cache_leftpad,
+                             softcap);
+    }
+    TQ_CHECK(g2_k_meta.has_value() && g2_v_codes.has_value() && g2_v_meta.has_value(),
+             "g2_k_codes, g2_k_meta, g2_v_codes and g2_v_meta must be given together");
+    TQ_CHECK(g2_rope_center.has_value() == rope_center.has_value() && g2_side_k.has_value() && side_k.has_value(),
+             "two head groups need a 16-bit side each and the RoPE center in both or neither");
+    TQ_CHECK(!block_table.has_value(), "two head groups take contiguous caches");
+    TQ_CHECK(g2_k_codes->dim() == 4 && g2_k_codes->size(0) == k_codes.size(0) && g2_k_codes->size(1) == k_codes.size(1),
+             "both head groups' codes must hold the same rows and capacity");
+    TQ_CHECK(has_pair(q.scalar_type(), q.size(3), k_bits, v_bits, g2_k_bits, g2_v_bits),
+             "no two-group kernel for this dtype, head_dim and bits (flash_attn_tq.kernel_cases)");
+    const int h_k = k_codes.size(2), h_k2 = g2_k_codes->size(2);
+    TQ_CHECK(h_k2 > 0 && g2_head >= 0 && g2_head <= h_k,
+             "g2_head must place the second group's kv heads among the layer's");
+    TQ_CHECK(q.size(2) % (h_k + h_k2) == 0 && (q.size(2) / (h_k + h_k2)) * q.size(1) < kPrefillMinRows,
+             "two head groups take decode-sized calls (fewer query rows a kv head than the prefill kernel's)");
+    const Pair pair{h_k2, static_cast<int>(g2_head), static_cast<int>(g2_k_bits), static_cast<int>(g2_v_bits),
+                    [&](DecodeParams &g) {
+                        set_packed_store(g, q, *g2_k_codes, *g2_k_meta, *g2_v_codes, *g2_v_meta, g2_k_bits, g2_v_bits,
+                                         block_table, g2_rope_center, rope_inv_freq, rope_offset, g2_side_k, g2_side_v,
+                                         side_sinks, side_ring, codes_tail);
+                    }};
     return run_decode_op(Store::kPacked, p, q, k_codes, seqlens_k, cache_batch_idx, block_table, rot_signs, k_bits,
                          v_bits, softmax_scale, is_causal, num_splits, window_left, window_right, cache_leftpad,
-                         softcap);
+                         softcap, &pair);
 }
 
 // The same kernel body over a float16/bfloat16 cache (the Fp16KV loader): our FP16 baseline.
@@ -646,7 +735,10 @@ TORCH_LIBRARY(flash_attn_tq, m) {
         "bool is_causal, "
         "int num_splits, int window_left=-1, int window_right=-1, Tensor? cache_leftpad=None, float softcap=0.0, "
         "Tensor? rope_center=None, Tensor? rope_inv_freq=None, int rope_offset=0, Tensor? side_k=None, "
-        "Tensor? side_v=None, int side_sinks=0, int side_ring=0, int codes_tail=0) -> (Tensor, Tensor)");
+        "Tensor? side_v=None, int side_sinks=0, int side_ring=0, int codes_tail=0, Tensor? g2_k_codes=None, "
+        "Tensor? g2_k_meta=None, Tensor? g2_v_codes=None, Tensor? g2_v_meta=None, int g2_k_bits=0, int g2_v_bits=0, "
+        "Tensor? g2_rope_center=None, Tensor? g2_side_k=None, Tensor? g2_side_v=None, int g2_head=0) -> "
+        "(Tensor, Tensor)");
     m.def(
         "decode_kv16(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seqlens_k, Tensor? cache_batch_idx, "
         "Tensor? block_table, float softmax_scale, bool is_causal, int num_splits) -> (Tensor, Tensor)");

@@ -39,6 +39,7 @@ except ImportError as e:  # pragma: no cover - exercised only without transforme
 from ..cache import PackErrors, QuantizedKVCache, capturing, health_reports
 from ..format import bits_per_element as _format_bits
 from ..interface import flash_attn_with_kvcache
+from ..kernel_cases import FUSED_PAIR_BITS
 from .options import (
     DEFAULTS,
     NO_FP16_WINDOW,
@@ -99,6 +100,7 @@ class TQLayer(CacheLayerMixin):
         self.groups: list[tuple[int, ...]] = []  # kv heads of each head group (set on the first update)
         self.caches: list[QuantizedKVCache] = []  # one a group (created on the first token)
         self._runs: list[tuple[int, int]] | None = None  # (set with the groups)
+        self._pair: tuple[int, int] | None = None  # two head groups one launch attends (set with the groups)
         self._length: int | None = 0  # tokens seen (None after traced steps: see length)
         self.first_chunk = True  # the last update was the sequence's first (its prompt)
         self.pending = None  # (k, v) of the last update, written by commit() (it needs the queries)
@@ -133,7 +135,24 @@ class TQLayer(CacheLayerMixin):
         ]
         runs = all(heads == tuple(range(heads[0], heads[-1] + 1)) for heads in self.groups)
         self._runs = [(heads[0], heads[-1] + 1) for heads in self.groups] if runs and len(self.groups) > 1 else None
+        self._pair = self._one_launch_pair()
         self.is_initialized = True
+
+    def _one_launch_pair(self) -> tuple[int, int] | None:
+        """(a, b): two head groups one kernel launch can attend (FUSED_PAIR_BITS; group b a run of
+        adjacent kv heads, their options the same but the bits), else None."""
+        if len(self.groups) != 2:
+            return None
+        opts = [self.group_kwargs(g) for g in range(2)]
+        bits = [(o.get("k_bits", 3), o.get("v_bits", 3)) for o in opts]
+        rest = [{k: v for k, v in o.items() if k not in ("k_bits", "v_bits")} for o in opts]
+        if rest[0] != rest[1]:  # (the same objects but for the head options' scalars)
+            return None
+        for a, b in ((0, 1), (1, 0)):
+            heads = self.groups[b]
+            if heads == tuple(range(heads[0], heads[-1] + 1)) and (bits[a], bits[b]) in FUSED_PAIR_BITS:
+                return a, b
+        return None
 
     def group_kwargs(self, group: int) -> dict:
         """QuantizedKVCache options of head group ``group``."""
@@ -290,9 +309,19 @@ class TQLayer(CacheLayerMixin):
     # -- attention
     def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """query ``[B, Hq, Sq, D]`` (the last Sq tokens) -> output ``[B, Sq, Hq, D]``: causal attention
-        over the layer's caches, one :func:`flash_attn_with_kvcache` call a head group."""
+        over the layer's caches, one :func:`flash_attn_with_kvcache` call a head group, or one decode
+        launch for two head groups that differ in bits only (a 3-bit group beside K8V8 heads: see
+        :meth:`QuantizedKVCache.pair_reason`)."""
         q = query.transpose(1, 2)
         G = q.shape[2] // self.num_kv_heads
+        if self._pair is not None and q.is_cuda:  # both head groups in one launch where the call allows it
+            a, b = self._pair
+            qa, qb = self.caches[a], self.caches[b]
+            qq = q.to(qa.dtype)
+            if qa.pair_reason(qb, qq) is None:
+                lens = qa.seqlens[: q.shape[0]]
+                out, _ = qa.attend(qq, lens, None, scaling, True, with_lse=False, group2=(qb, self.groups[b][0]))
+                return out.to(query.dtype)
         outs = []
         for g, qc in enumerate(self.caches):
             qg = self._heads(q, g, G)

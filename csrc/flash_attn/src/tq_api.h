@@ -13,6 +13,10 @@ namespace flash_tq {
 template <typename Elem, int kHeadDim, int kKBits, int kVBits, bool kScaleOnly>
 void run_decode(const DecodeParams &p, cudaStream_t stream);
 
+// Two head groups of a layer with different code widths in one launch (tq_decode_launch.h).
+template <typename Elem, int kHeadDim, int kKBitsA, int kVBitsA, int kKBitsB, int kVBitsB, bool kScaleOnly>
+void run_decode_pair(const DecodeParams &a, const DecodeParams &b, cudaStream_t stream);
+
 // Many query rows a kv head (chunked prefill): 256-row CTAs over tiles expanded once into shared memory.
 // Devices that give a CTA less shared memory than kPrefillSmemBudget (tq_params.h) run the decode kernel.
 template <typename Elem, int kHeadDim, int kKBits, int kVBits, bool kScaleOnly>

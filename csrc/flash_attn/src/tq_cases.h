@@ -47,4 +47,16 @@ constexpr int kPrefillMinRows = 128;  // query rows a kv head from which the pre
     X(__nv_bfloat16, 64) \
     X(__nv_bfloat16, 128) \
 
+// X(element type, head dim, K bits, V bits of one head group, of the other): two head groups in one
+// launch (scale-only metadata, a 16-bit side)
+#define TQ_FOR_EACH_PAIR_CASE(X) \
+    X(__half, 64, 3, 3, 8, 8) \
+    X(__half, 64, 4, 3, 8, 8) \
+    X(__half, 128, 3, 3, 8, 8) \
+    X(__half, 128, 4, 3, 8, 8) \
+    X(__nv_bfloat16, 64, 3, 3, 8, 8) \
+    X(__nv_bfloat16, 64, 4, 3, 8, 8) \
+    X(__nv_bfloat16, 128, 3, 3, 8, 8) \
+    X(__nv_bfloat16, 128, 4, 3, 8, 8) \
+
 }  // namespace flash_tq

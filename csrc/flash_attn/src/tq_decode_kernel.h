@@ -468,6 +468,46 @@ __global__ void __launch_bounds__(Traits::kNThreads, 3) decode_split_rope_kernel
     decode_split<Traits, kPaging, false, true, kSide>(p);
 }
 
+// Two head groups of a layer whose codes differ in width (TQCache's 8-bit copy heads beside 3-bit
+// ones), both with a 16-bit side, in one launch. Each group splits its keys its own way (num_splits:
+// its code splits + 1), so that a wide head's CTAs take about as long as a narrow one's; the split
+// buffers hold the larger count, every row's side in the last slot, and a group with fewer splits
+// fills its unused slots with empty partials (its side CTA), for one combine over the layer's rows
+// (DecodeParams::head_base). grid.x: b's code CTAs (the longer), a's, then every side CTA.
+template <typename TA, typename TB, bool kRope>
+__device__ __forceinline__ void decode_pair_split(const DecodeParams &a, const DecodeParams &b) {
+    static_assert(TA::kNThreads == TB::kNThreads && TA::kRows == TB::kRows, "one CTA shape for both groups");
+    extern __shared__ __align__(16) char smem[];
+    const int a_splits = a.num_splits - 1, b_splits = b.num_splits - 1;
+    const int side_slot = max(a_splits, b_splits), a_rows = a.b * a.h_k, b_codes = b_splits * b.b * b.h_k;
+    int lin = blockIdx.x;
+    if (lin < b_codes) {
+        split_body<TB, Paging::kNone, false, kRope, Part::kCodes>(b, smem, lin % b_splits, lin / b_splits);
+        return;
+    }
+    lin -= b_codes;
+    if (lin < a_splits * a_rows) {
+        split_body<TA, Paging::kNone, false, kRope, Part::kCodes>(a, smem, lin % a_splits, lin / a_splits);
+        return;
+    }
+    lin -= a_splits * a_rows;
+    if (lin < a_rows) {
+        split_body<SideTraits<TA>, Paging::kNone, false, false, Part::kSide>(a, smem, side_slot, lin);
+        clear_splits<TA::kHeadDim, TA::kRows>(a, lin, a_splits, side_slot);
+    } else {
+        split_body<SideTraits<TB>, Paging::kNone, false, false, Part::kSide>(b, smem, side_slot, lin - a_rows);
+        clear_splits<TB::kHeadDim, TB::kRows>(b, lin - a_rows, b_splits, side_slot);
+    }
+}
+
+// (one row tile: held to 3 CTAs an SM, as decode_split_rope_kernel; unbounded, the K8V8 body took 173
+// registers and held the 3-bit heads to 2)
+template <typename TA, typename TB, bool kRope>
+__global__ void __launch_bounds__(TA::kNThreads, TA::kNT == 1 ? 3 : 1)
+    decode_pair_kernel(const DecodeParams a, const DecodeParams b) {
+    decode_pair_split<TA, TB, kRope>(a, b);
+}
+
 // The end of a merged row: o (the lane's kV elements of sum_s w_s o_s, w_s = exp(lse_s - use)) over
 // total = sum_s w_s, rotated back (turbo), to out; lse = use + log(total) (+inf without keys).
 template <typename Elem, int kHeadDim>

@@ -79,13 +79,15 @@ struct TilePages {
 };
 
 // kScaleOnly: the metadata is the float16 scale alone (turbo's norm fit, offset = -mid * scale).
-template <int kKBits_, int kVBits_, int kHeadDim, typename Elem, bool kScaleOnly = false>
+// kStages_: fewer for wide codes sharing a launch with narrow ones (decode_pair_kernel), whose CTAs
+// all get the larger shared memory.
+template <int kKBits_, int kVBits_, int kHeadDim, typename Elem, bool kScaleOnly = false, int kStages_ = 3>
 struct PackedKV {
     static constexpr int kKBits = kKBits_, kVBits = kVBits_;
     static constexpr int kMetaBytes = kScaleOnly ? 2 : 4;  // a token's metadata
     static constexpr bool kAffine = true;
     static constexpr int kTileN = 32;    // tokens per warp tile: one token a lane for the copies (64: 3-12% slower)
-    static constexpr int kStages = 3;    // per-warp cp.async stages: two tiles in flight while one computes
+    static constexpr int kStages = kStages_;  // per-warp cp.async stages: two tiles in flight while one computes
     static constexpr int kSegment = 16;  // smallest page copied as contiguous regions (16-token pages: two a tile)
     using KL = CodeLayout<kKBits, kHeadDim>;
     using VL = CodeLayout<kVBits, kHeadDim>;

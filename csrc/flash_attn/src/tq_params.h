@@ -69,6 +69,11 @@ struct DecodeParams {
     bool side_first;
 
     int b, seqlen_q, h, h_k, h_h_k_ratio;
+    // One of two head groups attended by one launch (run_decode_pair): kv head hk of this group's
+    // codes is the layer's kv head hk + head_base, plus head_skip from hk = head_skip_from on (the
+    // other group's heads), which places its query rows in q, out and the split buffers (h: the
+    // layer's heads). All zero: the codes hold every kv head.
+    int head_base, head_skip_from, head_skip;
     float scale_softmax_log2;  // softmax_scale * log2(e)
     int num_splits;
     bool is_causal;

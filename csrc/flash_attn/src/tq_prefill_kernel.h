@@ -340,7 +340,7 @@ __device__ __forceinline__ void prefill_split_body(const DecodeParams &p) {
             }
             float total = row_sum[m][h], inv = total > 0.f ? 1.f / total : 0.f;
             float lse = row_lse(row_max[m][h] == kNegInf ? 0.f : row_max[m][h], total);
-            const int i = r / group, hq = hk * group + r % group;
+            const int i = r / group, hq = query_head(p, hk, r);
             if (p.side_first && r < total_rows) {  // o = (w o + w_side o_side) / (w + w_side), in the codes' domain
                 const int64_t side_row = ((static_cast<int64_t>(p.num_splits - 1) * p.b + b) * p.h + hq) * p.seqlen_q + i;
                 const float lse_side = p.lse_accum[side_row], mx = fmaxf(lse, lse_side);

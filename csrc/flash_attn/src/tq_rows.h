@@ -62,18 +62,22 @@ __device__ __forceinline__ float softcap_score(float s, float c) {
     return c * t;
 }
 
+// The query head of row r of the codes' kv head hk (a head group's heads placed in the layer's).
+__device__ __forceinline__ int query_head(const DecodeParams &p, int hk, int r) {
+    const int layer_hk = hk + p.head_base + (hk >= p.head_skip_from ? p.head_skip : 0);
+    return layer_hk * p.h_h_k_ratio + r % p.h_h_k_ratio;
+}
+
 template <typename Elem>
 __device__ __forceinline__ const Elem *q_row_ptr(const DecodeParams &p, int b, int hk, int r) {
-    const int group = p.h_h_k_ratio;
-    return reinterpret_cast<const Elem *>(p.q) + b * p.q_batch_stride + (r / group) * p.q_row_stride +
-           (hk * group + r % group) * p.q_head_stride;
+    return reinterpret_cast<const Elem *>(p.q) + b * p.q_batch_stride + (r / p.h_h_k_ratio) * p.q_row_stride +
+           query_head(p, hk, r) * p.q_head_stride;
 }
 
 template <typename Elem>
 __device__ __forceinline__ Elem *out_row_ptr(const DecodeParams &p, int b, int hk, int r) {
-    const int group = p.h_h_k_ratio;
-    return reinterpret_cast<Elem *>(p.out) + b * p.o_batch_stride + (r / group) * p.o_row_stride +
-           (hk * group + r % group) * p.o_head_stride;
+    return reinterpret_cast<Elem *>(p.out) + b * p.o_batch_stride + (r / p.h_h_k_ratio) * p.o_row_stride +
+           query_head(p, hk, r) * p.o_head_stride;
 }
 
 // turbo: rows [row0, row0 + kRows) of q, sign-flipped and Walsh-Hadamard transformed (unnormalized),
@@ -219,7 +223,7 @@ template <typename Elem, int D>
 __device__ __forceinline__ void store_row(const DecodeParams &p, int b, int hk, int split, int r, float (&o)[D / 32],
                                           float max_log2, float total, int lane) {
     constexpr int kV = RowMath<D>::kV;
-    const int group = p.h_h_k_ratio, i = r / group, hq = hk * group + r % group;
+    const int i = r / p.h_h_k_ratio, hq = query_head(p, hk, r);
     const float lse = row_lse(max_log2, total);
     if (p.num_splits == 1) {
         if (p.rot_signs != nullptr) { unrotate_row<D>(p.rot_signs, o, lane); }
@@ -236,6 +240,21 @@ __device__ __forceinline__ void store_row(const DecodeParams &p, int b, int hk, 
             *reinterpret_cast<float2 *>(acc_out) = make_float2(o[0], o[1]);
         }
         if (lane == 0) { p.lse_accum[row_id] = lse; }
+    }
+}
+
+// Empty partials (lse -inf, o 0) in split slots [from, to) of the CTA's rows (blockIdx.z's row block)
+// of batch entry * h_k + kv head bh: the slots a head group with fewer splits leaves (decode_pair_split).
+template <int D, int kRows>
+__device__ __forceinline__ void clear_splits(const DecodeParams &p, int bh, int from, int to) {
+    const int b = bh / p.h_k, hk = bh % p.h_k, total_rows = p.h_h_k_ratio * p.seqlen_q;
+    const int row0 = blockIdx.z * kRows, rows = min(kRows, total_rows - row0);
+    for (int k = threadIdx.x; k < (to - from) * rows * (D / 4); k += blockDim.x) {
+        const int split = from + k / (rows * (D / 4)), r = row0 + k / (D / 4) % rows, part = k % (D / 4);
+        const int64_t row_id =
+            ((static_cast<int64_t>(split) * p.b + b) * p.h + query_head(p, hk, r)) * p.seqlen_q + r / p.h_h_k_ratio;
+        *reinterpret_cast<float4 *>(p.out_accum + row_id * D + 4 * part) = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (part == 0) { p.lse_accum[row_id] = -INFINITY; }
     }
 }
 

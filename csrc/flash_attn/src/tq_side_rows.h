@@ -202,7 +202,7 @@ __global__ void __launch_bounds__(T::kNThreads) side_rows_kernel(const DecodePar
     for (int h = 0; h < 2; ++h) {
         const int r = wrow0 + g + 8 * h;
         if (r >= total_rows) continue;
-        const int i = r / group, hq = hk * group + r % group;
+        const int i = r / group, hq = query_head(p, hk, r);
         const int64_t row_id = ((static_cast<int64_t>(split) * p.b + b) * p.h + hq) * p.seqlen_q + i;
         #pragma unroll
         for (int j = 0; j < DJ; ++j) {
