@@ -63,6 +63,11 @@ def _check_no_padding(attention_mask, layer: "TQLayer", query_len: int) -> None:
             raise NotImplementedError("TQCache does not support padded batches (use equal-length prompts)")
 
 
+def _adjacent(heads: tuple[int, ...]) -> bool:
+    """Whether a head group's kv heads are a run of adjacent heads (its tensors: slices of the layer's)."""
+    return heads == tuple(range(heads[0], heads[-1] + 1))
+
+
 class TQLayer(CacheLayerMixin):
     """One decoder layer's cache: QuantizedKVCaches holding its tokens (their first ``sink_tokens``
     and the recent window also in 16-bit, attended by the same kernel launch as the codes).
@@ -133,7 +138,7 @@ class TQLayer(CacheLayerMixin):
         self._index = [
             None if len(self.groups) == 1 else torch.tensor(heads, device=self.device) for heads in self.groups
         ]
-        runs = all(heads == tuple(range(heads[0], heads[-1] + 1)) for heads in self.groups)
+        runs = all(map(_adjacent, self.groups))
         self._runs = [(heads[0], heads[-1] + 1) for heads in self.groups] if runs and len(self.groups) > 1 else None
         self._pair = self._one_launch_pair()
         self.is_initialized = True
@@ -149,8 +154,7 @@ class TQLayer(CacheLayerMixin):
         if rest[0] != rest[1]:  # (the same objects but for the head options' scalars)
             return None
         for a, b in ((0, 1), (1, 0)):
-            heads = self.groups[b]
-            if heads == tuple(range(heads[0], heads[-1] + 1)) and (bits[a], bits[b]) in FUSED_PAIR_BITS:
+            if _adjacent(self.groups[b]) and (bits[a], bits[b]) in FUSED_PAIR_BITS:
                 return a, b
         return None
 
