@@ -1076,6 +1076,25 @@ def ppl_windows(ids, length, count, start=0):
     return [ids[start + i * length : start + (i + 1) * length] for i in range(n)]
 
 
+def product_windows(ids, length, decode, count):
+    """``count`` windows of ``length`` tokens for the product path, spread evenly over the text but never
+    closer than ``decode`` tokens apart, so the decoded (scored) tails of two windows never overlap: a
+    short text is tiled by them, a long one sampled end to end."""
+    last = len(ids) - length
+    if last < 0 or count < 1:
+        return []
+    n = min(count, last // decode + 1)
+    starts = [round(i * last / (n - 1)) if n > 1 else 0 for i in range(n)]
+    return [ids[s : s + length] for s in starts]
+
+
+def mean_se(values) -> tuple[float, float]:
+    """The mean of per-window (or per-task) values and its standard error (0 for one value)."""
+    t = torch.as_tensor(values, dtype=torch.float64)
+    se = t.std().item() / math.sqrt(len(t)) if len(t) > 1 else 0.0
+    return t.mean().item(), se
+
+
 def copy_tasks(ids, ctx, depths, seeds, span=64):
     pool = torch.unique(ids)
     tasks = []
@@ -1144,10 +1163,12 @@ def run_product(model, names, w1k, w4k, c1k, c4k, decode, head_dim, span=64, ski
     ``attn_implementation="tq_kvcache"`` decoding through a TQCache of each config (the fused kernels on a
     GPU), against the same model decoding through transformers' DynamicCache (the ``full`` row).
 
-    Perplexity windows: each window's first ``len - decode`` tokens are the prompt, its last ``decode``
-    tokens are decoded one a forward; perplexity, top-1 agreement and KL(full || config) over the
-    ``decode - 1`` decoded predictions. Copy retrieval: the context and the repeat's first ``skip``
-    tokens are the prompt, the rest of the repeat is decoded (the simulation's prefilled-copy setting).
+    Perplexity windows (``product_windows``: their decoded tails never overlap): each window's first
+    ``len - decode`` tokens are the prompt, its last ``decode`` tokens are decoded one a forward;
+    perplexity, top-1 agreement and KL(full || config) over the ``decode - 1`` decoded predictions, with
+    standard errors over the windows (``*_se``; copy: over the tasks, of the paired difference). Copy
+    retrieval: the context and the repeat's first ``skip`` tokens are the prompt, the rest of the repeat
+    is decoded (the simulation's prefilled-copy setting).
     Windows of one length, and copy tasks of one length, run as one batch. The config's calibrated bits
     are resolved as the simulation resolves them (float32 model), then the model goes to its dtype."""
     from tqdm import tqdm
@@ -1199,15 +1220,24 @@ def run_product(model, names, w1k, w4k, c1k, c4k, decode, head_dim, span=64, ski
                 if cfg is not None and "kernel_path" not in r:
                     r["kernel_path"] = flash_attn_tq.last_path()  # (the last decode step's attention path)
                 if key.startswith("copy"):
-                    r[f"copy_acc_{key[5:]}"] = (lp.argmax(-1) == seqs[:, prompt:]).float().mean().item()
+                    acc = (lp.argmax(-1) == seqs[:, prompt:]).float().mean(1)  # a task each
+                    if cfg is None:
+                        ref[key] = acc
+                    r[f"copy_acc_{key[5:]}"] = acc.mean().item()
+                    r[f"copy_{key[5:]}_delta_se_pts"] = 100 * mean_se(acc - ref[key])[1]
                 else:
                     lp, target = lp[:, 1:], seqs[:, prompt + 1 :]  # the decoded predictions
+                    nll = -lp.gather(-1, target[..., None])[..., 0].mean(1)  # a window each
                     if cfg is None:
-                        ref[key] = lp
-                    base, sfx = ref[key], "" if key == "1k" else "_4k"
-                    r["ppl" + sfx] = math.exp(-lp.gather(-1, target[..., None]).mean().item())
-                    r["top1_agreement" + sfx] = (lp.argmax(-1) == base.argmax(-1)).float().mean().item()
+                        ref[key] = lp, nll
+                    (base, base_nll), sfx = ref[key], "" if key == "1k" else "_4k"
+                    agree = (lp.argmax(-1) == base.argmax(-1)).float().mean(1)
+                    r["ppl" + sfx] = math.exp(nll.mean().item())
+                    r["top1_agreement" + sfx] = agree.mean().item()
                     r["kl" + sfx] = (base.exp() * (base - lp)).sum(-1).mean().item()
+                    # standard errors over the windows (exp(d) - 1 ~ d for the perplexity's ratio)
+                    r["ppl" + sfx + "_delta_se_pct"] = 100 * mean_se(nll - base_nll)[1]
+                    r["top1_agreement" + sfx + "_se"] = mean_se(agree)[1]
                 del lp
                 bar.update()
             r["copy_acc"] = r.get("copy_acc_1k")
@@ -1351,7 +1381,9 @@ def run(args):
             else PRODUCT
         )
         decode = min(args.product_decode, 32) if quick else args.product_decode
-        rows, pmeta = run_product(model, pnames, w1k, w4k_all, c1k, c4k_all, decode, head_dim, graph=args.graph)
+        pw1k = product_windows(ids, 1024, decode, 2 if quick else args.windows)
+        pw4k = product_windows(ids, 4096, decode, args.long_windows) if long_tasks else []
+        rows, pmeta = run_product(model, pnames, pw1k, pw4k, c1k, c4k_all, decode, head_dim, graph=args.graph)
         results += rows
         meta.update(pmeta)
     out = dict(
@@ -1465,9 +1497,10 @@ def markdown(res) -> str:
             f"{s.get('product_windows_1k')} x 1024 and {s.get('product_windows_4k')} x 4096-token windows and "
             f"{s.get('product_copy_tasks_1k')} / {s.get('product_copy_tasks_4k')} copy tasks: each "
             f"window's last {s.get('product_decode_tokens')} tokens decoded one a step after a full-precision "
-            f"prefill of the rest (PPL, top-1 and KL over those), copy with the context prefilled and the "
-            f"repeat decoded; deltas, top-1 and KL against the same model through DynamicCache "
-            f"(full [product]). Product-path targets: {res.get('targets_product')}."
+            f"prefill of the rest (PPL, top-1 and KL over those; the windows' decoded tails do not overlap), "
+            f"copy with the context prefilled and the repeat decoded; deltas, top-1 and KL against the same "
+            f"model through DynamicCache (full [product]), ± one standard error over the windows (copy: "
+            f"over the tasks, paired). Product-path targets: {res.get('targets_product')}."
         )
     for r in res["configs"]:
         fp16 = r["fp16_window"] + r["sink_tokens"]
@@ -1475,11 +1508,18 @@ def markdown(res) -> str:
         name = f"**{r['name']}**" if r["name"] == res["default"] else r["name"]
         if r.get("path") == "product":
             name += " [product]"
+
+        def se(key, fmt):  # " ± standard error" where the run measured one (product rows but full)
+            return f" ± {r[key]:{fmt}}" if r.get(key) and r["name"] != "full" else ""
+
         lines.append(
-            f"| {name} | {r['bits_per_element']:.3f} | {fp16} | {r['ppl']:.3f} | {f(r.get('ppl_delta_pct'), '+.2f')}% "
-            f"| {r['top1_agreement']:.4f} | {r['kl']:.4f} | {r['copy_acc']:.3f} | {f(r.get('copy_delta_pts'), '+.1f')} "
-            f"| {f(r.get('ppl_4k'), '.3f')} | {f(r.get('ppl_4k_delta_pct'), '+.2f')} "
-            f"| {f(r.get('copy_acc_4k'), '.3f')} | {f(r.get('copy_4k_delta_pts'), '+.1f')} |"
+            f"| {name} | {r['bits_per_element']:.3f} | {fp16} | {r['ppl']:.3f} | {f(r.get('ppl_delta_pct'), '+.2f')}%"
+            f"{se('ppl_delta_se_pct', '.2f')} | {r['top1_agreement']:.4f}{se('top1_agreement_se', '.4f')} "
+            f"| {r['kl']:.4f} | {r['copy_acc']:.3f} "
+            f"| {f(r.get('copy_delta_pts'), '+.1f')}{se('copy_1k_delta_se_pts', '.1f')} "
+            f"| {f(r.get('ppl_4k'), '.3f')} | {f(r.get('ppl_4k_delta_pct'), '+.2f')}{se('ppl_4k_delta_se_pct', '.2f')} "
+            f"| {f(r.get('copy_acc_4k'), '.3f')} "
+            f"| {f(r.get('copy_4k_delta_pts'), '+.1f')}{se('copy_4k_delta_se_pts', '.1f')} |"
             + (
                 f" {f(r.get('copy_1k_decode_delta_pts'), '+.1f')} / {f(r.get('copy_4k_decode_delta_pts'), '+.1f')} "
                 f"({f(r.get('copy_acc_1k_decode'), '.3f')} / {f(r.get('copy_acc_4k_decode'), '.3f')}) |"
@@ -1591,6 +1631,10 @@ def merge_results(old: dict, new: dict) -> dict:
         raise ValueError("merge: the two results are of different texts")
     key = lambda r: (r["name"], r.get("path", "simulation"))  # noqa: E731
     rows = new["configs"]
+    product = lambda res: {k: v for k, v in res.get("setup", {}).items() if k.startswith("product_")}  # noqa: E731
+    if any(r.get("path") == "product" for r in rows) and product(old) != product(new):
+        # another product setup (windows, tasks, steps): none of old's product rows compare with new's
+        old = dict(old, configs=[r for r in old["configs"] if r.get("path") != "product"])
     old_fulls = {key(r) for r in old["configs"] if r["name"] == "full"}
     rows = [r for r in rows if key(r) not in old_fulls]
     keys = {key(r) for r in rows}

@@ -108,11 +108,30 @@ def test_eval_quality_text_both_paths(tmp_path, monkeypatch):
     assert 0.0 < tq["top1_agreement"] <= 1.0 and tq["kl"] >= 0.0 and 0.0 <= tq["copy_acc"] <= 1.0
     assert tq["kernel_path"].startswith("quantized:")  # (the reference path on the CPU)
     assert res["setup"]["product_decode_tokens"] == 12
+    for key in ("ppl_delta_se_pct", "top1_agreement_se", "copy_1k_delta_se_pts"):
+        assert tq[key] >= 0.0, key
     md = (out / "quality_table.md").read_text()
-    assert f"{cfg} [product]" in md and "full [product]" in md
+    assert f"{cfg} [product]" in md and "full [product]" in md and " ± " in md
     # re-rendering and merging keep the two paths apart
     merged = eval_quality.merge_results(res, res)
     assert len(merged["configs"]) == len(res["configs"])
+    # a product run of another setup replaces every product row, its reference included
+    other = dict(res, setup=dict(res["setup"], product_decode_tokens=99))
+    other["configs"] = [r for r in res["configs"] if r["path"] == "product" and r["name"] != "full"]
+    merged = eval_quality.merge_results(res, other)
+    assert {(r["name"], r["path"]) for r in merged["configs"] if r["path"] == "product"} == {(cfg, "product")}
+
+
+def test_product_windows_tile_short_texts_and_spread_over_long_ones():
+    ids = torch.arange(3000)
+    short = eval_quality.product_windows(ids, 1024, 256, 100)
+    assert len(short) == (3000 - 1024) // 256 + 1 and all(len(w) == 1024 for w in short)
+    tails = torch.cat([w[-256:] for w in short])
+    assert len(tails.unique()) == len(tails)  # scored tails never overlap
+    assert short[0][0] == 0 and short[-1][-1] == 2999
+    spread = eval_quality.product_windows(ids, 1024, 256, 3)
+    assert [w[0].item() for w in spread] == [0, 988, 1976]
+    assert eval_quality.product_windows(torch.arange(1000), 1024, 256, 4) == []
 
 
 def test_tq_cache_rejects_simulation_only_configs():

@@ -108,7 +108,8 @@ def test_generate_and_capacity():
 def test_generate_compiles_the_decode_steps(dtype):
     """transformers' generate over a TQCache with max_cache_len compiles its decode steps (inductor,
     CUDA graphs): one graph, no recompilation, no CUDA-graph skip; tokens and logits as eager; the
-    default options plus a K8V8 head group, 150 steps (past the window)."""
+    default options plus a K8V8 head group (its layer's two head groups in one decode launch in the
+    compiled steps too), 150 steps (past the window)."""
     from torch._dynamo.utils import counters
 
     model = llama("cuda", dtype)
@@ -119,12 +120,14 @@ def test_generate_compiles_the_decode_steps(dtype):
         torch._dynamo.reset()
         counters.clear()
         cache = TQCache(model.config, **kw)
-        runs[compiled] = model.generate(
-            prompt, past_key_values=cache, max_new_tokens=150, do_sample=False, disable_compile=not compiled,
-            output_logits=True, return_dict_in_generate=True,
-        )  # fmt: skip
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            runs[compiled] = model.generate(
+                prompt, past_key_values=cache, max_new_tokens=150, do_sample=False, disable_compile=not compiled,
+                output_logits=True, return_dict_in_generate=True,
+            )  # fmt: skip
         cache.pack_errors.check()
         assert cache.get_seq_length() == 300 + 149
+        assert any("decode_pair_kernel" in e.name for e in prof.events()), compiled
     assert counters["stats"]["unique_graphs"] == 1 and not counters["recompiles"]
     assert not counters["inductor"]["cudagraph_skips"]
     # the model's own ops compile to other kernels (rounding differs): the logits agree step by step,
