@@ -1088,11 +1088,10 @@ def product_windows(ids, length, decode, count):
     return [ids[s : s + length] for s in starts]
 
 
-def mean_se(values) -> tuple[float, float]:
-    """The mean of per-window (or per-task) values and its standard error (0 for one value)."""
+def std_error(values) -> float:
+    """The standard error of the mean of per-window (or per-task) values (0 for one value)."""
     t = torch.as_tensor(values, dtype=torch.float64)
-    se = t.std().item() / math.sqrt(len(t)) if len(t) > 1 else 0.0
-    return t.mean().item(), se
+    return t.std().item() / math.sqrt(len(t)) if len(t) > 1 else 0.0
 
 
 def copy_tasks(ids, ctx, depths, seeds, span=64):
@@ -1224,7 +1223,7 @@ def run_product(model, names, w1k, w4k, c1k, c4k, decode, head_dim, span=64, ski
                     if cfg is None:
                         ref[key] = acc
                     r[f"copy_acc_{key[5:]}"] = acc.mean().item()
-                    r[f"copy_{key[5:]}_delta_se_pts"] = 100 * mean_se(acc - ref[key])[1]
+                    r[f"copy_{key[5:]}_delta_se_pts"] = 100 * std_error(acc - ref[key])
                 else:
                     lp, target = lp[:, 1:], seqs[:, prompt + 1 :]  # the decoded predictions
                     nll = -lp.gather(-1, target[..., None])[..., 0].mean(1)  # a window each
@@ -1236,8 +1235,8 @@ def run_product(model, names, w1k, w4k, c1k, c4k, decode, head_dim, span=64, ski
                     r["top1_agreement" + sfx] = agree.mean().item()
                     r["kl" + sfx] = (base.exp() * (base - lp)).sum(-1).mean().item()
                     # standard errors over the windows (exp(d) - 1 ~ d for the perplexity's ratio)
-                    r["ppl" + sfx + "_delta_se_pct"] = 100 * mean_se(nll - base_nll)[1]
-                    r["top1_agreement" + sfx + "_se"] = mean_se(agree)[1]
+                    r["ppl" + sfx + "_delta_se_pct"] = 100 * std_error(nll - base_nll)
+                    r["top1_agreement" + sfx + "_se"] = std_error(agree)
                 del lp
                 bar.update()
             r["copy_acc"] = r.get("copy_acc_1k")
