@@ -80,13 +80,16 @@ struct TilePages {
 
 // kScaleOnly: the metadata is the float16 scale alone (turbo's norm fit, offset = -mid * scale).
 // kStages_: fewer for wide codes sharing a launch with narrow ones (decode_pair_kernel), whose CTAs
-// all get the larger shared memory.
-template <int kKBits_, int kVBits_, int kHeadDim, typename Elem, bool kScaleOnly = false, int kStages_ = 3>
+// all get the larger shared memory. kTileN_: tokens a warp tile (64: head_dim 64 over long splits,
+// wide_tiles in tq_decode_launch.h).
+template <int kKBits_, int kVBits_, int kHeadDim, typename Elem, bool kScaleOnly = false, int kStages_ = 3,
+          int kTileN_ = 32>
 struct PackedKV {
     static constexpr int kKBits = kKBits_, kVBits = kVBits_;
     static constexpr int kMetaBytes = kScaleOnly ? 2 : 4;  // a token's metadata
     static constexpr bool kAffine = true;
-    static constexpr int kTileN = 32;    // tokens per warp tile: one token a lane for the copies (64: 3-12% slower)
+    static constexpr int kTileN = kTileN_;  // (64-token tiles at d 128: 3-12% slower)
+    static_assert(kTileN == 32 || kTileN == 64, "warp tiles of 32 or 64 tokens");
     static constexpr int kStages = kStages_;  // per-warp cp.async stages: two tiles in flight while one computes
     static constexpr int kSegment = 16;  // smallest page copied as contiguous regions (16-token pages: two a tile)
     using KL = CodeLayout<kKBits, kHeadDim>;
@@ -188,13 +191,14 @@ struct PackedKV {
         for (int j = 0; j < kBytes / kChunk; ++j) { cp_async<kChunk>(dst + j * kChunk, src + j * kChunk, valid); }
     }
 
-    // Lane l copies token tile_start + l (codes and meta of K and V); tokens >= seqlen_k are zero-filled.
+    // Lane l copies tokens tile_start + l (+ 32) (codes and meta of K and V); tokens >= seqlen_k are zero-filled.
     // Offsets are 32 x 32 -> 64-bit products: row and block strides fit in 32 bits (checked on the host).
     // With Paging::kRows, page_rows are the rows of the tile's first and second kSegment tokens; with
     // kRows16, page_rows[0] is the row of the lane's half's page.
     template <Paging kPaging = Paging::kRuntime>
     __device__ static void load_tile(const DecodeParams &p, const Bases &base, char *stage, int b, int tile_start,
                                      int seqlen_k, int lane, const int (&page_rows)[2] = {0, 0}) {
+        static_assert(kTileN == 32 || kPaging == Paging::kNone, "64-token tiles: contiguous caches only");
         const bool paged = rows_given(kPaging) || (kPaging == Paging::kRuntime && p.block_table != nullptr);
         if (base.dense && tile_start + kTileN <= seqlen_k) {  // a whole tile of adjacent rows (or two halves)
             auto copy_run = [&](auto tokens, int first) {     // `tokens` adjacent rows from tile token `first`
@@ -238,30 +242,34 @@ struct PackedKV {
             }
             return;
         }
-        const int t = tile_start + lane;
-        const bool valid = t < seqlen_k;
-        int row = 0, col = valid ? t : 0;
-        if (paged) {  // page sizes are powers of two
-            row = valid ? p.block_table[b * p.block_table_batch_stride + (t >> p.page_block_shift)] : 0;
-            col = valid ? (t & (p.page_block_size - 1)) : 0;
-        }
-        auto off = [&](int64_t batch_stride, int64_t row_stride) {
-            return static_cast<int64_t>(row) * static_cast<int>(batch_stride) +
-                   static_cast<int64_t>(col) * static_cast<int>(row_stride);
-        };
-        copy_row<KL::kBytes>(stage + kKOff + lane * KL::kBytes, base.kc + off(p.kc_batch_stride, p.kc_row_stride),
-                             valid);
-        copy_row<VL::kBytes>(stage + kVOff + lane * VL::kBytes, base.vc + off(p.vc_batch_stride, p.vc_row_stride),
-                             valid);
-        if constexpr (
-            kScaleOnly) {  // 2 bytes: below cp.async's smallest copy, a plain load (partial tiles, odd layouts)
-            reinterpret_cast<uint16_t *>(stage + kKMetaOff)[lane] =
-                valid ? base.km[off(p.km_batch_stride, p.km_row_stride)] : 0;
-            reinterpret_cast<uint16_t *>(stage + kVMetaOff)[lane] =
-                valid ? base.vm[off(p.vm_batch_stride, p.vm_row_stride)] : 0;
-        } else {
-            cp_async<4>(stage + kKMetaOff + lane * 4, base.km + off(p.km_batch_stride, p.km_row_stride), valid);
-            cp_async<4>(stage + kVMetaOff + lane * 4, base.vm + off(p.vm_batch_stride, p.vm_row_stride), valid);
+        #pragma unroll
+        for (int t0 = 0; t0 < kTileN; t0 += 32) {
+            const int l = t0 + lane;
+            const int t = tile_start + l;
+            const bool valid = t < seqlen_k;
+            int row = 0, col = valid ? t : 0;
+            if (paged) {  // page sizes are powers of two
+                row = valid ? p.block_table[b * p.block_table_batch_stride + (t >> p.page_block_shift)] : 0;
+                col = valid ? (t & (p.page_block_size - 1)) : 0;
+            }
+            auto off = [&](int64_t batch_stride, int64_t row_stride) {
+                return static_cast<int64_t>(row) * static_cast<int>(batch_stride) +
+                       static_cast<int64_t>(col) * static_cast<int>(row_stride);
+            };
+            copy_row<KL::kBytes>(stage + kKOff + l * KL::kBytes, base.kc + off(p.kc_batch_stride, p.kc_row_stride),
+                                 valid);
+            copy_row<VL::kBytes>(stage + kVOff + l * VL::kBytes, base.vc + off(p.vc_batch_stride, p.vc_row_stride),
+                                 valid);
+            if constexpr (
+                kScaleOnly) {  // 2 bytes: below cp.async's smallest copy, a plain load (partial tiles, odd layouts)
+                reinterpret_cast<uint16_t *>(stage + kKMetaOff)[l] =
+                    valid ? base.km[off(p.km_batch_stride, p.km_row_stride)] : 0;
+                reinterpret_cast<uint16_t *>(stage + kVMetaOff)[l] =
+                    valid ? base.vm[off(p.vm_batch_stride, p.vm_row_stride)] : 0;
+            } else {
+                cp_async<4>(stage + kKMetaOff + l * 4, base.km + off(p.km_batch_stride, p.km_row_stride), valid);
+                cp_async<4>(stage + kVMetaOff + l * 4, base.vm + off(p.vm_batch_stride, p.vm_row_stride), valid);
+            }
         }
     }
 
