@@ -86,9 +86,9 @@ for rows in (1, 5):
         outs, _ = narrow.attend(qp, narrow.seqlens, None, 0.125, True, splits, with_lse=False, group2=(wide, 1))
 torch.cuda.synchronize()
 assert torch.isfinite(outs).all()
-# head_dim 64 over 1024+ keys a code split: 64-token warp tiles (plain, side, RoPE center + side), the
-# last tile partial
-for opts in (dict(), dict(sink_tokens=16, fp16_window=112), rope):
+# head_dim 64 over 1024+ keys a code split: 64-token warp tiles (plain, side, RoPE center + side,
+# 64-token pages), the last tile partial
+for opts in (dict(), dict(sink_tokens=16, fp16_window=112), rope, dict(page_size=64)):
     long = fa.QuantizedKVCache(2, 1200, 2, 64, **dict(opts, device="cuda"))
     long.append(
         torch.randn(2, 1100, 2, 64, device="cuda", dtype=torch.float16),

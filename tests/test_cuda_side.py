@@ -138,20 +138,12 @@ def test_side_decode(batch, seqlens, hq, hk, sinks, window, d, dtype, center):
     _check(q, cache, out, lse, causal=True)
 
 
-@pytest.mark.parametrize("sinks,window", [(0, 0), (16, 112)])
-@pytest.mark.parametrize("bits", [(3, 3), (4, 3)])
-@pytest.mark.parametrize("scale_only", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("center", [False, "rope"])
-@pytest.mark.parametrize("seqlen_q,num_splits", [(1, 1), (2, 2)])
-def test_decode_wide_tiles(sinks, window, bits, scale_only, dtype, center, seqlen_q, num_splits):
-    """head_dim 64 over 1024+ keys a code split runs 64-token warp tiles (tq_decode_launch.h's
-    wide_tiles): the profiler sees that kernel, and it matches float32 attention over the cache;
-    lengths whose last tile is partial, with and without a side and the RoPE center."""
-    cache = _cache(
-        2, [1100, 3001], 2, 64, sinks=sinks, window=window, center=center, dtype=dtype, k_bits=bits[0],
-        v_bits=bits[1], scale_only=scale_only, capacity=3030,
-    )  # fmt: skip
+def _wide_tiles_case(seqlen_q, num_splits, page_size=None, **opts):
+    """head_dim 64 over 1024+ keys a code split: the 64-token warp tiles (tq_decode_launch.h's
+    wide_tiles) run, seen by the profiler, and match float32 attention over the cache; lengths whose
+    last tile is partial."""
+    cache = _cache(2, [1100, 3001], 2, 64, capacity=3030, page_size=page_size, **opts)
+    dtype = opts.get("dtype", torch.float16)
     q = torch.randn(2, seqlen_q, 8, 64, device=DEV, dtype=dtype)
     poison_allocator()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -160,6 +152,29 @@ def test_decode_wide_tiles(sinks, window, bits, scale_only, dtype, center, seqle
     wide = re.compile(r"PackedKV<\d+, \d+, 64, [^<>]*, 64>")
     assert any(wide.search(e.name) for e in prof.events()), sorted({e.name for e in prof.events()})
     _check(q, cache, out, lse, causal=True)
+
+
+@pytest.mark.parametrize("sinks,window", [(0, 0), (16, 112)])
+@pytest.mark.parametrize("bits", [(3, 3), (4, 3)])
+@pytest.mark.parametrize("scale_only", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("center", [False, "rope"])
+@pytest.mark.parametrize("seqlen_q,num_splits", [(1, 1), (2, 2)])
+def test_decode_wide_tiles(sinks, window, bits, scale_only, dtype, center, seqlen_q, num_splits):
+    """64-token tiles, contiguous caches: with and without a side and the RoPE center, both metadata
+    layouts, 3- and 4-bit keys."""
+    _wide_tiles_case(
+        seqlen_q, num_splits, sinks=sinks, window=window, center=center, dtype=dtype, k_bits=bits[0],
+        v_bits=bits[1], scale_only=scale_only,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("page_size", [64, 256])
+@pytest.mark.parametrize("sinks,window", [(0, 0), (16, 112)])
+@pytest.mark.parametrize("center", [False, "rope"])
+def test_decode_wide_tiles_paged(page_size, sinks, window, center):
+    """64-token tiles over pages of a tile or more (a shuffled block table)."""
+    _wide_tiles_case(1, 2, page_size=page_size, sinks=sinks, window=window, center=center, scale_only=True)
 
 
 @pytest.mark.parametrize("seqlen_q", [3, 16, 100, 300])

@@ -94,8 +94,11 @@ void launch_decode_split(const DecodeParams &p, cudaStream_t stream) {
     using Rows = std::integral_constant<Paging, Paging::kRows>;
     using Rows16 = std::integral_constant<Paging, Paging::kRows16>;
     using NoPages = std::integral_constant<Paging, Paging::kNone>;
-    if constexpr (Traits::kTileN != 32) {  // (wide_tiles: contiguous, no kLocal)
-        p.rope_center != nullptr ? go_plain(NoPages{}, std::true_type{}) : go_plain(NoPages{}, std::false_type{});
+    if constexpr (Traits::kTileN != 32) {  // (wide_tiles: contiguous or pages of a tile or more, no kLocal)
+        auto go_rope = [&](auto paging) {
+            p.rope_center != nullptr ? go_plain(paging, std::true_type{}) : go_plain(paging, std::false_type{});
+        };
+        p.block_table != nullptr ? go_rope(Rows{}) : go_rope(NoPages{});
     } else if constexpr (Traits::KV::kAffine) {
         if (p.rope_center != nullptr) {
             p.block_table != nullptr ? go_plain(Rows{}, std::true_type{}) : go_plain(NoPages{}, std::true_type{});
@@ -129,9 +132,9 @@ void run_decode_with(const DecodeParams &p, cudaStream_t stream) {
 // row reductions, the dependent unpack -> MMA -> softmax chain) is the same as at head_dim 128 for
 // half the bytes, so 32-token tiles left d 64 as slow as d 128 (8 x 32K: 91.5 us against 92.4; 64:
 // 83.0). From kWideTileKeys keys a code split (1 x 4K, 128 a split: 64-token tiles 6% slower);
-// contiguous caches, one n8 tile of rows, no kLocal, 3- and 4-bit codes (8-bit ones would double a
-// stage's shared memory).
-constexpr int kWideTileKeys = 1024;
+// contiguous caches or pages of 64 tokens or more (a tile in one page), one n8 tile of rows, no
+// kLocal, 3- and 4-bit codes (8-bit ones would double a stage's shared memory).
+constexpr int kWideTile = 64, kWideTileKeys = 1024;
 
 template <int kHeadDim, int kKBits, int kVBits>
 constexpr bool has_wide_tiles() {
@@ -140,15 +143,15 @@ constexpr bool has_wide_tiles() {
 
 inline bool wide_tiles(const DecodeParams &p) {
     const int code_splits = p.num_splits - (p.side_k != nullptr ? 1 : 0);
-    return p.block_table == nullptr && !p.local() && p.h_h_k_ratio * p.seqlen_q <= 8 &&
-           p.max_seqlen_k >= static_cast<int64_t>(kWideTileKeys) * code_splits;
+    return (p.block_table == nullptr || p.page_block_size >= kWideTile) && !p.local() &&
+           p.h_h_k_ratio * p.seqlen_q <= 8 && p.max_seqlen_k >= static_cast<int64_t>(kWideTileKeys) * code_splits;
 }
 
 template <typename Elem, int kHeadDim, int kKBits, int kVBits, bool kScaleOnly>
 void run_decode(const DecodeParams &p, cudaStream_t stream) {
     if constexpr (has_wide_tiles<kHeadDim, kKBits, kVBits>()) {
         if (wide_tiles(p)) {
-            using KV = PackedKV<kKBits, kVBits, kHeadDim, Elem, kScaleOnly, 3, 64>;
+            using KV = PackedKV<kKBits, kVBits, kHeadDim, Elem, kScaleOnly, 3, kWideTile>;
             launch_decode_split<DecodeTraits<Elem, kHeadDim, 1, KV>>(p, stream);
             launch_combine<Elem, kHeadDim>(p, stream);
             return;

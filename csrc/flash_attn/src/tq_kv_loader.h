@@ -198,7 +198,8 @@ struct PackedKV {
     template <Paging kPaging = Paging::kRuntime>
     __device__ static void load_tile(const DecodeParams &p, const Bases &base, char *stage, int b, int tile_start,
                                      int seqlen_k, int lane, const int (&page_rows)[2] = {0, 0}) {
-        static_assert(kTileN == 32 || kPaging == Paging::kNone, "64-token tiles: contiguous caches only");
+        // (64-token tiles: contiguous caches, or pages of at least a tile, which wide_tiles checks)
+        static_assert(kTileN == 32 || kPaging == Paging::kNone || kPaging == Paging::kRows, "64-token tiles");
         const bool paged = rows_given(kPaging) || (kPaging == Paging::kRuntime && p.block_table != nullptr);
         if (base.dense && tile_start + kTileN <= seqlen_k) {  // a whole tile of adjacent rows (or two halves)
             auto copy_run = [&](auto tokens, int first) {     // `tokens` adjacent rows from tile token `first`
