@@ -243,27 +243,19 @@ def fill_default(B, S, Hk, d, dtype, k_bits=3, v_bits=3):
     return cache
 
 
-def default_layer_times(q, S, Hk, dtype, timers, causal=False):
-    """The default cache's kinds of layer for queries ``q [B, q_len, Hq, d]`` over S tokens:
-    ``{kind + suffix: µs}`` for each ``timers[suffix]`` (a timing function of a call), kinds k3 and k4
-    (3- / 4-bit keys) and mixed (the copy-head layer), and ``default + suffix``: their mean weighted
-    as the model holds them."""
+def default_layers(q, S, Hk, dtype, causal=False):
+    """The default cache's kinds of layer for queries ``q [B, q_len, Hq, d]`` over S tokens, as calls:
+    ``({kind: call}, {kind: layers})`` for kinds k3 and k4 (3- / 4-bit keys) and mixed (the copy-head
+    layer, a K8V8 kv head beside 3-bit ones, attended as TQLayer attends them: both head groups in one
+    launch where it can), plus ``mixed_apart`` (a launch a head group) where the one launch runs."""
     B, _, Hq, d = q.shape
     call = lambda c: lambda: fa.flash_attn_with_kvcache(q, c, causal=causal)  # noqa: E731
     n4 = round(DEFAULT_LAYERS * 32 / d)  # 4-bit-key layers
-    times, total = {}, dict.fromkeys(timers, 0.0)
-    for name, kb, vb, layers in (("k3", 3, 3, DEFAULT_LAYERS - n4 - 1), ("k4", 4, 3, n4)):
-        c = fill_default(B, S, Hk, d, dtype, kb, vb)
-        fn = call(c)
-        fn()
+    fns, layers = {}, {"k3": DEFAULT_LAYERS - n4 - 1, "k4": n4, "mixed": 1}
+    for name, kb in (("k3", 3), ("k4", 4)):
+        fns[name] = call(fill_default(B, S, Hk, d, dtype, kb, 3))
+        fns[name]()
         assert fa.last_path() == "quantized:fused-cuda", fa.last_path()
-        for sfx, timer in timers.items():
-            times[name + sfx] = timer(fn)
-            total[sfx] += layers * times[name + sfx]
-        del c
-        torch.cuda.empty_cache()
-    # the copy-head layer: a K8V8 cache of one kv head beside a K3V3 cache of the rest, as TQLayer attends
-    # them: one launch for both (decode-sized calls), else a launch each
     wide, rest = fill_default(B, S, 1, d, dtype, 8, 8), fill_default(B, S, Hk - 1, d, dtype)
     G = Hq // Hk
     q_wide, q_rest = q[:, :, :G].contiguous(), q[:, :, G:].contiguous()
@@ -278,20 +270,31 @@ def default_layer_times(q, S, Hk, dtype, timers, causal=False):
             return rest.attend(q, rest.seqlens[:B], None, d**-0.5, causal, with_lse=False, group2=(wide, 0))
         apart()
 
-    for sfx, timer in timers.items():
-        times["mixed" + sfx] = timer(mixed)
-        times["default" + sfx] = (total[sfx] + times["mixed" + sfx]) / DEFAULT_LAYERS
-    if rest.pair_reason(wide, q) is None:  # the one launch against a launch a group, the first timer
-        sfx, timer = next(iter(timers.items()))
-        times["mixed_apart" + sfx] = timer(apart)
-    wide = rest = None  # (not del: lambdas above name them)
-    torch.cuda.empty_cache()
-    return times
+    fns["mixed"] = mixed
+    if rest.pair_reason(wide, q) is None:
+        fns["mixed_apart"] = apart
+    return fns, layers
+
+
+def weighted_default(times, layers, suffix):
+    """``times[kind + suffix]`` of the kinds of layer weighted as the model holds them (``layers``)."""
+    return sum(n * times[kind + suffix] for kind, n in layers.items()) / DEFAULT_LAYERS
+
+
+def interleaved(fns, timer, rounds=5):
+    """``{name: median µs}`` of ``timer(fn)`` over ``rounds`` rounds that take every function in turn:
+    host-bound times drift over seconds, so the calls a ratio compares are timed side by side."""
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(timer(fn))
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def run_production(B, S, Hq, Hk, d, dtype=torch.float16):
     """One row of production.json: the plain 3-bit cache and the default cache (see DEFAULT_OPTS),
-    flash_attn_with_kvcache replayed as a CUDA graph and eager, beside cuDNN SDPA on fp16."""
+    flash_attn_with_kvcache replayed as a CUDA graph and eager (plain and the default's layers in
+    interleaved rounds), beside cuDNN SDPA on fp16."""
     q = torch.randn(B, 1, Hq, d, device="cuda", dtype=dtype)
     row = {"B": B, "S": S, "Hq": Hq, "Hk": Hk, "d": d}
     plain, k, v = fill_cache(B, S, Hk, d, dtype)
@@ -303,16 +306,20 @@ def run_production(B, S, Hq, Hk, d, dtype=torch.float16):
     fp8 = flashinfer_fp8_decode(q, k, v)
     row["fp8_us"] = min((bench(f) for f in fp8), default=None)  # the faster of FlashInfer's two kernels
     k = v = kt = vt = fp8 = None  # (not del: lambdas above name them)
-    call = lambda c: lambda: fa.flash_attn_with_kvcache(q, c)  # noqa: E731
-    row["plain_us"], row["plain_eager_us"] = bench_graph(call(plain)), bench_eager(call(plain))
-    del plain
     torch.cuda.empty_cache()
-    row.update(default_layer_times(q, S, Hk, dtype, {"_us": bench_graph, "_eager_us": bench_eager}))
+    fns, layers = default_layers(q, S, Hk, dtype)
+    fns["plain"] = lambda: fa.flash_attn_with_kvcache(q, plain)
+    row.update({name + "_us": bench_graph(fn) for name, fn in fns.items()})
+    eager = interleaved({name: fns[name] for name in ("plain", *layers)}, lambda fn: bench_eager(fn, reps=5))
+    row.update({name + "_eager_us": t for name, t in eager.items()})
+    row["default_us"], row["default_eager_us"] = (weighted_default(row, layers, sfx) for sfx in ("_us", "_eager_us"))
     row["default_vs_plain"] = row["default_us"] / row["plain_us"]
     row["default_speedup_vs_cudnn"] = row["cudnn_us"] / row["default_us"]
     if row["fp8_us"] is not None:
         row["plain_speedup_vs_fp8"] = row["fp8_us"] / row["plain_us"]
         row["default_speedup_vs_fp8"] = row["fp8_us"] / row["default_us"]
+    fns = plain = None
+    torch.cuda.empty_cache()
     return row
 
 
@@ -332,7 +339,11 @@ def run_production_prefill(S, q_len, Hq=32, Hk=8, d=128, dtype=torch.float16):
     row["plain_us"] = bench(lambda: fa.flash_attn_with_kvcache(q, plain, causal=True))
     plain = k = v = None  # (not del: lambdas above name them)
     torch.cuda.empty_cache()
-    row.update(default_layer_times(q, S, Hk, dtype, {"_us": bench}, causal=True))
+    fns, layers = default_layers(q, S, Hk, dtype, causal=True)
+    row.update({name + "_us": bench(fn) for name, fn in fns.items()})  # (chunks: no one-launch pair)
+    row["default_us"] = weighted_default(row, layers, "_us")
+    fns = None
+    torch.cuda.empty_cache()
     if row["fa2_us"]:
         row["plain_vs_fa2"] = row["fa2_us"] / row["plain_us"]
         row["default_vs_fa2"] = row["fa2_us"] / row["default_us"]
@@ -349,7 +360,8 @@ def write_production(rows, meta, out_dir, prefill=(), generate=()):
         f"commit {meta['commit']})",
         "",
         "flash_attn_with_kvcache(q, cache), q_len 1, fp16, µs (medians; 'graph': the call replayed as a CUDA "
-        "graph; 'eager': 50 calls issued back to back, so host time counts where it exceeds the kernels'). "
+        "graph; 'eager': 50 calls issued back to back, so host time counts where it exceeds the kernels'; "
+        "plain and the default's layers timed in 5 interleaved rounds). "
         "default = TQCache.calibrated's SmolLM2 layout mapped onto the shape: 16 sink + 112 recent "
         f"tokens in 16-bit, keys centered before RoPE, 32/d of {DEFAULT_LAYERS} layers with 4-bit keys, one layer "
         "with a K8V8 kv head beside 3-bit ones (both head groups in one launch); its time is the layers' "
