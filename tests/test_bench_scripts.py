@@ -263,3 +263,18 @@ def test_center_on_strongest_pairs():
     assert torch.equal(kept[mask], full[mask]) and not kept[~mask].any()
     name = "Kcal34+copy1+rc8p+sink16+w112"
     assert eval_quality.simulation_only(eval_quality.CONFIGS[name]) == ["rope_center_pairs"]
+
+
+def test_bench_bitdecoding_writes_its_table(tmp_path):
+    """bench_bitdecoding.py's results (the peer's kernels need a GPU and its source; the table does not)."""
+    import bench_bitdecoding
+
+    row = {"B": 8, "S": 32768, "Hq": 32, "Hk": 8, "d": 128, "cudnn_us": 250.0, "ours_k3v3_us": 90.0}
+    row.update(ours_k4v3_us=95.0, bitdecoding_us=120.0, bitdecoding_timing="eager")
+    row.update(ours_k3v3_bytes=2 * 10**8, bitdecoding_bytes=2.7 * 10**8)
+    bench_bitdecoding.add_ratios(row)
+    meta = {"gpu": "GPU", "torch": "2", "cuda": "13", "commit": "abc"}
+    bench_bitdecoding.write([row], meta, 0.01, str(tmp_path))
+    assert json.loads((tmp_path / "bitdecoding.json").read_text())["rows"][0]["B"] == 8
+    md = (tmp_path / "bitdecoding.md").read_text()
+    assert "| 8 | 32768 | 250.0 | 90.0 | 95.0 | 120.0 (eager) | 2.78x | 2.08x | 2.22 | 2.25 |" in md
