@@ -53,7 +53,7 @@ void pack4(const at::Tensor &k, at::Tensor &k_pack, at::Tensor &k_params, const 
                      static_cast<int>(max_seqlen_k), "k-tensor", 128);
 }
 
-// k_shape / v_shape: tensors with the fp16 cache's shape [b, s, h_k, d] (read for sizes only)
+// k_shape / v_shape: host tensors of the fp16 cache's shape [b, s, h_k, d] (read for sizes and strides)
 at::Tensor decode4(at::Tensor q, const at::Tensor &k_shape, const at::Tensor &k_pack, const at::Tensor &k_params,
                    const at::Tensor &v_shape, const at::Tensor &v_pack, const at::Tensor &v_params, double scale,
                    int64_t num_splits) {
@@ -113,7 +113,8 @@ def bitdecoding_cache(ext, k: torch.Tensor, v: torch.Tensor):
     params = [torch.empty(B, d // 128, Hk, S, dtype=torch.float32, device=dev) for _ in range(2)]
     cu = torch.arange(0, (B + 1) * S, S, dtype=torch.int32, device=dev)
     ext.pack4(k.reshape(B * S, Hk, d), packs[0], params[0], v.reshape(B * S, Hk, d), packs[1], params[1], cu, S)
-    shape = torch.empty(1, dtype=torch.float16).expand(B, S, Hk, d)  # (sizes only; never read)
+    # the fp16 cache's shape as its harness passes it: a host tensor read for sizes and strides only
+    shape = torch.empty(B, S, Hk, d, dtype=torch.float16)
     return shape, packs, params
 
 
