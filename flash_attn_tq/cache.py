@@ -410,6 +410,17 @@ class QuantizedKVCache:
 
     # ------------------------------------------------------------------ properties
     @property
+    def kv_side(self) -> torch.Tensor | None:
+        """Sinks and the 16-bit window: ``[2 (k, v), batch, sink_tokens + side_ring + 1, kv_heads, d]``
+        (the last slot takes the writes of other tokens); None without either."""
+        return self._kv_side
+
+    @kv_side.setter
+    def kv_side(self, side: torch.Tensor | None) -> None:
+        self._kv_side = side
+        self._side_pair = None if side is None else side.unbind(0)  # (views, made here: not a host op a call)
+
+    @property
     def device(self) -> torch.device:
         return self.k_codes.device
 
@@ -949,7 +960,9 @@ class QuantizedKVCache:
                 rope_offset=self.rope_position_offset,
             )
         if self.kv_side is not None:  # sinks and the 16-bit window, in the same launch
-            side_k, side_v = self.kv_side.unbind(0)  # (one host op, not two)
+            # (eager: the views made with kv_side; traced: split in the graph, so that no two inputs of a
+            # compiled step alias the tensor its pack kernel writes)
+            side_k, side_v = self.kv_side.unbind(0) if torch.compiler.is_compiling() else self._side_pair
             args.update(side_k=side_k, side_v=side_v, side_sinks=self.sink_tokens, side_ring=self.side_ring)
         return args
 

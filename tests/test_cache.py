@@ -409,6 +409,17 @@ def test_to_cpu():
     assert "paged(page_size=16" in repr(cache)
 
 
+def test_kernel_args_side_follows_kv_side():
+    """The kernel gets views of the cache's kv_side as it is now (kept beside it, replaced with it)."""
+    cache = QuantizedKVCache(2, 64, 2, 64, sink_tokens=4, fp16_window=8)
+    for _ in range(2):
+        args = cache.kernel_args(2)
+        for i, name in enumerate(("side_k", "side_v")):
+            assert args[name].data_ptr() == cache.kv_side[i].data_ptr() and args[name].shape == cache.kv_side[i].shape
+        cache.kv_side = cache.kv_side.clone()  # (as .to() replaces it)
+    assert "side_k" not in QuantizedKVCache(2, 64, 2, 64).kernel_args(2)
+
+
 # ----------------------------------------------------------------------------- streaming asym
 
 
