@@ -28,6 +28,7 @@ import json
 import os
 import sys
 import tempfile
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -174,32 +175,37 @@ def add_ratios(row: dict) -> None:
         row[name + "_tb_s"] = row[name + "_bytes"] / row[name + "_us"] / 1e6
 
 
-def write(rows: list[dict], meta: dict, err: float, out_dir: str) -> None:
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "bitdecoding.json"), "w") as f:
-        json.dump({"meta": meta, "sanity_mean_abs_err": err, "rows": rows}, f, indent=1)
-    lines = [
-        f"# BitDecoding (Hopper, 4-bit K/V) beside ours ({meta['gpu']}, torch {meta['torch']}, "
-        f"CUDA {meta['cuda']}, commit {meta['commit']})",
-        "",
+def markdown(rows: list[dict], meta: dict, err: float) -> str:
+    """bitdecoding.md: the run's stamp, what was timed, a row a shape."""
+    stamp_text = f"{meta['gpu']}, torch {meta['torch']}, CUDA {meta['cuda']}, commit {meta['commit']}"
+    cells = []
+    for r in rows:
+        mark = "" if r["bitdecoding_timing"] == "graph" else " (eager)"
+        us = [r["cudnn_us"], r["ours_k3v3_us"], r["ours_k4v3_us"]]
+        cells.append(
+            [r["B"], r["S"], *(f"{t:.1f}" for t in us), f"{r['bitdecoding_us']:.1f}{mark}"]
+            + [f"{r[k]:.2f}x" for k in ("ours_k3v3_vs_cudnn", "bitdecoding_vs_cudnn")]
+            + [f"{r[k]:.2f}" for k in ("ours_k3v3_tb_s", "bitdecoding_tb_s")]
+        )
+    head = ["B", "S", "cuDNN", "ours K3V3", "ours K4V3", "BitDecoding 4-bit", "ours K3V3 / cuDNN"]
+    head += ["BitDecoding / cuDNN", "ours K3V3 TB/s", "BitDecoding TB/s"]
+    table = ["| " + " | ".join(map(str, c)) + " |" for c in [head, ["---"] * len(head), *cells]]
+    about = (
         "Heads 32/8, d 128, fp16, one query, µs (CUDA-graph medians; cuDNN over the fp16 cache, do_bench). "
         "BitDecoding: its `hopper` branch, k-tensor mode, group 128 (per-token float32 parameters), its "
         "own split heuristic; TB/s: the cache's bytes over the time. Its output against float32 attention "
-        f"over the unquantized K/V (B=1, 1K tokens): mean |error| {err:.4f}.",
-        "",
-        "| B | S | cuDNN | ours K3V3 | ours K4V3 | BitDecoding 4-bit | ours K3V3 / cuDNN | BitDecoding / cuDNN "
-        "| ours K3V3 TB/s | BitDecoding TB/s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        mark = "" if r["bitdecoding_timing"] == "graph" else " (eager)"
-        lines.append(
-            f"| {r['B']} | {r['S']} | {r['cudnn_us']:.1f} | {r['ours_k3v3_us']:.1f} | {r['ours_k4v3_us']:.1f} | "
-            f"{r['bitdecoding_us']:.1f}{mark} | {r['ours_k3v3_vs_cudnn']:.2f}x | {r['bitdecoding_vs_cudnn']:.2f}x | "
-            f"{r['ours_k3v3_tb_s']:.2f} | {r['bitdecoding_tb_s']:.2f} |"
-        )
-    with open(os.path.join(out_dir, "bitdecoding.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+        f"over the unquantized K/V (B=1, 1K tokens): mean |error| {err:.4f}."
+    )
+    title = f"# BitDecoding (Hopper, 4-bit K/V) beside ours ({stamp_text})"
+    return "\n".join([title, "", about, "", *table]) + "\n"
+
+
+def write(rows: list[dict], meta: dict, err: float, out_dir: str) -> None:
+    """bitdecoding.json (meta, the sanity error, the rows) and bitdecoding.md under out_dir."""
+    os.makedirs(out_dir, exist_ok=True)
+    payload = {"meta": meta, "sanity_mean_abs_err": err, "rows": rows}
+    Path(out_dir, "bitdecoding.json").write_text(json.dumps(payload, indent=1))
+    Path(out_dir, "bitdecoding.md").write_text(markdown(rows, meta, err))
 
 
 def main() -> None:
