@@ -293,7 +293,6 @@ std::tuple<at::Tensor, at::Tensor> run_decode_op(
     if (pair != nullptr) {  // the layer's q, out and split buffers, each group's codes (DecodeParams::head_base)
         DecodeParams g = p;
         pair->set_store(g);
-        TQ_CHECK(p.meta_words == 1 && g.meta_words == 1, "two head groups take scale-only metadata");
         g.h_k = pair->h_k;
         g.num_splits = pair_splits + 1;
         g.head_base = pair->head;
@@ -464,6 +463,8 @@ std::tuple<at::Tensor, at::Tensor> decode_kvcache(
     TQ_CHECK(g2_rope_center.has_value() == rope_center.has_value() && g2_side_k.has_value() && side_k.has_value(),
              "two head groups need a 16-bit side each and the RoPE center in both or neither");
     TQ_CHECK(!block_table.has_value(), "two head groups take contiguous caches");
+    TQ_CHECK(p.meta_words == 1 && g2_k_meta->dim() == 4 && g2_k_meta->size(3) == 1,
+             "two head groups take scale-only metadata");
     TQ_CHECK(g2_k_codes->dim() == 4 && g2_k_codes->size(0) == k_codes.size(0) && g2_k_codes->size(1) == k_codes.size(1),
              "both head groups' codes must hold the same rows and capacity");
     TQ_CHECK(has_pair(q.scalar_type(), q.size(3), k_bits, v_bits, g2_k_bits, g2_v_bits),
