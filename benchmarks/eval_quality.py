@@ -90,6 +90,7 @@ BASE = dict(
     k_hcal_8bit_units=None,
     recent_window=0,
     recent_bits=(4, 4),
+    recent_raw=False,
     mean_error=False,
 )
 
@@ -310,6 +311,26 @@ CONFIGS.update(
         "Kcal34+copy1+rc+sink16+r128@K4V4": _cfg(
             k_cal=(3, 4), copy_heads=1, rope_center="exact", recent_window=128, **dict(_RC, sink_tokens=16)
         ),
+        # the recent tokens as 8-bit codes instead of 16-bit (half the bytes of the side the decode
+        # kernel reads: at B=64 x 2K a third of the codes')
+        "Kcal34+copy1+rc+sink16+r112@K8V8": _cfg(
+            k_cal=(3, 4),
+            copy_heads=1,
+            rope_center="exact",
+            recent_window=112,
+            recent_bits=(8, 8),
+            **dict(_RC, sink_tokens=16),
+        ),
+        # the 4-bit band's keys as they came, not centered (simulation only: what a ring of codes the
+        # decode kernel attends without the RoPE center's term would hold)
+        "Kcal34+copy1+rc+sink16+r128raw@K4V4": _cfg(
+            k_cal=(3, 4),
+            copy_heads=1,
+            rope_center="exact",
+            recent_window=128,
+            recent_raw=True,
+            **dict(_RC, sink_tokens=16),
+        ),
         "Kcal34rc+copy1+rc+sink16+w112": _cfg(k_cal=(3, 4), copy_heads=1, fp16_window=112, **_RC16),
         "Kcal34rc+copy1+rc+sink16": _cfg(k_cal=(3, 4), copy_heads=1, **_RC16),
         "Kcal34rc+copy1+rc+sink16+r128@K4V4": _cfg(k_cal=(3, 4), copy_heads=1, recent_window=128, **_RC16),
@@ -449,7 +470,7 @@ def simulation_only(cfg) -> list[str]:
     """The options of a config that only the simulation implements (no TQCache equivalent)."""
     out = [
         k
-        for k in ("klt", "qjl", "value_center", "mean_error", "rope_center_pairs", *RESEARCH_TRANSFORMS)
+        for k in ("klt", "qjl", "value_center", "mean_error", "rope_center_pairs", "recent_raw", *RESEARCH_TRANSFORMS)
         if cfg and cfg.get(k)
     ]
     if cfg and cfg.get("rope_center") not in (None, False, "exact"):
@@ -1024,7 +1045,10 @@ class Sim:
         recent = cfg.get("recent_window", 0)  # keys R <= age < R + recent at recent_bits (age-based precision)
         if recent:
             rk, rv = cfg["recent_bits"]
-            kr, vr, _, _ = Sim.roundtrip(key, value, dict(cfg, k_bits=rk, v_bits=rv), Sim.calib, query)
+            band_cfg = dict(cfg, k_bits=rk, v_bits=rv)
+            if cfg.get("recent_raw"):  # (its keys coded as they came)
+                band_cfg.update(rope_center=None, key_center=False)
+            kr, vr, _, _ = Sim.roundtrip(key, value, band_cfg, Sim.calib, query)
             kr, vr = kr.repeat_interleave(G, 1), vr.repeat_interleave(G, 1)
         q = query.float()
         R, s0 = cfg["fp16_window"], cfg["sink_tokens"]
