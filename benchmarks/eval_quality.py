@@ -321,6 +321,17 @@ CONFIGS.update(
             recent_bits=(8, 8),
             **dict(_RC, sink_tokens=16),
         ),
+        # ... with their keys as they came, as the 16-bit side holds them (simulation only: a side of
+        # codes the decode kernel would attend without the RoPE center's term)
+        "Kcal34+copy1+rc+sink16+r112raw@K8V8": _cfg(
+            k_cal=(3, 4),
+            copy_heads=1,
+            rope_center="exact",
+            recent_window=112,
+            recent_bits=(8, 8),
+            recent_raw=True,
+            **dict(_RC, sink_tokens=16),
+        ),
         # the 4-bit band's keys as they came, not centered (simulation only: what a ring of codes the
         # decode kernel attends without the RoPE center's term would hold)
         "Kcal34+copy1+rc+sink16+r128raw@K4V4": _cfg(
