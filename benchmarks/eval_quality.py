@@ -306,30 +306,20 @@ for _pairs in (16, 8):
 # TQCache.calibrated(model) does; "Kcal34rc" measures them with the configuration's own RoPE
 # centering (news top-1 97.0% against 97.3%, copy 1K -1.0 against -1.4)
 _RC16 = dict(_RC, sink_tokens=16, rope_center="exact", cal_own_center=True)
-_R112_8 = dict(
-    _RC, sink_tokens=16, k_cal=(3, 4), copy_heads=1, rope_center="exact", recent_window=112, recent_bits=(8, 8)
-)
+# the calibrated default's options with a recent band of codes in place of the fp16 window
+_BAND = dict(_RC, sink_tokens=16, k_cal=(3, 4), copy_heads=1, rope_center="exact")
 CONFIGS.update(
     {
-        "Kcal34+copy1+rc+sink16+r128@K4V4": _cfg(
-            k_cal=(3, 4), copy_heads=1, rope_center="exact", recent_window=128, **dict(_RC, sink_tokens=16)
-        ),
+        "Kcal34+copy1+rc+sink16+r128@K4V4": _cfg(recent_window=128, **_BAND),
         # the recent tokens as 8-bit codes instead of 16-bit (half the bytes of the side the decode
         # kernel reads: at B=64 x 2K a third of the codes')
-        "Kcal34+copy1+rc+sink16+r112@K8V8": _cfg(**_R112_8),
+        "Kcal34+copy1+rc+sink16+r112@K8V8": _cfg(recent_window=112, recent_bits=(8, 8), **_BAND),
         # ... with their keys as they came, as the 16-bit side holds them (simulation only: a side of
         # codes the decode kernel would attend without the RoPE center's term)
-        "Kcal34+copy1+rc+sink16+r112raw@K8V8": _cfg(recent_raw=True, **_R112_8),
+        "Kcal34+copy1+rc+sink16+r112raw@K8V8": _cfg(recent_window=112, recent_bits=(8, 8), recent_raw=True, **_BAND),
         # the 4-bit band's keys as they came, not centered (simulation only: what a ring of codes the
         # decode kernel attends without the RoPE center's term would hold)
-        "Kcal34+copy1+rc+sink16+r128raw@K4V4": _cfg(
-            k_cal=(3, 4),
-            copy_heads=1,
-            rope_center="exact",
-            recent_window=128,
-            recent_raw=True,
-            **dict(_RC, sink_tokens=16),
-        ),
+        "Kcal34+copy1+rc+sink16+r128raw@K4V4": _cfg(recent_window=128, recent_raw=True, **_BAND),
         "Kcal34rc+copy1+rc+sink16+w112": _cfg(k_cal=(3, 4), copy_heads=1, fp16_window=112, **_RC16),
         "Kcal34rc+copy1+rc+sink16": _cfg(k_cal=(3, 4), copy_heads=1, **_RC16),
         "Kcal34rc+copy1+rc+sink16+r128@K4V4": _cfg(k_cal=(3, 4), copy_heads=1, recent_window=128, **_RC16),
