@@ -61,6 +61,8 @@ Conventions (matching the upstream kernels unless noted):
   size ``k_cache.shape[0]``, which only works when that equals the batch).
 """
 
+import math
+import numbers
 from typing import Optional, Union
 
 import torch
@@ -278,17 +280,29 @@ def _check_qkv(q, k, v, varlen, paged=False):
     return nheads, nheads_k, headdim
 
 
-def _check_options(dropout_p, window_size, softcap):
-    if not 0.0 <= float(dropout_p) < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-    if len(window_size) != 2:
-        raise ValueError(f"window_size must be a pair (left, right), got {window_size}")
-    if float(softcap) < 0:
-        raise ValueError(f"softcap must be >= 0 (0 disables it), got {softcap}")
+def _real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def check_options(dropout_p, window_size, softcap, softmax_scale=None):
+    """dropout_p, window_size, softcap and softmax_scale as the attention functions take them;
+    returns window_size as a pair of ints."""
+    if not _real(dropout_p) or not 0.0 <= float(dropout_p) < 1.0:
+        raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
+    if (
+        not isinstance(window_size, (tuple, list))
+        or len(window_size) != 2
+        or not all(isinstance(w, numbers.Integral) and not isinstance(w, bool) for w in window_size)
+    ):
+        raise ValueError(f"window_size must be a pair of ints (left, right), -1 for unbounded, got {window_size!r}")
+    if not _real(softcap) or not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"softcap must be a finite number >= 0 (0 disables it), got {softcap!r}")
+    if softmax_scale is not None and (not _real(softmax_scale) or not math.isfinite(softmax_scale)):
+        raise ValueError(f"softmax_scale must be a finite number (None: 1 / sqrt(headdim)), got {softmax_scale!r}")
     return (int(window_size[0]), int(window_size[1]))
 
 
-def _check_alibi(alibi_slopes, batch, nheads, device):
+def check_alibi(alibi_slopes, batch, nheads, device):
     if alibi_slopes is None:
         return
     if not isinstance(alibi_slopes, torch.Tensor):
@@ -301,9 +315,11 @@ def _check_alibi(alibi_slopes, batch, nheads, device):
         raise ValueError(
             f"alibi_slopes must have shape ({nheads},) or ({batch}, {nheads}), got {tuple(alibi_slopes.shape)}"
         )
+    if not bool(torch.isfinite(alibi_slopes).all()):
+        raise ValueError("alibi_slopes must be finite")
 
 
-def _check_int32_vector(x, name, length, device):
+def check_int32_vector(x, name, length, device):
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of dtype int32")
     if x.dtype != torch.int32:
@@ -335,8 +351,8 @@ def _check_block_table(block_table, batch, num_blocks, device):
 
 def _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs):
     _check_qkv(q, k, v, varlen=False)
-    window_size = _check_options(dropout_p, window_size, softcap)
-    _check_alibi(alibi_slopes, q.shape[0], q.shape[2], q.device)
+    window_size = check_options(dropout_p, window_size, softcap, softmax_scale)
+    check_alibi(alibi_slopes, q.shape[0], q.shape[2], q.device)
     out, lse, probs = _attend(
         q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, None, None, dropout_p, return_attn_probs
     )
@@ -405,7 +421,9 @@ def flash_attn_func(
 
 
 def _check_cu_seqlens(cu, name, batch, total, max_seqlen, max_name, device):
-    _check_int32_vector(cu, name, batch + 1 if batch is not None else None, device)
+    check_int32_vector(cu, name, batch + 1 if batch is not None else None, device)
+    if not isinstance(max_seqlen, numbers.Integral) or isinstance(max_seqlen, bool):
+        raise TypeError(f"{max_name} must be an int, got {max_seqlen!r}")
     if cu.shape[0] < 2:
         raise ValueError(f"{name} must have at least 2 entries (batch_size + 1)")
     bounds = cu.tolist()
@@ -440,7 +458,7 @@ def _varlen(
 ):
     paged = block_table is not None
     nheads, _, _ = _check_qkv(q, k, v, varlen=True, paged=paged)
-    window_size = _check_options(dropout_p, window_size, softcap)
+    window_size = check_options(dropout_p, window_size, softcap, softmax_scale)
     if not isinstance(cu_seqlens_q, torch.Tensor):
         raise TypeError("cu_seqlens_q must be a torch.Tensor of dtype int32")
     batch = cu_seqlens_q.shape[0] - 1 if cu_seqlens_q.dim() == 1 else None
@@ -448,7 +466,7 @@ def _varlen(
     kb = _check_cu_seqlens(
         cu_seqlens_k, "cu_seqlens_k", batch, None if paged else k.shape[0], max_seqlen_k, "max_seqlen_k", q.device
     )
-    _check_alibi(alibi_slopes, batch, nheads, q.device)
+    check_alibi(alibi_slopes, batch, nheads, q.device)
     if paged:
         _check_block_table(block_table, batch, k.shape[0], q.device)
         capacity = block_table.shape[1] * k.shape[1]
@@ -686,8 +704,8 @@ def flash_attn_with_kvcache(
         raise ValueError(f"k_cache must have the same head dimension as q ({headdim}), got {k_cache.shape[3]}")
     if nheads_k == 0 or nheads % nheads_k != 0:
         raise ValueError(f"number of heads in k_cache ({nheads_k}) must divide number of heads in q ({nheads})")
-    window_size = _check_options(0.0, window_size, softcap)
-    _check_alibi(alibi_slopes, batch, nheads, q.device)
+    window_size = check_options(0.0, window_size, softcap, softmax_scale)
+    check_alibi(alibi_slopes, batch, nheads, q.device)
     device = q.device
 
     if paged:
@@ -701,7 +719,7 @@ def flash_attn_with_kvcache(
     else:
         capacity = k_cache.shape[1]
         if cache_batch_idx is not None:
-            _check_int32_vector(cache_batch_idx, "cache_batch_idx", batch, device)
+            check_int32_vector(cache_batch_idx, "cache_batch_idx", batch, device)
             if batch and (int(cache_batch_idx.min()) < 0 or int(cache_batch_idx.max()) >= k_cache.shape[0]):
                 raise ValueError(f"cache_batch_idx entries must be in [0, {k_cache.shape[0]})")
             rows = cache_batch_idx.long()
@@ -731,9 +749,12 @@ def flash_attn_with_kvcache(
                 f"{headdim}), got {tuple(k.shape)} and {tuple(v.shape)}"
             )
         seqlen_new = k.shape[1]
+        for x, name in ((k_cache, "k_cache"), (v_cache, "v_cache")):
+            if any(st == 0 and n > 1 for st, n in zip(x.stride(), x.shape)):
+                raise ValueError(f"{name}: an expanded tensor (a stride of 0) cannot take new k / v in place")
 
     if isinstance(cache_seqlens, torch.Tensor):
-        _check_int32_vector(cache_seqlens, "cache_seqlens", batch, device)
+        check_int32_vector(cache_seqlens, "cache_seqlens", batch, device)
     elif cache_seqlens is not None and not isinstance(cache_seqlens, int):
         raise TypeError("cache_seqlens must be an int or an int32 tensor")
     seqlens = _per_batch(cache_seqlens, batch, capacity, device, "cache_seqlens")
@@ -745,7 +766,7 @@ def flash_attn_with_kvcache(
             f"({seqlen_new}) exceeds the cache capacity ({capacity})"
         )
     if cache_leftpad is not None:
-        _check_int32_vector(cache_leftpad, "cache_leftpad", batch, device)
+        check_int32_vector(cache_leftpad, "cache_leftpad", batch, device)
         if batch and (int(cache_leftpad.min()) < 0 or bool((cache_leftpad.long() > seqlens + seqlen_new).any())):
             raise ValueError("cache_leftpad must be in [0, cache_seqlens + seqlen_new]")
 

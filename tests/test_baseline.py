@@ -799,6 +799,17 @@ def test_errors_dense():
         flash_attn_func(q, k, v, alibi_slopes=torch.rand(3))
     with pytest.raises(TypeError, match="alibi_slopes must have dtype"):
         flash_attn_func(q, k, v, alibi_slopes=torch.rand(4, dtype=torch.float64))
+    for kwargs, name in (
+        (dict(softcap=float("inf")), "softcap"),
+        (dict(softcap=float("nan")), "softcap"),
+        (dict(softmax_scale=float("nan")), "softmax_scale"),
+        (dict(dropout_p=None), "dropout_p"),
+        (dict(window_size=None), "window_size"),
+        (dict(window_size=("a", 1)), "window_size"),
+        (dict(alibi_slopes=torch.full((4,), float("nan"))), "alibi_slopes"),
+    ):
+        with pytest.raises(ValueError, match=name):
+            flash_attn_func(q, k, v, **kwargs)
     with pytest.raises(ValueError, match="qkv must have size 3"):
         flash_attn_qkvpacked_func(torch.zeros(1, 4, 2, 2, 8))
     with pytest.raises(ValueError, match="kv must have size 2"):
@@ -820,6 +831,8 @@ def test_errors_varlen():
         flash_attn_varlen_func(q, k, v, torch.tensor([0, 4, 11], dtype=torch.int32), cu, 7, 6)
     with pytest.raises(ValueError, match="q must have shape"):
         flash_attn_varlen_func(q[None], k, v, cu, cu, 6, 6)
+    with pytest.raises(TypeError, match="max_seqlen_q must be an int"):
+        flash_attn_varlen_func(q, k, v, cu, cu, None, 6)
     pages = torch.zeros(4, 4, 2, 8)
     bt = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
     with pytest.raises(TypeError, match="block_table must have dtype torch.int32"):
@@ -883,3 +896,5 @@ def test_errors_kvcache():
         )
     with pytest.raises(ValueError, match="cache overflow"):
         flash_attn_with_kvcache(q, pages, pages, k, v, cache_seqlens=6, block_table=bt)
+    with pytest.raises(ValueError, match="k_cache: an expanded tensor"):  # its rows would share the new keys
+        flash_attn_with_kvcache(q, kc[:1].expand_as(kc), vc, k, v, cache_seqlens=lens)
