@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, Sequence
 
 import torch
@@ -270,6 +271,14 @@ class QuantizedKVCache:
     ):
         if quantizer not in QUANTIZERS:
             raise ValueError(f"quantizer must be one of {QUANTIZERS}, got {quantizer!r}")
+        counts = dict(batch_size=batch_size, max_seqlen=max_seqlen, num_kv_heads=num_kv_heads, head_dim=head_dim)
+        counts.update(k_bits=k_bits, v_bits=v_bits, fp16_window=fp16_window, window_bits=window_bits)
+        counts.update(sink_tokens=sink_tokens, seed=seed, rope_position_offset=rope_position_offset)
+        counts.update({} if page_size is None else dict(page_size=page_size))
+        counts.update({} if num_blocks is None else dict(num_blocks=num_blocks))
+        for name, val in counts.items():
+            if not isinstance(val, numbers.Integral) or isinstance(val, bool):
+                raise TypeError(f"{name} must be an int, got {val!r}")
         for name, val in (("batch_size", batch_size), ("max_seqlen", max_seqlen), ("num_kv_heads", num_kv_heads)):
             if int(val) <= 0:
                 raise ValueError(f"{name} must be positive, got {val}")
@@ -527,8 +536,11 @@ class QuantizedKVCache:
         mean of the keys turned back by RoPE)."""
         if not self.key_center:
             return
+        self.check_new_kv(k, k)  # (a NaN here would poison every later score of the rows)
         B, n = k.shape[:2]
         bidx = torch.arange(B, device=self.device) if batch_idx is None else batch_idx.to(self.device).long()
+        if bidx.shape != (B,) or (B and (int(bidx.min()) < 0 or int(bidx.max()) >= self.batch_size)):
+            raise ValueError(f"batch_idx must hold {B} indices in [0, {self.batch_size})")
         todo = torch.ones(B, dtype=torch.bool, device=self.device) if force else ~self.calibrated[bidx]
         if not bool(todo.any()):
             return
@@ -648,8 +660,15 @@ class QuantizedKVCache:
                 raise TypeError(f"{name} must be float16, bfloat16 or float32, got {x.dtype}")
             if x.device != self.device:
                 raise ValueError(f"{name} is on {x.device} but the cache is on {self.device}")
-            if check_values and not capturing() and not torch.isfinite(x).all():
-                raise ValueError(f"{name} contains NaN or Inf: a quantized cache cannot store them")
+            if check_values and not capturing() and x.numel():
+                peak = float(x.detach().abs().amax())  # (NaN propagates: one read for both checks)
+                if not math.isfinite(peak):
+                    raise ValueError(f"{name} contains NaN or Inf: a quantized cache cannot store them")
+                if peak > torch.finfo(torch.float16).max:  # (the codes' scales are float16)
+                    raise ValueError(
+                        f"{name} holds values beyond float16's range (|x| up to {peak:.3g}): the cache's "
+                        "float16 scales cannot store them"
+                    )
         if k.shape != v.shape:
             raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
 
@@ -687,6 +706,17 @@ class QuantizedKVCache:
             or error_flags.device.type != self.device.type
         ):
             raise ValueError(f"error_flags must be an int32 [1] tensor on the cache's device ({self.device})")
+        for name, x in (("cache_seqlens", cache_seqlens), ("batch_idx", batch_idx)):
+            if isinstance(x, torch.Tensor) and (
+                x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool
+            ):
+                raise TypeError(f"{name} must hold integers (int32), got {x.dtype}")
+        if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
+            cache_seqlens = int(cache_seqlens)  # (numpy integers too)
+        elif cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
+            raise TypeError(
+                f"cache_seqlens must be an int or an int32 tensor [batch], got {type(cache_seqlens).__name__}"
+            )
         B, n = k.shape[:2]
         checking = B > 0 and not capturing()
         bidx = None  # the rows as a tensor (with batch_idx None: 0..B-1, made where a step needs it)
@@ -708,6 +738,8 @@ class QuantizedKVCache:
             host_check = not fused or self.key_center
             if checking and host_check and (int(bidx.min()) < 0 or int(bidx.max()) >= self.batch_size):
                 raise ValueError(f"batch_idx must hold {B} indices in [0, {self.batch_size})")
+            if checking and host_check and n and bidx.unique().numel() != B:
+                raise ValueError("batch_idx must not repeat a row (each row takes one sequence's tokens)")
             if fused:  # the kernel flags bad indices; gathers below must not fault on them
                 bidx = bidx.clamp(0, self.batch_size - 1)
         if isinstance(cache_seqlens, int):

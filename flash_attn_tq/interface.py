@@ -18,6 +18,7 @@ import contextvars
 import functools
 import importlib
 import math
+import numbers
 from typing import Optional, Union
 
 import torch
@@ -210,6 +211,7 @@ def flash_attn_varlen_func(
     Returns out (total_q, nheads, headdim) [, softmax_lse (nheads, total_q) as upstream's varlen].
     """
     if kv_cache is not None:
+        _check_cache_type(kv_cache)
         if dropout_p or block_table is not None or return_attn_probs:
             raise ValueError(
                 "kv_cache: dropout_p, block_table (set it on the cache) and return_attn_probs "
@@ -281,6 +283,9 @@ def flash_attn_with_kvcache(
     [, softmax_lse (batch, nheads, seqlen_q) float32].
     """
     if kv_cache is not None or isinstance(k_cache, (QuantizedKVCache, cpu.CpuQuantizedKVCache)):
+        _check_cache_type(kv_cache)
+        if kv_cache is not None and k_cache is not None and k_cache is not kv_cache:
+            raise ValueError("k_cache: pass None (or the same cache) when kv_cache= is given")
         cache = kv_cache if kv_cache is not None else k_cache
         if v_cache is not None and v_cache is not cache:
             raise ValueError(f"v_cache: pass None (or the same cache) when k_cache is a {type(cache).__name__}")
@@ -378,6 +383,71 @@ def _check_batch_args(cache_seqlens, cache_batch_idx, batch: int) -> None:
         )
 
 
+def _check_cache_type(kv_cache) -> None:
+    if kv_cache is not None and not isinstance(kv_cache, (QuantizedKVCache, cpu.CpuQuantizedKVCache)):
+        raise TypeError(f"kv_cache must be a QuantizedKVCache (or None), got {type(kv_cache).__name__}")
+
+
+def _as_seqlens(cache_seqlens):
+    """cache_seqlens as the quantized path takes it: None, an int (numpy integers too) or a tensor."""
+    if cache_seqlens is None or isinstance(cache_seqlens, torch.Tensor):
+        return cache_seqlens
+    if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
+        return int(cache_seqlens)
+    raise TypeError(f"cache_seqlens must be an int or an int32 tensor [batch], got {type(cache_seqlens).__name__}")
+
+
+def _check_cache_rows(cache, cache_seqlens, cache_batch_idx, cache_leftpad, batch: int, seqlen_new: int) -> None:
+    """The values of the per-row arguments against a QuantizedKVCache, where reading them costs no
+    device sync: ints always, index tensors when they live on the CPU. (On a GPU the kernels clamp
+    lengths to the capacity and the pack kernel flags bad rows and overflows.)"""
+    on_host = lambda x: isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.numel() > 0  # noqa: E731
+    if isinstance(cache_seqlens, int) or on_host(cache_seqlens):
+        low, high = (cache_seqlens,) * 2 if isinstance(cache_seqlens, int) else cache_seqlens.aminmax()
+        if low < 0:
+            raise ValueError(f"cache_seqlens must be >= 0, got {int(low)}")
+        if high + seqlen_new > cache.max_seqlen:
+            raise ValueError(
+                f"cache overflow: cache_seqlens ({int(high)}) + {seqlen_new} new tokens exceeds "
+                f"max_seqlen={cache.max_seqlen}"
+            )
+    if on_host(cache_batch_idx):
+        if int(cache_batch_idx.min()) < 0 or int(cache_batch_idx.max()) >= cache.batch_size:
+            raise ValueError(f"cache_batch_idx entries must be in [0, {cache.batch_size}) (the cache's batch_size)")
+        if seqlen_new and cache_batch_idx.unique().numel() != batch:
+            raise ValueError("cache_batch_idx must not repeat a row when new k / v are written")
+    if cache_leftpad is not None:
+        baseline.check_int32_vector(cache_leftpad, "cache_leftpad", batch, cache.device)
+        if on_host(cache_leftpad) and int(cache_leftpad.min()) < 0:
+            raise ValueError("cache_leftpad must be >= 0")
+
+
+def _check_new_rows(k, v, batch: int) -> None:
+    """New k / v for a QuantizedKVCache call: tensors of q's batch (the cache checks the rest)."""
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together")
+    for name, x in (("k", k), ("v", v)):
+        if x is not None and (not isinstance(x, torch.Tensor) or x.dim() != 4 or x.shape[0] != batch):
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"{name} must be (batch={batch}, seqlen_new, nheads_k, headdim) like q's batch, got {got}")
+
+
+def _check_rotary(rotary_cos, rotary_sin, k, head_dim: int, device) -> None:
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError("rotary_cos and rotary_sin must be given together")
+    if rotary_cos is None:
+        return
+    if k is None:
+        raise ValueError("rotary_cos/rotary_sin need the new k and v to be given")
+    for name, x in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.device != device:
+            raise ValueError(f"{name} must be a 2-D tensor (seqlen_ro, rotary_dim / 2) on {device}")
+    if rotary_sin.shape != rotary_cos.shape:
+        raise ValueError("rotary_sin must have the same shape as rotary_cos")
+    if 2 * rotary_cos.shape[1] > head_dim:
+        raise ValueError(f"rotary_cos gives rotary_dim {2 * rotary_cos.shape[1]} > headdim {head_dim}")
+
+
 def _kv16_kvcache(
     q,
     k_cache,
@@ -453,8 +523,13 @@ def _quantized_varlen(
             f"q must be (total_q, nheads, headdim), got {tuple(q.shape) if isinstance(q, torch.Tensor) else q}"
         )
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-        if cu is not None and (cu.dtype != torch.int32 or cu.dim() != 1):
-            raise ValueError(f"{name} must be int32 (batch + 1,), got {cu.dtype} {tuple(cu.shape)}")
+        if (cu is not None or name == "cu_seqlens_q") and (
+            not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 1
+        ):
+            got = f"{cu.dtype} {tuple(cu.shape)}" if isinstance(cu, torch.Tensor) else type(cu).__name__
+            raise ValueError(f"{name} must be int32 (batch + 1,), got {got}")
+    if not isinstance(max_seqlen_q, numbers.Integral) or isinstance(max_seqlen_q, bool):
+        raise TypeError(f"max_seqlen_q must be an int, got {max_seqlen_q!r}")
     lens_q = cu_seqlens_q.diff().tolist()
     batch = len(lens_q)
     if cu_seqlens_q[0].item() != 0 or cu_seqlens_q[-1].item() != q.shape[0] or min(lens_q, default=0) < 0:
@@ -465,12 +540,18 @@ def _quantized_varlen(
         raise ValueError(f"{batch} sequences exceed the cache's batch_size {cache.batch_size}")
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together")
+    # q and the options are checked before the appends below change the cache
+    _check_query(q[None], cache)
+    window_size = baseline.check_options(0.0, window_size, softcap, softmax_scale)
+    baseline.check_alibi(alibi_slopes, batch, q.shape[1], q.device)
     if k is not None:
         if cu_seqlens_k is None or cu_seqlens_k.numel() != batch + 1:
             raise ValueError(f"cu_seqlens_k must be int32 (batch + 1 = {batch + 1},) with new k/v")
         if k.dim() != 3 or k.shape != v.shape or cu_seqlens_k[-1].item() != k.shape[0]:
             raise ValueError("k, v must be (total_k, nheads_k, headdim) with cu_seqlens_k ending at total_k")
         bounds = cu_seqlens_k.tolist()
+        if bounds[0] != 0 or any(b < a for a, b in zip(bounds, bounds[1:])):
+            raise ValueError(f"cu_seqlens_k must rise from 0 to total_k={k.shape[0]}, got {bounds}")
         by_length: dict[int, list[int]] = {}  # sequences with as many new tokens share one append
         for b in range(batch):
             if bounds[b + 1] > bounds[b]:
@@ -536,7 +617,15 @@ def _quantized_kvcache(
         raise ValueError("block_table: a QuantizedKVCache carries its own block_table (set it on the cache)")
     batch, seqlen_q = q.shape[:2]
     device = q.device
+    # every argument is checked before the append below changes the cache
+    cache_seqlens = _as_seqlens(cache_seqlens)
     _check_batch_args(cache_seqlens, cache_batch_idx, batch)
+    _check_new_rows(k, v, batch)
+    seqlen_new = 0 if k is None else k.shape[1]
+    _check_cache_rows(cache, cache_seqlens, cache_batch_idx, cache_leftpad, batch, seqlen_new)
+    window_size = baseline.check_options(0.0, window_size, softcap, softmax_scale)
+    baseline.check_alibi(alibi_slopes, batch, q.shape[2], device)
+    _check_rotary(rotary_cos, rotary_sin, k, q.shape[3], device)
     if cache_batch_idx is not None:
         bidx = cache_batch_idx.to(device)
     else:  # rows 0..batch-1: slices of the per-row tables, no index tensor
@@ -550,15 +639,12 @@ def _quantized_kvcache(
         start = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=device)
     else:
         start = cache_seqlens.to(device)
-    if (k is None) != (v is None):
-        raise ValueError("k and v must be given together")
-    if (rotary_cos is None) != (rotary_sin is None):
-        raise ValueError("rotary_cos and rotary_sin must be given together")
-    seqlen_new = 0 if k is None else k.shape[1]
     local = window_size[0] >= 0 or window_size[1] >= 0
+    if rotary_cos is not None and start.device.type == "cpu" and batch:  # (no device sync for the bound)
+        needed = int(start.max()) + max(seqlen_new, seqlen_q if (causal or local) else 1)
+        if needed > rotary_cos.shape[0]:
+            raise ValueError(f"rotary_cos has {rotary_cos.shape[0]} positions but position {needed - 1} is needed")
     if rotary_cos is not None:
-        if k is None:
-            raise ValueError("rotary_cos/rotary_sin need the new k and v to be given")
         kpos = start.long().unsqueeze(1) + torch.arange(seqlen_new, device=device)
         k = baseline.rotary_at(k, rotary_cos, rotary_sin, kpos, rotary_interleaved).to(k.dtype)
         qpos = start.long().unsqueeze(1) + (

@@ -7,6 +7,7 @@ cache holds (``cache.dequantize()``), and, for the quality checks, over the un-q
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -505,6 +506,136 @@ def test_errors():
         flash_attn_with_kvcache(q, cache, k=kv, v=kv, cache_seqlens=8)
     with pytest.raises(ValueError, match="NaN"):
         flash_attn_with_kvcache(q, cache, k=kv * float("nan"), v=kv)
+
+
+def _filled_cache(**options):
+    cache = QuantizedKVCache(2, 16, 2, 64, **options)
+    cache.append(torch.randn(2, 5, 2, 64), torch.randn(2, 5, 2, 64))
+    return cache
+
+
+I32 = dict(dtype=torch.int32)
+BAD_KVCACHE_CALLS = {  # keyword arguments of flash_attn_with_kvcache(q, cache, ...): (error, what it names)
+    "k batch below q's": (dict(k=torch.randn(1, 1, 2, 64), v=torch.randn(1, 1, 2, 64)), ValueError, "k must be"),
+    "k batch above q's": (dict(k=torch.randn(3, 1, 2, 64), v=torch.randn(3, 1, 2, 64)), ValueError, "k must be"),
+    "cache_seqlens beyond the capacity": (dict(cache_seqlens=100), ValueError, "overflow"),
+    "negative cache_seqlens": (dict(cache_seqlens=torch.tensor([-3, 2], **I32)), ValueError, "cache_seqlens"),
+    "float cache_seqlens": (dict(cache_seqlens=3.0), TypeError, "cache_seqlens"),
+    "negative cache_batch_idx": (dict(cache_batch_idx=torch.tensor([-1, 0], **I32)), ValueError, "cache_batch_idx"),
+    "cache_batch_idx past the rows": (dict(cache_batch_idx=torch.tensor([0, 5], **I32)), ValueError, "cache_batch_idx"),
+    "repeated cache_batch_idx with new k": (
+        dict(cache_batch_idx=torch.tensor([0, 0], **I32), k=torch.randn(2, 1, 2, 64), v=torch.randn(2, 1, 2, 64)),
+        ValueError,
+        "cache_batch_idx",
+    ),
+    "int64 cache_leftpad": (dict(cache_leftpad=torch.zeros(2, dtype=torch.int64)), TypeError, "cache_leftpad"),
+    "cache_leftpad of another batch": (dict(cache_leftpad=torch.zeros(3, **I32)), ValueError, "cache_leftpad"),
+    "negative softcap": (dict(softcap=-1.0), ValueError, "softcap"),
+    "NaN softcap": (dict(softcap=float("nan")), ValueError, "softcap"),
+    "infinite softmax_scale": (dict(softmax_scale=float("inf")), ValueError, "softmax_scale"),
+    "window_size of three": (dict(window_size=(1, 2, 3)), ValueError, "window_size"),
+    "window_size None": (dict(window_size=None), ValueError, "window_size"),
+    "alibi_slopes of the wrong shape": (dict(alibi_slopes=torch.ones(3)), ValueError, "alibi_slopes"),
+    "alibi_slopes with NaN": (dict(alibi_slopes=torch.full((4,), float("nan"))), ValueError, "alibi_slopes"),
+    "rotary_cos wider than the head": (
+        dict(
+            rotary_cos=torch.ones(32, 40),
+            rotary_sin=torch.ones(32, 40),
+            k=torch.randn(2, 1, 2, 64),
+            v=torch.randn(2, 1, 2, 64),
+        ),
+        ValueError,
+        "rotary",
+    ),
+    "rotary_cos too short": (
+        dict(
+            rotary_cos=torch.ones(4, 32),
+            rotary_sin=torch.ones(4, 32),
+            k=torch.randn(2, 1, 2, 64),
+            v=torch.randn(2, 1, 2, 64),
+        ),
+        ValueError,
+        "rotary_cos has 4 positions",
+    ),
+    "k_cache beside kv_cache": (dict(k_cache=torch.zeros(2, 16, 2, 64), kv_cache="self"), ValueError, "k_cache"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_KVCACHE_CALLS))
+def test_bad_arguments_name_themselves_and_leave_the_cache(case):
+    """Each bad argument raises an error that names it, before the cache changes."""
+    kwargs, error, name = BAD_KVCACHE_CALLS[case]
+    cache = _filled_cache()
+    kwargs = {key: cache if val == "self" else val for key, val in kwargs.items()}
+    before = {key: getattr(cache, key).clone() for key in ("seqlens", "k_codes", "v_codes", "k_meta")}
+    q = torch.randn(2, 1, 4, 64)
+    with pytest.raises(error, match=name):
+        if "kv_cache" in kwargs:
+            flash_attn_with_kvcache(q, **kwargs)
+        else:
+            flash_attn_with_kvcache(q, cache, **kwargs)
+    assert all(torch.equal(getattr(cache, key), val) for key, val in before.items())
+
+
+def test_argument_types_beyond_the_call():
+    """kv_cache of another type, numpy integers as lengths, and the cache's own entry points."""
+    cache = _filled_cache(key_center=True)
+    q = torch.randn(2, 1, 4, 64)
+    with pytest.raises(TypeError, match="kv_cache"):
+        flash_attn_with_kvcache(q, kv_cache=torch.zeros(2, 16, 2, 64))
+    out = flash_attn_with_kvcache(q, cache, cache_seqlens=np.int64(5))  # a numpy integer is an int
+    assert torch.allclose(out, flash_attn_with_kvcache(q, cache, cache_seqlens=5))
+    with pytest.raises(TypeError, match="batch_idx"):
+        cache.append(torch.randn(2, 1, 2, 64), torch.randn(2, 1, 2, 64), batch_idx=torch.tensor([0.0, 1.0]))
+    with pytest.raises(ValueError, match="batch_idx"):
+        cache.append(torch.randn(2, 1, 2, 64), torch.randn(2, 1, 2, 64), batch_idx=torch.tensor([1, 1]))
+    with pytest.raises(ValueError, match="float16's range"):
+        cache.append(torch.full((2, 1, 2, 64), 1.5e5), torch.randn(2, 1, 2, 64))
+    fresh = QuantizedKVCache(2, 16, 2, 64, key_center=True)
+    with pytest.raises(ValueError, match="NaN"):  # a NaN center would poison every later score
+        fresh.calibrate(torch.full((2, 20, 2, 64), float("nan")))
+    with pytest.raises(ValueError, match="batch_idx"):
+        fresh.calibrate(torch.randn(1, 20, 2, 64), batch_idx=torch.tensor([7]))
+    assert cache.seqlens.tolist() == [5, 5] and not fresh.calibrated.any()
+    for name, val in (
+        ("batch_size", 1.5),
+        ("k_bits", 3.0),
+        ("head_dim", 64.0),
+        ("page_size", "16"),
+        ("sink_tokens", 2.7),
+    ):
+        with pytest.raises(TypeError, match=name):  # (not truncated silently)
+            QuantizedKVCache(**dict(dict(batch_size=2, max_seqlen=16, num_kv_heads=2, head_dim=64), **{name: val}))
+
+
+def test_varlen_bad_arguments_leave_the_cache():
+    cache = _filled_cache()
+    cu = torch.tensor([0, 1, 2], **I32)
+    kv = torch.randn(2, 2, 64)
+    varlen = flash_attn_tq.flash_attn_varlen_func
+    for kwargs, error, name in (
+        (dict(cu_seqlens_k=torch.tensor([0, 2, 1], **I32)), ValueError, "cu_seqlens_k"),
+        (dict(q=torch.randn(2, 4, 32)), ValueError, "head_dim"),
+        (dict(q=torch.randn(2, 4, 64).double()), TypeError, "q must be"),
+        (dict(alibi_slopes=torch.ones(3)), ValueError, "alibi_slopes"),
+        (dict(cu_seqlens_q=None), ValueError, "cu_seqlens_q"),
+        (dict(max_seqlen_q=None), TypeError, "max_seqlen_q"),
+    ):
+        call = dict(q=torch.randn(2, 4, 64), k=kv, v=kv, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=1)
+        call.update(kwargs)
+        with pytest.raises(error, match=name):
+            varlen(
+                call.pop("q"),
+                call.pop("k"),
+                call.pop("v"),
+                call.pop("cu_seqlens_q"),
+                call.pop("cu_seqlens_k"),
+                call.pop("max_seqlen_q"),
+                None,
+                kv_cache=cache,
+                **call,
+            )
+        assert cache.seqlens.tolist() == [5, 5]
 
 
 # ----------------------------------------------------------------------------- quality
