@@ -236,6 +236,19 @@ def test_layer_options():
         TQCache(model.config, layer_options={1: {"k_bits": 5}})
     with pytest.raises(ValueError, match="sink_tokens"):
         TQCache(model.config, layer_options={1: {"sink_tokens": 2}})
+    for kwargs, name in (
+        (dict(max_cache_len=0), "max_cache_len"),
+        (dict(max_cache_len=2.5), "max_cache_len"),
+        (dict(protected_layers=(99,)), "protected_layers"),
+        (dict(protected_layers="ab"), "protected_layers"),
+        (dict(layer_options={99: {"k_bits": 4}}), "layer_options"),
+        (dict(sink_tokens=-1), "sink_tokens"),
+        (dict(sink_tokens="x"), "sink_tokens"),
+    ):
+        with pytest.raises(ValueError, match=name):
+            TQCache(model.config, **kwargs)
+    with pytest.raises(TypeError, match="config"):  # a dict would silently drop the late 4-bit layers
+        TQCache(model.config.to_dict())
 
 
 def test_defaults_and_errors():

@@ -24,6 +24,7 @@ K/V are quantized into the cache as they are written); later tokens attend over 
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Iterable, Mapping
 
 import torch
@@ -342,6 +343,18 @@ class TQLayer(CacheLayerMixin):
         return out.to(query.dtype)
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _layer_index(name: str, i, num_layers: int | None) -> int:
+    """A layer index of ``name`` (protected_layers, layer_options), in range when the layer count is known."""
+    if not _is_int(i) or i < 0 or (num_layers is not None and i >= num_layers):
+        bound = f" (the model has {num_layers} layers)" if num_layers is not None else ""
+        raise ValueError(f"{name}: layer indices must be ints >= 0{bound}, got {i!r}")
+    return int(i)
+
+
 class TQCache(Cache):
     """A transformers ``Cache`` whose layers hold 3-bit quantized K/V (see the module docstring).
 
@@ -382,14 +395,24 @@ class TQCache(Cache):
         super().__init__(layers=[])
         if prefill not in ("full", "quantized"):
             raise ValueError(f"prefill must be 'full' or 'quantized', got {prefill!r}")
+        if config is not None and not hasattr(config, "num_hidden_layers"):
+            raise TypeError(
+                f"config must be the model's config (a transformers PretrainedConfig), got {type(config).__name__}"
+            )
+        if max_cache_len is not None and (not _is_int(max_cache_len) or max_cache_len <= 0):
+            raise ValueError(f"max_cache_len must be a positive int or None, got {max_cache_len!r}")
         opts = cache_options(cache_kwargs)
-        self.sink_tokens = int(opts.pop("sink_tokens"))
+        self.sink_tokens = opts.pop("sink_tokens")
+        if not _is_int(self.sink_tokens) or self.sink_tokens < 0:
+            raise ValueError(f"sink_tokens must be an int >= 0, got {self.sink_tokens!r}")
         late_k_bits = opts.pop("late_k_bits")
         self.cache_kwargs = opts
         self.initial_capacity = max_cache_len
-        self.protected_layers = frozenset(int(i) for i in protected_layers)
-        self.prefill = prefill
         self.num_layers = getattr(config, "num_hidden_layers", None)
+        self.protected_layers = frozenset(
+            _layer_index("protected_layers", i, self.num_layers) for i in protected_layers
+        )
+        self.prefill = prefill
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", None)
         head_dim = getattr(config, "head_dim", None)
         if head_dim is None and config is not None and getattr(config, "num_attention_heads", None):
@@ -413,7 +436,7 @@ class TQCache(Cache):
             raise ValueError("late_k_bits needs the model config (layer count and head_dim): TQCache(config, ...)")
         self.layer_options = {i: {"k_bits": int(late_k_bits)} for i in sorted(late)}
         for i, o in (layer_options or {}).items():
-            self.layer_options.setdefault(int(i), {}).update(o)
+            self.layer_options.setdefault(_layer_index("layer_options", i, self.num_layers), {}).update(o)
         self.pack_errors = PackErrors()
         self.head_options = validate_overrides(
             opts, self.layer_options, head_options or {}, self.protected_layers, self.num_kv_heads, vdim
