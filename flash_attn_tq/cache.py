@@ -312,7 +312,8 @@ class QuantizedKVCache:
             inv = torch.as_tensor(rope_inv_freq, dtype=torch.float32).flatten()
             if inv.numel() != head_dim // 2 or not bool(torch.isfinite(inv).all()):
                 raise ValueError(
-                    f"rope_inv_freq must hold head_dim / 2 = {head_dim // 2} finite values, got {inv.numel()}"
+                    f"rope_inv_freq must hold head_dim / 2 = {head_dim // 2} finite values, got {inv.numel()} "
+                    f"({int(torch.isfinite(inv).sum())} finite)"
                 )
             self.rope_inv_freq = inv.to(device)
         elif rope_inv_freq is not None:
@@ -732,8 +733,10 @@ class QuantizedKVCache:
                 raise ValueError(f"batch {B} exceeds the cache's batch_size {self.batch_size}")
         else:
             bidx = batch_idx.to(self.device).long()
-            if bidx.numel() != B:
-                raise ValueError(f"batch_idx must hold {B} indices in [0, {self.batch_size})")
+            if bidx.shape != (B,):
+                raise ValueError(
+                    f"batch_idx must be 1-D, {B} indices in [0, {self.batch_size}), got {tuple(bidx.shape)}"
+                )
             # (the kernel checks them too, but calibration and the key/value transforms index rows first)
             host_check = not fused or self.key_center
             if checking and host_check and (int(bidx.min()) < 0 or int(bidx.max()) >= self.batch_size):
