@@ -515,16 +515,24 @@ def _filled_cache(**options):
 
 
 I32 = dict(dtype=torch.int32)
+
+
+def _new_kv(batch, rotary=None):
+    """New k / v of ``batch`` rows for a 2 x 64 cache (and rotary tables of ``rotary`` = (positions, pairs))."""
+    kv = dict(k=torch.randn(batch, 1, 2, 64), v=torch.randn(batch, 1, 2, 64))
+    return kv if rotary is None else dict(kv, rotary_cos=torch.ones(*rotary), rotary_sin=torch.ones(*rotary))
+
+
 BAD_KVCACHE_CALLS = {  # keyword arguments of flash_attn_with_kvcache(q, cache, ...): (error, what it names)
-    "k batch below q's": (dict(k=torch.randn(1, 1, 2, 64), v=torch.randn(1, 1, 2, 64)), ValueError, "k must be"),
-    "k batch above q's": (dict(k=torch.randn(3, 1, 2, 64), v=torch.randn(3, 1, 2, 64)), ValueError, "k must be"),
+    "k batch below q's": (_new_kv(1), ValueError, "k must be"),
+    "k batch above q's": (_new_kv(3), ValueError, "k must be"),
     "cache_seqlens beyond the capacity": (dict(cache_seqlens=100), ValueError, "overflow"),
     "negative cache_seqlens": (dict(cache_seqlens=torch.tensor([-3, 2], **I32)), ValueError, "cache_seqlens"),
     "float cache_seqlens": (dict(cache_seqlens=3.0), TypeError, "cache_seqlens"),
     "negative cache_batch_idx": (dict(cache_batch_idx=torch.tensor([-1, 0], **I32)), ValueError, "cache_batch_idx"),
     "cache_batch_idx past the rows": (dict(cache_batch_idx=torch.tensor([0, 5], **I32)), ValueError, "cache_batch_idx"),
     "repeated cache_batch_idx with new k": (
-        dict(cache_batch_idx=torch.tensor([0, 0], **I32), k=torch.randn(2, 1, 2, 64), v=torch.randn(2, 1, 2, 64)),
+        dict(_new_kv(2), cache_batch_idx=torch.tensor([0, 0], **I32)),
         ValueError,
         "cache_batch_idx",
     ),
@@ -537,26 +545,8 @@ BAD_KVCACHE_CALLS = {  # keyword arguments of flash_attn_with_kvcache(q, cache, 
     "window_size None": (dict(window_size=None), ValueError, "window_size"),
     "alibi_slopes of the wrong shape": (dict(alibi_slopes=torch.ones(3)), ValueError, "alibi_slopes"),
     "alibi_slopes with NaN": (dict(alibi_slopes=torch.full((4,), float("nan"))), ValueError, "alibi_slopes"),
-    "rotary_cos wider than the head": (
-        dict(
-            rotary_cos=torch.ones(32, 40),
-            rotary_sin=torch.ones(32, 40),
-            k=torch.randn(2, 1, 2, 64),
-            v=torch.randn(2, 1, 2, 64),
-        ),
-        ValueError,
-        "rotary",
-    ),
-    "rotary_cos too short": (
-        dict(
-            rotary_cos=torch.ones(4, 32),
-            rotary_sin=torch.ones(4, 32),
-            k=torch.randn(2, 1, 2, 64),
-            v=torch.randn(2, 1, 2, 64),
-        ),
-        ValueError,
-        "rotary_cos has 4 positions",
-    ),
+    "rotary_cos wider than the head": (_new_kv(2, rotary=(32, 40)), ValueError, "rotary"),
+    "rotary_cos too short": (_new_kv(2, rotary=(4, 32)), ValueError, "rotary_cos has 4 positions"),
     "k_cache beside kv_cache": (dict(k_cache=torch.zeros(2, 16, 2, 64), kv_cache="self"), ValueError, "k_cache"),
 }
 
