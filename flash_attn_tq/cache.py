@@ -274,6 +274,7 @@ class QuantizedKVCache:
         counts = dict(batch_size=batch_size, max_seqlen=max_seqlen, num_kv_heads=num_kv_heads, head_dim=head_dim)
         counts.update(k_bits=k_bits, v_bits=v_bits, fp16_window=fp16_window, window_bits=window_bits)
         counts.update(sink_tokens=sink_tokens, seed=seed, rope_position_offset=rope_position_offset)
+        counts.update(calib_min_tokens=calib_min_tokens)
         counts.update({} if page_size is None else dict(page_size=page_size))
         counts.update({} if num_blocks is None else dict(num_blocks=num_blocks))
         for name, val in counts.items():
@@ -290,6 +291,10 @@ class QuantizedKVCache:
             raise ValueError(f"fp16_window must be >= 0, got {fp16_window}")
         if sink_tokens < 0:
             raise ValueError(f"sink_tokens must be >= 0, got {sink_tokens}")
+        if calib_min_tokens < 0:
+            raise ValueError(f"calib_min_tokens must be >= 0, got {calib_min_tokens}")
+        if scale_only is not None and not isinstance(scale_only, bool):
+            raise TypeError(f"scale_only must be True, False or None (the quantizer's choice), got {scale_only!r}")
         for name, val in (("k_bits", k_bits), ("v_bits", v_bits)):
             if val not in fmt.SUPPORTED_BITS:
                 raise ValueError(f"{name} must be one of {fmt.SUPPORTED_BITS}, got {val}")
@@ -309,11 +314,11 @@ class QuantizedKVCache:
         if self.rope_center:
             if rope_inv_freq is None:
                 raise ValueError("key_center='rope' needs rope_inv_freq (the model's RoPE frequencies, head_dim / 2)")
-            inv = torch.as_tensor(rope_inv_freq, dtype=torch.float32).flatten()
-            if inv.numel() != head_dim // 2 or not bool(torch.isfinite(inv).all()):
+            inv = torch.as_tensor(rope_inv_freq, dtype=torch.float32)
+            if inv.dim() != 1 or inv.numel() != head_dim // 2 or not bool(torch.isfinite(inv).all()):
                 raise ValueError(
-                    f"rope_inv_freq must hold head_dim / 2 = {head_dim // 2} finite values, got {inv.numel()} "
-                    f"({int(torch.isfinite(inv).sum())} finite)"
+                    f"rope_inv_freq must hold head_dim / 2 = {head_dim // 2} finite values (1-D), got shape "
+                    f"{tuple(inv.shape)} ({int(torch.isfinite(inv).sum())} finite)"
                 )
             self.rope_inv_freq = inv.to(device)
         elif rope_inv_freq is not None:

@@ -538,6 +538,7 @@ BAD_KVCACHE_CALLS = {  # keyword arguments of flash_attn_with_kvcache(q, cache, 
     ),
     "int64 cache_leftpad": (dict(cache_leftpad=torch.zeros(2, dtype=torch.int64)), TypeError, "cache_leftpad"),
     "cache_leftpad of another batch": (dict(cache_leftpad=torch.zeros(3, **I32)), ValueError, "cache_leftpad"),
+    "cache_leftpad past the keys": (dict(cache_leftpad=torch.tensor([9, 0], **I32)), ValueError, "cache_leftpad"),
     "negative softcap": (dict(softcap=-1.0), ValueError, "softcap"),
     "NaN softcap": (dict(softcap=float("nan")), ValueError, "softcap"),
     "infinite softmax_scale": (dict(softmax_scale=float("inf")), ValueError, "softmax_scale"),
@@ -596,6 +597,13 @@ def test_argument_types_beyond_the_call():
     ):
         with pytest.raises(TypeError, match=name):  # (not truncated silently)
             QuantizedKVCache(**dict(dict(batch_size=2, max_seqlen=16, num_kv_heads=2, head_dim=64), **{name: val}))
+    for kwargs, error, name in (
+        (dict(scale_only="yes"), TypeError, "scale_only"),
+        (dict(calib_min_tokens=-1), ValueError, "calib_min_tokens"),
+        (dict(key_center="rope", rope_inv_freq=torch.ones(2, 16)), ValueError, "rope_inv_freq"),  # (not flattened)
+    ):
+        with pytest.raises(error, match=name):
+            QuantizedKVCache(2, 16, 2, 64, **kwargs)
 
 
 def test_varlen_bad_arguments_leave_the_cache():
