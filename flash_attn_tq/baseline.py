@@ -280,8 +280,14 @@ def _check_qkv(q, k, v, varlen, paged=False):
     return nheads, nheads_k, headdim
 
 
+def is_int(x) -> bool:
+    """An integer argument (numpy integers too; not a bool)."""
+    # (the exact type first: the ABC check costs ~1 us, and decode calls check their options every call)
+    return type(x) is int or (isinstance(x, numbers.Integral) and not isinstance(x, bool))
+
+
 def _real(x) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+    return type(x) in (float, int) or (isinstance(x, numbers.Real) and not isinstance(x, bool))
 
 
 def check_options(dropout_p, window_size, softcap, softmax_scale=None):
@@ -292,7 +298,8 @@ def check_options(dropout_p, window_size, softcap, softmax_scale=None):
     if (
         not isinstance(window_size, (tuple, list))
         or len(window_size) != 2
-        or not all(isinstance(w, numbers.Integral) and not isinstance(w, bool) for w in window_size)
+        or not is_int(window_size[0])
+        or not is_int(window_size[1])
     ):
         raise ValueError(f"window_size must be a pair of ints (left, right), -1 for unbounded, got {window_size!r}")
     if not _real(softcap) or not math.isfinite(softcap) or softcap < 0:
@@ -422,7 +429,7 @@ def flash_attn_func(
 
 def _check_cu_seqlens(cu, name, batch, total, max_seqlen, max_name, device):
     check_int32_vector(cu, name, batch + 1 if batch is not None else None, device)
-    if not isinstance(max_seqlen, numbers.Integral) or isinstance(max_seqlen, bool):
+    if not is_int(max_seqlen):
         raise TypeError(f"{max_name} must be an int, got {max_seqlen!r}")
     if cu.shape[0] < 2:
         raise ValueError(f"{name} must have at least 2 entries (batch_size + 1)")

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Any, Sequence
 
 import torch
 
 from . import format as fmt
 from . import ops
+from .baseline import is_int
 from .quantizers import AsymQuantizer, TurboQuantizer
 
 QUANTIZERS = ("turbo", "asym")
@@ -179,6 +179,15 @@ def window_attention(q, cache: "QuantizedKVCache", bidx, lens, softmax_scale, ca
     return dense_attention(q, kw, vw, softmax_scale, visible)
 
 
+def as_seqlens(cache_seqlens):
+    """``cache_seqlens`` as a cache call takes it: None, an int (numpy integers too) or a tensor."""
+    if cache_seqlens is None or isinstance(cache_seqlens, torch.Tensor):
+        return cache_seqlens
+    if is_int(cache_seqlens):
+        return int(cache_seqlens)
+    raise TypeError(f"cache_seqlens must be an int or an int32 tensor [batch], got {type(cache_seqlens).__name__}")
+
+
 class QuantizedKVCache:
     """A per-layer K/V cache holding ``k_bits``/``v_bits``-bit codes plus float16 (scale, offset).
 
@@ -278,7 +287,7 @@ class QuantizedKVCache:
         counts.update({} if page_size is None else dict(page_size=page_size))
         counts.update({} if num_blocks is None else dict(num_blocks=num_blocks))
         for name, val in counts.items():
-            if not isinstance(val, numbers.Integral) or isinstance(val, bool):
+            if not is_int(val):
                 raise TypeError(f"{name} must be an int, got {val!r}")
         for name, val in (("batch_size", batch_size), ("max_seqlen", max_seqlen), ("num_kv_heads", num_kv_heads)):
             if int(val) <= 0:
@@ -542,7 +551,7 @@ class QuantizedKVCache:
         mean of the keys turned back by RoPE)."""
         if not self.key_center:
             return
-        self.check_new_kv(k, k)  # (a NaN here would poison every later score of the rows)
+        self._check_new("k", k, check_values=True)  # (a NaN here would poison every later score of the rows)
         B, n = k.shape[:2]
         bidx = torch.arange(B, device=self.device) if batch_idx is None else batch_idx.to(self.device).long()
         if bidx.shape != (B,) or (B and (int(bidx.min()) < 0 or int(bidx.max()) >= self.batch_size)):
@@ -655,28 +664,32 @@ class QuantizedKVCache:
 
     def check_new_kv(self, k: torch.Tensor, v: torch.Tensor, check_values: bool = True) -> None:
         for name, x in (("k", k), ("v", v)):
-            if not isinstance(x, torch.Tensor):
-                raise TypeError(f"{name} must be a tensor")
-            if x.dim() != 4 or x.shape[2] != self.num_kv_heads or x.shape[3] != self.head_dim:
-                raise ValueError(
-                    f"{name} must be [batch, seqlen_new, kv_heads={self.num_kv_heads}, "
-                    f"head_dim={self.head_dim}], got {tuple(x.shape)}"
-                )
-            if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-                raise TypeError(f"{name} must be float16, bfloat16 or float32, got {x.dtype}")
-            if x.device != self.device:
-                raise ValueError(f"{name} is on {x.device} but the cache is on {self.device}")
-            if check_values and not capturing() and x.numel():
-                peak = float(x.detach().abs().amax())  # (NaN propagates: one read for both checks)
-                if not math.isfinite(peak):
-                    raise ValueError(f"{name} contains NaN or Inf: a quantized cache cannot store them")
-                if peak > torch.finfo(torch.float16).max:  # (the codes' scales are float16)
-                    raise ValueError(
-                        f"{name} holds values beyond float16's range (|x| up to {peak:.3g}): the cache's "
-                        "float16 scales cannot store them"
-                    )
+            self._check_new(name, x, check_values)
         if k.shape != v.shape:
             raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+
+    def _check_new(self, name: str, x: torch.Tensor, check_values: bool) -> None:
+        """One of the new ``k`` / ``v``: type, shape, dtype, device and (``check_values``: one read) values."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a tensor")
+        if x.dim() != 4 or x.shape[2] != self.num_kv_heads or x.shape[3] != self.head_dim:
+            raise ValueError(
+                f"{name} must be [batch, seqlen_new, kv_heads={self.num_kv_heads}, "
+                f"head_dim={self.head_dim}], got {tuple(x.shape)}"
+            )
+        if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise TypeError(f"{name} must be float16, bfloat16 or float32, got {x.dtype}")
+        if x.device != self.device:
+            raise ValueError(f"{name} is on {x.device} but the cache is on {self.device}")
+        if check_values and not capturing() and x.numel():
+            peak = float(x.detach().abs().amax())  # (NaN propagates: one read for both checks)
+            if not math.isfinite(peak):
+                raise ValueError(f"{name} contains NaN or Inf: a quantized cache cannot store them")
+            if peak > torch.finfo(torch.float16).max:  # (the codes' scales are float16)
+                raise ValueError(
+                    f"{name} holds values beyond float16's range (|x| up to {peak:.3g}): the cache's "
+                    "float16 scales cannot store them"
+                )
 
     def append(
         self,
@@ -717,12 +730,7 @@ class QuantizedKVCache:
                 x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool
             ):
                 raise TypeError(f"{name} must hold integers (int32), got {x.dtype}")
-        if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
-            cache_seqlens = int(cache_seqlens)  # (numpy integers too)
-        elif cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
-            raise TypeError(
-                f"cache_seqlens must be an int or an int32 tensor [batch], got {type(cache_seqlens).__name__}"
-            )
+        cache_seqlens = as_seqlens(cache_seqlens)
         B, n = k.shape[:2]
         checking = B > 0 and not capturing()
         bidx = None  # the rows as a tensor (with batch_idx None: 0..B-1, made where a step needs it)

@@ -18,13 +18,12 @@ import contextvars
 import functools
 import importlib
 import math
-import numbers
 from typing import Optional, Union
 
 import torch
 
 from . import baseline, cpu, ops
-from .cache import QuantizedKVCache
+from .cache import QuantizedKVCache, as_seqlens
 
 _LAST_PATH: contextvars.ContextVar[str] = contextvars.ContextVar("flash_attn_tq_last_path", default="none")
 
@@ -388,15 +387,6 @@ def _check_cache_type(kv_cache) -> None:
         raise TypeError(f"kv_cache must be a QuantizedKVCache (or None), got {type(kv_cache).__name__}")
 
 
-def _as_seqlens(cache_seqlens):
-    """cache_seqlens as the quantized path takes it: None, an int (numpy integers too) or a tensor."""
-    if cache_seqlens is None or isinstance(cache_seqlens, torch.Tensor):
-        return cache_seqlens
-    if isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool):
-        return int(cache_seqlens)
-    raise TypeError(f"cache_seqlens must be an int or an int32 tensor [batch], got {type(cache_seqlens).__name__}")
-
-
 def _check_cache_rows(cache, cache_seqlens, cache_batch_idx, cache_leftpad, batch: int, seqlen_new: int) -> None:
     """The values of the per-row arguments against a QuantizedKVCache, where reading them costs no
     device sync: ints always, index tensors when they live on the CPU. (On a GPU the kernels clamp
@@ -528,7 +518,7 @@ def _quantized_varlen(
         ):
             got = f"{cu.dtype} {tuple(cu.shape)}" if isinstance(cu, torch.Tensor) else type(cu).__name__
             raise ValueError(f"{name} must be int32 (batch + 1,), got {got}")
-    if not isinstance(max_seqlen_q, numbers.Integral) or isinstance(max_seqlen_q, bool):
+    if not baseline.is_int(max_seqlen_q):
         raise TypeError(f"max_seqlen_q must be an int, got {max_seqlen_q!r}")
     lens_q = cu_seqlens_q.diff().tolist()
     batch = len(lens_q)
@@ -618,7 +608,7 @@ def _quantized_kvcache(
     batch, seqlen_q = q.shape[:2]
     device = q.device
     # every argument is checked before the append below changes the cache
-    cache_seqlens = _as_seqlens(cache_seqlens)
+    cache_seqlens = as_seqlens(cache_seqlens)
     _check_batch_args(cache_seqlens, cache_batch_idx, batch)
     _check_new_rows(k, v, batch)
     seqlen_new = 0 if k is None else k.shape[1]

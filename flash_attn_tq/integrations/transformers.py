@@ -24,7 +24,6 @@ K/V are quantized into the cache as they are written); later tokens attend over 
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Iterable, Mapping
 
 import torch
@@ -37,6 +36,7 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without transformers
     raise ImportError("flash_attn_tq.integrations.transformers needs transformers >= 5") from e
 
+from ..baseline import is_int
 from ..cache import PackErrors, QuantizedKVCache, capturing, health_reports
 from ..format import bits_per_element as _format_bits
 from ..interface import flash_attn_with_kvcache
@@ -343,13 +343,9 @@ class TQLayer(CacheLayerMixin):
         return out.to(query.dtype)
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
-
 def _layer_index(name: str, i, num_layers: int | None) -> int:
     """A layer index of ``name`` (protected_layers, layer_options), in range when the layer count is known."""
-    if not _is_int(i) or i < 0 or (num_layers is not None and i >= num_layers):
+    if not is_int(i) or i < 0 or (num_layers is not None and i >= num_layers):
         bound = f" (the model has {num_layers} layers)" if num_layers is not None else ""
         raise ValueError(f"{name}: layer indices must be ints >= 0{bound}, got {i!r}")
     return int(i)
@@ -399,11 +395,11 @@ class TQCache(Cache):
             raise TypeError(
                 f"config must be the model's config (a transformers PretrainedConfig), got {type(config).__name__}"
             )
-        if max_cache_len is not None and (not _is_int(max_cache_len) or max_cache_len <= 0):
+        if max_cache_len is not None and (not is_int(max_cache_len) or max_cache_len <= 0):
             raise ValueError(f"max_cache_len must be a positive int or None, got {max_cache_len!r}")
         opts = cache_options(cache_kwargs)
         self.sink_tokens = opts.pop("sink_tokens")
-        if not _is_int(self.sink_tokens) or self.sink_tokens < 0:
+        if not is_int(self.sink_tokens) or self.sink_tokens < 0:
             raise ValueError(f"sink_tokens must be an int >= 0, got {self.sink_tokens!r}")
         late_k_bits = opts.pop("late_k_bits")
         self.cache_kwargs = opts
