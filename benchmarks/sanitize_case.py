@@ -66,34 +66,34 @@ for opts in (
             )
     torch.cuda.synchronize()
     assert torch.isfinite(outs).all(), opts
-# two head groups in one launch (3-bit heads beside a K8V8 copy head): one row tile and two, equal and
-# own split counts (the unused slots filled)
-rope = dict(sink_tokens=16, fp16_window=112, key_center="rope", rope_inv_freq=inv_freq, device="cuda")
-narrow, wide = (
-    fa.QuantizedKVCache(2, 400, 2, 64, **rope),
-    fa.QuantizedKVCache(2, 400, 1, 64, k_bits=8, v_bits=8, **rope),
-)
-for c in (narrow, wide):
-    n = c.num_kv_heads
-    c.append(
-        torch.randn(2, 300, n, 64, device="cuda", dtype=torch.float16),
-        torch.randn(2, 300, n, 64, device="cuda", dtype=torch.float16),
+
+
+def filled(cache, n):
+    """``cache`` after an append of ``n`` random fp16 tokens to each row."""
+    shape = (cache.batch_size, n, cache.num_kv_heads, cache.head_dim)
+    cache.append(
+        torch.randn(shape, device="cuda", dtype=torch.float16), torch.randn(shape, device="cuda", dtype=torch.float16)
     )
-for rows in (1, 5):
-    qp = torch.randn(2, rows, 12, 64, device="cuda", dtype=torch.float16)
-    assert narrow.pair_reason(wide, qp) is None
-    for splits in (0, 3):
-        outs, _ = narrow.attend(qp, narrow.seqlens, None, 0.125, True, splits, with_lse=False, group2=(wide, 1))
+    return cache
+
+
+# two head groups in one launch (3-bit heads beside a K8V8 copy head): one row tile and two, equal and
+# own split counts (the unused slots filled); over 1024+ keys a code split, the 3-bit group's 64-token tiles
+rope = dict(sink_tokens=16, fp16_window=112, key_center="rope", rope_inv_freq=inv_freq, device="cuda")
+for capacity, n, row_counts in ((400, 300, (1, 5)), (1200, 1100, (1,))):
+    narrow = filled(fa.QuantizedKVCache(2, capacity, 2, 64, **rope), n)
+    k8 = filled(fa.QuantizedKVCache(2, capacity, 1, 64, k_bits=8, v_bits=8, **rope), n)
+    for rows in row_counts:
+        qp = torch.randn(2, rows, 12, 64, device="cuda", dtype=torch.float16)
+        assert narrow.pair_reason(k8, qp) is None
+        for splits in (0, 1, 3):
+            outs, _ = narrow.attend(qp, narrow.seqlens, None, 0.125, True, splits, with_lse=False, group2=(k8, 1))
 torch.cuda.synchronize()
 assert torch.isfinite(outs).all()
 # head_dim 64 over 1024+ keys a code split: 64-token warp tiles (plain, side, RoPE center + side,
 # 64-token pages), the last tile partial
 for opts in (dict(), dict(sink_tokens=16, fp16_window=112), rope, dict(page_size=64)):
-    long = fa.QuantizedKVCache(2, 1200, 2, 64, **dict(opts, device="cuda"))
-    long.append(
-        torch.randn(2, 1100, 2, 64, device="cuda", dtype=torch.float16),
-        torch.randn(2, 1100, 2, 64, device="cuda", dtype=torch.float16),
-    )
+    long = filled(fa.QuantizedKVCache(2, 1200, 2, 64, **dict(opts, device="cuda")), 1100)
     outs = fa.flash_attn_with_kvcache(torch.randn(2, 1, 8, 64, device="cuda", dtype=torch.float16), long, num_splits=1)
 torch.cuda.synchronize()
 assert torch.isfinite(outs).all()

@@ -314,7 +314,8 @@ def _layer_heads(hk1, hk2, at, group):
 def test_side_two_head_groups_one_launch(batch, seqlens, hk1, hk2, at, group, seqlen_q, d, dtype, center, bits):
     """Two head groups of other widths (3-bit heads, a K8V8 copy head) attended by one launch: each
     group's query heads get what a launch over its own cache gives with the same splits (bit for
-    bit where both take the same tiles), and float32 attention over what the cache holds."""
+    bit: the same tiles, 64-token ones at head_dim 64 over long splits), and float32 attention over
+    what the cache holds."""
     a, b = _pair(batch, seqlens, hk1, hk2, d, dtype, center, bits)
     q = torch.randn(batch, seqlen_q, (hk1 + hk2) * group, d, device=DEV, dtype=dtype)
     assert a.pair_reason(b, q) is None
@@ -327,15 +328,27 @@ def test_side_two_head_groups_one_launch(batch, seqlens, hk1, hk2, at, group, se
             qg = q[:, :, heads]
             if splits:
                 one, one_lse = cache.attend(qg, lens, None, scale, True, num_splits=splits)
-                if d == 64 and cache is a:
-                    # over 1024+ keys a split a one-group launch takes 64-token tiles, the pair kernel
-                    # 32-token ones: the same sums in another order
-                    torch.testing.assert_close(out[:, :, heads], one, atol=1e-2, rtol=1e-2)
-                    torch.testing.assert_close(lse[:, heads], one_lse, atol=1e-3, rtol=1e-3)
-                else:
-                    assert torch.equal(out[:, :, heads], one) and torch.equal(lse[:, heads], one_lse)
+                assert torch.equal(out[:, :, heads], one) and torch.equal(lse[:, heads], one_lse)
             else:
                 _check(qg, cache, out[:, :, heads], lse[:, heads], causal=True)
+
+
+@pytest.mark.parametrize("center", [False, "rope"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bits", [(3, 3), (4, 3)])
+def test_side_two_head_groups_wide_tiles(center, dtype, bits):
+    """head_dim 64 over 1024+ keys a code split: the one launch takes the 3/4-bit group's 64-token
+    tiles (seen by the profiler), both groups against float32 attention over their caches."""
+    a, b = _pair(2, [1100, 3001], 2, 1, 64, dtype, center, bits)
+    q = torch.randn(2, 1, 12, 64, device=DEV, dtype=dtype)
+    heads_a, heads_b = _layer_heads(2, 1, 1, 4)
+    poison_allocator()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        out, lse = a.attend(q, a.seqlens[:2], None, 64**-0.5, True, num_splits=2, group2=(b, 1))
+    wide = re.compile(r"decode_pair_kernel<.*PackedKV<\d+, \d+, 64, [^<>]*, 64>")
+    assert any(wide.search(e.name) for e in prof.events()), sorted({e.name for e in prof.events()})
+    for cache, heads in ((a, heads_a), (b, heads_b)):
+        _check(q[:, :, heads], cache, out[:, :, heads], lse[:, heads], causal=True)
 
 
 def test_side_two_head_groups_reasons():

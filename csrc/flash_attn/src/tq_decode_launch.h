@@ -197,10 +197,22 @@ void launch_pair(const DecodeParams &a, const DecodeParams &b, cudaStream_t stre
 template <typename Elem, int kHeadDim, int kKBitsA, int kVBitsA, int kKBitsB, int kVBitsB, bool kScaleOnly>
 void run_decode_pair(const DecodeParams &a, const DecodeParams &b, cudaStream_t stream) {
     using A = PackedKV<kKBitsA, kVBitsA, kHeadDim, Elem, kScaleOnly>;
-    if (a.h_h_k_ratio * a.seqlen_q <= 8) {
-        launch_pair<Elem, kHeadDim, 1, A, kKBitsB, kVBitsB, kScaleOnly>(a, b, stream);
+    auto rows_tiles = [&] {
+        if (a.h_h_k_ratio * a.seqlen_q <= 8) {
+            launch_pair<Elem, kHeadDim, 1, A, kKBitsB, kVBitsB, kScaleOnly>(a, b, stream);
+        } else {
+            launch_pair<Elem, kHeadDim, 2, A, kKBitsB, kVBitsB, kScaleOnly>(a, b, stream);
+        }
+    };
+    if constexpr (has_wide_tiles<kHeadDim, kKBitsA, kVBitsA>()) {
+        if (wide_tiles(a)) {  // group a's tiles as a launch of its own takes them (b's stages fit the wider pipeline)
+            using AW = PackedKV<kKBitsA, kVBitsA, kHeadDim, Elem, kScaleOnly, 3, kWideTile>;
+            launch_pair<Elem, kHeadDim, 1, AW, kKBitsB, kVBitsB, kScaleOnly>(a, b, stream);
+        } else {
+            rows_tiles();
+        }
     } else {
-        launch_pair<Elem, kHeadDim, 2, A, kKBitsB, kVBitsB, kScaleOnly>(a, b, stream);
+        rows_tiles();
     }
     DecodeParams layer = a;
     layer.num_splits = a.num_splits > b.num_splits ? a.num_splits : b.num_splits;
