@@ -440,6 +440,7 @@ __device__ __forceinline__ void split_body(const DecodeParams &p, char *smem, in
 template <typename Traits, Paging kPaging, bool kLocal, bool kRope, bool kSide>
 __device__ __forceinline__ void decode_split(const DecodeParams &p) {
     extern __shared__ __align__(16) char smem[];
+    pdl_launch_dependents();  // (the combine's CTAs start once every CTA here has: after the last wave began)
     if constexpr (kSide) {  // (no kLocal with a side: host checks)
         // CTAs start in linear order (x fastest): the codes' CTAs of a row block first, its side CTAs
         // last, so the side's short CTAs fill the slots the codes' leave instead of putting a third
@@ -478,6 +479,7 @@ template <typename TA, typename TB, bool kRope>
 __device__ __forceinline__ void decode_pair_split(const DecodeParams &a, const DecodeParams &b) {
     static_assert(TA::kNThreads == TB::kNThreads && TA::kRows == TB::kRows, "one CTA shape for both groups");
     extern __shared__ __align__(16) char smem[];
+    pdl_launch_dependents();
     const int a_splits = a.num_splits - 1, b_splits = b.num_splits - 1;
     const int side_slot = max(a_splits, b_splits), a_rows = a.b * a.h_k, b_codes = b_splits * b.b * b.h_k;
     int lin = blockIdx.x;
@@ -547,6 +549,7 @@ __global__ void __launch_bounds__(128) decode_combine_kernel(const DecodeParams 
     constexpr int kV = kHeadDim / 32, kChunk = 8;
     __shared__ float sm_max[4], sm_total[4];
     __shared__ __align__(16) float sm_o[4][kHeadDim];
+    pdl_wait();
     const int64_t rows = static_cast<int64_t>(p.b) * p.h * p.seqlen_q;
     const int64_t row = blockIdx.x;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -611,6 +614,7 @@ __global__ void __launch_bounds__(128) decode_combine_kernel(const DecodeParams 
 template <typename Elem, int kHeadDim>
 __global__ void __launch_bounds__(128) combine_rows_kernel(const DecodeParams p) {
     constexpr int kV = kHeadDim / 32;
+    pdl_wait();
     const int64_t rows = static_cast<int64_t>(p.b) * p.h * p.seqlen_q;
     const int64_t row = static_cast<int64_t>(blockIdx.x) * 4 + threadIdx.x / 32;
     const int lane = threadIdx.x % 32;

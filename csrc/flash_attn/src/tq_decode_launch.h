@@ -12,6 +12,25 @@
 
 namespace flash_tq {
 
+// A kernel of 128 threads launched as a programmatic dependent of the stream's previous one (Hopper
+// and later: it starts as that kernel's last CTAs run and waits in pdl_wait; before: a plain launch).
+inline void launch_dependent(void (*kernel)(const DecodeParams), unsigned ctas, const DecodeParams &p,
+                             cudaStream_t stream) {
+    int device = 0, major = 0;
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+    cudaLaunchAttribute attr;
+    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr.val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(ctas);
+    config.blockDim = dim3(128);
+    config.stream = stream;
+    config.attrs = &attr;
+    config.numAttrs = major >= 9 ? 1 : 0;
+    cudaLaunchKernelEx(&config, kernel, p);  // (errors: the caller's launch check)
+}
+
 // Merge the splits; nothing to do for one split. Many rows over at most 32 splits: a warp a row,
 // else a CTA a row.
 template <typename Elem, int kHeadDim>
@@ -19,9 +38,9 @@ void launch_combine(const DecodeParams &p, cudaStream_t stream) {
     if (p.num_splits > 1) {
         const int64_t rows = static_cast<int64_t>(p.b) * p.h * p.seqlen_q;
         if (rows >= 2048 && p.num_splits <= 32) {
-            combine_rows_kernel<Elem, kHeadDim><<<static_cast<unsigned>((rows + 3) / 4), 128, 0, stream>>>(p);
+            launch_dependent(combine_rows_kernel<Elem, kHeadDim>, static_cast<unsigned>((rows + 3) / 4), p, stream);
         } else {
-            decode_combine_kernel<Elem, kHeadDim><<<static_cast<unsigned>(rows), 128, 0, stream>>>(p);
+            launch_dependent(decode_combine_kernel<Elem, kHeadDim>, static_cast<unsigned>(rows), p, stream);
         }
     }
 }
