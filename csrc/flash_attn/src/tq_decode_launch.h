@@ -3,6 +3,7 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdlib>
 #include <mutex>
 #include <set>
 #include <type_traits>
@@ -13,12 +14,15 @@
 namespace flash_tq {
 
 // A kernel of 128 threads launched as a programmatic dependent of the stream's previous one (Hopper
-// and later: it starts as that kernel's last CTAs run and waits in pdl_wait; before: a plain launch).
+// and later: it starts as that kernel's last CTAs run and waits in pdl_wait; before, or with
+// FLASH_ATTN_TQ_PDL=0: a plain launch, after which pdl_wait returns at once).
 inline void launch_dependent(void (*kernel)(const DecodeParams), unsigned ctas, const DecodeParams &p,
                              cudaStream_t stream) {
     int device = 0, major = 0;
     cudaGetDevice(&device);
     cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+    const char *env = std::getenv("FLASH_ATTN_TQ_PDL");  // (read each launch: an A/B in one process)
+    const bool pdl = major >= 9 && !(env != nullptr && env[0] == '0');
     cudaLaunchAttribute attr;
     attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr.val.programmaticStreamSerializationAllowed = 1;
@@ -27,7 +31,7 @@ inline void launch_dependent(void (*kernel)(const DecodeParams), unsigned ctas, 
     config.blockDim = dim3(128);
     config.stream = stream;
     config.attrs = &attr;
-    config.numAttrs = major >= 9 ? 1 : 0;
+    config.numAttrs = pdl ? 1 : 0;
     cudaLaunchKernelEx(&config, kernel, p);  // (errors: the caller's launch check)
 }
 
