@@ -13,25 +13,27 @@
 
 namespace flash_tq {
 
-// A kernel of 128 threads launched as a programmatic dependent of the stream's previous one (Hopper
-// and later: it starts as that kernel's last CTAs run and waits in pdl_wait; before, or with
-// FLASH_ATTN_TQ_PDL=0: a plain launch, after which pdl_wait returns at once).
-inline void launch_dependent(void (*kernel)(const DecodeParams), unsigned ctas, const DecodeParams &p,
-                             cudaStream_t stream) {
-    int device = 0, major = 0;
-    cudaGetDevice(&device);
-    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-    const char *env = std::getenv("FLASH_ATTN_TQ_PDL");  // (read each launch: an A/B in one process)
-    const bool pdl = major >= 9 && !(env != nullptr && env[0] == '0');
-    cudaLaunchAttribute attr;
-    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr.val.programmaticStreamSerializationAllowed = 1;
+// A launch of `kernel`; `dependent`: as a programmatic dependent of the stream's previous kernel
+// (Hopper and later, unless FLASH_ATTN_TQ_PDL=0): it may start as that kernel's last CTAs run, and
+// reads what that kernel writes only after pdl_wait (which returns at once after a plain launch).
+inline void launch(void (*kernel)(const DecodeParams), dim3 grid, int threads, int smem, const DecodeParams &p,
+                   cudaStream_t stream, bool dependent) {
     cudaLaunchConfig_t config = {};
-    config.gridDim = dim3(ctas);
-    config.blockDim = dim3(128);
+    config.gridDim = grid;
+    config.blockDim = dim3(threads);
+    config.dynamicSmemBytes = smem;
     config.stream = stream;
-    config.attrs = &attr;
-    config.numAttrs = pdl ? 1 : 0;
+    cudaLaunchAttribute attr;
+    if (dependent) {
+        int device = 0, major = 0;
+        cudaGetDevice(&device);
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+        const char *env = std::getenv("FLASH_ATTN_TQ_PDL");  // (read each launch: an A/B in one process)
+        attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+        attr.val.programmaticStreamSerializationAllowed = 1;
+        config.attrs = &attr;
+        config.numAttrs = major >= 9 && !(env != nullptr && env[0] == '0') ? 1 : 0;
+    }
     cudaLaunchKernelEx(&config, kernel, p);  // (errors: the caller's launch check)
 }
 
@@ -42,9 +44,9 @@ void launch_combine(const DecodeParams &p, cudaStream_t stream) {
     if (p.num_splits > 1) {
         const int64_t rows = static_cast<int64_t>(p.b) * p.h * p.seqlen_q;
         if (rows >= 2048 && p.num_splits <= 32) {
-            launch_dependent(combine_rows_kernel<Elem, kHeadDim>, static_cast<unsigned>((rows + 3) / 4), p, stream);
+            launch(combine_rows_kernel<Elem, kHeadDim>, dim3((rows + 3) / 4), 128, 0, p, stream, true);
         } else {
-            launch_dependent(decode_combine_kernel<Elem, kHeadDim>, static_cast<unsigned>(rows), p, stream);
+            launch(decode_combine_kernel<Elem, kHeadDim>, dim3(rows), 128, 0, p, stream, true);
         }
     }
 }
@@ -78,12 +80,13 @@ constexpr int split_smem_bytes() {
 
 // splits: the grid's splits (0: p.num_splits; the prefill kernel leaves a side's split to launch_side_rows).
 template <typename Traits, bool kRope = false, bool kSide = false>
-void launch_split(void (*kernel)(const DecodeParams), const DecodeParams &p, cudaStream_t stream, int splits = 0) {
+void launch_split(void (*kernel)(const DecodeParams), const DecodeParams &p, cudaStream_t stream, int splits = 0,
+                  bool dependent = false) {
     constexpr int smem = split_smem_bytes<Traits, kRope, kSide>();
     if constexpr (smem > 48 * 1024) { allow_smem(reinterpret_cast<const void *>(kernel), smem); }
     const int rows = p.h_h_k_ratio * p.seqlen_q;
     dim3 grid(splits > 0 ? splits : p.num_splits, p.b * p.h_k, (rows + Traits::kRows - 1) / Traits::kRows);
-    kernel<<<grid, Traits::kNThreads, smem, stream>>>(p);
+    launch(kernel, grid, Traits::kNThreads, smem, p, stream, dependent);
 }
 
 // Contiguous and paged packed caches get their own kernels (no paging code in the former), and a

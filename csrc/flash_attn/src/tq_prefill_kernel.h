@@ -317,6 +317,7 @@ __device__ __forceinline__ void prefill_split_body(const DecodeParams &p) {
         sign[j][0] = s.x * RowMath<D>::kInvSqrtD;
         sign[j][1] = s.y * RowMath<D>::kInvSqrtD;
     }
+    if (p.side_first) { pdl_wait(); }  // the side's partial rows (run_prefill launches this kernel as its dependent)
     const int group = p.h_h_k_ratio;
     #pragma unroll
     for (int m = 0; m < MT; ++m) {
@@ -402,6 +403,7 @@ __global__ void __launch_bounds__(T::kNThreads, 256 / T::kNThreads) prefill_spli
     } else
 #endif
     {
+        pdl_launch_dependents();  // (a combine launched as its dependent: tq_decode_launch.h)
         prefill_split_body<T, kLocal>(p);
     }
 }

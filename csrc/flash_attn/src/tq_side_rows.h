@@ -38,6 +38,7 @@ __global__ void __launch_bounds__(T::kNThreads) side_rows_kernel(const DecodePar
     constexpr int D = T::kHeadDim, KB = D / 16, DJ = D / 8, kTileN = T::kTileN;
     constexpr float kNegInf = -INFINITY;
     __shared__ __align__(128) char smem[T::kSmemBytes];
+    pdl_launch_dependents();  // (the prefill kernel after it, or the combine: run_prefill)
     const int tid = threadIdx.x, warp = __shfl_sync(0xffffffffu, tid / 32, 0), lane = tid % 32, g = lane / 4,
               c = lane % 4;
     const int b = blockIdx.y / p.h_k, hk = blockIdx.y % p.h_k;
