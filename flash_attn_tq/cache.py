@@ -406,6 +406,7 @@ class QuantizedKVCache:
         self.k_meta = _head_major(rows, cols, H, meta_words, torch.float16, device)
         self.v_meta = _head_major(rows, cols, H, meta_words, torch.float16, device)
         self.seqlens = torch.zeros(self.batch_size, dtype=torch.int32, device=device)
+        self._pack_tally = torch.zeros(1, dtype=torch.int32, device=device)  # (the pack kernel's, see write_codes)
         R = self.fp16_window
         # the 16-bit side: sinks + the 16-bit window (+ one slot for the writes of other tokens)
         self.side_ring = R if self.window_quantizer is None else 0
@@ -800,10 +801,21 @@ class QuantizedKVCache:
                 k = self.transform_keys(k, rows(), positions=pos if self.rope_center else None)
         if self.health_counters is not None:
             self._observe(k, v, rows())
+        # the kernel also advances seqlens, unless start is a caller's tensor that may share its memory
+        # (a row could be read after another row moved)
+        advance = fused and (
+            not isinstance(cache_seqlens, torch.Tensor)
+            or (
+                not torch.compiler.is_compiling()
+                and start.untyped_storage().data_ptr() != self.seqlens.untyped_storage().data_ptr()
+            )
+        )
         if fused:  # quantize-on-write kernel: slots, range and value checks on the GPU
             flags = torch.zeros(1, dtype=torch.int32, device=self.device) if error_flags is None else error_flags
             raw_idx = None if batch_idx is None else batch_idx.to(self.device, torch.int32).contiguous()
-            self.write_codes(k, v, start.contiguous(), raw_idx, flags, side=kernel_side, rope_center=kernel_rope)
+            self.write_codes(
+                k, v, start.contiguous(), raw_idx, flags, side=kernel_side, rope_center=kernel_rope, advance=advance
+            )
             if checking and error_flags is None:
                 ops.raise_pack_errors(int(flags.item()))
         if not fused:
@@ -822,6 +834,8 @@ class QuantizedKVCache:
                 codes, meta = self.window_quantizer.quantize(x[:, j0:].float())
                 getattr(self, f"{name}_window_codes")[b2, slots] = fmt.pack_codes(codes, self.window_bits, check=False)
                 getattr(self, f"{name}_window_meta")[b2, slots] = meta[..., : self.k_window_meta.shape[-1]]
+        if advance:
+            return
         if batch_idx is not None:
             self.seqlens[bidx] = start + n
         elif cache_seqlens is None:  # start is seqlens[:B] itself: one in-place add
@@ -898,12 +912,15 @@ class QuantizedKVCache:
         error_flags: torch.Tensor | None = None,
         side: bool = False,
         rope_center: bool = False,
+        advance: bool = False,
     ) -> None:
         """The quantize-on-write kernel: ``k, v [batch, n, kv_heads, d]`` into positions ``start[i] + j``
         (int32 ``[batch]``) of cache rows ``batch_idx`` (int32, None: 0..batch-1); keys already in the
         codes' domain (transformed), or raw with ``rope_center`` (the kernel subtracts ``R(p) c``).
         ``side``: the kernel also copies sinks and the chunk's recent tokens into :attr:`kv_side` (k and
-        v as given, k's dtype the side's). No other bookkeeping (``seqlens``). Error bits go to
+        v as given, k's dtype the side's). ``advance``: the launch ends by setting ``seqlens[row] =
+        start[i] + n`` unless it met an error (``start`` may be a view of ``seqlens``, but no other
+        tensor sharing its memory: rows may be read after another row's update). Error bits go to
         ``error_flags`` (int32 [1]; see :data:`flash_attn_tq.ops.PACK_ERRORS`)."""
         quant = ops.QUANT_IDS[(self.quantizer, self.grid, self.fit)]
         extras = {}
@@ -936,6 +953,8 @@ class QuantizedKVCache:
             v_signs=vq.signs_on(v.device) if turbo else None,
             v_levels=vq.codebook(v.device) if lloyd else None,
             v_side=self.kv_side[1] if side else None,
+            lengths=self.seqlens if advance else None,
+            tally=self._pack_tally if advance else None,
             **extras,
         )
 
@@ -1181,6 +1200,7 @@ class QuantizedKVCache:
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, t.to(device))
+        self._pack_tally = self._pack_tally.to(device)
         return self
 
     def config(self) -> dict[str, Any]:

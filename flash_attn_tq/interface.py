@@ -643,12 +643,13 @@ def _quantized_kvcache(
             else torch.zeros(seqlen_q, dtype=torch.long, device=device)
         )
         q = baseline.rotary_at(q, rotary_cos, rotary_sin, qpos, rotary_interleaved).to(q.dtype)
-    lens = (start + seqlen_new).to(torch.int32) if seqlen_new else start  # (before the append advances start)
+    own = cache_seqlens is None and cache_batch_idx is None  # start is the cache's own counts (a view)
+    # the lengths attention sees: the own counts, which the append advances in place, else start + n
+    lens = start if own or not seqlen_new else (start + seqlen_new).to(torch.int32)
     if cache_leftpad is not None and cache_leftpad.device.type == "cpu" and batch:  # (no device sync)
-        if bool((cache_leftpad > lens.to(cache_leftpad.device)).any()):
+        if bool((cache_leftpad > (start + seqlen_new).to(cache_leftpad.device)).any()):
             raise ValueError("cache_leftpad must be in [0, cache_seqlens + seqlen_new]")
     if k is not None:
-        own = cache_seqlens is None and cache_batch_idx is None  # start is the cache's own counts
         cache.append(k, v, cache_seqlens=None if own else start, batch_idx=bidx)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])

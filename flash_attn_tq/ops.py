@@ -141,6 +141,8 @@ def _register_fakes() -> None:
         v_signs=None,
         v_levels=None,
         v_side=None,
+        lengths=None,
+        tally=None,
     ):
         return None
 
@@ -371,6 +373,8 @@ def pack(
     v_signs: torch.Tensor | None = None,
     v_levels: torch.Tensor | None = None,
     v_side: torch.Tensor | None = None,
+    lengths: torch.Tensor | None = None,
+    tally: torch.Tensor | None = None,
 ) -> None:
     """Quantize ``x [batch, n, kv_heads, d]`` on the GPU into positions ``start[i] + j`` of cache rows
     ``batch_idx[i]`` (int32 ``[batch]``; None: row i) of ``codes``/``meta`` (paged through
@@ -383,7 +387,10 @@ def pack(
     kv_heads, d]`` and ``rope_inv_freq [d / 2]`` (float32) the codes hold ``x - R(p + rope_offset) c``
     (rounded to x's dtype), as :meth:`QuantizedKVCache.transform_keys` computes it. With ``v`` (x's
     shape and dtype: the values of the same tokens, x the keys), ``v_codes``/``v_meta``/``v_side``
-    receive them as ``codes``/``meta``/``side`` receive x (no RoPE center): one launch for both."""
+    receive them as ``codes``/``meta``/``side`` receive x (no RoPE center): one launch for both. With
+    ``lengths`` (int32 ``[rows]``, e.g. the cache's seqlens, which ``start`` may be a view of) and
+    ``tally`` (int32 ``[1]``, zero between calls, one per ``lengths``) the launch ends by setting
+    ``lengths[batch_idx[i]] = start[i] + n``, unless it met an error (then no length moves)."""
     x3 = _pack_rows(x)
     v3 = None if v is None else _pack_rows(v)
     torch.ops.flash_attn_tq.pack_kv(
@@ -415,6 +422,8 @@ def pack(
         v_signs,
         v_levels,
         v_side,
+        lengths,
+        tally,
     )
 
 

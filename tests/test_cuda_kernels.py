@@ -586,6 +586,80 @@ def cpu_gather_row(cache, row, lo, hi):
     return g["k_codes"][0, lo:hi]
 
 
+@pytest.mark.parametrize(
+    "quantizer, k_bits, v_bits",
+    [("turbo-scale", 3, 3), ("turbo", 4, 4), ("asym", 3, 3)],  # K and V in one launch, or a launch each
+)
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_append_advances_seqlens_in_the_pack_launch(quantizer, k_bits, v_bits, page_size):
+    """The pack launch itself advances seqlens (no kernel of its own after it), once every CTA has
+    read the start positions: over many CTAs, call after call (the count the last CTA keeps is back
+    at zero), through each way an append names its rows; a caller's start tensor that shares seqlens'
+    memory takes the PyTorch update; an append that fails moves nothing."""
+    B, h, d = 4, 2, 64
+    cache, _, _ = _make_cache(
+        B,
+        [5, 9, 0, 3],
+        h,
+        d,
+        quantizer=quantizer,
+        k_bits=k_bits,
+        v_bits=v_bits,
+        page_size=page_size,
+        max_seqlen=1200,
+        seed=7,
+    )
+    gen = torch.Generator(device=DEV).manual_seed(8)
+    expect = [5, 9, 0, 3]
+
+    def kv(b, n):
+        return torch.randn(b, n, h, d, device=DEV, generator=gen, dtype=torch.float16)
+
+    flags, x = torch.zeros(1, dtype=torch.int32, device=DEV), kv(B, 1)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        cache.append(x, x, error_flags=flags)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(kernels) == (1 if quantizer == "turbo-scale" else 2), kernels
+    assert all("pack" in n for n in kernels), kernels
+    assert flags.item() == 0
+    expect = [n + 1 for n in expect]
+    assert cache.seqlens.tolist() == expect
+    for _ in range(3):  # 1200 vectors a call: tens of CTAs
+        x = kv(B, 300 // 2)
+        cache.append(x, x)
+        expect = [n + 150 for n in expect]
+        assert cache.seqlens.tolist() == expect
+    x = kv(2, 7)
+    cache.append(x, x, batch_idx=torch.tensor([3, 1], device=DEV, dtype=torch.int32))
+    expect[3] += 7
+    expect[1] += 7
+    assert cache.seqlens.tolist() == expect
+    cache.append(x, x, cache_seqlens=20)  # rows 0, 1 at position 20
+    expect[:2] = [27, 27]
+    assert cache.seqlens.tolist() == expect
+    own = torch.tensor([expect[0], expect[1]], device=DEV, dtype=torch.int32)
+    cache.append(x, x, cache_seqlens=own, batch_idx=torch.tensor([1, 0], device=DEV, dtype=torch.int32))
+    expect[0], expect[1] = own[1].item() + 7, own[0].item() + 7
+    assert cache.seqlens.tolist() == expect
+    shared = cache.seqlens[1:3]  # start rows 1, 2 written to rows 2, 3: read before any row moves
+    want = [expect[0], expect[1], expect[1] + 7, expect[2] + 7]
+    cache.append(x, x, cache_seqlens=shared, batch_idx=torch.tensor([2, 3], device=DEV, dtype=torch.int32))
+    assert cache.seqlens.tolist() == want
+    expect = want
+    with pytest.raises(ValueError, match="overflow"):
+        cache.append(kv(B, 2000), kv(B, 2000))
+    bad = kv(B, 1)
+    bad[2, 0, 1, 3] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        cache.append(bad, bad)
+    assert cache.seqlens.tolist() == expect
+    x = kv(B, 1)
+    cache.append(x, x)  # and the count still works after the failed calls
+    assert cache.seqlens.tolist() == [n + 1 for n in expect]
+
+
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

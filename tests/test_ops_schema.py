@@ -50,7 +50,11 @@ def recorded():
         return torch.zeros_like(q), q.new_zeros(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32)
 
     def pack(*args):
-        calls.setdefault("pack_kv", []).append(dict(zip(names["pack_kv"], args)))
+        a = dict(zip(names["pack_kv"], args))
+        calls.setdefault("pack_kv", []).append(a)
+        if a.get("lengths") is not None:  # what the kernel does last: the rows' new lengths (start may be a view)
+            rows = torch.arange(a["start"].numel()) if a["batch_idx"] is None else a["batch_idx"].long()
+            a["lengths"][rows] = a["start"] + a["x"].shape[0] // a["start"].numel()
 
     lib.impl("decode_kvcache", decode, "CPU")
     lib.impl("pack_kv", pack, "CPU")
@@ -99,9 +103,38 @@ def test_pack_arguments(recorded, monkeypatch):
     assert call["v_step"] == ops.uniform_step(4) and call["step"] == ops.uniform_step(3)
     assert torch.equal(call["v_signs"], cache.v_quantizer.signs_on("cpu"))
     assert call["x"].shape == call["v"].shape == (6, 2, 64)
-    # the kernel reads the cache's own counts (0 then), which the append advances after it in stream order
+    # the kernel reads the cache's own counts (0 then) and advances them itself
     assert call["start"].data_ptr() == cache.seqlens.data_ptr() and call["start"].shape == (2,)
+    assert call["lengths"] is cache.seqlens and call["tally"].dtype == torch.int32 and call["tally"].numel() == 1
     assert torch.equal(cache.seqlens, torch.full((2,), 3, dtype=torch.int32))
+
+
+def test_pack_advances_seqlens_unless_start_may_share_them(recorded, monkeypatch):
+    """The pack kernel advances seqlens (no PyTorch op after it) however the rows are named, except
+    for a caller's start tensor sharing seqlens' memory (rows of it could be read after others moved),
+    which the PyTorch update after the kernel takes."""
+    cache = QuantizedKVCache(4, 64, 2, 64)
+    monkeypatch.setattr(QuantizedKVCache, "pack_reason", lambda self, x: None)
+    flags = torch.zeros(1, dtype=torch.int32)
+    x = torch.randn(2, 3, 2, 64).half()
+    rows = torch.tensor([3, 1], dtype=torch.int32)
+    for kwargs, kernel, lens in (
+        ({}, True, [3, 3, 0, 0]),
+        ({"batch_idx": rows}, True, [3, 6, 0, 3]),
+        ({"cache_seqlens": 10}, True, [13, 13, 0, 3]),
+        ({"cache_seqlens": torch.tensor([1, 2], dtype=torch.int32), "batch_idx": rows}, True, [13, 5, 0, 4]),
+        # rows 1, 0 from seqlens' own rows 0, 1: each read before the other moves
+        (
+            {"cache_seqlens": cache.seqlens[:2], "batch_idx": torch.tensor([1, 0], dtype=torch.int32)},
+            False,
+            [8, 16, 0, 4],
+        ),
+    ):
+        recorded.pop("pack_kv", None)
+        cache.append(x, x, error_flags=flags, **kwargs)
+        (call,) = recorded["pack_kv"]
+        assert (call.get("lengths") is cache.seqlens) == kernel and (call.get("tally") is not None) == kernel, kwargs
+        assert cache.seqlens.tolist() == lens, kwargs
 
 
 def test_pack_keeps_the_books(recorded, monkeypatch):

@@ -615,6 +615,8 @@ void set_pack_side(PackParams &p, const at::Tensor &x, const at::Tensor &side, i
 // tokens (side [batch rows, side_sinks + side_ring + 1, heads, d], x's dtype) and the RoPE center
 // (rope_center [batch rows, heads, d] and rope_inv_freq [d / 2], float32). With v (x's shape: the
 // values of the same tokens, x the keys) v_codes / v_meta / v_side receive v in the same launch.
+// With lengths (int32 [rows]: the cache's seqlens, which start may be) and tally (int32 [1], zero
+// between calls), the launch ends with lengths[row] = start[i] + n, unless it met an error.
 void pack_kv(const at::Tensor &x,                            // [tokens, heads, d] fp16/bf16
              const std::optional<at::Tensor> &slot_mapping,  // [tokens] int64
              const std::optional<at::Tensor> &start,         // [batch] int32
@@ -629,7 +631,8 @@ void pack_kv(const at::Tensor &x,                            // [tokens, heads, 
              const std::optional<at::Tensor> &rope_inv_freq, int64_t rope_offset, const std::optional<at::Tensor> &v,
              const std::optional<at::Tensor> &v_codes, const std::optional<at::Tensor> &v_meta, int64_t v_bits,
              double v_step, const std::optional<at::Tensor> &v_signs, const std::optional<at::Tensor> &v_levels,
-             const std::optional<at::Tensor> &v_side) {
+             const std::optional<at::Tensor> &v_side, const std::optional<at::Tensor> &lengths,
+             const std::optional<at::Tensor> &tally) {
     TQ_CHECK(slot_mapping.has_value() != start.has_value(), "give either slot_mapping or start");
     c10::cuda::CUDAGuard guard(x.device());
     PackParams p{};
@@ -692,6 +695,18 @@ void pack_kv(const at::Tensor &x,                            // [tokens, heads, 
         p.rope_inv_freq = rope_inv_freq->data_ptr<float>();
         p.rope_offset = static_cast<int>(rope_offset);
     }
+    TQ_CHECK(lengths.has_value() == tally.has_value(), "give lengths and tally together");
+    if (lengths.has_value()) {
+        CHECK_CUDA(*lengths);
+        CHECK_CUDA(*tally);
+        TQ_CHECK(!slot_mapping.has_value(), "lengths needs start (not slot_mapping)");
+        TQ_CHECK(lengths->scalar_type() == at::kInt && lengths->dim() == 1 && lengths->is_contiguous(),
+                 "lengths must be contiguous int32 [rows]");
+        TQ_CHECK(tally->scalar_type() == at::kInt && tally->numel() >= 1, "tally must be int32 [1]");
+        p.lengths = lengths->data_ptr<int>();
+        p.lengths_rows = static_cast<int>(lengths->numel());
+        p.tally = reinterpret_cast<unsigned *>(tally->data_ptr<int>());
+    }
     auto stream = c10::cuda::getCurrentCUDAStream().stream();
     const bool half = x.scalar_type() == at::kHalf;
     if (!v.has_value()) {
@@ -750,7 +765,7 @@ TORCH_LIBRARY(flash_attn_tq, m) {
         "float step, Tensor(d!)? side=None, int side_sinks=0, int side_ring=0, Tensor? rope_center=None, "
         "Tensor? rope_inv_freq=None, int rope_offset=0, Tensor? v=None, Tensor(e!)? v_codes=None, "
         "Tensor(f!)? v_meta=None, int v_bits=0, float v_step=1.0, Tensor? v_signs=None, Tensor? v_levels=None, "
-        "Tensor(g!)? v_side=None) -> ()");
+        "Tensor(g!)? v_side=None, Tensor(h!)? lengths=None, Tensor(i!)? tally=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(flash_attn_tq, CUDA, m) {

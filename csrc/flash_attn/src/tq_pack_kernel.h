@@ -156,9 +156,10 @@ __device__ __forceinline__ void rope_center_sub(const PackParams &p, int seq, in
 }
 
 // Blocks `block` of `blocks` (a grid-stride loop over 16 vectors a block) of one pack: the body of
-// pack_kv_kernel, and of each half of pack_pair_kernel.
+// pack_kv_kernel, and of each half of pack_pair_kernel. Returns whether the thread met an error
+// (a vector it could not place or store).
 template <typename Elem, int kHeadDim, int kBits, Quant kQuant>
-__device__ __forceinline__ void pack_vectors(const PackParams &p, int block, int blocks) {
+__device__ __forceinline__ bool pack_vectors(const PackParams &p, int block, int blocks) {
     constexpr int P = kHeadDim / 8;  // elements a thread
     constexpr int kLevels = 1 << kBits;
     constexpr int kPad = 8;  // floats between vectors in the transpose buffer: no bank conflicts
@@ -204,6 +205,7 @@ __device__ __forceinline__ void pack_vectors(const PackParams &p, int block, int
     uint4 next[P / 8];
     int base = block * 16 + warp * 4;
     load(base + vsub, next);
+    bool bad = false;
     for (; base < vectors; base += stride) {
         const int vec = base + vsub;
         const bool live = vec < vectors;  // every lane runs (shuffles are warp-wide); only live ones store
@@ -218,6 +220,7 @@ __device__ __forceinline__ void pack_vectors(const PackParams &p, int block, int
         const int slot_row = __shfl_sync(0xffffffffu, cell.x, lane & ~7),
                   slot_col = __shfl_sync(0xffffffffu, cell.y, lane & ~7);
         bool store = slot_row >= 0;
+        bad |= live && !store && p.slot_mapping == nullptr;  // (a slot mapping's -1 is a skip, not an error)
         // the append's bookkeeping (PackParams::side, ::rope_center): the token's cache row, position
         // and index in the chunk (without a slot mapping, checked on the host)
         const bool extras = p.side != nullptr || p.rope_center != nullptr;
@@ -370,6 +373,7 @@ __device__ __forceinline__ void pack_vectors(const PackParams &p, int block, int
 
         if (!finite) {  // a quantized cache cannot hold it: flag the call, write nothing
             if (store && s == 0 && p.error_flags != nullptr) { atomicOr(p.error_flags, kPackNonFinite); }
+            bad |= store;
             store = false;
         }
 
@@ -427,11 +431,38 @@ __device__ __forceinline__ void pack_vectors(const PackParams &p, int block, int
             }
         }
     }
+    return bad;
+}
+
+// The append's length update (PackParams::lengths), once the CTA is done with its vectors: the CTA
+// counts itself into the tally (after setting its top bit if it met an error); the last to count
+// knows that every CTA has read `start` (which lengths may be), so it writes the lengths, unless a
+// CTA met an error, and leaves the tally at zero for the next launch.
+constexpr unsigned kTallyError = 1u << 31;
+__device__ __forceinline__ void advance_lengths(const PackParams &p, bool bad) {
+    __shared__ unsigned tally;
+    bad = __syncthreads_or(bad);
+    if (threadIdx.x == 0) {
+        __threadfence();
+        if (bad) { atomicOr(p.tally, kTallyError); }
+        tally = atomicAdd(p.tally, 1u) + 1u;
+    }
+    __syncthreads();
+    if ((tally & ~kTallyError) != gridDim.x * gridDim.y) return;  // (CTA-uniform)
+    if ((tally & kTallyError) == 0u) {
+        const int entries = p.tokens / p.n_new;
+        for (int i = threadIdx.x; i < entries; i += blockDim.x) {
+            const int row = p.batch_idx != nullptr ? p.batch_idx[i] : i;
+            if (row >= 0 && row < p.lengths_rows) { p.lengths[row] = p.start[i] + p.n_new; }
+        }
+    }
+    if (threadIdx.x == 0) { *p.tally = 0u; }
 }
 
 template <typename Elem, int kHeadDim, int kBits, Quant kQuant>
 __global__ void __launch_bounds__(128) pack_kv_kernel(const __grid_constant__ PackParams p) {
-    pack_vectors<Elem, kHeadDim, kBits, kQuant>(p, blockIdx.x, gridDim.x);
+    const bool bad = pack_vectors<Elem, kHeadDim, kBits, kQuant>(p, blockIdx.x, gridDim.x);
+    if (p.lengths != nullptr) { advance_lengths(p, bad); }
 }
 
 // An append's K and V in one launch (grid.y: 0 K, 1 V): half the launches of a decode step's
@@ -439,11 +470,9 @@ __global__ void __launch_bounds__(128) pack_kv_kernel(const __grid_constant__ Pa
 template <typename Elem, int kHeadDim, int kKBits, int kVBits, Quant kQuant>
 __global__ void __launch_bounds__(128)
     pack_pair_kernel(const __grid_constant__ PackParams k, const __grid_constant__ PackParams v) {
-    if (blockIdx.y == 0) {
-        pack_vectors<Elem, kHeadDim, kKBits, kQuant>(k, blockIdx.x, gridDim.x);
-    } else {
-        pack_vectors<Elem, kHeadDim, kVBits, kQuant>(v, blockIdx.x, gridDim.x);
-    }
+    const bool bad = blockIdx.y == 0 ? pack_vectors<Elem, kHeadDim, kKBits, kQuant>(k, blockIdx.x, gridDim.x)
+                                     : pack_vectors<Elem, kHeadDim, kVBits, kQuant>(v, blockIdx.x, gridDim.x);
+    if (k.lengths != nullptr) { advance_lengths(k, bad); }  // (K's and V's start are the same)
 }
 
 }  // namespace flash_tq

@@ -87,8 +87,10 @@ void run_pack_pair(const PackParams &k, const PackParams &v, int k_bits, int v_b
     }
     TQ_FOR_EACH_PACKED_CASE(TQ_PACK_PAIR)
 #undef TQ_PACK_PAIR
-    if (!paired) {
-        run_pack<Elem, kHeadDim>(k, k_bits, quant, stream);
+    if (!paired) {  // (the length update with the second launch: the first reads start after)
+        PackParams first = k;
+        first.lengths = nullptr;
+        run_pack<Elem, kHeadDim>(first, k_bits, quant, stream);
         run_pack<Elem, kHeadDim>(v, v_bits, quant, stream);
     }
 }

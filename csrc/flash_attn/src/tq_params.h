@@ -128,6 +128,12 @@ struct PackParams {
     const float *rope_center, *rope_inv_freq;
     int64_t rc_batch_stride, rc_head_stride;
     int rope_offset;
+    // - lengths [lengths_rows] (QuantizedKVCache.seqlens; may be start itself): once every CTA has
+    //   placed its vectors, lengths[row of entry i] = start[i] + n_new, unless a CTA met an error
+    //   (then no length moves); tally [1] counts the CTAs that finished, zero between launches.
+    int *lengths;
+    unsigned *tally;
+    int lengths_rows;
 };
 
 }  // namespace flash_tq
