@@ -440,6 +440,7 @@ __device__ __forceinline__ void split_body(const DecodeParams &p, char *smem, in
 template <typename Traits, Paging kPaging, bool kLocal, bool kRope, bool kSide>
 __device__ __forceinline__ void decode_split(const DecodeParams &p) {
     extern __shared__ __align__(16) char smem[];
+    pdl_wait();  // (launched as the previous kernel's dependent: its writes, e.g. the append's, first)
     pdl_launch_dependents();  // (the combine's CTAs start once every CTA here has: after the last wave began)
     if constexpr (kSide) {  // (no kLocal with a side: host checks)
         // CTAs start in linear order (x fastest): the codes' CTAs of a row block first, its side CTAs
@@ -479,6 +480,7 @@ template <typename TA, typename TB, bool kRope>
 __device__ __forceinline__ void decode_pair_split(const DecodeParams &a, const DecodeParams &b) {
     static_assert(TA::kNThreads == TB::kNThreads && TA::kRows == TB::kRows, "one CTA shape for both groups");
     extern __shared__ __align__(16) char smem[];
+    pdl_wait();
     pdl_launch_dependents();
     const int a_splits = a.num_splits - 1, b_splits = b.num_splits - 1;
     const int side_slot = max(a_splits, b_splits), a_rows = a.b * a.h_k, b_codes = b_splits * b.b * b.h_k;

@@ -16,8 +16,9 @@ namespace flash_tq {
 // A launch of `kernel`; `dependent`: as a programmatic dependent of the stream's previous kernel
 // (Hopper and later, unless FLASH_ATTN_TQ_PDL=0): it may start as that kernel's last CTAs run, and
 // reads what that kernel writes only after pdl_wait (which returns at once after a plain launch).
-inline void launch(void (*kernel)(const DecodeParams), dim3 grid, int threads, int smem, const DecodeParams &p,
-                   cudaStream_t stream, bool dependent) {
+template <typename... Params, typename... Args>
+void launch(void (*kernel)(Params...), dim3 grid, int threads, int smem, cudaStream_t stream, bool dependent,
+            const Args &...args) {
     cudaLaunchConfig_t config = {};
     config.gridDim = grid;
     config.blockDim = dim3(threads);
@@ -34,7 +35,7 @@ inline void launch(void (*kernel)(const DecodeParams), dim3 grid, int threads, i
         config.attrs = &attr;
         config.numAttrs = major >= 9 && !(env != nullptr && env[0] == '0') ? 1 : 0;
     }
-    cudaLaunchKernelEx(&config, kernel, p);  // (errors: the caller's launch check)
+    cudaLaunchKernelEx(&config, kernel, args...);  // (errors: the caller's launch check)
 }
 
 // Merge the splits; nothing to do for one split. Many rows over at most 32 splits: a warp a row,
@@ -44,9 +45,9 @@ void launch_combine(const DecodeParams &p, cudaStream_t stream) {
     if (p.num_splits > 1) {
         const int64_t rows = static_cast<int64_t>(p.b) * p.h * p.seqlen_q;
         if (rows >= 2048 && p.num_splits <= 32) {
-            launch(combine_rows_kernel<Elem, kHeadDim>, dim3((rows + 3) / 4), 128, 0, p, stream, true);
+            launch(combine_rows_kernel<Elem, kHeadDim>, dim3((rows + 3) / 4), 128, 0, stream, true, p);
         } else {
-            launch(decode_combine_kernel<Elem, kHeadDim>, dim3(rows), 128, 0, p, stream, true);
+            launch(decode_combine_kernel<Elem, kHeadDim>, dim3(rows), 128, 0, stream, true, p);
         }
     }
 }
@@ -79,14 +80,16 @@ constexpr int split_smem_bytes() {
 }
 
 // splits: the grid's splits (0: p.num_splits; the prefill kernel leaves a side's split to launch_side_rows).
+// dependent: a programmatic dependent of the stream's previous kernel (the decode kernels wait for it
+// first thing: decode_split; for the prefill kernel see run_prefill).
 template <typename Traits, bool kRope = false, bool kSide = false>
 void launch_split(void (*kernel)(const DecodeParams), const DecodeParams &p, cudaStream_t stream, int splits = 0,
-                  bool dependent = false) {
+                  bool dependent = true) {
     constexpr int smem = split_smem_bytes<Traits, kRope, kSide>();
     if constexpr (smem > 48 * 1024) { allow_smem(reinterpret_cast<const void *>(kernel), smem); }
     const int rows = p.h_h_k_ratio * p.seqlen_q;
     dim3 grid(splits > 0 ? splits : p.num_splits, p.b * p.h_k, (rows + Traits::kRows - 1) / Traits::kRows);
-    launch(kernel, grid, Traits::kNThreads, smem, p, stream, dependent);
+    launch(kernel, grid, Traits::kNThreads, smem, stream, dependent, p);
 }
 
 // Contiguous and paged packed caches get their own kernels (no paging code in the former), and a
@@ -215,7 +218,7 @@ void launch_pair(const DecodeParams &a, const DecodeParams &b, cudaStream_t stre
         if constexpr (smem > 48 * 1024) { allow_smem(reinterpret_cast<const void *>(kernel), smem); }
         const int rows = a.h_h_k_ratio * a.seqlen_q;
         dim3 grid(a.num_splits * a.b * a.h_k + b.num_splits * b.b * b.h_k, 1, (rows + TA::kRows - 1) / TA::kRows);
-        kernel<<<grid, TA::kNThreads, smem, stream>>>(a, b);
+        launch(kernel, grid, TA::kNThreads, smem, stream, true, a, b);
     };
     a.rope_center != nullptr ? go(std::true_type{}) : go(std::false_type{});
 }

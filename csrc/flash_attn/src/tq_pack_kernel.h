@@ -461,6 +461,7 @@ __device__ __forceinline__ void advance_lengths(const PackParams &p, bool bad) {
 
 template <typename Elem, int kHeadDim, int kBits, Quant kQuant>
 __global__ void __launch_bounds__(128) pack_kv_kernel(const __grid_constant__ PackParams p) {
+    pdl_launch_dependents();  // (a decode kernel after it waits for its end: tq_decode_launch.h)
     const bool bad = pack_vectors<Elem, kHeadDim, kBits, kQuant>(p, blockIdx.x, gridDim.x);
     if (p.lengths != nullptr) { advance_lengths(p, bad); }
 }
@@ -470,6 +471,7 @@ __global__ void __launch_bounds__(128) pack_kv_kernel(const __grid_constant__ Pa
 template <typename Elem, int kHeadDim, int kKBits, int kVBits, Quant kQuant>
 __global__ void __launch_bounds__(128)
     pack_pair_kernel(const __grid_constant__ PackParams k, const __grid_constant__ PackParams v) {
+    pdl_launch_dependents();
     const bool bad = blockIdx.y == 0 ? pack_vectors<Elem, kHeadDim, kKBits, kQuant>(k, blockIdx.x, gridDim.x)
                                      : pack_vectors<Elem, kHeadDim, kVBits, kQuant>(v, blockIdx.x, gridDim.x);
     if (k.lengths != nullptr) { advance_lengths(k, bad); }  // (K's and V's start are the same)

@@ -109,9 +109,10 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t smem_addr
     }
 }
 
-// Programmatic dependent launch (sm_90; no-ops before it): a split kernel lets the next launch of
-// the stream, its combine, start while its last CTAs run (launch_dependents); the combine waits for
-// the split kernel's end and memory before reading the partial results (wait).
+// Programmatic dependent launch (sm_90; no-ops before it): a kernel lets the stream's next launch
+// start while its last CTAs run (launch_dependents: the pack kernel before a decode kernel, a split
+// kernel before its combine); that dependent waits for the kernel's end and memory before reading
+// what it wrote (wait; at once after a plain launch).
 __device__ __forceinline__ void pdl_launch_dependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
