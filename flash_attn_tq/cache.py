@@ -1005,6 +1005,22 @@ class QuantizedKVCache:
             return "one launch takes decode-sized calls (fewer query rows a kv head than the prefill kernel's)"
         return None
 
+    def ring_reason(self, q: torch.Tensor) -> str | None:
+        """None if the decode launch itself can attend ``q`` over this cache's ring of window codes
+        (``window_bits``), else why the ring keeps a pass of its own."""
+        if self.window_quantizer is None or not self.fp16_window:
+            return "no ring of window codes"
+        if self.window_bits != ops.FUSED_RING_WINDOW_BITS or (self.k_bits, self.v_bits) not in ops.FUSED_RING_BITS:
+            return (
+                f"no ring kernel for {self.window_bits}-bit window codes beside K{self.k_bits}V{self.v_bits} "
+                f"({ops.FUSED_RING_WINDOW_BITS}-bit beside {ops.FUSED_RING_BITS})"
+            )
+        if not self.scale_only or self.paged or self.kv_side is None:
+            return "the ring's kernel takes contiguous caches with scale-only metadata and sink tokens"
+        if q.dim() != 4 or q.shape[2] // self.num_kv_heads * q.shape[1] >= ops.PREFILL_MIN_ROWS:
+            return "prefill-sized chunks attend the ring in a pass of their own"
+        return None
+
     def kernel_args(self, batch: int, batch_idx: torch.Tensor | None = None) -> dict[str, Any]:
         """The cache's tensors and options as :func:`flash_attn_tq.ops.decode` takes them, for a batch of
         ``batch`` sequences, cache rows ``batch_idx`` (int32 ``[batch]``; None: 0..batch-1)."""
@@ -1059,6 +1075,15 @@ class QuantizedKVCache:
         if group2 is not None:
             other, head = group2
             extra = dict(group2=other.kernel_args(q.shape[0], batch_idx), group2_head=head)
+        fused_ring = group2 is None and tuple(window_size) == (-1, -1) and leftpad is None and not softcap
+        fused_ring = fused_ring and self.ring_reason(q) is None
+        if fused_ring:  # the recent tokens' codes in the decode launch
+            extra["ring"] = dict(
+                k_codes=self.k_window_codes,
+                k_meta=self.k_window_meta,
+                v_codes=self.v_window_codes,
+                v_meta=self.v_window_meta,
+            )
         out, lse = ops.decode(
             q,
             seqlens,
@@ -1072,7 +1097,7 @@ class QuantizedKVCache:
             **self.kernel_args(q.shape[0], batch_idx),
             **extra,
         )
-        if self.fp16_window and self.window_quantizer is not None:  # a window of codes: its own pass
+        if self.fp16_window and self.window_quantizer is not None and not fused_ring:  # the ring's own pass
             out_w, lse_w = window_attention(q, self, batch_idx, seqlens, softmax_scale, causal)
             out, lse = merge_lse(out, lse, out_w, lse_w)
         if self.key_center and not self.rope_center and with_lse:

@@ -11,3 +11,7 @@ PREFILL_BITS = ((3, 3), (4, 3))
 FUSED_PAIR_BITS = (((3, 3), (8, 8)), ((4, 3), (8, 8)))
 # query rows a kv head (GQA group x seqlen_q) from which the prefill kernel runs
 PREFILL_MIN_ROWS = 128
+# a ring of window codes (window_bits) the decode launch attends: its width, and the codes' (k_bits,
+# v_bits) beside it (scale-only metadata, contiguous caches with sinks; decode-sized calls)
+FUSED_RING_WINDOW_BITS = 4
+FUSED_RING_BITS = ((3, 3), (4, 3))

@@ -4,10 +4,11 @@ The extension ``flash_attn_tq_cuda`` registers three ops:
 
 * ``decode_kvcache(q, k_codes, k_meta, v_codes, v_meta, seqlens_k, cache_batch_idx, block_table,
   rot_signs, k_bits, v_bits, softmax_scale, is_causal, num_splits, ..., rope_center, rope_inv_freq,
-  rope_offset, side_k, side_v, side_sinks, side_ring, codes_tail, g2_*) -> (out, softmax_lse)``:
+  rope_offset, side_k, side_v, side_sinks, side_ring, codes_tail, g2_*, ring_*) -> (out, softmax_lse)``:
   split-KV attention of ``q [batch, seqlen_q, heads, d]`` over packed K/V and, in the same launch, a
-  16-bit side (sink tokens and a recent-token ring) and a second head group of other widths
-  (``g2_*``: TQCache's 8-bit copy heads beside the 3-bit ones): the decode kernel, or from
+  16-bit side (sink tokens and a recent-token ring), a second head group of other widths (``g2_*``:
+  TQCache's 8-bit copy heads beside the 3-bit ones) or a ring of 4-bit window codes (``ring_*``:
+  the recent tokens of a cache with ``window_bits``): the decode kernel, or from
   :data:`PREFILL_MIN_ROWS` query rows a kv head the prefill kernel (its side: one more launch, the
   chunk's rows as the MMA's M; with ``rope_center`` only its Hopper variant, from 256 rows, which
   adds ``R(p) c`` to the expanded keys through a per-call table). :func:`decode` takes its tensors.
@@ -29,7 +30,14 @@ from typing import Any, Mapping
 import torch
 
 # which (head_dim, k_bits, v_bits) cases have fused kernels: generated with the C++ case table
-from .kernel_cases import FUSED_DECODE_BITS, FUSED_HEAD_DIMS, FUSED_PAIR_BITS, PREFILL_MIN_ROWS  # noqa: F401
+from .kernel_cases import (  # noqa: F401
+    FUSED_DECODE_BITS,
+    FUSED_HEAD_DIMS,
+    FUSED_PAIR_BITS,
+    FUSED_RING_BITS,
+    FUSED_RING_WINDOW_BITS,
+    PREFILL_MIN_ROWS,
+)
 from .quantizers import uniform_step
 
 # Rows a kv head decode_kv16 (the fp16 cache, decode kernel only) takes; more take the reference path.
@@ -100,6 +108,10 @@ def _register_fakes() -> None:
         g2_side_k=None,
         g2_side_v=None,
         g2_head=0,
+        ring_k_codes=None,
+        ring_k_meta=None,
+        ring_v_codes=None,
+        ring_v_meta=None,
     ):
         b, sq, h, _ = q.shape
         return torch.empty_like(q), q.new_empty((b, h, sq), dtype=torch.float32)
@@ -213,6 +225,7 @@ def decode(
     codes_tail: int = 0,
     group2: Mapping[str, Any] | None = None,
     group2_head: int = 0,
+    ring: Mapping[str, torch.Tensor] | None = None,
 ):
     """Fused attention of ``q [batch, seqlen_q, heads, d]`` over packed K/V (``k_codes [rows, cols,
     kv_heads, bytes]`` uint8, ``k_meta [rows, cols, kv_heads, 1 or 2]`` float16, the same for v; rows
@@ -233,8 +246,13 @@ def decode(
     cache gives it: its codes, metadata, RoPE center and side (the other arguments are the first
     group's). Its kv heads are the layer's ``[group2_head, group2_head + its kv heads)``, the first
     group's the others in order; ``q`` and the output hold the layer's query heads.
+
+    ``ring``: the recent tokens as a ring of window codes in the same launch (:data:`FUSED_RING_BITS`,
+    :data:`FUSED_RING_WINDOW_BITS`; scale-only metadata, a contiguous cache whose side holds the sinks
+    alone, decode-sized calls), ``{"k_codes", "k_meta", "v_codes", "v_meta"}`` ``[rows, R, kv_heads,
+    *]`` with token ``p`` in slot ``p % R`` and ``codes_tail = R``.
     """
-    g2 = group2 or {}
+    g2, rg = group2 or {}, ring or {}
     return torch.ops.flash_attn_tq.decode_kvcache(
         _aligned_rows(q),
         k_codes,
@@ -272,6 +290,10 @@ def decode(
         g2.get("side_k"),
         g2.get("side_v"),
         int(group2_head),
+        rg.get("k_codes"),
+        rg.get("k_meta"),
+        rg.get("v_codes"),
+        rg.get("v_meta"),
     )
 
 

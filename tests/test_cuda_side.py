@@ -271,6 +271,53 @@ def test_side_with_window_codes():
     _check(q, cache, out, lse, causal=True)
 
 
+RING_CASES = [
+    # batch, seqlens (below, at and past sinks + ring: the ring wraps), kv heads, GQA group, seqlen_q
+    (3, [40, 80, 600], 2, 4, 1),
+    (2, [17, 1500], 1, 3, 1),  # SmolLM2's group; a row that holds the sinks alone
+    (2, [90, 700], 2, 4, 5),  # causal chunk of 5: rows see different ring slots
+    (1, [3000], 2, 8, 3),  # 24 rows a kv head: two row tiles a CTA
+]
+
+
+@pytest.mark.parametrize("batch,seqlens,hk,group,seqlen_q", RING_CASES)
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bits", [(3, 3), (4, 3)])
+@pytest.mark.parametrize("center", [False, "rope"])
+def test_ring_of_window_codes_in_the_launch(batch, seqlens, hk, group, seqlen_q, d, dtype, bits, center, monkeypatch):
+    """window_bits=4 (NO_FP16_WINDOW's form): the ring of 4-bit window codes attended by the decode
+    launch itself (no pass of its own), beside the codes and the sinks' side, against float32 over
+    the dequantized cache."""
+    monkeypatch.setattr("flash_attn_tq.cache.window_attention", lambda *a: pytest.fail("the ring's own pass ran"))
+    cache = _cache(
+        batch,
+        seqlens,
+        hk,
+        d,
+        sinks=16,
+        window=64,
+        window_bits=4,
+        center=center,
+        dtype=dtype,
+        k_bits=bits[0],
+        v_bits=bits[1],
+        seed=len(seqlens) + d,
+    )
+    assert cache.ring_reason(torch.zeros(batch, seqlen_q, hk * group, d)) is None
+    q = torch.randn(batch, seqlen_q, hk * group, d, device=DEV, dtype=dtype)
+    poison_allocator()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        out, lse = fa.flash_attn_with_kvcache(q, cache, causal=True, return_softmax_lse=True)
+    assert fa.last_path() == "quantized:fused-cuda"
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert any("decode_ring_kernel" in k for k in kernels), sorted(set(kernels))
+    _check(q, cache, out, lse, causal=True)
+    rows = torch.tensor([batch - 1], dtype=torch.int32, device=DEV)  # a picked row (cache_batch_idx)
+    out, lse = fa.flash_attn_with_kvcache(q[:1], cache, cache_batch_idx=rows, causal=True, return_softmax_lse=True)
+    _check(q[:1], cache, out, lse, causal=True, rows=rows)
+
+
 def test_side_8bit_head():
     """The calibrated default's copy head (K8V8, float16) with sinks, window and the RoPE center."""
     cache = _cache(2, [200, 1500], 1, 64, sinks=16, window=112, center="rope", k_bits=8, v_bits=8)

@@ -90,6 +90,28 @@ def test_decode_arguments(recorded):
     assert a["window_left"] == a["window_right"] == -1 and a["cache_leftpad"] is None and a["softcap"] == 0.0
 
 
+def test_ring_of_window_codes_in_the_launch(recorded, monkeypatch):
+    """A cache with 4-bit window codes (NO_FP16_WINDOW's form): decode-sized calls hand the ring to the
+    launch (no pass of its own); prefill-sized chunks, pages and other widths keep the ring's pass."""
+    passes = []
+    monkeypatch.setattr("flash_attn_tq.cache.window_attention", lambda *a: passes.append(1) or (a[0], None))
+    monkeypatch.setattr("flash_attn_tq.cache.merge_lse", lambda out, lse, *a: (out, lse))
+    opts = dict(sink_tokens=16, fp16_window=128, window_bits=4, k_bits=4)
+    cache = QuantizedKVCache(3, 300, 2, 64, **opts)
+    cache.append(torch.randn(3, 200, 2, 64).half(), torch.randn(3, 200, 2, 64).half())
+    assert cache.ring_reason(torch.zeros(3, 1, 8, 64)) is None
+    cache.attend(torch.randn(3, 1, 8, 64).half(), cache.seqlens, None, 0.125, True)
+    a = recorded["decode_kvcache"][-1]
+    assert a["ring_k_codes"] is cache.k_window_codes and a["ring_v_meta"] is cache.v_window_meta
+    assert a["ring_k_meta"] is cache.k_window_meta and a["ring_v_codes"] is cache.v_window_codes
+    assert (a["side_sinks"], a["side_ring"], a["codes_tail"]) == (16, 0, 128) and not passes
+    cache.attend(torch.randn(3, 40, 8, 64).half(), cache.seqlens, None, 0.125, True)  # 160 rows a kv head
+    assert recorded["decode_kvcache"][-1].get("ring_k_codes") is None and passes == [1]
+    for other in (dict(opts, window_bits=2), dict(opts, page_size=16), dict(opts, sink_tokens=0)):
+        c = QuantizedKVCache(1, 64, 2, 64, **other)
+        assert c.ring_reason(torch.zeros(1, 1, 8, 64)) is not None, other
+
+
 def test_pack_arguments(recorded, monkeypatch):
     cache = QuantizedKVCache(2, 64, 2, 64, v_bits=4)
     monkeypatch.setattr(QuantizedKVCache, "pack_reason", lambda self, x: None)  # the CPU stands in for the GPU

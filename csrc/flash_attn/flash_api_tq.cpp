@@ -138,6 +138,27 @@ void dispatch_pair(at::ScalarType dtype, int d, int ka, int va, int kb, int vb, 
     TQ_CHECK(false, "no two-group kernel for this dtype, head_dim and bits (flash_attn_tq.kernel_cases)");
 }
 
+// A ring of window codes in the launch: the case table's ring entry for (dtype, head dim, the codes' bits).
+bool has_ring(at::ScalarType dtype, int d, int k_bits, int v_bits, int ring_bits) {
+#define TQ_HAS_RING(Elem, D, K, V, R) \
+    if (dtype == scalar_type_of<Elem>() && d == D && k_bits == K && v_bits == V && ring_bits == R) return true;
+    TQ_FOR_EACH_RING_CASE(TQ_HAS_RING)
+#undef TQ_HAS_RING
+    return false;
+}
+
+void dispatch_ring(at::ScalarType dtype, int d, int k_bits, int v_bits, int ring_bits, const DecodeParams &p,
+                   const DecodeParams &r, cudaStream_t stream) {
+#define TQ_RUN_RING(Elem, D, K, V, R)                                                                \
+    if (dtype == scalar_type_of<Elem>() && d == D && k_bits == K && v_bits == V && ring_bits == R) { \
+        run_decode_ring<Elem, D, K, V, true, R>(p, r, stream);                                       \
+        return;                                                                                      \
+    }
+    TQ_FOR_EACH_RING_CASE(TQ_RUN_RING)
+#undef TQ_RUN_RING
+    TQ_CHECK(false, "no ring kernel for this dtype, head_dim and bits (flash_attn_tq.kernel_cases)");
+}
+
 // What the K/V store holds: packed codes (PackedKV) or the float16/bfloat16 cache itself (Fp16KV).
 enum class Store { kPacked, kFp16 };
 
@@ -148,6 +169,13 @@ struct Pair {
     std::function<void(DecodeParams &)> set_store;
 };
 
+// A ring of window codes attended by the same launch (decode_kvcache's ring_* arguments): what sets
+// its store (and its size as side_ring) on a copy of the params.
+struct Ring {
+    int bits;
+    std::function<void(DecodeParams &)> set_store;
+};
+
 // Everything but the K/V pointers and strides: q/out/lse, lengths, batch map, block table, signs,
 // num_splits; then the launch (k_bits / v_bits: the packed store's; pair: a second head group).
 std::tuple<at::Tensor, at::Tensor> run_decode_op(
@@ -155,7 +183,7 @@ std::tuple<at::Tensor, at::Tensor> run_decode_op(
     const std::optional<at::Tensor> &cache_batch_idx, const std::optional<at::Tensor> &block_table,
     const std::optional<at::Tensor> &rot_signs, int k_bits, int v_bits, double softmax_scale, bool is_causal,
     int64_t num_splits, int64_t window_left, int64_t window_right, const std::optional<at::Tensor> &cache_leftpad,
-    double softcap, const Pair *pair = nullptr) {
+    double softcap, const Pair *pair = nullptr, const Ring *ring = nullptr) {
     CHECK_CUDA(seqlens_k);
     TQ_CHECK(seqlens_k.scalar_type() == at::kInt && seqlens_k.dim() == 1 && seqlens_k.is_contiguous(),
              "seqlens_k must be contiguous int32 [batch]");
@@ -239,9 +267,11 @@ std::tuple<at::Tensor, at::Tensor> run_decode_op(
     TQ_CHECK(!(side || p.codes_tail > 0) || !p.local(),
              "a 16-bit side or codes_tail does not combine with window_size, softcap or cache_leftpad");
     // (8-bit keys: the decode kernel for every row count, no prefill instantiations for them)
-    const bool prefill_sized = store == Store::kPacked && pair == nullptr && rows >= kPrefillMinRows &&
+    const bool prefill_sized = store == Store::kPacked && pair == nullptr && ring == nullptr &&
+                               rows >= kPrefillMinRows &&
                                has_prefill(q.scalar_type(), d, k_bits, v_bits, p.meta_words == 1) && prefill_fits();
-    bool wgmma = false;  // Hopper's wgmma variant of the prefill kernel (FLASH_ATTN_TQ_PREFILL_WGMMA=0: the mma.sync one)
+    bool wgmma =
+        false;  // Hopper's wgmma variant of the prefill kernel (FLASH_ATTN_TQ_PREFILL_WGMMA=0: the mma.sync one)
 #ifdef FLASH_TQ_SM90A
     if (prefill_sized && rows >= kWgmmaMinRows) {
         int major = 0, minor = 0;
@@ -268,9 +298,9 @@ std::tuple<at::Tensor, at::Tensor> run_decode_op(
     // keys a row can see at most: the local window's span when there is one
     const int span = p.window_left >= 0 ? std::min<int64_t>(max_seqlen_k, p.window_left + seqlen_q + 1) : max_seqlen_k;
     // (the decode kernel's side CTAs share its launch; the prefill kernel's side is a launch of its own)
-    p.num_splits = num_splits > 0 ? static_cast<int>(num_splits)
-                                  : side && !prefill ? choose_num_splits(ctas, span, num_sms, 58, ctas)
-                                                     : choose_num_splits(ctas, span, num_sms);
+    p.num_splits = num_splits > 0     ? static_cast<int>(num_splits)
+                   : side && !prefill ? choose_num_splits(ctas, span, num_sms, 58, ctas)
+                                      : choose_num_splits(ctas, span, num_sms);
     // the side pass: one more split, merged by the combine kernel (prefill over one code split: by the
     // prefill kernel, run_prefill)
     // A second head group splits its keys into as many more splits as its codes' bits over the first's
@@ -280,7 +310,8 @@ std::tuple<at::Tensor, at::Tensor> run_decode_op(
             ? p.num_splits
             : std::min(std::max(1, std::min(128, span / 128)),
                        (p.num_splits * (pair->k_bits + pair->v_bits) + k_bits + v_bits - 1) / (k_bits + v_bits));
-    p.num_splits += side ? 1 : 0;
+    p.num_splits += (side ? 1 : 0) + (ring != nullptr ? 1 : 0);  // (the ring's split: decode_ring_kernel)
+    p.has_ring = ring != nullptr;
     const int slots = std::max(p.num_splits, pair_splits + (side ? 1 : 0));  // (the split buffers' count)
     at::Tensor out_accum, lse_accum;
     if (slots > 1) {
@@ -300,6 +331,10 @@ std::tuple<at::Tensor, at::Tensor> run_decode_op(
         p.head_skip_from = pair->head;
         p.head_skip = pair->h_k;
         dispatch_pair(q.scalar_type(), d, k_bits, v_bits, pair->k_bits, pair->v_bits, p, g, stream);
+    } else if (ring != nullptr) {
+        DecodeParams r = p;
+        ring->set_store(r);
+        dispatch_ring(q.scalar_type(), d, k_bits, v_bits, ring->bits, p, r, stream);
     } else if (store == Store::kFp16) {
         dispatch_kv16(q.scalar_type(), d, p, stream);
     } else {
@@ -447,12 +482,47 @@ std::tuple<at::Tensor, at::Tensor> decode_kvcache(
     const std::optional<at::Tensor> &g2_k_codes, const std::optional<at::Tensor> &g2_k_meta,
     const std::optional<at::Tensor> &g2_v_codes, const std::optional<at::Tensor> &g2_v_meta, int64_t g2_k_bits,
     int64_t g2_v_bits, const std::optional<at::Tensor> &g2_rope_center, const std::optional<at::Tensor> &g2_side_k,
-    const std::optional<at::Tensor> &g2_side_v, int64_t g2_head) {
+    const std::optional<at::Tensor> &g2_side_v, int64_t g2_head,
+    // a ring of window codes in the same launch: [rows, R, h_k, d * kRingBits / 8] uint8 and metadata
+    // [rows, R, h_k, 1] half, token p in slot p % R; the codes end codes_tail = R before the last key
+    const std::optional<at::Tensor> &ring_k_codes, const std::optional<at::Tensor> &ring_k_meta,
+    const std::optional<at::Tensor> &ring_v_codes, const std::optional<at::Tensor> &ring_v_meta) {
     check_query(q);
     c10::cuda::CUDAGuard guard(q.device());
     DecodeParams p{};
     set_packed_store(p, q, k_codes, k_meta, v_codes, v_meta, k_bits, v_bits, block_table, rope_center, rope_inv_freq,
                      rope_offset, side_k, side_v, side_sinks, side_ring, codes_tail);
+    if (ring_k_codes.has_value()) {
+        TQ_CHECK(ring_k_meta.has_value() && ring_v_codes.has_value() && ring_v_meta.has_value(),
+                 "ring_k_codes, ring_k_meta, ring_v_codes and ring_v_meta must be given together");
+        TQ_CHECK(!g2_k_codes.has_value() && !block_table.has_value() && side_k.has_value() && side_ring == 0,
+                 "a ring of window codes takes one head group, a contiguous cache and a side of sinks alone");
+        const at::Tensor &rk = *ring_k_codes;
+        TQ_CHECK(rk.dim() == 4 && rk.size(1) > 0 && rk.size(1) == codes_tail && rk.size(0) >= k_codes.size(0) &&
+                     rk.size(2) == k_codes.size(2),
+                 "ring codes must be [rows, codes_tail, kv_heads, bytes] beside the codes");
+        const int ring_bits = static_cast<int>(rk.size(3) * 8 / q.size(3));  // (the bytes: set_packed_store)
+        TQ_CHECK(p.meta_words == 1 && has_ring(q.scalar_type(), q.size(3), k_bits, v_bits, ring_bits),
+                 "no ring kernel for this dtype, head_dim, bits and metadata (flash_attn_tq.kernel_cases)");
+        const Ring ring{
+            ring_bits, [&](DecodeParams &r) {
+                set_packed_store(r, q, rk, *ring_k_meta, *ring_v_codes, *ring_v_meta, ring_bits, ring_bits, block_table,
+                                 rope_center, rope_inv_freq, rope_offset, side_k, side_v, side_sinks, 0, codes_tail);
+                r.side_ring = static_cast<int>(rk.size(1));  // (the ring's slots map to positions as a side's ring)
+                TQ_CHECK(r.meta_words == 1, "ring metadata must be the scale alone, as the codes'");
+                for (const at::Tensor *t : {&rk, &*ring_v_codes}) {
+                    TQ_CHECK(t->sizes() == rk.sizes() && reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0 &&
+                                 t->stride(0) % 16 == 0 && t->stride(1) % 16 == 0 && t->stride(2) % 16 == 0,
+                             "ring codes must be 16-byte aligned rows of one shape");
+                }
+                TQ_CHECK(ring_k_meta->size(0) == rk.size(0) && ring_k_meta->size(1) == rk.size(1) &&
+                             ring_k_meta->size(2) == rk.size(2) && ring_v_meta->sizes() == ring_k_meta->sizes(),
+                         "ring metadata must be [rows, R, kv_heads, 1] beside the ring codes");
+            }};
+        return run_decode_op(Store::kPacked, p, q, k_codes, seqlens_k, cache_batch_idx, block_table, rot_signs, k_bits,
+                             v_bits, softmax_scale, is_causal, num_splits, window_left, window_right, cache_leftpad,
+                             softcap, nullptr, &ring);
+    }
     if (!g2_k_codes.has_value()) {
         return run_decode_op(Store::kPacked, p, q, k_codes, seqlens_k, cache_batch_idx, block_table, rot_signs, k_bits,
                              v_bits, softmax_scale, is_causal, num_splits, window_left, window_right, cache_leftpad,
@@ -753,7 +823,8 @@ TORCH_LIBRARY(flash_attn_tq, m) {
         "Tensor? rope_center=None, Tensor? rope_inv_freq=None, int rope_offset=0, Tensor? side_k=None, "
         "Tensor? side_v=None, int side_sinks=0, int side_ring=0, int codes_tail=0, Tensor? g2_k_codes=None, "
         "Tensor? g2_k_meta=None, Tensor? g2_v_codes=None, Tensor? g2_v_meta=None, int g2_k_bits=0, int g2_v_bits=0, "
-        "Tensor? g2_rope_center=None, Tensor? g2_side_k=None, Tensor? g2_side_v=None, int g2_head=0) -> "
+        "Tensor? g2_rope_center=None, Tensor? g2_side_k=None, Tensor? g2_side_v=None, int g2_head=0, "
+        "Tensor? ring_k_codes=None, Tensor? ring_k_meta=None, Tensor? ring_v_codes=None, Tensor? ring_v_meta=None) -> "
         "(Tensor, Tensor)");
     m.def(
         "decode_kv16(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seqlens_k, Tensor? cache_batch_idx, "

@@ -17,6 +17,11 @@ void run_decode(const DecodeParams &p, cudaStream_t stream);
 template <typename Elem, int kHeadDim, int kKBitsA, int kVBitsA, int kKBitsB, int kVBitsB, bool kScaleOnly>
 void run_decode_pair(const DecodeParams &a, const DecodeParams &b, cudaStream_t stream);
 
+// The codes, a ring of kRingBits-wide window codes (r: the same params but for the ring's store) and a
+// 16-bit side in one launch (tq_decode_launch.h).
+template <typename Elem, int kHeadDim, int kKBits, int kVBits, bool kScaleOnly, int kRingBits>
+void run_decode_ring(const DecodeParams &p, const DecodeParams &r, cudaStream_t stream);
+
 // Many query rows a kv head (chunked prefill): 256-row CTAs over tiles expanded once into shared memory.
 // Devices that give a CTA less shared memory than kPrefillSmemBudget (tq_params.h) run the decode kernel.
 template <typename Elem, int kHeadDim, int kKBits, int kVBits, bool kScaleOnly>

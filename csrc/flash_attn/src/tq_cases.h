@@ -59,4 +59,16 @@ constexpr int kPrefillMinRows = 128;  // query rows a kv head from which the pre
     X(__nv_bfloat16, 128, 3, 3, 8, 8) \
     X(__nv_bfloat16, 128, 4, 3, 8, 8) \
 
+// X(element type, head dim, K bits, V bits, ring bits): the codes (scale-only metadata) with a ring of
+// window codes and a 16-bit side in one launch
+#define TQ_FOR_EACH_RING_CASE(X) \
+    X(__half, 64, 3, 3, 4) \
+    X(__half, 64, 4, 3, 4) \
+    X(__half, 128, 3, 3, 4) \
+    X(__half, 128, 4, 3, 4) \
+    X(__nv_bfloat16, 64, 3, 3, 4) \
+    X(__nv_bfloat16, 64, 4, 3, 4) \
+    X(__nv_bfloat16, 128, 3, 3, 4) \
+    X(__nv_bfloat16, 128, 4, 3, 4) \
+
 }  // namespace flash_tq

@@ -17,7 +17,11 @@
 // is attended by one launch: the last split's CTAs run the same body over the side with the Fp16KV
 // loader (Part::kSide: slots mapped to their keys' positions for the masks, q not rotated, the
 // output rotated into the codes' domain so the combine kernel merges it like any split), the
-// others over the codes' keys between the sinks and the ring (Part::kCodes).
+// others over the codes' keys between the sinks and the ring (Part::kCodes). A ring of window codes
+// (QuantizedKVCache's window_bits: the recent tokens as 4-bit codes, the side holding the sinks alone)
+// is one more split of that launch (Part::kRing): the same body over the ring's codes with the
+// PackedKV loader, its slots mapped to their keys' positions as the side's are, q rotated as for the
+// codes (the ring shares their rotation), the RoPE term at each slot's position.
 #pragma once
 
 #include <algorithm>
@@ -61,9 +65,45 @@ template <typename Traits>
 using SideTraits = DecodeTraits<typename Traits::Elem, Traits::kHeadDim, Traits::kNT,
                                 Fp16KV<Traits::kHeadDim, typename Traits::Elem, 1>>;
 
+// The ring of window codes: kBits keys and values, the codes' metadata, one stage a warp (its few
+// tiles must not enlarge the CTA's shared memory).
+template <typename Traits, int kBits>
+using RingTraits =
+    DecodeTraits<typename Traits::Elem, Traits::kHeadDim, Traits::kNT,
+                 PackedKV<kBits, kBits, Traits::kHeadDim, typename Traits::Elem, Traits::KV::kMetaBytes == 2, 1>>;
+
 // What a split body attends: every key of the codes (no side), the codes' part of a launch with a
-// 16-bit side, or that side.
-enum class Part { kAll, kCodes, kSide };
+// 16-bit side, that side, or a ring of window codes.
+enum class Part { kAll, kCodes, kSide, kRing };
+
+// The RoPE term of a tile of the ring of window codes (slots tile_start + tau, QuantizedKVCache's
+// ring order): slot s holds the key at position base + s up to the newest key's slot, and one lap
+// (side_ring keys) before that after it, so a tile's term is tile_bias at one base, or at two where
+// the tile holds the wrap.
+template <typename Rope, int MT, int NT>
+__device__ __forceinline__ void ring_bias(const DecodeParams &p, const char *sm_rope, int tile_start, int n, int lane,
+                                          float (&bias)[MT][NT][4]) {
+    const int last = max(n, 1) - 1, newest = last % p.side_ring, base = last - newest;
+    if (tile_start > newest) {  // (warp-uniform, as the branch below)
+        Rope::tile_bias(p, sm_rope, tile_start + base - p.side_ring, lane, bias);
+        return;
+    }
+    Rope::tile_bias(p, sm_rope, tile_start + base, lane, bias);
+    if (tile_start + 16 * MT - 1 > newest) {
+        float older[MT][NT][4];
+        Rope::tile_bias(p, sm_rope, tile_start + base - p.side_ring, lane, older);
+        #pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            #pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+                #pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    if (tile_start + 16 * mt + lane / 4 + (j < 2 ? 0 : 8) > newest) bias[mt][nt][j] = older[mt][nt][j];
+                }
+            }
+        }
+    }
+}
 
 // split: the CTA's split index (where its partial result goes); bh: batch entry * h_k + kv head.
 template <typename Traits, Paging kPaging, bool kLocal, bool kRope, Part kPart>
@@ -73,7 +113,8 @@ __device__ __forceinline__ void split_body(const DecodeParams &p, char *smem, in
     constexpr int D = Traits::kHeadDim, NT = Traits::kNT, kRows = Traits::kRows, KB = Traits::kKBlocks;
     constexpr int kStages = Traits::kStages, kTileN = Traits::kTileN, kWarps = Traits::kNWarps, MT = Traits::kMTiles;
     constexpr float kNegInf = -INFINITY;
-    constexpr bool kSide = kPart == Part::kSide;
+    constexpr bool kSide = kPart == Part::kSide, kRing = kPart == Part::kRing;
+    constexpr bool kSlots = kSide || kRing;                   // tiles over slots that map to their keys' positions
     constexpr bool kLower = kLocal || kPart == Part::kCodes;  // a lower key bound: the local window, leftpad, the sinks
 
     // warp through a shuffle: known warp-uniform, so the shuffles under branches on it need no divergence handling
@@ -82,8 +123,9 @@ __device__ __forceinline__ void split_body(const DecodeParams &p, char *smem, in
     const int group = p.h_h_k_ratio, total_rows = group * p.seqlen_q;
     const int bc = p.cache_batch_idx != nullptr ? p.cache_batch_idx[b] : b;
     const int seqlen_all = max(0, min(p.seqlens_k[b], p.max_seqlen_k));  // never read past the cache
-    // keys the tiles cover: the side's slots, or the codes' keys before the tail
-    const int seqlen_k = kSide ? p.side_sinks + p.side_ring : max(0, seqlen_all - p.codes_tail);
+    // keys the tiles cover: the side's slots, the ring's (side_ring of the ring's params), or the codes'
+    // keys before the tail
+    const int seqlen_k = kSide ? p.side_sinks + p.side_ring : kRing ? p.side_ring : max(0, seqlen_all - p.codes_tail);
     int key_start = kLocal && p.leftpad_k != nullptr ? max(0, p.leftpad_k[b]) : 0;
     if constexpr (kPart == Part::kCodes) { key_start = max(key_start, p.side_sinks); }
 
@@ -96,24 +138,28 @@ __device__ __forceinline__ void split_body(const DecodeParams &p, char *smem, in
         #pragma unroll
         for (int j = 0; j < 2; ++j) {
             const int r = row0 + nt * 8 + 2 * c + j;
-            lim[nt][j] = kSide ? key_limit(p, seqlen_all, total_rows, r)
-                               : min(seqlen_k, key_limit(p, seqlen_all, total_rows, r));
+            lim[nt][j] = kSlots ? key_limit(p, seqlen_all, total_rows, r)
+                                : min(seqlen_k, key_limit(p, seqlen_all, total_rows, r));
             first[nt][j] = key_first<kLower>(p, seqlen_all, total_rows, r, key_start);
         }
     }
     const int cta_last_row = min(row0 + kRows, total_rows) - 1;
     const int cta_key_limit = key_limit(p, seqlen_all, total_rows, cta_last_row);
-    // the side: CTAs whose rows see none of the ring's keys attend the sinks' tiles only
-    const int cta_limit = kSide ? (sees_side_ring(p, cta_key_limit, seqlen_all) ? seqlen_k : p.side_sinks)
-                                : min(seqlen_k, cta_key_limit);
+    // the side: CTAs whose rows see none of the ring's keys attend the sinks' tiles only (the ring of
+    // codes: none of its tiles)
+    const bool sees_ring = sees_side_ring(p, cta_key_limit, seqlen_all);
+    const int cta_limit = kSide   ? (sees_ring ? seqlen_k : p.side_sinks)
+                          : kRing ? (sees_ring ? seqlen_k : 0)
+                                  : min(seqlen_k, cta_key_limit);
     const int cta_first_max =
         key_first<kLower>(p, seqlen_all, total_rows, cta_last_row, key_start);  // tiles before it need the lower mask
-    const int tile_first = kSide ? 0 : key_first<kLower>(p, seqlen_all, total_rows, row0, key_start) / kTileN;
+    const int tile_first = kSlots ? 0 : key_first<kLower>(p, seqlen_all, total_rows, row0, key_start) / kTileN;
     const int n_tiles = (cta_limit + kTileN - 1) / kTileN;
-    // the side pass is one split (the launch's last); the codes' parts share the others
-    const int splits = kPart == Part::kAll ? p.num_splits : (kSide ? 1 : p.num_splits - 1);
+    // the side pass and the ring are a split each (the launch's last, and the one before it); the codes'
+    // parts share the others
+    const int splits = kPart == Part::kAll ? p.num_splits : (kSlots ? 1 : p.num_splits - 1 - (p.has_ring ? 1 : 0));
     const int tiles_per_split = (max(0, n_tiles - tile_first) + splits - 1) / splits;
-    const int tile_begin = tile_first + (kSide ? 0 : split) * tiles_per_split;
+    const int tile_begin = tile_first + (kSlots ? 0 : split) * tiles_per_split;
     const int tile_end = min(n_tiles, tile_begin + tiles_per_split);
 
     const typename KV::Consts kv_consts = KV::consts();
@@ -211,7 +257,9 @@ __device__ __forceinline__ void split_body(const DecodeParams &p, char *smem, in
         const int tile_start = (my_first + it * kWarps) * kTileN;
         // the RoPE-center term needs no tile data: computed while the tile may still be in flight
         float rope_bias[kRope ? MT : 1][NT][4];
-        if constexpr (kRope && Rope::kRecur) {  // coefficients carried from the warp's previous tile
+        if constexpr (kRope && kRing) {  // the ring's slots: the keys' positions wrap once
+            ring_bias<Rope, MT, NT>(p, sm_rope, tile_start, seqlen_all, lane, rope_bias);
+        } else if constexpr (kRope && Rope::kRecur) {  // coefficients carried from the warp's previous tile
             Rope::recur_bias(p, sm_rope, it, tile_start, rope_pair, lane, rope_state, rope_next, rope_bias);
         } else if constexpr (kRope) {
             Rope::tile_bias(p, sm_rope, tile_start, lane, rope_bias);
@@ -241,22 +289,24 @@ __device__ __forceinline__ void split_body(const DecodeParams &p, char *smem, in
                 f0 = KV::k_affine(stage, t0);
                 f1 = KV::k_affine(stage, t1);
             }
-            // the side's slots at their keys' positions (-1: no key; fails every limit below)
-            const int pos0 = kSide ? side_position(p, tile_start + t0, seqlen_all) : 0;
-            const int pos1 = kSide ? side_position(p, tile_start + t1, seqlen_all) : 0;
+            // the side's and the ring's slots at their keys' positions (-1: no key; fails every limit
+            // below); ring slot s is slot side_sinks + s of a side with the ring's side_ring
+            const int slot0 = (kRing ? p.side_sinks : 0) + tile_start + t0, slot1 = slot0 + 8;
+            const int pos0 = kSlots ? side_position(p, slot0, seqlen_all) : 0;
+            const int pos1 = kSlots ? side_position(p, slot1, seqlen_all) : 0;
             #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
                 #pragma unroll
                 for (int j = 0; j < 4; ++j) {
                     const float2 f = j < 2 ? f0 : f1;
-                    const int key = kSide ? (j < 2 ? pos0 : pos1) : tile_start + (j < 2 ? t0 : t1);
+                    const int key = kSlots ? (j < 2 ? pos0 : pos1) : tile_start + (j < 2 ? t0 : t1);
                     float v = sc[mt][nt][j] * p.scale_softmax_log2;
                     if constexpr (KV::kAffine) {
                         v = f.x * (sc[mt][nt][j] - magicq[nt][j & 1]) + f.y * sumq[nt][j & 1];
                         if constexpr (kRope) { v += rope_bias[mt][nt][j]; }
                         v *= p.scale_softmax_log2;
                     }
-                    sc[mt][nt][j] = key < lim[nt][j & 1] && (!kSide || key >= 0) ? v : kNegInf;
+                    sc[mt][nt][j] = key < lim[nt][j & 1] && (!kSlots || key >= 0) ? v : kNegInf;
                 }
             }
         }
@@ -381,7 +431,7 @@ __device__ __forceinline__ void split_body(const DecodeParams &p, char *smem, in
             row_corr[nt][j] = warp_sum_rows(row_corr[nt][j]);
         }
     }
-    __syncthreads();  // the pipeline's memory is the merge's from here on
+    __syncthreads();                                  // the pipeline's memory is the merge's from here on
     float *sm_max = reinterpret_cast<float *>(smem);  // [warps][rows]
     float *sm_sum = sm_max + kWarps * kRows;          // [warps][rows]
     float *sm_o = sm_sum + kWarps * kRows;            // [warps][rows][D], each warp's own max
@@ -440,9 +490,9 @@ __device__ __forceinline__ void split_body(const DecodeParams &p, char *smem, in
 template <typename Traits, Paging kPaging, bool kLocal, bool kRope, bool kSide>
 __device__ __forceinline__ void decode_split(const DecodeParams &p) {
     extern __shared__ __align__(16) char smem[];
-    pdl_wait();  // (launched as the previous kernel's dependent: its writes, e.g. the append's, first)
+    pdl_wait();               // (launched as the previous kernel's dependent: its writes, e.g. the append's, first)
     pdl_launch_dependents();  // (the combine's CTAs start once every CTA here has: after the last wave began)
-    if constexpr (kSide) {  // (no kLocal with a side: host checks)
+    if constexpr (kSide) {    // (no kLocal with a side: host checks)
         // CTAs start in linear order (x fastest): the codes' CTAs of a row block first, its side CTAs
         // last, so the side's short CTAs fill the slots the codes' leave instead of putting a third
         // long CTA on some SMs (8 x 32K: 127 us with the side CTAs interleaved, as plain 92 with them last)
@@ -455,6 +505,29 @@ __device__ __forceinline__ void decode_split(const DecodeParams &p) {
         }
     } else {
         split_body<Traits, kPaging, kLocal, kRope, Part::kAll>(p, smem, blockIdx.x, blockIdx.y);
+    }
+}
+
+// A launch with a 16-bit side (the sinks) and a ring of window codes (DecodeParams::has_ring), over
+// a contiguous cache; r: the ring's params (its codes kRingBits wide). CTAs in linear order: the
+// codes', the ring's, the side's.
+// (The RoPE variant with one row tile held to 3 CTAs an SM, as decode_split_rope_kernel.)
+template <typename Traits, int kRingBits, bool kRope>
+__global__ void __launch_bounds__(Traits::kNThreads, (kRope && Traits::kNT == 1) ? 3 : 1)
+    decode_ring_kernel(const DecodeParams p, const DecodeParams r) {
+    extern __shared__ __align__(16) char smem[];
+    pdl_wait();
+    pdl_launch_dependents();
+    const int code_splits = p.num_splits - 2, rows = gridDim.y;
+    const int lin = blockIdx.x + gridDim.x * blockIdx.y, codes = code_splits * rows;
+    if (lin < codes) {
+        split_body<Traits, Paging::kNone, false, kRope, Part::kCodes>(p, smem, lin % code_splits, lin / code_splits);
+    } else if (lin < codes + rows) {
+        split_body<RingTraits<Traits, kRingBits>, Paging::kNone, false, kRope, Part::kRing>(r, smem, code_splits,
+                                                                                            lin - codes);
+    } else {
+        split_body<SideTraits<Traits>, Paging::kNone, false, false, Part::kSide>(p, smem, code_splits + 1,
+                                                                                 lin - codes - rows);
     }
 }
 
@@ -572,7 +645,7 @@ __global__ void __launch_bounds__(128) decode_combine_kernel(const DecodeParams 
         float cmx = mx;
         #pragma unroll
         for (int i = 0; i < kChunk; ++i) { cmx = fmaxf(cmx, lse[i]); }
-        if (cmx == -INFINITY) continue;  // (warp-uniform)
+        if (cmx == -INFINITY) continue;          // (warp-uniform)
         const float rescale = __expf(mx - cmx);  // (0 while mx is -inf)
         total *= rescale;
         #pragma unroll
@@ -620,7 +693,7 @@ __global__ void __launch_bounds__(128) combine_rows_kernel(const DecodeParams p)
     const int64_t rows = static_cast<int64_t>(p.b) * p.h * p.seqlen_q;
     const int64_t row = static_cast<int64_t>(blockIdx.x) * 4 + threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
-    if (row >= rows) return;  // warp-uniform
+    if (row >= rows) return;   // warp-uniform
     constexpr int kEarly = 4;  // splits whose slices load beside the lse (one L2 round trip for that many)
     float early[kEarly][kV];
     #pragma unroll

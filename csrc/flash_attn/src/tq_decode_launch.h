@@ -171,7 +171,7 @@ constexpr bool has_wide_tiles() {
 }
 
 inline bool wide_tiles(const DecodeParams &p) {
-    const int code_splits = p.num_splits - (p.side_k != nullptr ? 1 : 0);
+    const int code_splits = p.num_splits - (p.side_k != nullptr ? 1 : 0) - (p.has_ring ? 1 : 0);
     return (p.block_table == nullptr || p.page_block_size >= kWideTile) && !p.local() &&
            p.h_h_k_ratio * p.seqlen_q <= 8 && p.max_seqlen_k >= static_cast<int64_t>(kWideTileKeys) * code_splits;
 }
@@ -246,6 +246,43 @@ void run_decode_pair(const DecodeParams &a, const DecodeParams &b, cudaStream_t 
     DecodeParams layer = a;
     layer.num_splits = a.num_splits > b.num_splits ? a.num_splits : b.num_splits;
     launch_combine<Elem, kHeadDim>(layer, stream);
+}
+
+// The codes, a ring of window codes and the 16-bit side (its sinks) in one launch (decode_ring_kernel;
+// contiguous caches, no kLocal): p's num_splits counts the ring's split and the side's; r is p but
+// for the store (the ring's codes, kRingBits wide) and side_ring (the ring's size).
+template <typename Elem, int kHeadDim, int kKBits, int kVBits, bool kScaleOnly, int kRingBits>
+void run_decode_ring(const DecodeParams &p, const DecodeParams &r, cudaStream_t stream) {
+    auto go = [&](auto traits, auto rope) {
+        using T = decltype(traits);
+        constexpr bool kR = decltype(rope)::value;
+        constexpr int main = split_smem_bytes<T, kR, true>();
+        using RT = RingTraits<T, kRingBits>;
+        constexpr int ring = kR ? RT::kRopeSmemBytes : RT::kSmemBytes;
+        constexpr int smem = main > ring ? main : ring;
+        auto kernel = &decode_ring_kernel<T, kRingBits, kR>;
+        if constexpr (smem > 48 * 1024) { allow_smem(reinterpret_cast<const void *>(kernel), smem); }
+        const int rows = p.h_h_k_ratio * p.seqlen_q;
+        dim3 grid(p.num_splits, p.b * p.h_k, (rows + T::kRows - 1) / T::kRows);
+        launch(kernel, grid, T::kNThreads, smem, stream, true, p, r);
+    };
+    auto go_rope = [&](auto traits) {
+        p.rope_center != nullptr ? go(traits, std::true_type{}) : go(traits, std::false_type{});
+    };
+    using KV = PackedKV<kKBits, kVBits, kHeadDim, Elem, kScaleOnly>;
+    bool wide = false;
+    if constexpr (has_wide_tiles<kHeadDim, kKBits, kVBits>()) {
+        wide = wide_tiles(p);
+        if (wide) {
+            go_rope(
+                DecodeTraits<Elem, kHeadDim, 1, PackedKV<kKBits, kVBits, kHeadDim, Elem, kScaleOnly, 3, kWideTile>>{});
+        }
+    }
+    if (!wide) {
+        p.h_h_k_ratio *p.seqlen_q <= 8 ? go_rope(DecodeTraits<Elem, kHeadDim, 1, KV>{})
+                                       : go_rope(DecodeTraits<Elem, kHeadDim, 2, KV>{});
+    }
+    launch_combine<Elem, kHeadDim>(p, stream);
 }
 
 template <typename Elem, int kHeadDim>

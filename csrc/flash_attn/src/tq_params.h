@@ -64,6 +64,10 @@ struct DecodeParams {
     // The codes' keys of a sequence of n keys: [side_sinks, n - codes_tail) (the tail: the recent
     // tokens another pass attends); causal alignment counts all n.
     int codes_tail;
+    // The tail as a ring of window codes in the same launch (decode_ring_kernel): its split is the one
+    // before the side's, and the ring's own params (the same but for the store) hold its codes as the
+    // packed store and its size as side_ring.
+    bool has_ring;
     // The side's split (num_splits - 1) was written by an earlier launch and the codes are one split:
     // the prefill kernel merges the side's partial rows into its output (no combine kernel).
     bool side_first;
