@@ -63,8 +63,9 @@ prefill kernel's sm_90a variant." \
 add "csrc: split-KV decode kernel and its combine pass" \
 "S^T = K Q^T and O^T += V^T P^T with the keys as the A operand (the GQA group's rows as N), an online
 softmax per warp, warps then splits merged through their log-sum-exp. A packed cache's sinks and
-recent window (16-bit) are one more split of the same launch. Variants: contiguous / paged (32+ and
-16-token pages), local (window, leftpad, softcap), RoPE center, 16-bit side." \
+recent window (16-bit) are one more split of the same launch, and a ring of 4-bit window codes one
+more (decode_ring_kernel). Variants: contiguous / paged (32+ and 16-token pages), local (window,
+leftpad, softcap), RoPE center, 16-bit side, ring." \
     tq_decode_kernel.h tq_decode_launch.h
 
 add "csrc: the prefill kernel's traits and tile steps" \
