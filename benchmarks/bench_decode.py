@@ -38,6 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import flash_attn_tq as fa  # noqa: E402
 from flash_attn_tq import ops  # noqa: E402
 from flash_attn_tq.cache import QuantizedKVCache  # noqa: E402
+from flash_attn_tq.integrations.options import NO_FP16_WINDOW  # noqa: E402
 
 ISSUE_SHAPES = [  # (B, S, Hq, Hk, d)
     (1, 131072, 32, 8, 128),
@@ -309,6 +310,9 @@ def run_production(B, S, Hq, Hk, d, dtype=torch.float16):
     torch.cuda.empty_cache()
     fns, layers = default_layers(q, S, Hk, dtype)
     fns["plain"] = lambda: fa.flash_attn_with_kvcache(q, plain)
+    # the K3V3 layer without a 16-bit window: the recent tokens as a ring of 4-bit codes (NO_FP16_WINDOW)
+    ring = fill_cache(B, S, Hk, d, dtype, rope_inv_freq=rope_freqs(d), **dict(DEFAULT_OPTS, **NO_FP16_WINDOW))[0]
+    fns["k3_ring"] = lambda: fa.flash_attn_with_kvcache(q, ring)
     row.update({name + "_us": bench_graph(fn) for name, fn in fns.items()})
     eager = interleaved({name: fns[name] for name in ("plain", *layers)}, lambda fn: bench_eager(fn, reps=5))
     row.update({name + "_eager_us": t for name, t in eager.items()})
@@ -318,7 +322,7 @@ def run_production(B, S, Hq, Hk, d, dtype=torch.float16):
     if row["fp8_us"] is not None:
         row["plain_speedup_vs_fp8"] = row["fp8_us"] / row["plain_us"]
         row["default_speedup_vs_fp8"] = row["fp8_us"] / row["default_us"]
-    fns = plain = None
+    fns = plain = ring = None
     torch.cuda.empty_cache()
     return row
 
@@ -370,12 +374,13 @@ def write_production(rows, meta, out_dir, prefill=(), generate=()):
         "CUDA-core and tensor-core kernels), eager like cuDNN; '–' where flashinfer was not importable "
         "(with --keep-prefill: the earlier file's, marked *, at the commit named below). 'copy-head layer, a "
         "launch a group': the same layer with each head group launched on its own, as before the one-launch "
-        "kernel.",
+        "kernel. 'K3V3 layer, 4-bit ring': that layer without a 16-bit window (NO_FP16_WINDOW: the 128 most "
+        "recent tokens as 4-bit codes, attended by the decode launch).",
         "",
         "| B | S | Hq/Hk | d | cuDNN | FP8 | plain (graph) | default (graph) | default / plain | cuDNN / default | "
         "FP8 / default | plain eager | default eager | eager default / plain | K3V3 layer | K4V3 layer | "
-        "copy-head layer | copy-head layer, a launch a group |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "copy-head layer | copy-head layer, a launch a group | K3V3 layer, 4-bit ring |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         vs_fp8 = r.get("default_speedup_vs_fp8")
@@ -386,7 +391,7 @@ def write_production(rows, meta, out_dir, prefill=(), generate=()):
             f"{r['default_speedup_vs_cudnn']:.2f}x | {f'{vs_fp8:.2f}x' if vs_fp8 else '–'} | "
             f"{fmt(r['plain_eager_us'])} | {fmt(r['default_eager_us'])} | "
             f"{r['default_eager_us'] / r['plain_eager_us']:.2f}x | {fmt(r['k3_us'])} | {fmt(r['k4_us'])} | "
-            f"{fmt(r['mixed_us'])} | {fmt(r.get('mixed_apart_us'))} |"
+            f"{fmt(r['mixed_us'])} | {fmt(r.get('mixed_apart_us'))} | {fmt(r.get('k3_ring_us'))} |"
         )
     kept = sorted({r["fp8_commit"] for r in rows if r.get("fp8_commit")})
     if kept:
