@@ -21,7 +21,7 @@
 // (QuantizedKVCache's window_bits: the recent tokens as 4-bit codes, the side holding the sinks alone)
 // is one more split of that launch (Part::kRing): the same body over the ring's codes with the
 // PackedKV loader, its slots mapped to their keys' positions as the side's are, q rotated as for the
-// codes (the ring shares their rotation), the RoPE term at each slot's position.
+// codes (the ring shares their rotation), the RoPE term at each slot's position (a tile a lap).
 #pragma once
 
 #include <algorithm>
@@ -76,34 +76,26 @@ using RingTraits =
 // 16-bit side, that side, or a ring of window codes.
 enum class Part { kAll, kCodes, kSide, kRing };
 
-// The RoPE term of a tile of the ring of window codes (slots tile_start + tau, QuantizedKVCache's
-// ring order): slot s holds the key at position base + s up to the newest key's slot, and one lap
-// (side_ring keys) before that after it, so a tile's term is tile_bias at one base, or at two where
-// the tile holds the wrap.
-template <typename Rope, int MT, int NT>
-__device__ __forceinline__ void ring_bias(const DecodeParams &p, const char *sm_rope, int tile_start, int n, int lane,
-                                          float (&bias)[MT][NT][4]) {
-    const int last = max(n, 1) - 1, newest = last % p.side_ring, base = last - newest;
-    if (tile_start > newest) {  // (warp-uniform, as the branch below)
-        Rope::tile_bias(p, sm_rope, tile_start + base - p.side_ring, lane, bias);
-        return;
+// The ring of window codes in laps: its slots [newest + 1, R) hold the older lap's keys (positions
+// base - R + slot), [0, newest] the newer lap's (base + slot), newest the slot of the sequence's
+// last key (n - 1 = base + newest). Its tiles cover one lap each (the older lap's first), so a
+// tile's keys have contiguous positions: the RoPE term is one tile_bias at the tile's first.
+struct RingLaps {
+    int newest, base, older_tiles;
+    __device__ RingLaps(int n, int ring, int tile_n) {
+        const int last = max(n, 1) - 1;
+        newest = last % ring;
+        base = last - newest;
+        older_tiles = (ring - 1 - newest + tile_n - 1) / tile_n;
     }
-    Rope::tile_bias(p, sm_rope, tile_start + base, lane, bias);
-    if (tile_start + 16 * MT - 1 > newest) {
-        float older[MT][NT][4];
-        Rope::tile_bias(p, sm_rope, tile_start + base - p.side_ring, lane, older);
-        #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-            #pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-                #pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    if (tile_start + 16 * mt + lane / 4 + (j < 2 ? 0 : 8) > newest) bias[mt][nt][j] = older[mt][nt][j];
-                }
-            }
-        }
+    // tile i: its first slot, the end of its lap's slots, the position of slot 0 of its lap
+    __device__ void tile(int i, int ring, int tile_n, int &first, int &end, int &lap_base) const {
+        const bool older = i < older_tiles;
+        first = older ? newest + 1 + i * tile_n : (i - older_tiles) * tile_n;
+        end = older ? ring : newest + 1;
+        lap_base = older ? base - ring : base;
     }
-}
+};
 
 // split: the CTA's split index (where its partial result goes); bh: batch entry * h_k + kv head.
 template <typename Traits, Paging kPaging, bool kLocal, bool kRope, Part kPart>
@@ -154,7 +146,10 @@ __device__ __forceinline__ void split_body(const DecodeParams &p, char *smem, in
     const int cta_first_max =
         key_first<kLower>(p, seqlen_all, total_rows, cta_last_row, key_start);  // tiles before it need the lower mask
     const int tile_first = kSlots ? 0 : key_first<kLower>(p, seqlen_all, total_rows, row0, key_start) / kTileN;
-    const int n_tiles = (cta_limit + kTileN - 1) / kTileN;
+    [[maybe_unused]] const RingLaps laps(seqlen_all, kRing ? p.side_ring : 1, kTileN);
+    const int n_tiles = !kRing      ? (cta_limit + kTileN - 1) / kTileN
+                        : cta_limit ? laps.older_tiles + (laps.newest + kTileN) / kTileN
+                                    : 0;
     // the side pass and the ring are a split each (the launch's last, and the one before it); the codes'
     // parts share the others
     const int splits = kPart == Part::kAll ? p.num_splits : (kSlots ? 1 : p.num_splits - 1 - (p.has_ring ? 1 : 0));
@@ -195,8 +190,12 @@ __device__ __forceinline__ void split_body(const DecodeParams &p, char *smem, in
     auto load = [&](int i, int st) {
         int rows[2] = {0, 0};
         if constexpr (rows_given(kPaging)) { pages.rows_of(i, rows, lane); }
-        KV::template load_tile<kPaging>(p, bases, pipe + st * KV::kStageBytes, bc, (my_first + i * kWarps) * kTileN,
-                                        seqlen_k, lane, rows);
+        int first = (my_first + i * kWarps) * kTileN, end = seqlen_k;
+        if constexpr (kRing) {
+            int lap_base;
+            laps.tile(my_first + i * kWarps, p.side_ring, kTileN, first, end, lap_base);
+        }
+        KV::template load_tile<kPaging>(p, bases, pipe + st * KV::kStageBytes, bc, first, end, lane, rows);
     };
 
     // turbo: q is rotated here (signs, then a Walsh-Hadamard transform, a warp a row, into shared
@@ -254,11 +253,13 @@ __device__ __forceinline__ void split_body(const DecodeParams &p, char *smem, in
         if (ahead < my_count) { load(ahead, load_stage); }
         load_stage = load_stage == kStages - 1 ? 0 : load_stage + 1;
         cp_async_commit();
-        const int tile_start = (my_first + it * kWarps) * kTileN;
+        int tile_start = (my_first + it * kWarps) * kTileN;
+        [[maybe_unused]] int lap_end = 0, lap_base = 0;  // the ring's tile: its lap's slot end and position base
+        if constexpr (kRing) { laps.tile(my_first + it * kWarps, p.side_ring, kTileN, tile_start, lap_end, lap_base); }
         // the RoPE-center term needs no tile data: computed while the tile may still be in flight
         float rope_bias[kRope ? MT : 1][NT][4];
-        if constexpr (kRope && kRing) {  // the ring's slots: the keys' positions wrap once
-            ring_bias<Rope, MT, NT>(p, sm_rope, tile_start, seqlen_all, lane, rope_bias);
+        if constexpr (kRope && kRing) {  // one lap's slots: contiguous positions from lap_base + tile_start
+            Rope::tile_bias(p, sm_rope, lap_base + tile_start, lane, rope_bias);
         } else if constexpr (kRope && Rope::kRecur) {  // coefficients carried from the warp's previous tile
             Rope::recur_bias(p, sm_rope, it, tile_start, rope_pair, lane, rope_state, rope_next, rope_bias);
         } else if constexpr (kRope) {
@@ -290,10 +291,13 @@ __device__ __forceinline__ void split_body(const DecodeParams &p, char *smem, in
                 f1 = KV::k_affine(stage, t1);
             }
             // the side's and the ring's slots at their keys' positions (-1: no key; fails every limit
-            // below); ring slot s is slot side_sinks + s of a side with the ring's side_ring
+            // below); ring slot s is slot side_sinks + s of a side with the ring's side_ring, and a
+            // ring tile's slots past its lap are the other lap's tiles'
             const int slot0 = (kRing ? p.side_sinks : 0) + tile_start + t0, slot1 = slot0 + 8;
-            const int pos0 = kSlots ? side_position(p, slot0, seqlen_all) : 0;
-            const int pos1 = kSlots ? side_position(p, slot1, seqlen_all) : 0;
+            const int pos0 =
+                !kSlots || (kRing && tile_start + t0 >= lap_end) ? -1 : side_position(p, slot0, seqlen_all);
+            const int pos1 =
+                !kSlots || (kRing && tile_start + t1 >= lap_end) ? -1 : side_position(p, slot1, seqlen_all);
             #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
                 #pragma unroll
