@@ -278,9 +278,10 @@ void run_decode_ring(const DecodeParams &p, const DecodeParams &r, cudaStream_t 
                 DecodeTraits<Elem, kHeadDim, 1, PackedKV<kKBits, kVBits, kHeadDim, Elem, kScaleOnly, 3, kWideTile>>{});
         }
     }
-    if (!wide) {
-        p.h_h_k_ratio *p.seqlen_q <= 8 ? go_rope(DecodeTraits<Elem, kHeadDim, 1, KV>{})
-                                       : go_rope(DecodeTraits<Elem, kHeadDim, 2, KV>{});
+    if (!wide && p.h_h_k_ratio * p.seqlen_q <= 8) {
+        go_rope(DecodeTraits<Elem, kHeadDim, 1, KV>{});
+    } else if (!wide) {  // 16 rows a CTA; more rows take more CTAs along grid.z
+        go_rope(DecodeTraits<Elem, kHeadDim, 2, KV>{});
     }
     launch_combine<Elem, kHeadDim>(p, stream);
 }
