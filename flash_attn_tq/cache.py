@@ -775,9 +775,18 @@ class QuantizedKVCache:
         if n == 0:
             return
         k_raw = k
-        # What the pack kernel does besides the codes: the RoPE center's k - R(p) c (where no PyTorch
-        # step needs the centered keys) and the 16-bit side's copy (raw keys with the RoPE center)
-        kernel_rope = fused and self.rope_center and self.health_counters is None and self.window_quantizer is None
+        # What the pack kernel does besides the codes: the ring of window codes (4-bit, turbo's uniform
+        # grid, contiguous caches), the RoPE center's k - R(p) c (where no PyTorch step needs the centered
+        # keys) and the 16-bit side's copy (raw keys with the RoPE center)
+        coded_window = self.window_quantizer is not None and bool(self.fp16_window)
+        kernel_ring = (
+            fused
+            and coded_window
+            and self.window_bits == ops.FUSED_RING_WINDOW_BITS
+            and (self.quantizer, self.grid, self.fit) == ("turbo", "uniform", "norm")
+            and not self.paged
+        )
+        kernel_rope = fused and self.rope_center and self.health_counters is None and (not coded_window or kernel_ring)
         kernel_side = (
             fused
             and self.kv_side is not None
@@ -788,7 +797,7 @@ class QuantizedKVCache:
         needs_pos = (
             not fused
             or (self.kv_side is not None and not kernel_side)
-            or (self.window_quantizer is not None and self.fp16_window)
+            or (coded_window and not kernel_ring)
             or (self.rope_center and (calibrating or not kernel_rope))
         )
         pos = start.long().unsqueeze(1) + torch.arange(n, device=self.device) if needs_pos else None  # [B, n]
@@ -814,7 +823,15 @@ class QuantizedKVCache:
             flags = torch.zeros(1, dtype=torch.int32, device=self.device) if error_flags is None else error_flags
             raw_idx = None if batch_idx is None else batch_idx.to(self.device, torch.int32).contiguous()
             self.write_codes(
-                k, v, start.contiguous(), raw_idx, flags, side=kernel_side, rope_center=kernel_rope, advance=advance
+                k,
+                v,
+                start.contiguous(),
+                raw_idx,
+                flags,
+                side=kernel_side,
+                rope_center=kernel_rope,
+                advance=advance,
+                ring=kernel_ring,
             )
             if checking and error_flags is None:
                 ops.raise_pack_errors(int(flags.item()))
@@ -825,7 +842,7 @@ class QuantizedKVCache:
                 getattr(self, name)[slot_rows, slot_cols] = packed[name]
         if self.kv_side is not None and not kernel_side:
             self._write_side(k_raw if self.rope_center else k, v, rows(), pos)
-        if self.window_quantizer is not None and self.fp16_window:
+        if coded_window and not kernel_ring:
             R = self.fp16_window
             j0 = max(0, n - R)  # only the last R tokens of this chunk matter (a slice: no sync)
             b2 = rows().unsqueeze(1).expand(B, n - j0)
@@ -913,6 +930,7 @@ class QuantizedKVCache:
         side: bool = False,
         rope_center: bool = False,
         advance: bool = False,
+        ring: bool = False,
     ) -> None:
         """The quantize-on-write kernel: ``k, v [batch, n, kv_heads, d]`` into positions ``start[i] + j``
         (int32 ``[batch]``) of cache rows ``batch_idx`` (int32, None: 0..batch-1); keys already in the
@@ -920,13 +938,25 @@ class QuantizedKVCache:
         ``side``: the kernel also copies sinks and the chunk's recent tokens into :attr:`kv_side` (k and
         v as given, k's dtype the side's). ``advance``: the launch ends by setting ``seqlens[row] =
         start[i] + n`` unless it met an error (``start`` may be a view of ``seqlens``, but no other
-        tensor sharing its memory: rows may be read after another row's update). Error bits go to
-        ``error_flags`` (int32 [1]; see :data:`flash_attn_tq.ops.PACK_ERRORS`)."""
+        tensor sharing its memory: rows may be read after another row's update). ``ring``: the chunk's
+        last ``fp16_window`` tokens also into the window codes (``window_bits``), from the same
+        vectors as the codes. Error bits go to ``error_flags`` (int32 [1]; see
+        :data:`flash_attn_tq.ops.PACK_ERRORS`)."""
         quant = ops.QUANT_IDS[(self.quantizer, self.grid, self.fit)]
         extras = {}
         if rope_center:
             extras.update(
                 rope_center=self.k_shift, rope_inv_freq=self.rope_inv_freq, rope_offset=self.rope_position_offset
+            )
+        if ring:
+            extras.update(
+                ring=dict(
+                    k_codes=self.k_window_codes,
+                    k_meta=self.k_window_meta,
+                    v_codes=self.v_window_codes,
+                    v_meta=self.v_window_meta,
+                ),
+                ring_bits=self.window_bits,
             )
         turbo, lloyd = self.quantizer == "turbo", self.quantizer == "turbo" and self.grid == "lloyd_max"
         kq, vq = self.k_quantizer, self.v_quantizer

@@ -155,6 +155,12 @@ def _register_fakes() -> None:
         v_side=None,
         lengths=None,
         tally=None,
+        ring_codes=None,
+        ring_meta=None,
+        v_ring_codes=None,
+        v_ring_meta=None,
+        ring_bits=0,
+        ring_step=1.0,
     ):
         return None
 
@@ -397,6 +403,8 @@ def pack(
     v_side: torch.Tensor | None = None,
     lengths: torch.Tensor | None = None,
     tally: torch.Tensor | None = None,
+    ring: Mapping[str, torch.Tensor] | None = None,
+    ring_bits: int = 0,
 ) -> None:
     """Quantize ``x [batch, n, kv_heads, d]`` on the GPU into positions ``start[i] + j`` of cache rows
     ``batch_idx[i]`` (int32 ``[batch]``; None: row i) of ``codes``/``meta`` (paged through
@@ -412,7 +420,12 @@ def pack(
     receive them as ``codes``/``meta``/``side`` receive x (no RoPE center): one launch for both. With
     ``lengths`` (int32 ``[rows]``, e.g. the cache's seqlens, which ``start`` may be a view of) and
     ``tally`` (int32 ``[1]``, zero between calls, one per ``lengths``) the launch ends by setting
-    ``lengths[batch_idx[i]] = start[i] + n``, unless it met an error (then no length moves)."""
+    ``lengths[batch_idx[i]] = start[i] + n``, unless it met an error (then no length moves). With
+    ``ring`` (``{"k_codes", "k_meta", "v_codes", "v_meta"}`` ``[batch rows, R, kv_heads, *]``, a
+    contiguous cache, turbo's uniform grid) the chunk's last ``R`` tokens also go to slot ``p % R``
+    as ``ring_bits``-wide codes (:data:`FUSED_RING_WINDOW_BITS`; the window codes of
+    ``QuantizedKVCache``'s ``window_bits``)."""
+    rg = ring or {}
     x3 = _pack_rows(x)
     v3 = None if v is None else _pack_rows(v)
     torch.ops.flash_attn_tq.pack_kv(
@@ -446,6 +459,12 @@ def pack(
         v_side,
         lengths,
         tally,
+        rg.get("k_codes"),
+        rg.get("k_meta"),
+        rg.get("v_codes"),
+        rg.get("v_meta"),
+        int(ring_bits),
+        float(uniform_step(ring_bits)) if ring else 1.0,
     )
 
 

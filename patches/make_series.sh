@@ -41,7 +41,8 @@ add "csrc: quantize-on-write kernel" \
 transpose, the code run of each thread packed without atomics, cache slots (contiguous, paged or a
 vLLM-style slot mapping) resolved and range-checked in the kernel, errors ORed into one flag word.
 Without a slot mapping it also keeps the append's books: the 16-bit side's copy of sinks and recent
-tokens, and the RoPE center's k - R(p) c. An append's K and V run as one launch (pack_pair_kernel)
+tokens, the RoPE center's k - R(p) c, and a ring of 4-bit window codes of the chunk's last tokens.
+An append's K and V run as one launch (pack_pair_kernel)
 for the bit pairs of the case table, whose generated instantiations come with patch 8." \
     tq_pack_kernel.h tq_pack_launch.h
 

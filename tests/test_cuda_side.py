@@ -15,6 +15,7 @@ from gpu_cases import DEV, NEEDS_GPU, poison_allocator, shuffled_block_table
 
 import flash_attn_tq as fa
 from flash_attn_tq import baseline
+from flash_attn_tq import format as fmt
 from flash_attn_tq.cache import QuantizedKVCache, rope_turn
 
 pytestmark = NEEDS_GPU
@@ -316,6 +317,44 @@ def test_ring_of_window_codes_in_the_launch(batch, seqlens, hk, group, seqlen_q,
     rows = torch.tensor([batch - 1], dtype=torch.int32, device=DEV)  # a picked row (cache_batch_idx)
     out, lse = fa.flash_attn_with_kvcache(q[:1], cache, cache_batch_idx=rows, causal=True, return_softmax_lse=True)
     _check(q[:1], cache, out, lse, causal=True, rows=rows)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("center", [False, "rope"])
+@pytest.mark.parametrize("scale_only", [True, False])
+def test_pack_writes_the_ring_of_window_codes(d, dtype, center, scale_only, monkeypatch):
+    """The pack launch's ring of 4-bit window codes (a prompt longer than the ring, then tokens one by
+    one, so it wraps) against the PyTorch writes of the same appends: codes equal but within float
+    rounding of a bin edge, scales within float16 rounding; the poisoned ring is overwritten."""
+    inv = 1.0 / 10000.0 ** (torch.arange(0, d, 2, device=DEV).float() / d)
+    opts = dict(sink_tokens=16, fp16_window=64, window_bits=4, key_center=center, calib_min_tokens=1)
+    if center == "rope":
+        opts["rope_inv_freq"] = inv
+    caches = [QuantizedKVCache(2, 400, 2, d, dtype=dtype, device=DEV, scale_only=scale_only, **opts) for _ in range(2)]
+    for c in caches:
+        c.k_window_codes.fill_(0xAB)
+        c.v_window_codes.fill_(0xAB)
+    gen = torch.Generator(device=DEV).manual_seed(d)
+    chunks = [torch.randn(2, n, 2, d, device=DEV, generator=gen).to(dtype) * 2 for n in (150, 1, 1, 3, 1)]
+    for c, kernel in zip(caches, (True, False)):
+        with monkeypatch.context() as m:
+            if not kernel:
+                m.setattr(QuantizedKVCache, "pack_reason", lambda self, x: "the PyTorch writes")
+            for x in chunks:
+                c.append(x, x.flip(-1))
+    got, ref = caches
+    assert torch.equal(got.seqlens, ref.seqlens)
+    for name in ("k", "v"):
+        a = fmt.unpack_codes(getattr(got, f"{name}_window_codes"), 4, d).int()
+        b = fmt.unpack_codes(getattr(ref, f"{name}_window_codes"), 4, d).int()
+        assert ((a - b).abs() <= 1).all() and (a != b).float().mean().item() <= 2e-3, name
+        torch.testing.assert_close(
+            getattr(got, f"{name}_window_meta").float(),
+            getattr(ref, f"{name}_window_meta").float(),
+            rtol=2e-3,
+            atol=1e-4,
+        )
 
 
 def test_side_8bit_head():

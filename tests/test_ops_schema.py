@@ -112,6 +112,29 @@ def test_ring_of_window_codes_in_the_launch(recorded, monkeypatch):
         assert c.ring_reason(torch.zeros(1, 1, 8, 64)) is not None, other
 
 
+def test_pack_writes_the_ring_of_window_codes(recorded, monkeypatch):
+    """A cache with 4-bit window codes: the pack launch also writes the ring (from the same, centered
+    keys: the RoPE center in the kernel too) and no PyTorch op writes it; other grids keep the ops."""
+    monkeypatch.setattr(QuantizedKVCache, "pack_reason", lambda self, x: None)
+    inv = 1.0 / 10000.0 ** (torch.arange(0, 64, 2).float() / 64)
+    opts = dict(sink_tokens=16, fp16_window=128, window_bits=4, key_center="rope", rope_inv_freq=inv)
+    cache = QuantizedKVCache(2, 300, 2, 64, calib_min_tokens=1, **opts)
+    x = torch.randn(2, 40, 2, 64).half()
+    for _ in range(2):  # the prompt (calibrates the center), then a chunk with the center known
+        recorded.pop("pack_kv", None)
+        cache.append(x, x)
+    (call,) = recorded["pack_kv"]
+    assert call["ring_codes"] is cache.k_window_codes and call["v_ring_meta"] is cache.v_window_meta
+    assert call["ring_meta"] is cache.k_window_meta and call["v_ring_codes"] is cache.v_window_codes
+    assert call["ring_bits"] == 4 and call["ring_step"] == ops.uniform_step(4)
+    assert call["rope_center"] is cache.k_shift and torch.equal(call["x"], x.reshape(-1, 2, 64))  # raw keys
+    assert not cache.k_window_codes.any()  # (the recording kernel writes nothing: no PyTorch write either)
+    lloyd = QuantizedKVCache(2, 300, 2, 64, grid="lloyd_max", **opts)
+    recorded.pop("pack_kv", None)
+    lloyd.append(x, x)
+    assert recorded["pack_kv"][-1].get("ring_codes") is None and lloyd.k_window_codes.any()
+
+
 def test_pack_arguments(recorded, monkeypatch):
     cache = QuantizedKVCache(2, 64, 2, 64, v_bits=4)
     monkeypatch.setattr(QuantizedKVCache, "pack_reason", lambda self, x: None)  # the CPU stands in for the GPU

@@ -657,6 +657,40 @@ void set_pack_vectors(PackParams &p, const at::Tensor &x, at::Tensor &codes, at:
     p.inv_step = static_cast<float>(1.0 / step);
 }
 
+// The ring of window codes x is also quantized into (after the slots are set: p.batch_rows): codes
+// [batch rows, ring, heads, d * ring_bits / 8] uint8 and metadata [..., meta_words] half, a chunk's
+// last `ring` tokens at slot p % ring.
+void set_pack_ring(PackParams &p, const at::Tensor &x, const at::Tensor &codes, const at::Tensor &meta, int64_t quant,
+                   int64_t ring_bits, double ring_step) {
+    CHECK_CUDA(codes);
+    CHECK_CUDA(meta);
+    TQ_CHECK(p.slot_mapping == nullptr && p.block_table == nullptr,
+             "a ring of window codes needs start and a contiguous cache (no slot_mapping, no block_table)");
+    TQ_CHECK(quant == static_cast<int64_t>(Quant::kTurboUniform) && ring_bits == 4 && ring_step > 0.0,
+             "a ring of window codes takes 4-bit codes on turbo's uniform grid");
+    const int d = x.size(2);
+    TQ_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 4 && codes.size(0) >= p.batch_rows &&
+                 codes.size(1) > 0 && codes.size(2) == x.size(1) && codes.size(3) == d * ring_bits / 8 &&
+                 codes.stride(3) == 1 && codes.stride(2) % 2 == 0 && codes.stride(1) % 2 == 0 &&
+                 codes.stride(0) % 2 == 0 && reinterpret_cast<uintptr_t>(codes.data_ptr()) % 2 == 0,
+             "ring_codes must be uint8 [batch rows, ring, heads, head_dim * ring_bits / 8] with 2-byte aligned rows");
+    TQ_CHECK(meta.scalar_type() == at::kHalf && meta.dim() == 4 && meta.size(0) == codes.size(0) &&
+                 meta.size(1) == codes.size(1) && meta.size(2) == codes.size(2) && meta.size(3) == p.meta_words &&
+                 meta.stride(3) == 1,
+             "ring_meta must be float16 [batch rows, ring, heads, the codes' meta words]");
+    p.ring_codes = codes.data_ptr<uint8_t>();
+    p.ring_meta = reinterpret_cast<uint16_t *>(meta.data_ptr());
+    p.ring_codes_batch_stride = codes.stride(0);
+    p.ring_codes_slot_stride = codes.stride(1);
+    p.ring_codes_head_stride = codes.stride(2);
+    p.ring_meta_batch_stride = meta.stride(0);
+    p.ring_meta_slot_stride = meta.stride(1);
+    p.ring_meta_head_stride = meta.stride(2);
+    p.ring = static_cast<int>(codes.size(1));
+    p.ring_bits = static_cast<int>(ring_bits);
+    p.ring_inv_step = static_cast<float>(1.0 / ring_step);
+}
+
 // The 16-bit side's half x is copied into (after the slots are set: p.batch_rows).
 void set_pack_side(PackParams &p, const at::Tensor &x, const at::Tensor &side, int64_t side_sinks, int64_t side_ring,
                    bool slot_mapping) {
@@ -702,7 +736,9 @@ void pack_kv(const at::Tensor &x,                            // [tokens, heads, 
              const std::optional<at::Tensor> &v_codes, const std::optional<at::Tensor> &v_meta, int64_t v_bits,
              double v_step, const std::optional<at::Tensor> &v_signs, const std::optional<at::Tensor> &v_levels,
              const std::optional<at::Tensor> &v_side, const std::optional<at::Tensor> &lengths,
-             const std::optional<at::Tensor> &tally) {
+             const std::optional<at::Tensor> &tally, const std::optional<at::Tensor> &ring_codes,
+             const std::optional<at::Tensor> &ring_meta, const std::optional<at::Tensor> &v_ring_codes,
+             const std::optional<at::Tensor> &v_ring_meta, int64_t ring_bits, double ring_step) {
     TQ_CHECK(slot_mapping.has_value() != start.has_value(), "give either slot_mapping or start");
     c10::cuda::CUDAGuard guard(x.device());
     PackParams p{};
@@ -749,6 +785,9 @@ void pack_kv(const at::Tensor &x,                            // [tokens, heads, 
         p.error_flags = error_flags->data_ptr<int>();
     }
     if (side.has_value()) { set_pack_side(p, x, *side, side_sinks, side_ring, slot_mapping.has_value()); }
+    TQ_CHECK(ring_codes.has_value() == ring_meta.has_value() && v_ring_codes.has_value() == v_ring_meta.has_value(),
+             "give ring codes and their meta together");
+    if (ring_codes.has_value()) { set_pack_ring(p, x, *ring_codes, *ring_meta, quant, ring_bits, ring_step); }
     if (rope_center.has_value()) {
         CHECK_CUDA(*rope_center);
         TQ_CHECK(!slot_mapping.has_value(), "rope_center needs start (not slot_mapping)");
@@ -780,8 +819,8 @@ void pack_kv(const at::Tensor &x,                            // [tokens, heads, 
     auto stream = c10::cuda::getCurrentCUDAStream().stream();
     const bool half = x.scalar_type() == at::kHalf;
     if (!v.has_value()) {
-        TQ_CHECK(!v_codes.has_value() && !v_meta.has_value() && !v_side.has_value(),
-                 "v_codes, v_meta and v_side need v");
+        TQ_CHECK(!v_codes.has_value() && !v_meta.has_value() && !v_side.has_value() && !v_ring_codes.has_value(),
+                 "v_codes, v_meta, v_side and v_ring_codes need v");
         if (d == 64) {
             half ? run_pack<__half, 64>(p, bits, quant, stream) : run_pack<__nv_bfloat16, 64>(p, bits, quant, stream);
         } else {
@@ -793,12 +832,17 @@ void pack_kv(const at::Tensor &x,                            // [tokens, heads, 
         TQ_CHECK(v_codes->dim() == 4 && v_codes->size(0) == p.rows && v_codes->size(1) == p.cols,
                  "v_codes must have the K codes' rows and columns");
         TQ_CHECK(v_side.has_value() == side.has_value(), "give side and v_side together");
+        TQ_CHECK(v_ring_codes.has_value() == ring_codes.has_value(), "give ring_codes and v_ring_codes together");
         PackParams pv = p;
         pv.rope_center = nullptr;  // (the RoPE center is K's)
         pv.side = nullptr;
+        pv.ring_codes = nullptr;
         at::Tensor vc = *v_codes, vm = *v_meta;
         set_pack_vectors(pv, *v, vc, vm, v_bits, quant, v_signs, v_levels, v_step);
         if (v_side.has_value()) { set_pack_side(pv, *v, *v_side, side_sinks, side_ring, false); }
+        if (v_ring_codes.has_value()) {
+            set_pack_ring(pv, *v, *v_ring_codes, *v_ring_meta, quant, ring_bits, ring_step);
+        }
         const int kb = static_cast<int>(bits), vb = static_cast<int>(v_bits), qt = static_cast<int>(quant);
         if (d == 64) {
             half ? run_pack_pair<__half, 64>(p, pv, kb, vb, qt, stream)
@@ -836,7 +880,9 @@ TORCH_LIBRARY(flash_attn_tq, m) {
         "float step, Tensor(d!)? side=None, int side_sinks=0, int side_ring=0, Tensor? rope_center=None, "
         "Tensor? rope_inv_freq=None, int rope_offset=0, Tensor? v=None, Tensor(e!)? v_codes=None, "
         "Tensor(f!)? v_meta=None, int v_bits=0, float v_step=1.0, Tensor? v_signs=None, Tensor? v_levels=None, "
-        "Tensor(g!)? v_side=None, Tensor(h!)? lengths=None, Tensor(i!)? tally=None) -> ()");
+        "Tensor(g!)? v_side=None, Tensor(h!)? lengths=None, Tensor(i!)? tally=None, Tensor(j!)? ring_codes=None, "
+        "Tensor(k!)? ring_meta=None, Tensor(l!)? v_ring_codes=None, Tensor(m!)? v_ring_meta=None, int ring_bits=0, "
+        "float ring_step=1.0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(flash_attn_tq, CUDA, m) {

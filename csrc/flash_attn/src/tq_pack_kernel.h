@@ -158,6 +158,60 @@ __device__ __forceinline__ void rope_center_sub(const PackParams &p, int seq, in
 // Blocks `block` of `blocks` (a grid-stride loop over 16 vectors a block) of one pack: the body of
 // pack_kv_kernel, and of each half of pack_pair_kernel. Returns whether the thread met an error
 // (a vector it could not place or store).
+// Turbo's uniform grid at kBits for this thread's elements x of the unnormalized transform (to_unit =
+// sqrt(d) / |x|, norm = |x| / sqrt(d)): code = floor(y / step + levels / 2), clamped, and the scale
+// (rounded to float16) that gives the levels (code - mid) * step the vector's norm; the norm of the
+// levels is step / 2 * sqrt(sum (2 code - (levels - 1))^2), exact in integers. Every lane of the warp
+// calls it (the vector's 8 lanes reduce by shuffles).
+template <int kBits, int P>
+__device__ __forceinline__ float uniform_codes(const float (&x)[P], float to_unit, float norm, float inv_step,
+                                               int (&code)[P]) {
+    constexpr int kLevels = 1 << kBits;
+    const float to_grid = __fmul_rn(to_unit, inv_step);
+    int lss = 0;
+    #pragma unroll
+    for (int k = 0; k < P; ++k) {
+        code[k] = min(max(__float2int_rd(__fmaf_rn(x[k], to_grid, 0.5f * kLevels)), 0), kLevels - 1);
+        const int twice = 2 * code[k] - (kLevels - 1);
+        lss += twice * twice;
+    }
+    int tot = lss;
+    #pragma unroll
+    for (int o = 1; o < 8; o <<= 1) { tot += __shfl_xor_sync(0xffffffffu, tot, o); }
+    // scale * step = norm / (step / 2 * sqrt(tot)) * step = 2 norm / sqrt(tot)
+    return tot > 0 ? __half2float(__float2half_rn(__fdiv_rn(__fmul_rn(2.f, norm), __fsqrt_rn(static_cast<float>(tot)))))
+                   : 0.f;
+}
+
+// A ring of kBits-wide window codes (PackParams::ring_codes): the vector's codes at that width, stored
+// at slot pos % ring of cache row seq when `keep` (every lane calls it: uniform_codes' shuffles).
+template <int kBits, int P>
+__device__ __forceinline__ void store_ring(const PackParams &p, const float (&x)[P], float to_unit, float norm,
+                                           bool keep, int seq, int pos, int head, int s) {
+    int code[P];
+    const float scale = uniform_codes<kBits, P>(x, to_unit, norm, p.ring_inv_step, code);
+    using Packer = RunPacker<kBits, P>;
+    static_assert(kBits != 3, "whole 16-bit lanes a thread");
+    uint32_t lanes[Packer::kLanes];
+    Packer::pack(code, s * P, lanes);
+    if (!keep) return;
+    const int slot = pos % p.ring;
+    uint16_t *dst = reinterpret_cast<uint16_t *>(p.ring_codes + seq * p.ring_codes_batch_stride +
+                                                 slot * p.ring_codes_slot_stride + head * p.ring_codes_head_stride) +
+                    s * Packer::kLanes;
+    #pragma unroll
+    for (int i = 0; i < Packer::kLanes; ++i) { dst[i] = static_cast<uint16_t>(lanes[i]); }
+    if (s == 0) {
+        uint16_t *meta = p.ring_meta + seq * p.ring_meta_batch_stride + slot * p.ring_meta_slot_stride +
+                         head * p.ring_meta_head_stride;
+        const uint16_t scale_bits = __half_as_ushort(__float2half_rn(scale));
+        meta[0] = scale_bits;
+        if (p.meta_words == 2) {
+            meta[1] = __half_as_ushort(__float2half_rn(__fmul_rn(-scale, 0.5f * ((1 << kBits) - 1))));
+        }
+    }
+}
+
 template <typename Elem, int kHeadDim, int kBits, Quant kQuant>
 __device__ __forceinline__ bool pack_vectors(const PackParams &p, int block, int blocks) {
     constexpr int P = kHeadDim / 8;  // elements a thread
@@ -223,7 +277,7 @@ __device__ __forceinline__ bool pack_vectors(const PackParams &p, int block, int
         bad |= live && !store && p.slot_mapping == nullptr;  // (a slot mapping's -1 is a skip, not an error)
         // the append's bookkeeping (PackParams::side, ::rope_center): the token's cache row, position
         // and index in the chunk (without a slot mapping, checked on the host)
-        const bool extras = p.side != nullptr || p.rope_center != nullptr;
+        const bool extras = p.side != nullptr || p.rope_center != nullptr || p.ring_codes != nullptr;
         const int chunk_i = extras ? token / p.n_new : 0, chunk_j = token - chunk_i * p.n_new;
         const int seq = !extras ? 0 : p.batch_idx != nullptr ? p.batch_idx[chunk_i] : chunk_i;
         const int pos = extras ? p.start[chunk_i] + chunk_j : 0;
@@ -265,6 +319,7 @@ __device__ __forceinline__ bool pack_vectors(const PackParams &p, int block, int
         int code[P];
         float scale_out, offset_out;
         bool finite;
+        [[maybe_unused]] float unit_factor = 0.f, norm_out = 0.f;  // turbo uniform: for the ring's codes
         if constexpr (kQuant == Quant::kAsym) {
             float lo = x[0], hi = x[0];
             #pragma unroll
@@ -335,24 +390,10 @@ __device__ __forceinline__ bool pack_vectors(const PackParams &p, int block, int
             const float to_unit = norm_u > 0.f ? __fdiv_rn(sqrt_d, norm_u) : 0.f;
             const float norm = __fdiv_rn(norm_u, sqrt_d);
             if constexpr (kQuant == Quant::kTurboUniform) {
-                // code = floor(y / step + levels / 2), clamped; the norm of the levels (code - mid) * step
-                // is step / 2 * sqrt(sum (2 code - (levels - 1))^2), exact in integers
-                const float to_grid = __fmul_rn(to_unit, p.inv_step);
-                int lss = 0;
-                #pragma unroll
-                for (int k = 0; k < P; ++k) {
-                    code[k] = min(max(__float2int_rd(__fmaf_rn(x[k], to_grid, 0.5f * kLevels)), 0), kLevels - 1);
-                    const int twice = 2 * code[k] - (kLevels - 1);
-                    lss += twice * twice;
-                }
-                int tot = lss;
-                #pragma unroll
-                for (int o = 1; o < 8; o <<= 1) { tot += __shfl_xor_sync(0xffffffffu, tot, o); }
-                // scale * step = norm / (step / 2 * sqrt(tot)) * step = 2 norm / sqrt(tot)
-                scale_out = tot > 0 ? __half2float(__float2half_rn(
-                                          __fdiv_rn(__fmul_rn(2.f, norm), __fsqrt_rn(static_cast<float>(tot)))))
-                                    : 0.f;
+                scale_out = uniform_codes<kBits, P>(x, to_unit, norm, p.inv_step, code);
                 offset_out = __fmul_rn(-scale_out, 0.5f * (kLevels - 1));
+                unit_factor = to_unit;
+                norm_out = norm;
             } else {
                 float lss = 0.f;
                 #pragma unroll
@@ -408,10 +449,15 @@ __device__ __forceinline__ bool pack_vectors(const PackParams &p, int block, int
                 }
             }
         }
+        if constexpr (kQuant == Quant::kTurboUniform) {
+            if (p.ring_codes != nullptr && p.ring_bits == 4) {  // (warp-uniform: the 4-bit ring, the one built)
+                store_ring<4, P>(p, x, unit_factor, norm_out, store && chunk_j >= p.n_new - p.ring, seq, pos, head, s);
+            }
+        }
         if (p.side != nullptr && store) {  // a sink, or one of the chunk's last side_ring tokens
-            const int slot = pos < p.side_sinks                                      ? pos
+            const int slot = pos < p.side_sinks                                    ? pos
                              : p.side_ring > 0 && chunk_j >= p.n_new - p.side_ring ? p.side_sinks + pos % p.side_ring
-                                                                                     : -1;
+                                                                                   : -1;
             if (slot >= 0) {
                 uint4 *dst = reinterpret_cast<uint4 *>(static_cast<Elem *>(p.side) + seq * p.side_batch_stride +
                                                        slot * p.side_slot_stride + head * p.side_head_stride + s * P);

@@ -132,6 +132,16 @@ struct PackParams {
     const float *rope_center, *rope_inv_freq;
     int64_t rc_batch_stride, rc_head_stride;
     int rope_offset;
+    // - ring_codes [batch rows, ring, heads, ring code bytes] uint8 and ring_meta [..., meta_words] half
+    //   (strides in bytes / halves): a chunk's last `ring` tokens also as ring_bits-wide codes on turbo's
+    //   uniform grid (ring_inv_step), token p in slot p % ring (QuantizedKVCache's window codes, read by
+    //   the decode kernel's ring split);
+    uint8_t *ring_codes;
+    uint16_t *ring_meta;
+    int64_t ring_codes_batch_stride, ring_codes_slot_stride, ring_codes_head_stride;
+    int64_t ring_meta_batch_stride, ring_meta_slot_stride, ring_meta_head_stride;
+    int ring, ring_bits;
+    float ring_inv_step;
     // - lengths [lengths_rows] (QuantizedKVCache.seqlens; may be start itself): once every CTA has
     //   placed its vectors, lengths[row of entry i] = start[i] + n_new, unless a CTA met an error
     //   (then no length moves); tally [1] counts the CTAs that finished, zero between launches.
