@@ -270,8 +270,7 @@ std::tuple<at::Tensor, at::Tensor> run_decode_op(
     const bool prefill_sized = store == Store::kPacked && pair == nullptr && ring == nullptr &&
                                rows >= kPrefillMinRows &&
                                has_prefill(q.scalar_type(), d, k_bits, v_bits, p.meta_words == 1) && prefill_fits();
-    bool wgmma =
-        false;  // Hopper's wgmma variant of the prefill kernel (FLASH_ATTN_TQ_PREFILL_WGMMA=0: the mma.sync one)
+    bool wgmma = false;  // Hopper's wgmma variant of the prefill kernel (FLASH_ATTN_TQ_PREFILL_WGMMA=0: the mma.sync one)
 #ifdef FLASH_TQ_SM90A
     if (prefill_sized && rows >= kWgmmaMinRows) {
         int major = 0, minor = 0;
@@ -298,9 +297,9 @@ std::tuple<at::Tensor, at::Tensor> run_decode_op(
     // keys a row can see at most: the local window's span when there is one
     const int span = p.window_left >= 0 ? std::min<int64_t>(max_seqlen_k, p.window_left + seqlen_q + 1) : max_seqlen_k;
     // (the decode kernel's side CTAs share its launch; the prefill kernel's side is a launch of its own)
-    p.num_splits = num_splits > 0     ? static_cast<int>(num_splits)
-                   : side && !prefill ? choose_num_splits(ctas, span, num_sms, 58, ctas)
-                                      : choose_num_splits(ctas, span, num_sms);
+    p.num_splits = num_splits > 0 ? static_cast<int>(num_splits)
+                                  : side && !prefill ? choose_num_splits(ctas, span, num_sms, 58, ctas)
+                                                     : choose_num_splits(ctas, span, num_sms);
     // the side pass: one more split, merged by the combine kernel (prefill over one code split: by the
     // prefill kernel, run_prefill)
     // A second head group splits its keys into as many more splits as its codes' bits over the first's

@@ -106,7 +106,7 @@ __device__ __forceinline__ void split_body(const DecodeParams &p, char *smem, in
     constexpr int kStages = Traits::kStages, kTileN = Traits::kTileN, kWarps = Traits::kNWarps, MT = Traits::kMTiles;
     constexpr float kNegInf = -INFINITY;
     constexpr bool kSide = kPart == Part::kSide, kRing = kPart == Part::kRing;
-    constexpr bool kSlots = kSide || kRing;                   // tiles over slots that map to their keys' positions
+    constexpr bool kSlots = kSide || kRing;  // tiles over slots that map to their keys' positions
     constexpr bool kLower = kLocal || kPart == Part::kCodes;  // a lower key bound: the local window, leftpad, the sinks
 
     // warp through a shuffle: known warp-uniform, so the shuffles under branches on it need no divergence handling
@@ -435,7 +435,7 @@ __device__ __forceinline__ void split_body(const DecodeParams &p, char *smem, in
             row_corr[nt][j] = warp_sum_rows(row_corr[nt][j]);
         }
     }
-    __syncthreads();                                  // the pipeline's memory is the merge's from here on
+    __syncthreads();  // the pipeline's memory is the merge's from here on
     float *sm_max = reinterpret_cast<float *>(smem);  // [warps][rows]
     float *sm_sum = sm_max + kWarps * kRows;          // [warps][rows]
     float *sm_o = sm_sum + kWarps * kRows;            // [warps][rows][D], each warp's own max
@@ -494,9 +494,9 @@ __device__ __forceinline__ void split_body(const DecodeParams &p, char *smem, in
 template <typename Traits, Paging kPaging, bool kLocal, bool kRope, bool kSide>
 __device__ __forceinline__ void decode_split(const DecodeParams &p) {
     extern __shared__ __align__(16) char smem[];
-    pdl_wait();               // (launched as the previous kernel's dependent: its writes, e.g. the append's, first)
+    pdl_wait();  // (launched as the previous kernel's dependent: its writes, e.g. the append's, first)
     pdl_launch_dependents();  // (the combine's CTAs start once every CTA here has: after the last wave began)
-    if constexpr (kSide) {    // (no kLocal with a side: host checks)
+    if constexpr (kSide) {  // (no kLocal with a side: host checks)
         // CTAs start in linear order (x fastest): the codes' CTAs of a row block first, its side CTAs
         // last, so the side's short CTAs fill the slots the codes' leave instead of putting a third
         // long CTA on some SMs (8 x 32K: 127 us with the side CTAs interleaved, as plain 92 with them last)
@@ -649,7 +649,7 @@ __global__ void __launch_bounds__(128) decode_combine_kernel(const DecodeParams 
         float cmx = mx;
         #pragma unroll
         for (int i = 0; i < kChunk; ++i) { cmx = fmaxf(cmx, lse[i]); }
-        if (cmx == -INFINITY) continue;          // (warp-uniform)
+        if (cmx == -INFINITY) continue;  // (warp-uniform)
         const float rescale = __expf(mx - cmx);  // (0 while mx is -inf)
         total *= rescale;
         #pragma unroll
@@ -697,7 +697,7 @@ __global__ void __launch_bounds__(128) combine_rows_kernel(const DecodeParams p)
     const int64_t rows = static_cast<int64_t>(p.b) * p.h * p.seqlen_q;
     const int64_t row = static_cast<int64_t>(blockIdx.x) * 4 + threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
-    if (row >= rows) return;   // warp-uniform
+    if (row >= rows) return;  // warp-uniform
     constexpr int kEarly = 4;  // splits whose slices load beside the lse (one L2 round trip for that many)
     float early[kEarly][kV];
     #pragma unroll
