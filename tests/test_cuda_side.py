@@ -355,6 +355,16 @@ def test_pack_writes_the_ring_of_window_codes(d, dtype, center, scale_only, monk
             rtol=2e-3,
             atol=1e-4,
         )
+    # a decode token's append is the pack launch alone (codes, ring, side copy, RoPE center, lengths)
+    x = chunks[-1]
+    flags = torch.zeros(1, dtype=torch.int32, device=DEV)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        got.append(x, x, error_flags=flags)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert kernels and all("pack" in k for k in kernels), kernels
+    assert flags.item() == 0 and torch.equal(got.seqlens, ref.seqlens + 1)
 
 
 def test_side_8bit_head():
