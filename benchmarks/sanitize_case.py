@@ -98,18 +98,20 @@ for opts in (dict(), dict(sink_tokens=16, fp16_window=112), rope, dict(page_size
 torch.cuda.synchronize()
 assert torch.isfinite(outs).all()
 # a ring of 4-bit window codes in the decode launch (NO_FP16_WINDOW's layers): K3V3 / K4V3, with and
-# without the RoPE center, one row tile and two, a wrapped ring, d 64 over 1024+ keys (64-token tiles)
-for d, n, opts in (
-    (64, 300, dict()),
-    (64, 300, dict(k_bits=4, key_center="rope", rope_inv_freq=inv_freq)),
-    (128, 700, dict(key_center="rope", rope_inv_freq=1.0 / 10000.0 ** (torch.arange(0, 128, 2).float() / 128))),
-    (64, 1100, dict(key_center="rope", rope_inv_freq=inv_freq)),
+# without the RoPE center, one row tile and two, a wrapped ring, d 64 over 1024+ keys (64-token tiles),
+# one kv head (rows of a head adjacent: a lap's tiles start at any slot)
+for d, n, hk, opts in (
+    (64, 300, 2, dict()),
+    (64, 300, 2, dict(k_bits=4, key_center="rope", rope_inv_freq=inv_freq)),
+    (128, 700, 2, dict(key_center="rope", rope_inv_freq=1.0 / 10000.0 ** (torch.arange(0, 128, 2).float() / 128))),
+    (64, 1100, 2, dict(key_center="rope", rope_inv_freq=inv_freq)),
+    (64, 301, 1, dict()),
 ):
     ring = filled(
-        fa.QuantizedKVCache(2, n + 9, 2, d, sink_tokens=16, fp16_window=128, window_bits=4, device="cuda", **opts), n
+        fa.QuantizedKVCache(2, n + 9, hk, d, sink_tokens=16, fp16_window=128, window_bits=4, device="cuda", **opts), n
     )
     for rows in (1, 5):
-        qr = torch.randn(2, rows, 8, d, device="cuda", dtype=torch.float16)
+        qr = torch.randn(2, rows, 4 * hk, d, device="cuda", dtype=torch.float16)
         assert ring.ring_reason(qr) is None
         for splits in (0, 1, 3):
             outs = fa.flash_attn_with_kvcache(qr, ring, causal=True, num_splits=splits)

@@ -164,6 +164,8 @@ __device__ __forceinline__ void split_body(const DecodeParams &p, char *smem, in
     } else {
         bases = KV::bases(p, bc, hk);
     }
+    // (a lap's tiles start at any slot: the whole-tile copies' 16-byte alignment would not hold)
+    if constexpr (kRing) { bases.dense = false; }
     float row_max[NT][2], row_sum[NT][2], row_corr[NT][2];
     float acc[NT][KB][4];
     #pragma unroll
