@@ -492,6 +492,7 @@ __device__ __forceinline__ void advance_lengths(const PackParams &p, bool bad) {
         __threadfence();
         if (bad) { atomicOr(p.tally, kTallyError); }
         tally = atomicAdd(p.tally, 1u) + 1u;
+        __threadfence();  // (the last CTA's length stores after every CTA's reads of start)
     }
     __syncthreads();
     if ((tally & ~kTallyError) != gridDim.x * gridDim.y) return;  // (CTA-uniform)
@@ -505,11 +506,21 @@ __device__ __forceinline__ void advance_lengths(const PackParams &p, bool bad) {
     if (threadIdx.x == 0) { *p.tally = 0u; }
 }
 
+// The first of an append's two pack launches (K's, when K and V take a launch each: the second
+// advances the lengths): an error only marks the tally, so the second launch's last CTA sees it.
+__device__ __forceinline__ void mark_tally_error(const PackParams &p, bool bad) {
+    if (__syncthreads_or(bad) && threadIdx.x == 0) { atomicOr(p.tally, kTallyError); }
+}
+
 template <typename Elem, int kHeadDim, int kBits, Quant kQuant>
 __global__ void __launch_bounds__(128) pack_kv_kernel(const __grid_constant__ PackParams p) {
     pdl_launch_dependents();  // (a decode kernel after it waits for its end: tq_decode_launch.h)
     const bool bad = pack_vectors<Elem, kHeadDim, kBits, kQuant>(p, blockIdx.x, gridDim.x);
-    if (p.lengths != nullptr) { advance_lengths(p, bad); }
+    if (p.lengths != nullptr) {
+        advance_lengths(p, bad);
+    } else if (p.tally != nullptr) {
+        mark_tally_error(p, bad);
+    }
 }
 
 // An append's K and V in one launch (grid.y: 0 K, 1 V): half the launches of a decode step's

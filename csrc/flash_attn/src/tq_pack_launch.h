@@ -87,7 +87,7 @@ void run_pack_pair(const PackParams &k, const PackParams &v, int k_bits, int v_b
     }
     TQ_FOR_EACH_PACKED_CASE(TQ_PACK_PAIR)
 #undef TQ_PACK_PAIR
-    if (!paired) {  // (the length update with the second launch: the first reads start after)
+    if (!paired) {  // (the length update with the second launch, which the first's errors mark)
         PackParams first = k;
         first.lengths = nullptr;
         run_pack<Elem, kHeadDim>(first, k_bits, quant, stream);
