@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdlib>
+#include <map>
 #include <mutex>
 #include <set>
 #include <type_traits>
@@ -13,9 +14,27 @@
 
 namespace flash_tq {
 
+// Whether `kernel`'s code on `device` was compiled for sm_90 or later, so that its griddepcontrol
+// wait exists (a compute_80 PTX JIT-compiled on a newer GPU has none: it must launch plainly). Asked
+// once a (kernel, device): cudaFuncGetAttributes costs host time.
+inline bool has_dependency_wait(const void *kernel, int device) {
+    static std::mutex mutex;
+    static std::map<std::pair<const void *, int>, bool> known;
+    std::lock_guard<std::mutex> lock(mutex);
+    const auto key = std::make_pair(kernel, device);
+    auto it = known.find(key);
+    if (it == known.end()) {
+        cudaFuncAttributes attr = {};
+        const bool sm90 = cudaFuncGetAttributes(&attr, kernel) == cudaSuccess && attr.ptxVersion >= 90;
+        it = known.emplace(key, sm90).first;
+    }
+    return it->second;
+}
+
 // A launch of `kernel`; `dependent`: as a programmatic dependent of the stream's previous kernel
-// (Hopper and later, unless FLASH_ATTN_TQ_PDL=0): it may start as that kernel's last CTAs run, and
-// reads what that kernel writes only after pdl_wait (which returns at once after a plain launch).
+// (Hopper and later, code compiled for them, unless FLASH_ATTN_TQ_PDL=0): it may start as that
+// kernel's last CTAs run, and reads what that kernel writes only after pdl_wait (which returns at
+// once after a plain launch).
 template <typename... Params, typename... Args>
 void launch(void (*kernel)(Params...), dim3 grid, int threads, int smem, cudaStream_t stream, bool dependent,
             const Args &...args) {
@@ -26,14 +45,14 @@ void launch(void (*kernel)(Params...), dim3 grid, int threads, int smem, cudaStr
     config.stream = stream;
     cudaLaunchAttribute attr;
     if (dependent) {
-        int device = 0, major = 0;
+        int device = 0;
         cudaGetDevice(&device);
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
         const char *env = std::getenv("FLASH_ATTN_TQ_PDL");  // (read each launch: an A/B in one process)
         attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
         attr.val.programmaticStreamSerializationAllowed = 1;
         config.attrs = &attr;
-        config.numAttrs = major >= 9 && !(env != nullptr && env[0] == '0') ? 1 : 0;
+        const bool off = env != nullptr && env[0] == '0';
+        config.numAttrs = !off && has_dependency_wait(reinterpret_cast<const void *>(kernel), device) ? 1 : 0;
     }
     cudaLaunchKernelEx(&config, kernel, args...);  // (errors: the caller's launch check)
 }
