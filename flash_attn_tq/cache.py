@@ -121,6 +121,13 @@ def rope_turn(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, 
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
 
 
+def _storages_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory behind ``a`` and ``b`` overlaps: views of one storage, or tensors made over
+    the same memory another way (e.g. DLPack), whose storages begin at different addresses."""
+    sa, sb = a.untyped_storage(), b.untyped_storage()
+    return sa.data_ptr() < sb.data_ptr() + sb.nbytes() and sb.data_ptr() < sa.data_ptr() + sa.nbytes()
+
+
 def _head_major(rows: int, cols: int, heads: int, last: int, dtype: torch.dtype, device) -> torch.Tensor:
     """Zeros shaped ``[rows, cols, heads, last]`` stored as ``[rows, heads, cols, last]``."""
     return torch.zeros(rows, heads, cols, last, dtype=dtype, device=device).permute(0, 2, 1, 3)
@@ -810,14 +817,11 @@ class QuantizedKVCache:
                 k = self.transform_keys(k, rows(), positions=pos if self.rope_center else None)
         if self.health_counters is not None:
             self._observe(k, v, rows())
-        # the kernel also advances seqlens, unless start is a caller's tensor that may share its memory
-        # (a row could be read after another row moved)
+        # the kernel also advances seqlens, unless start is a caller's tensor whose memory may overlap
+        # them (a row could be read after another row moved)
         advance = fused and (
             not isinstance(cache_seqlens, torch.Tensor)
-            or (
-                not torch.compiler.is_compiling()
-                and start.untyped_storage().data_ptr() != self.seqlens.untyped_storage().data_ptr()
-            )
+            or (not torch.compiler.is_compiling() and not _storages_overlap(start, self.seqlens))
         )
         if fused:  # quantize-on-write kernel: slots, range and value checks on the GPU
             flags = torch.zeros(1, dtype=torch.int32, device=self.device) if error_flags is None else error_flags

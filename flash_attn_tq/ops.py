@@ -418,7 +418,8 @@ def pack(
     (rounded to x's dtype), as :meth:`QuantizedKVCache.transform_keys` computes it. With ``v`` (x's
     shape and dtype: the values of the same tokens, x the keys), ``v_codes``/``v_meta``/``v_side``
     receive them as ``codes``/``meta``/``side`` receive x (no RoPE center): one launch for both. With
-    ``lengths`` (int32 ``[rows]``, e.g. the cache's seqlens, which ``start`` may be a view of) and
+    ``lengths`` (int32 ``[rows]``, e.g. the cache's seqlens; ``start`` may overlap them only where
+    ``start[i]`` is ``lengths[batch_idx[i]]`` itself, as for the cache's own counts) and
     ``tally`` (int32 ``[1]``, zero between calls, one per ``lengths``) the launch ends by setting
     ``lengths[batch_idx[i]] = start[i] + n``, unless it met an error (then no length moves). With
     ``ring`` (``{"k_codes", "k_meta", "v_codes", "v_meta"}`` ``[batch rows, R, kv_heads, *]``, a

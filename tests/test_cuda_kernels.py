@@ -652,9 +652,15 @@ def test_append_advances_seqlens_in_the_pack_launch(quantizer, k_bits, v_bits, p
         cache.append(kv(B, 2000), kv(B, 2000))
     bad = kv(B, 1)
     bad[2, 0, 1, 3] = float("nan")
-    with pytest.raises(ValueError, match="NaN"):
-        cache.append(bad, bad)
-    assert cache.seqlens.tolist() == expect
+    for k_new, v_new in ((bad, bad), (bad, kv(B, 1)), (kv(B, 1), bad)):  # (K alone: a launch each, the first)
+        with pytest.raises(ValueError, match="NaN"):
+            cache.append(k_new, v_new)
+        assert cache.seqlens.tolist() == expect
+    over = torch.from_dlpack(cache.seqlens[1:3])  # seqlens' memory through a storage of its own
+    want = [expect[0], expect[1], expect[1] + 7, expect[2] + 7]
+    cache.append(x, x, cache_seqlens=over, batch_idx=torch.tensor([2, 3], device=DEV, dtype=torch.int32))
+    assert cache.seqlens.tolist() == want
+    expect = want
     x = kv(B, 1)
     cache.append(x, x)  # and the count still works after the failed calls
     assert cache.seqlens.tolist() == [n + 1 for n in expect]

@@ -162,7 +162,7 @@ def test_pack_advances_seqlens_unless_start_may_share_them(recorded, monkeypatch
     monkeypatch.setattr(QuantizedKVCache, "pack_reason", lambda self, x: None)
     flags = torch.zeros(1, dtype=torch.int32)
     x = torch.randn(2, 3, 2, 64).half()
-    rows = torch.tensor([3, 1], dtype=torch.int32)
+    rows, later = torch.tensor([3, 1], dtype=torch.int32), torch.tensor([2, 3], dtype=torch.int32)
     for kwargs, kernel, lens in (
         ({}, True, [3, 3, 0, 0]),
         ({"batch_idx": rows}, True, [3, 6, 0, 3]),
@@ -174,6 +174,8 @@ def test_pack_advances_seqlens_unless_start_may_share_them(recorded, monkeypatch
             False,
             [8, 16, 0, 4],
         ),
+        # the same memory through a storage of its own (DLPack), not a view
+        ({"cache_seqlens": torch.from_dlpack(cache.seqlens[1:3]), "batch_idx": later}, False, [8, 16, 19, 3]),
     ):
         recorded.pop("pack_kv", None)
         cache.append(x, x, error_flags=flags, **kwargs)

@@ -718,8 +718,9 @@ void set_pack_side(PackParams &p, const at::Tensor &x, const at::Tensor &side, i
 // tokens (side [batch rows, side_sinks + side_ring + 1, heads, d], x's dtype) and the RoPE center
 // (rope_center [batch rows, heads, d] and rope_inv_freq [d / 2], float32). With v (x's shape: the
 // values of the same tokens, x the keys) v_codes / v_meta / v_side receive v in the same launch.
-// With lengths (int32 [rows]: the cache's seqlens, which start may be) and tally (int32 [1], zero
-// between calls), the launch ends with lengths[row] = start[i] + n, unless it met an error.
+// With lengths (int32 [rows]: the cache's seqlens; start may overlap them only where start[i] is the
+// element lengths[row] itself) and tally (int32 [1], zero between calls), the launch ends with
+// lengths[row] = start[i] + n, unless it met an error.
 void pack_kv(const at::Tensor &x,                            // [tokens, heads, d] fp16/bf16
              const std::optional<at::Tensor> &slot_mapping,  // [tokens] int64
              const std::optional<at::Tensor> &start,         // [batch] int32
