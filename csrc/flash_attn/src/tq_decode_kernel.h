@@ -86,7 +86,7 @@ struct RingLaps {
         const int last = max(n, 1) - 1;
         newest = last % ring;
         base = last - newest;
-        older_tiles = (ring - 1 - newest + tile_n - 1) / tile_n;
+        older_tiles = base > 0 ? (ring - 1 - newest + tile_n - 1) / tile_n : 0;  // (none before the first lap)
     }
     // tile i: its first slot, the end of its lap's slots, the position of slot 0 of its lap
     __device__ void tile(int i, int ring, int tile_n, int &first, int &end, int &lap_base) const {
