@@ -533,6 +533,12 @@ def test_kernel_errors_name_the_argument():
             False,
             0,
         )
+    # V rows of 48 bytes are copied 16 bytes at a time: codes 8 bytes past an alignment are refused
+    shifted = torch.zeros(cache.v_codes.numel() + 8, device=DEV, dtype=torch.uint8)[8:].view(cache.v_codes.shape)
+    with pytest.raises(RuntimeError, match="k_codes/v_codes rows must be aligned"):
+        torch.ops.flash_attn_tq.decode_kvcache(
+            q, cache.k_codes, cache.k_meta, shifted, cache.v_meta, cache.seqlens, None, None, None, 3, 3, 0.1, False, 0
+        )
     with pytest.raises(ValueError, match="NaN"):
         bad = torch.full((1, 1, 2, 128), float("nan"), device=DEV, dtype=torch.float16)
         fa.flash_attn_with_kvcache(q, cache, k=bad, v=bad)

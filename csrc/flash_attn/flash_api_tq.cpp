@@ -386,11 +386,15 @@ void set_packed_store(DecodeParams &p, const at::Tensor &q, const at::Tensor &k_
              "code bytes do not match head_dim and bits");
     TQ_CHECK(k_meta.size(3) == v_meta.size(3) && (k_meta.size(3) == 2 || k_meta.size(3) == 1),
              "k_meta/v_meta must both end in (scale, offset) or both in (scale)");
-    // cp.async copies of whole code rows need their alignment
-    const int chunk = (d * k_bits / 8) % 16 == 0 ? 16 : 8;
-    TQ_CHECK(reinterpret_cast<uintptr_t>(k_codes.data_ptr()) % chunk == 0 &&
-                 reinterpret_cast<uintptr_t>(v_codes.data_ptr()) % 8 == 0,
-             "codes tensors must be aligned");
+    // cp.async copies of whole code rows (16, 8 or 4 bytes a copy, as the row's bytes divide: the
+    // loader's chunk()) need their alignment, at every row a stride reaches
+    for (const auto &[t, row_bytes] : {std::pair<const at::Tensor *, int64_t>{&k_codes, d * k_bits / 8},
+                                       std::pair<const at::Tensor *, int64_t>{&v_codes, d * v_bits / 8}}) {
+        const int64_t chunk = row_bytes % 16 == 0 ? 16 : (row_bytes % 8 == 0 ? 8 : 4);
+        TQ_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % chunk == 0 && t->stride(0) % chunk == 0 &&
+                     t->stride(1) % chunk == 0 && t->stride(2) % chunk == 0,
+                 "k_codes/v_codes rows must be aligned to their copy size (16, 8 or 4 bytes)");
+    }
     for (const at::Tensor *t : {&k_codes, &v_codes, &k_meta, &v_meta}) {
         check_strides_32bit(*t, block_table.has_value());
     }
