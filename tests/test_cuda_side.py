@@ -447,6 +447,22 @@ def test_side_two_head_groups_wide_tiles(center, dtype, bits):
         _check(q[:, :, heads], cache, out[:, :, heads], lse[:, heads], causal=True)
 
 
+def test_side_two_head_groups_wide_tiles_own_splits():
+    """The split heuristic's own counts at a serving shape (8 x 16K, 7 + 1 kv heads, d 64): the 3-bit
+    group on 64-token tiles with fewer splits than the copy head's (whose extra slots it empties),
+    both against float32 attention."""
+    a, b = _pair(8, [16000, 9001, 16000, 12000, 15999, 16000, 14500, 16000], 7, 1, 64, torch.float16, "rope", (3, 3))
+    q = torch.randn(8, 1, 24, 64, device=DEV, dtype=torch.float16)
+    heads_a, heads_b = _layer_heads(7, 1, 1, 3)
+    poison_allocator()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        out, lse = a.attend(q, a.seqlens[:8], None, 64**-0.5, True, num_splits=0, group2=(b, 1))
+    wide = re.compile(r"decode_pair_kernel<.*PackedKV<\d+, \d+, 64, [^<>]*, 64>")
+    assert any(wide.search(e.name) for e in prof.events()), sorted({e.name for e in prof.events()})
+    for cache, heads in ((a, heads_a), (b, heads_b)):
+        _check(q[:, :, heads], cache, out[:, :, heads], lse[:, heads], causal=True)
+
+
 def test_side_two_head_groups_reasons():
     """What one launch for two head groups does not take, said by pair_reason (those calls run a launch a group)."""
     a, b = _pair(2, [300, 40], 2, 1, 64, torch.float16, "rope", (3, 3))
