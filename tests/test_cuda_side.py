@@ -273,20 +273,24 @@ def test_side_with_window_codes():
 
 
 RING_CASES = [
-    # batch, seqlens (below, at and past sinks + ring: the ring wraps), kv heads, GQA group, seqlen_q
-    (3, [40, 80, 600], 2, 4, 1),
-    (2, [17, 1500], 1, 3, 1),  # SmolLM2's group; a row that holds the sinks alone
-    (2, [90, 700], 2, 4, 5),  # causal chunk of 5: rows see different ring slots
-    (1, [3000], 2, 8, 3),  # 24 rows a kv head: two row tiles a CTA
+    # batch, seqlens (below, at and past sinks + ring: the ring wraps), kv heads, GQA group, seqlen_q,
+    # code splits (0: the heuristic's)
+    (3, [40, 80, 600], 2, 4, 1, 0),
+    (2, [17, 1500], 1, 3, 1, 0),  # SmolLM2's group; a row that holds the sinks alone
+    (2, [90, 700], 2, 4, 5, 0),  # causal chunk of 5: rows see different ring slots
+    (1, [3000], 2, 8, 3, 0),  # 24 rows a kv head: two row tiles a CTA
+    (2, [1100, 1500], 2, 4, 1, 1),  # one code split of 1024+ keys: 64-token code tiles at head_dim 64
 ]
 
 
-@pytest.mark.parametrize("batch,seqlens,hk,group,seqlen_q", RING_CASES)
+@pytest.mark.parametrize("batch,seqlens,hk,group,seqlen_q,splits", RING_CASES)
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("bits", [(3, 3), (4, 3)])
 @pytest.mark.parametrize("center", [False, "rope"])
-def test_ring_of_window_codes_in_the_launch(batch, seqlens, hk, group, seqlen_q, d, dtype, bits, center, monkeypatch):
+def test_ring_of_window_codes_in_the_launch(
+    batch, seqlens, hk, group, seqlen_q, splits, d, dtype, bits, center, monkeypatch
+):
     """window_bits=4 (NO_FP16_WINDOW's form): the ring of 4-bit window codes attended by the decode
     launch itself (no pass of its own), beside the codes and the sinks' side, against float32 over
     the dequantized cache."""
@@ -309,13 +313,18 @@ def test_ring_of_window_codes_in_the_launch(batch, seqlens, hk, group, seqlen_q,
     q = torch.randn(batch, seqlen_q, hk * group, d, device=DEV, dtype=dtype)
     poison_allocator()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        out, lse = fa.flash_attn_with_kvcache(q, cache, causal=True, return_softmax_lse=True)
+        out, lse = fa.flash_attn_with_kvcache(q, cache, causal=True, num_splits=splits, return_softmax_lse=True)
     assert fa.last_path() == "quantized:fused-cuda"
     kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     assert any("decode_ring_kernel" in k for k in kernels), sorted(set(kernels))
+    if splits == 1 and d == 64:  # (wide_tiles in tq_decode_launch.h)
+        wide = re.compile(r"decode_ring_kernel<.*PackedKV<\d+, \d+, 64, [^<>]*, 64>")
+        assert any(wide.search(k) for k in kernels), sorted(set(kernels))
     _check(q, cache, out, lse, causal=True)
     rows = torch.tensor([batch - 1], dtype=torch.int32, device=DEV)  # a picked row (cache_batch_idx)
-    out, lse = fa.flash_attn_with_kvcache(q[:1], cache, cache_batch_idx=rows, causal=True, return_softmax_lse=True)
+    out, lse = fa.flash_attn_with_kvcache(
+        q[:1], cache, cache_batch_idx=rows, causal=True, num_splits=splits, return_softmax_lse=True
+    )
     _check(q[:1], cache, out, lse, causal=True, rows=rows)
 
 
