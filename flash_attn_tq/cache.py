@@ -316,6 +316,8 @@ class QuantizedKVCache:
                 raise ValueError(f"{name} must be one of {fmt.SUPPORTED_BITS}, got {val}")
         if window_bits not in (*fmt.SUPPORTED_BITS, 16):
             raise ValueError(f"window_bits must be one of {fmt.SUPPORTED_BITS} or 16, got {window_bits}")
+        if window_bits != 16 and not fp16_window:
+            raise ValueError(f"window_bits={window_bits} sets the width of the recent window: give fp16_window > 0 too")
         self.batch_size, self.max_seqlen = int(batch_size), int(max_seqlen)
         self.num_kv_heads, self.head_dim = int(num_kv_heads), int(head_dim)
         self.k_bits, self.v_bits, self.quantizer, self.grid = k_bits, v_bits, quantizer, grid

@@ -533,6 +533,8 @@ def test_bad_construction():
         QuantizedKVCache(1, 8, 1, 64, fp16_window=-1)
     with pytest.raises(ValueError, match="window_bits"):
         QuantizedKVCache(1, 8, 1, 64, fp16_window=4, window_bits=5)
+    with pytest.raises(ValueError, match="window_bits=4 sets the width of the recent window"):
+        QuantizedKVCache(1, 8, 1, 64, window_bits=4)  # (without a window it would change nothing)
     with pytest.raises(ValueError, match="8-bit codes use the uniform grid"):
         QuantizedKVCache(1, 8, 1, 64, k_bits=8, grid="lloyd_max")
     with pytest.raises(ValueError, match="page_size"):
