@@ -444,12 +444,20 @@ def test_side_two_head_groups_one_launch(batch, seqlens, hk1, hk2, at, group, se
 def test_side_two_head_groups_wide_tiles(center, dtype, bits):
     """head_dim 64 over 1024+ keys a code split: the one launch takes the 3/4-bit group's 64-token
     tiles (seen by the profiler), both groups against float32 attention over their caches."""
-    a, b = _pair(2, [1100, 3001], 2, 1, 64, dtype, center, bits)
-    q = torch.randn(2, 1, 12, 64, device=DEV, dtype=dtype)
-    heads_a, heads_b = _layer_heads(2, 1, 1, 4)
+    _check_pair_on_wide_tiles(_pair(2, [1100, 3001], 2, 1, 64, dtype, center, bits), 2, 1, 4, num_splits=2)
+
+
+def _check_pair_on_wide_tiles(pair, hk_a, hk_b, group, num_splits):
+    """One launch of the pair (caches a, b: hk_a + hk_b kv heads, b's from kv head 1, head_dim 64) runs
+    the 3/4-bit group on 64-token tiles (seen by the profiler); both groups against float32 attention
+    over their caches."""
+    a, b = pair
+    batch = a.batch_size
+    q = torch.randn(batch, 1, (hk_a + hk_b) * group, 64, device=DEV, dtype=a.dtype)
+    heads_a, heads_b = _layer_heads(hk_a, hk_b, 1, group)
     poison_allocator()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        out, lse = a.attend(q, a.seqlens[:2], None, 64**-0.5, True, num_splits=2, group2=(b, 1))
+        out, lse = a.attend(q, a.seqlens[:batch], None, 64**-0.5, True, num_splits=num_splits, group2=(b, 1))
     wide = re.compile(r"decode_pair_kernel<.*PackedKV<\d+, \d+, 64, [^<>]*, 64>")
     assert any(wide.search(e.name) for e in prof.events()), sorted({e.name for e in prof.events()})
     for cache, heads in ((a, heads_a), (b, heads_b)):
@@ -460,16 +468,8 @@ def test_side_two_head_groups_wide_tiles_own_splits():
     """The split heuristic's own counts at a serving shape (8 x 16K, 7 + 1 kv heads, d 64): the 3-bit
     group on 64-token tiles with fewer splits than the copy head's (whose extra slots it empties),
     both against float32 attention."""
-    a, b = _pair(8, [16000, 9001, 16000, 12000, 15999, 16000, 14500, 16000], 7, 1, 64, torch.float16, "rope", (3, 3))
-    q = torch.randn(8, 1, 24, 64, device=DEV, dtype=torch.float16)
-    heads_a, heads_b = _layer_heads(7, 1, 1, 3)
-    poison_allocator()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        out, lse = a.attend(q, a.seqlens[:8], None, 64**-0.5, True, num_splits=0, group2=(b, 1))
-    wide = re.compile(r"decode_pair_kernel<.*PackedKV<\d+, \d+, 64, [^<>]*, 64>")
-    assert any(wide.search(e.name) for e in prof.events()), sorted({e.name for e in prof.events()})
-    for cache, heads in ((a, heads_a), (b, heads_b)):
-        _check(q[:, :, heads], cache, out[:, :, heads], lse[:, heads], causal=True)
+    lens = [16000, 9001, 16000, 12000, 15999, 16000, 14500, 16000]
+    _check_pair_on_wide_tiles(_pair(8, lens, 7, 1, 64, torch.float16, "rope", (3, 3)), 7, 1, 3, num_splits=0)
 
 
 def test_side_two_head_groups_reasons():
