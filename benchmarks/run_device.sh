@@ -15,7 +15,7 @@ MAX_JOBS=16 python3 setup.py -q build_ext --inplace > "$OUT/build.log" 2>&1 || {
 echo "build: $((SECONDS - t0)) s"
 if [ "$what" = tests ] || [ "$what" = all ]; then
   t0=$SECONDS
-  python3 -m pytest tests -m gpu -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
+  bash benchmarks/gpu_tests.sh "$OUT" ${GPU_TEST_SHARDS:-4}
   echo "gpu tests: $((SECONDS - t0)) s"
   for tool in memcheck racecheck; do
     compute-sanitizer --tool $tool --print-limit 20 python3 benchmarks/sanitize_case.py > "$OUT/sanitizer_$tool.log" 2>&1
