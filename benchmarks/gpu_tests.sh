@@ -2,6 +2,7 @@
 # The GPU tests in N pytest processes side by side on one GPU (the suite is mostly host-bound: its
 # float32 references run on the CPU), each test id in one shard, dealt round-robin.
 #   bash benchmarks/gpu_tests.sh OUT [N=4]   -> OUT/gpu_tests.log (the shards' logs, then the totals)
+#   GPU_TESTS_TIMEOUT=seconds stops each shard there (its log then ends without pytest's summary)
 set -uo pipefail
 out=$1
 shards=${2:-4}
@@ -11,7 +12,7 @@ awk -v n="$shards" -v d="$dir" '{ print > (d "/shard" (NR - 1) % n) }' "$dir/ids
 for ((i = 0; i < shards; i++)); do
   [ -s "$dir/shard$i" ] || continue
   mapfile -t ids < "$dir/shard$i"
-  python3 -m pytest -q -rs -p no:cacheprovider --durations=5 "${ids[@]}" > "$dir/log$i" 2>&1 &
+  timeout "${GPU_TESTS_TIMEOUT:-0}" python3 -m pytest -q -rs -p no:cacheprovider --durations=5 "${ids[@]}" > "$dir/log$i" 2>&1 &
 done
 wait
 {
