@@ -116,4 +116,11 @@ for d, n, hk, opts in (
             outs = fa.flash_attn_with_kvcache(qr, ring, causal=True, num_splits=splits)
 torch.cuda.synchronize()
 assert torch.isfinite(outs).all()
+# cache_batch_idx past the cache's rows: NaN rows, no read past the cache (decode and prefill rows)
+side = filled(fa.QuantizedKVCache(2, 400, 2, 64, **rope), 300)
+for rows in (1, 70):
+    qb = torch.randn(2, rows, 8, 64, device="cuda", dtype=torch.float16)
+    outs = fa.flash_attn_with_kvcache(qb, side, cache_batch_idx=torch.tensor([1, 9], device="cuda", dtype=torch.int32))
+    torch.cuda.synchronize()
+    assert torch.isfinite(outs[0]).all() and torch.isnan(outs[1]).all()
 print("sanitize case done:", fa.last_path())

@@ -172,7 +172,8 @@ def window_attention(q, cache: "QuantizedKVCache", bidx, lens, softmax_scale, ca
     seqlen_q positions, bottom-right aligned with the window's newest key. Returns (out, lse) with
     lse -inf for rows without keys."""
     R, Sq = cache.fp16_window, q.shape[1]
-    rows = slice(0, q.shape[0]) if bidx is None else bidx.long()  # (a slice: no copy of the whole window)
+    # (a slice: no copy of the whole window; an index is clamped as QuantizedKVCache._per_row does)
+    rows = slice(0, q.shape[0]) if bidx is None else bidx.long().clamp(0, cache.batch_size - 1)
     kw, vw = cache.window_kv(rows)  # ring order: attention does not care, the mask does
     n = lens.long().unsqueeze(1)
     age = (n - 1 - torch.arange(R, device=q.device)) % R  # [B, R]: 0 = the newest token's slot
@@ -637,7 +638,9 @@ class QuantizedKVCache:
         slice, no gather)."""
         if batch_idx is None:
             return table if batch == table.shape[0] else table[:batch]  # (a slice is a host op a call)
-        return table[batch_idx.to(self.device).long()]
+        # (clamped: a GPU index is not checked without a sync; the kernels turn the rows of one outside
+        # the cache to NaN)
+        return table[batch_idx.to(self.device).long().clamp(0, table.shape[0] - 1)]
 
     # ------------------------------------------------------------------ writing
     def _slots(self, batch_idx: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

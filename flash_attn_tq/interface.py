@@ -618,11 +618,14 @@ def _quantized_kvcache(
     _check_rotary(rotary_cos, rotary_sin, k, q.shape[3], device)
     if cache_batch_idx is not None:
         bidx = cache_batch_idx.to(device)
+        # A GPU index is not checked (that would sync): the gathers here clamp it, and the rows of an
+        # index outside the cache come out NaN (the kernels, and the reference path below).
+        rows = bidx.long().clamp(0, cache.batch_size - 1)
     else:  # rows 0..batch-1: slices of the per-row tables, no index tensor
-        bidx = None
+        bidx = rows = None
     if cache_seqlens is None:
         if cache_batch_idx is not None:
-            start = cache.seqlens[bidx.long()]
+            start = cache.seqlens[rows]
         else:  # a view (no kernel): an append reads the counts, then advances them in place
             start = cache.seqlens[:batch]
     elif isinstance(cache_seqlens, int):
@@ -686,8 +689,7 @@ def _quantized_kvcache(
         )
     else:
         _took(f"quantized:reference ({reason})")
-        rows = bidx.long() if bidx is not None else torch.arange(batch, device=device)
-        k_deq, v_deq = cache.dequantize(rows)
+        k_deq, v_deq = cache.dequantize(rows if rows is not None else torch.arange(batch, device=device))
         out, lse = baseline.attention_reference(
             q,
             k_deq,
@@ -701,4 +703,8 @@ def _quantized_kvcache(
             key_start=cache_leftpad,
         )
         out = out.to(q.dtype)
+        if bidx is not None:
+            outside = (bidx < 0) | (bidx >= cache.batch_size)
+            out = out.masked_fill(outside.view(-1, 1, 1, 1), math.nan)
+            lse = lse.masked_fill(outside.view(-1, 1, 1), math.nan)
     return (out, lse) if return_softmax_lse else out

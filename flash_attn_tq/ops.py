@@ -367,7 +367,7 @@ def pack_reason(x: torch.Tensor, head_dim: int, quantizer: str, grid: str, fit: 
 
 
 PACK_ERRORS = {
-    1: "contains NaN or Inf: a quantized cache cannot store them",
+    1: "contains NaN or Inf, or values beyond float16's range: a quantized cache cannot store them",
     2: "cache overflow: a new token's position is outside [0, max_seqlen)",
     4: "batch_idx holds an index outside [0, batch_size)",
     8: "block_table maps a new token to a page outside the cache",

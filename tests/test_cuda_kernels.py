@@ -672,6 +672,24 @@ def test_append_advances_seqlens_in_the_pack_launch(quantizer, k_bits, v_bits, p
     assert cache.seqlens.tolist() == [n + 1 for n in expect]
 
 
+@pytest.mark.parametrize("quantizer", ["turbo", "turbo-scale", "asym"])
+def test_pack_kernel_refuses_scales_beyond_float16(quantizer):
+    """bfloat16 keys or values beyond float16's range would need scales that the float16 metadata
+    cannot hold: the pack kernel refuses them as it refuses NaN (ValueError naming the problem,
+    seqlens unchanged), and accepts large vectors it can store."""
+    cache, _, _ = _make_cache(2, [10, 20], 2, 128, quantizer=quantizer, dtype=torch.bfloat16, seed=3, max_seqlen=64)
+    x = torch.randn(2, 3, 2, 128, device=DEV, dtype=torch.bfloat16)
+    huge = x.clone()
+    huge[1, 1, 0] *= 1e6
+    for k_new, v_new in ((huge, x), (x, huge)):
+        with pytest.raises(ValueError, match="float16"):
+            cache.append(k_new, v_new)
+        assert cache.seqlens.tolist() == [10, 20]
+    cache.append(x * 1000, x * 1000)
+    assert cache.seqlens.tolist() == [13, 23]
+    assert torch.isfinite(cache.k_meta.float()).all() and torch.isfinite(cache.v_meta.float()).all()
+
+
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -113,6 +113,21 @@ def test_kv16_through_flash_attn_with_kvcache(monkeypatch):
         )
         torch.testing.assert_close(out.float(), ref_out.float(), atol=2e-2, rtol=0)
         torch.testing.assert_close(lse, ref_lse.float(), atol=1e-3, rtol=0)
+    # an index past the cache's rows (not checked on the GPU: that would sync) gives a NaN row, the
+    # other rows as before
+    out, lse = fa.flash_attn_with_kvcache(
+        q,
+        k,
+        v,
+        cache_seqlens=123,
+        cache_batch_idx=torch.tensor([3, 4], dtype=torch.int32, device=DEV),
+        return_softmax_lse=True,
+    )
+    good, good_lse = fa.flash_attn_with_kvcache(
+        q, k, v, cache_seqlens=123, cache_batch_idx=bidx, return_softmax_lse=True
+    )
+    assert torch.isnan(out[1]).all() and torch.isnan(lse[1]).all()
+    assert torch.equal(out[0], good[0]) and torch.equal(lse[0], good_lse[0])
     # what the kernel cannot do goes to the PyTorch baseline
     fa.flash_attn_with_kvcache(q, k, v, cache_seqlens=10, cache_batch_idx=bidx, softcap=20.0)
     assert fa.last_path() == "baseline:torch"

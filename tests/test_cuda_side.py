@@ -262,6 +262,34 @@ def test_side_paged_batch_idx(page_size):
     _check(q, cache, out, lse, causal=True, rows=rows)
 
 
+@pytest.mark.parametrize(
+    "seqlen_q,num_splits,alibi",
+    [(1, 0, False), (1, 1, False), (1, 3, False), (130, 0, False), (1, 0, True)],  # decode, prefill, reference
+)
+@pytest.mark.parametrize("page_size", [None, 32])
+def test_cache_batch_idx_past_the_rows_gives_nan_rows(seqlen_q, num_splits, alibi, page_size):
+    """A cache_batch_idx entry outside the cache's rows (a GPU tensor, not checked: that would sync)
+    gives NaN output rows and lse, never a read past the cache; the other entries come out as with
+    valid indices."""
+    cache = _cache(3, [300, 40, 900], 2, 128, sinks=16, window=112, center="rope", page_size=page_size)
+    q = torch.randn(3, seqlen_q, 8, 128, device=DEV, dtype=torch.float16)
+    extra = dict(alibi_slopes=torch.full((8,), 0.01, device=DEV)) if alibi else {}
+
+    def call(rows):
+        idx = torch.tensor(rows, dtype=torch.int32, device=DEV)
+        return fa.flash_attn_with_kvcache(
+            q, cache, cache_batch_idx=idx, causal=True, num_splits=num_splits, return_softmax_lse=True, **extra
+        )
+
+    good, good_lse = call([2, 0, 1])
+    poison_allocator()
+    out, lse = call([2, 3, -1])
+    path = fa.last_path()
+    assert path.startswith("quantized:reference") if alibi else path == "quantized:fused-cuda", path
+    assert torch.isnan(out[1:]).all() and torch.isnan(lse[1:]).all()
+    assert torch.equal(out[0], good[0]) and torch.equal(lse[0], good_lse[0])
+
+
 def test_side_with_window_codes():
     """window_bits=4 (the no-16-bit-window setting): the sinks in the kernel's side pass, the 4-bit
     window in its own pass, the codes up to the window."""

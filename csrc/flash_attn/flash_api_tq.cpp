@@ -233,6 +233,8 @@ std::tuple<at::Tensor, at::Tensor> run_decode_op(
         p.rot_signs = rot_signs->data_ptr<float>();
     }
     p.max_seqlen_k = max_seqlen_k;
+    // the rows cache_batch_idx may name; the kernels read row 0 for others and write NaN rows (cache_row)
+    p.cache_rows = block_table.has_value() ? block_table->size(0) : k_store.size(0);
     p.b = b;
     p.seqlen_q = seqlen_q;
     p.h = h;

@@ -113,7 +113,8 @@ __device__ __forceinline__ void split_body(const DecodeParams &p, char *smem, in
     const int warp = __shfl_sync(0xffffffffu, threadIdx.x / 32, 0), lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
     const int b = bh / p.h_k, hk = bh % p.h_k, row0 = blockIdx.z * kRows;
     const int group = p.h_h_k_ratio, total_rows = group * p.seqlen_q;
-    const int bc = p.cache_batch_idx != nullptr ? p.cache_batch_idx[b] : b;
+    const CacheRow entry = cache_row(p, b);
+    const int bc = entry.row;
     const int seqlen_all = max(0, min(p.seqlens_k[b], p.max_seqlen_k));  // never read past the cache
     // keys the tiles cover: the side's slots, the ring's (side_ring of the ring's params), or the codes'
     // keys before the tail
@@ -245,7 +246,6 @@ __device__ __forceinline__ void split_body(const DecodeParams &p, char *smem, in
         if (s < my_count) { load(s, s); }
         cp_async_commit();
     }
-
     int load_stage = kStages - 1, compute_stage = 0;
     typename Rope::State rope_state;
     float rope_next[kRope ? MT : 1][4];  // paired: the next tile's term
@@ -306,11 +306,11 @@ __device__ __forceinline__ void split_body(const DecodeParams &p, char *smem, in
                 for (int j = 0; j < 4; ++j) {
                     const float2 f = j < 2 ? f0 : f1;
                     const int key = kSlots ? (j < 2 ? pos0 : pos1) : tile_start + (j < 2 ? t0 : t1);
-                    float v = sc[mt][nt][j] * p.scale_softmax_log2;
+                    float v = sc[mt][nt][j] * entry.scale_log2;
                     if constexpr (KV::kAffine) {
                         v = f.x * (sc[mt][nt][j] - magicq[nt][j & 1]) + f.y * sumq[nt][j & 1];
                         if constexpr (kRope) { v += rope_bias[mt][nt][j]; }
-                        v *= p.scale_softmax_log2;
+                        v *= entry.scale_log2;
                     }
                     sc[mt][nt][j] = key < lim[nt][j & 1] && (!kSlots || key >= 0) ? v : kNegInf;
                 }
@@ -486,7 +486,7 @@ __device__ __forceinline__ void split_body(const DecodeParams &p, char *smem, in
             float sum = 0.f;
             #pragma unroll
             for (int w = 0; w < kWarps; ++w) { sum += sm_o[(w * kRows + n) * D + lane * kV + k] * wt[w]; }
-            o[k] = total > 0.f ? sum / total : 0.f;
+            o[k] = total != 0.f ? sum / total : 0.f;  // (NaN stays NaN)
         }
         if (kSide && p.rot_signs != nullptr) { rotate_row<D>(p.rot_signs, o, lane); }  // into the codes' domain
         store_row<Elem, D>(p, b, hk, split, r, o, use, total, lane);
@@ -598,12 +598,12 @@ __device__ __forceinline__ void write_merged_row(const DecodeParams &p, int64_t 
                                                  float total, float use, int lane) {
     constexpr int kV = kHeadDim / 32;
     #pragma unroll
-    for (int k = 0; k < kV; ++k) { o[k] = total > 0.f ? o[k] / total : 0.f; }
+    for (int k = 0; k < kV; ++k) { o[k] = total != 0.f ? o[k] / total : 0.f; }
     if (p.rot_signs != nullptr) { unrotate_row<kHeadDim>(p.rot_signs, o, lane); }
     const int i = row % p.seqlen_q, hq = (row / p.seqlen_q) % p.h, b = row / (static_cast<int64_t>(p.seqlen_q) * p.h);
     Elem *out = reinterpret_cast<Elem *>(p.out) + b * p.o_batch_stride + i * p.o_row_stride + hq * p.o_head_stride;
     store_row_part<Elem, kV>(out + lane * kV, o);
-    if (lane == 0) { p.softmax_lse[row] = total > 0.f ? use + logf(total) : INFINITY; }
+    if (lane == 0) { p.softmax_lse[row] = total != 0.f ? use + logf(total) : INFINITY; }
 }
 
 template <int kV>
@@ -649,9 +649,13 @@ __global__ void __launch_bounds__(128) decode_combine_kernel(const DecodeParams 
             }
         }
         float cmx = mx;
+        bool nan = false;  // a NaN row (cache_row) stays NaN: fmaxf alone would skip its splits
         #pragma unroll
-        for (int i = 0; i < kChunk; ++i) { cmx = fmaxf(cmx, lse[i]); }
-        if (cmx == -INFINITY) continue;  // (warp-uniform)
+        for (int i = 0; i < kChunk; ++i) {
+            cmx = fmaxf(cmx, lse[i]);
+            nan |= lse[i] != lse[i];
+        }
+        if (cmx == -INFINITY && !nan) continue;  // (warp-uniform)
         const float rescale = __expf(mx - cmx);  // (0 while mx is -inf)
         total *= rescale;
         #pragma unroll

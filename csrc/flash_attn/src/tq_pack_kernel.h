@@ -412,6 +412,9 @@ __device__ __forceinline__ bool pack_vectors(const PackParams &p, int block, int
             }
         }
 
+        // the meta words are float16: a scale or offset past its range (a bf16 / fp32 vector that large)
+        // would be stored as Inf, so such a vector is refused like a non-finite one (65520 rounds to Inf)
+        finite = finite && fabsf(scale_out) < 65520.f && fabsf(offset_out) < 65520.f;
         if (!finite) {  // a quantized cache cannot hold it: flag the call, write nothing
             if (store && s == 0 && p.error_flags != nullptr) { atomicOr(p.error_flags, kPackNonFinite); }
             bad |= store;

@@ -34,6 +34,7 @@ struct DecodeParams {
     const int *seqlens_k;        // [batch]: attend over keys [0, min(seqlens_k[b], max_seqlen_k))
     int max_seqlen_k;            // cache capacity a sequence (cols, or max_blocks * page size)
     const int *cache_batch_idx;  // [batch] or nullptr: cache row of each batch entry
+    int cache_rows;              // rows cache_batch_idx may name: [0, cache_rows) (cache_row, tq_rows.h)
     const int *block_table;      // [batch, max_blocks] or nullptr
     int64_t block_table_batch_stride;
     int page_block_size, page_block_shift;  // a power of two and its log2

@@ -53,7 +53,8 @@ __device__ __forceinline__ void prefill_split_body(const DecodeParams &p) {
     const int split = blockIdx.x, b = blockIdx.y / p.h_k, hk = blockIdx.y % p.h_k;
     const int row0 = (gridDim.z - 1 - blockIdx.z) * T::kRows;
     const int total_rows = p.h_h_k_ratio * p.seqlen_q, wrow0 = row0 + WR * warp;
-    const int bc = p.cache_batch_idx != nullptr ? p.cache_batch_idx[b] : b;
+    const CacheRow entry = cache_row(p, b);
+    const int bc = entry.row;
     const int seqlen_k = max(0, min(p.seqlens_k[b], p.max_seqlen_k));
     const int key_start = kLocal && p.leftpad_k != nullptr ? max(0, p.leftpad_k[b]) : 0;
     // The codes' keys [side_sinks, seqlen_k - codes_tail) with a 16-bit side (its sinks and ring are
@@ -224,7 +225,7 @@ __device__ __forceinline__ void prefill_split_body(const DecodeParams &p) {
     }
     cp_async_wait<1>();
     __syncthreads();
-    if (n_mine > 0) { expand_tile<T>(packed, frags, p.scale_softmax_log2, tid, tabs, center_norm); }
+    if (n_mine > 0) { expand_tile<T>(packed, frags, entry.scale_log2, tid, tabs, center_norm); }
     // Warps 0-3 expand before their tile's MMAs, warps 4-7 after: each scheduler (warp % 4) holds
     // one of each, so one runs integer work while the other keeps its tensor core busy.
     const bool expand_first = warp < T::kNWarps / 2;
@@ -239,7 +240,7 @@ __device__ __forceinline__ void prefill_split_body(const DecodeParams &p) {
         auto expand_next = [&]() {
             if (it + 1 < n_mine) {
                 expand_tile<T>(packed + ((it + 1) % T::kPackedStages) * T::kPackedBytes,
-                               frags + ((it + 1) % T::kFragBuffers) * T::kFragBytes, p.scale_softmax_log2, tid,
+                               frags + ((it + 1) % T::kFragBuffers) * T::kFragBytes, entry.scale_log2, tid,
                                tabs + ((it + 1) % 2) * T::kTabStageBytes, center_norm);
             }
         };
@@ -339,15 +340,15 @@ __device__ __forceinline__ void prefill_split_body(const DecodeParams &p) {
                     }
                 }
             }
-            float total = row_sum[m][h], inv = total > 0.f ? 1.f / total : 0.f;
+            float total = row_sum[m][h], inv = total != 0.f ? 1.f / total : 0.f;  // (NaN stays NaN)
             float lse = row_lse(row_max[m][h] == kNegInf ? 0.f : row_max[m][h], total);
             const int i = r / group, hq = query_head(p, hk, r);
             if (p.side_first && r < total_rows) {  // o = (w o + w_side o_side) / (w + w_side), in the codes' domain
                 const int64_t side_row = ((static_cast<int64_t>(p.num_splits - 1) * p.b + b) * p.h + hq) * p.seqlen_q + i;
                 const float lse_side = p.lse_accum[side_row], mx = fmaxf(lse, lse_side);
                 const float w = mx == kNegInf ? 0.f : __expf(lse - mx), w_side = mx == kNegInf ? 0.f : __expf(lse_side - mx);
-                const float sum = w + w_side, f_side = sum > 0.f ? w_side / sum : 0.f;
-                inv *= sum > 0.f ? w / sum : 0.f;
+                const float sum = w + w_side, f_side = sum != 0.f ? w_side / sum : 0.f;
+                inv *= sum != 0.f ? w / sum : 0.f;
                 #pragma unroll
                 for (int j = 0; j < DJ; ++j) {
                     const float2 o = *reinterpret_cast<const float2 *>(p.out_accum + side_row * D + 8 * j + 2 * c);
@@ -356,7 +357,7 @@ __device__ __forceinline__ void prefill_split_body(const DecodeParams &p) {
                 }
                 inv = 1.f;
                 total = sum;  // (> 0 when either part has keys: the lse below)
-                lse = sum > 0.f ? mx + __logf(sum) : kNegInf;
+                lse = sum != 0.f ? mx + __logf(sum) : kNegInf;
             }
             if (unrotate) { fwht_quad_rows<D, 1>(x, lane); }
             #pragma unroll
@@ -380,7 +381,8 @@ __device__ __forceinline__ void prefill_split_body(const DecodeParams &p) {
                     }
                 }
                 if (c == 0 && r < total_rows) {
-                    p.softmax_lse[(static_cast<int64_t>(b) * p.h + hq) * p.seqlen_q + i] = total > 0.f ? lse : INFINITY;
+                    p.softmax_lse[(static_cast<int64_t>(b) * p.h + hq) * p.seqlen_q + i] =
+                        total != 0.f ? lse : INFINITY;
                 }
             } else if (r < total_rows) {
                 const int64_t row_id = ((static_cast<int64_t>(split) * p.b + b) * p.h + hq) * p.seqlen_q + i;

@@ -36,6 +36,20 @@ __device__ __forceinline__ int key_first(const DecodeParams &p, int seqlen_k, in
     return max(key_start, seqlen_k - p.seqlen_q + r / p.h_h_k_ratio - p.window_left);
 }
 
+// The cache row of batch entry b (cache_batch_idx[b], or b) and the base-2 score scale of its rows.
+// A GPU index cannot be checked without a host sync, so an entry outside [0, cache_rows) reads row 0
+// (never memory past the cache) with a NaN scale: its rows come out NaN (the stores below keep NaN).
+struct CacheRow {
+    int row;
+    float scale_log2;
+};
+__device__ __forceinline__ CacheRow cache_row(const DecodeParams &p, int b) {
+    if (p.cache_batch_idx == nullptr) return {b, p.scale_softmax_log2};
+    const int bc = p.cache_batch_idx[b];
+    const bool named = bc >= 0 && bc < p.cache_rows;
+    return {named ? bc : 0, named ? p.scale_softmax_log2 : __int_as_float(0x7fc00000)};
+}
+
 // Position of side slot t in a sequence of n keys (see DecodeParams::side_k), or -1 when the slot
 // holds no key that pass attends: a sink beyond n, a ring slot not yet written or holding a sink.
 __device__ __forceinline__ int side_position(const DecodeParams &p, int t, int n) {
@@ -108,7 +122,7 @@ __device__ void rotate_q_rows(const DecodeParams &p, int b, int hk, int row0, in
 // (the split accumulators' convention; the output's lse is +inf there, as upstream writes).
 __device__ __forceinline__ float row_lse(float max_log2, float total) {
     constexpr float kLn2 = 0.6931471805599453f;
-    return total > 0.f ? (max_log2 + log2f(total)) * kLn2 : -INFINITY;
+    return total != 0.f ? (max_log2 + log2f(total)) * kLn2 : -INFINITY;  // (NaN stays NaN)
 }
 
 // The prefill kernel's rotation: the same rows, a lane quad a row (fwht_quad_rows), 8 x kBatch rows
@@ -229,7 +243,7 @@ __device__ __forceinline__ void store_row(const DecodeParams &p, int b, int hk, 
         if (p.rot_signs != nullptr) { unrotate_row<D>(p.rot_signs, o, lane); }
         store_row_part<Elem, kV>(out_row_ptr<Elem>(p, b, hk, r) + lane * kV, o);
         if (lane == 0) {
-            p.softmax_lse[(static_cast<int64_t>(b) * p.h + hq) * p.seqlen_q + i] = total > 0.f ? lse : INFINITY;
+            p.softmax_lse[(static_cast<int64_t>(b) * p.h + hq) * p.seqlen_q + i] = total != 0.f ? lse : INFINITY;
         }
     } else {
         const int64_t row_id = ((static_cast<int64_t>(split) * p.b + b) * p.h + hq) * p.seqlen_q + i;

@@ -44,7 +44,8 @@ __global__ void __launch_bounds__(T::kNThreads) side_rows_kernel(const DecodePar
     const int b = blockIdx.y / p.h_k, hk = blockIdx.y % p.h_k;
     const int group = p.h_h_k_ratio, total_rows = group * p.seqlen_q;
     const int row0 = blockIdx.x * T::kRows, wrow0 = row0 + 16 * warp;
-    const int bc = p.cache_batch_idx != nullptr ? p.cache_batch_idx[b] : b;
+    const CacheRow entry = cache_row(p, b);
+    const int bc = entry.row;
     const int seqlen_all = max(0, min(p.seqlens_k[b], p.max_seqlen_k));
 
     // the slots the CTA's rows can see: the sinks, and the ring when its last row reaches the ring's first key
@@ -121,7 +122,7 @@ __global__ void __launch_bounds__(T::kNThreads) side_rows_kernel(const DecodePar
                 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     float &v = s[nt][2 * h + e];
-                    v = pos >= 0 && pos < lim[h] ? v * p.scale_softmax_log2 : kNegInf;
+                    v = pos >= 0 && pos < lim[h] ? v * entry.scale_log2 : kNegInf;
                     mx[h] = fmaxf(mx[h], v);
                 }
             }
@@ -171,7 +172,7 @@ __global__ void __launch_bounds__(T::kNThreads) side_rows_kernel(const DecodePar
     for (int h = 0; h < 2; ++h) {
         total[h] = row_sum[h] + __shfl_xor_sync(0xffffffffu, row_sum[h], 1);
         total[h] += __shfl_xor_sync(0xffffffffu, total[h], 2);
-        const float inv = total[h] > 0.f ? 1.f / total[h] : 0.f;
+        const float inv = total[h] != 0.f ? 1.f / total[h] : 0.f;  // (NaN stays NaN)
         #pragma unroll
         for (int j = 0; j < DJ; ++j) {
             #pragma unroll
