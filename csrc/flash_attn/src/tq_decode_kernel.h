@@ -209,10 +209,18 @@ __device__ __forceinline__ void split_body(const DecodeParams &p, char *smem, in
     using Rope = typename Traits::Rope;
     char *sm_rope = smem + Traits::kPipeBytes;
     float *sm_q = reinterpret_cast<float *>(sm_rope + (kRope ? Rope::kBytes : 0));  // [kRows][D]
-    if (rotate) {
-        rotate_q_rows<Elem, D, kRows, kWarps>(p, b, hk, row0, total_rows, sm_q, warp, lane);
-        __syncthreads();
+    // the first tiles' copies go out before the query's gather and rotation and the RoPE setup (their
+    // own shared memory), so that their DRAM latency overlaps that work (short caches wait on it)
+    #pragma unroll
+    for (int s = 0; s < kStages - 1; ++s) {
+        if (s < my_count) { load(s, s); }
+        cp_async_commit();
     }
+    if (rotate) { rotate_q_rows<Elem, D, kRows, kWarps>(p, b, hk, row0, total_rows, sm_q, warp, lane); }
+    if constexpr (kRope) {
+        Rope::template setup<Elem, kRows>(p, b, hk, row0, total_rows, sm_rope, threadIdx.x, Traits::kNThreads);
+    }
+    if (rotate || kRope) { __syncthreads(); }  // (one barrier for both)
 
     // Q as B fragments (rows g of each n8 tile), gathered in the loader's slot order and scaled by
     // 8^-q_scale_exp (powers of two: exact), plus per row the sum of its (rounded) elements (for K's
@@ -237,15 +245,7 @@ __device__ __forceinline__ void split_body(const DecodeParams &p, char *smem, in
             magicq[nt][j] = __shfl_sync(0xffffffffu, ms, (2 * c + j) * 4);
         }
     }
-    if constexpr (kRope) {
-        Rope::template setup<Elem, kRows>(p, b, hk, row0, total_rows, sm_rope, threadIdx.x, Traits::kNThreads);
-        __syncthreads();
-    }
-    #pragma unroll
-    for (int s = 0; s < kStages - 1; ++s) {
-        if (s < my_count) { load(s, s); }
-        cp_async_commit();
-    }
+
     int load_stage = kStages - 1, compute_stage = 0;
     typename Rope::State rope_state;
     float rope_next[kRope ? MT : 1][4];  // paired: the next tile's term
