@@ -9,10 +9,13 @@ shards=${2:-4}
 dir=$(mktemp -d)
 python3 -m pytest tests -m gpu --collect-only -q -p no:cacheprovider 2>/dev/null | grep '::' > "$dir/ids"
 awk -v n="$shards" -v d="$dir" '{ print > (d "/shard" (NR - 1) % n) }' "$dir/ids"
+# each shard its share of the cores for torch's CPU threads (the float32 references): torch's
+# default, every core in every process, oversubscribes them
+threads=$(( $(nproc) / shards )); threads=$(( threads > 0 ? threads : 1 ))
 for ((i = 0; i < shards; i++)); do
   [ -s "$dir/shard$i" ] || continue
   mapfile -t ids < "$dir/shard$i"
-  timeout "${GPU_TESTS_TIMEOUT:-0}" python3 -m pytest -q -rs -p no:cacheprovider --durations=5 "${ids[@]}" > "$dir/log$i" 2>&1 &
+  OMP_NUM_THREADS=$threads MKL_NUM_THREADS=$threads timeout "${GPU_TESTS_TIMEOUT:-0}" python3 -m pytest -q -rs -p no:cacheprovider --durations=5 "${ids[@]}" > "$dir/log$i" 2>&1 &
 done
 wait
 {
