@@ -52,7 +52,8 @@ def shuffled_block_table(batch: int, max_len: int, page_size: int, seed: int) ->
     return perm.reshape(batch, per_seq).to(torch.int32)
 
 
-def poison_allocator(nbytes: int = 1 << 28) -> None:
-    """Fill freed allocator blocks with NaN so an output element the kernel never writes shows up."""
-    junk = torch.full((nbytes // 4,), float("nan"), device=DEV)
+def poison_allocator(nbytes: int = 1 << 28, value: float = float("nan")) -> None:
+    """Fill freed allocator blocks with NaN (or ``value``, where NaN is the expected output) so an
+    output element the kernel never writes shows up."""
+    junk = torch.full((nbytes // 4,), value, device=DEV)
     del junk
