@@ -616,16 +616,15 @@ def _quantized_kvcache(
     window_size = baseline.check_options(0.0, window_size, softcap, softmax_scale)
     baseline.check_alibi(alibi_slopes, batch, q.shape[2], device)
     _check_rotary(rotary_cos, rotary_sin, k, q.shape[3], device)
+    # A GPU index is not checked (that would sync): the gathers here clamp it, and the rows of an
+    # index outside the cache come out NaN (the kernels, and the reference path below).
     if cache_batch_idx is not None:
         bidx = cache_batch_idx.to(device)
-        # A GPU index is not checked (that would sync): the gathers here clamp it, and the rows of an
-        # index outside the cache come out NaN (the kernels, and the reference path below).
-        rows = bidx.long().clamp(0, cache.batch_size - 1)
     else:  # rows 0..batch-1: slices of the per-row tables, no index tensor
-        bidx = rows = None
+        bidx = None
     if cache_seqlens is None:
         if cache_batch_idx is not None:
-            start = cache.seqlens[rows]
+            start = cache.seqlens[bidx.long().clamp(0, cache.batch_size - 1)]
         else:  # a view (no kernel): an append reads the counts, then advances them in place
             start = cache.seqlens[:batch]
     elif isinstance(cache_seqlens, int):
@@ -689,7 +688,8 @@ def _quantized_kvcache(
         )
     else:
         _took(f"quantized:reference ({reason})")
-        k_deq, v_deq = cache.dequantize(rows if rows is not None else torch.arange(batch, device=device))
+        rows = bidx.long().clamp(0, cache.batch_size - 1) if bidx is not None else torch.arange(batch, device=device)
+        k_deq, v_deq = cache.dequantize(rows)
         out, lse = baseline.attention_reference(
             q,
             k_deq,
