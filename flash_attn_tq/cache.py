@@ -172,8 +172,7 @@ def window_attention(q, cache: "QuantizedKVCache", bidx, lens, softmax_scale, ca
     seqlen_q positions, bottom-right aligned with the window's newest key. Returns (out, lse) with
     lse -inf for rows without keys."""
     R, Sq = cache.fp16_window, q.shape[1]
-    # (a slice: no copy of the whole window; an index is clamped as QuantizedKVCache._per_row does)
-    rows = slice(0, q.shape[0]) if bidx is None else bidx.long().clamp(0, cache.batch_size - 1)
+    rows = slice(0, q.shape[0]) if bidx is None else cache.row_index(bidx)  # (a slice: no copy of the whole window)
     kw, vw = cache.window_kv(rows)  # ring order: attention does not care, the mask does
     n = lens.long().unsqueeze(1)
     age = (n - 1 - torch.arange(R, device=q.device)) % R  # [B, R]: 0 = the newest token's slot
@@ -638,9 +637,13 @@ class QuantizedKVCache:
         slice, no gather)."""
         if batch_idx is None:
             return table if batch == table.shape[0] else table[:batch]  # (a slice is a host op a call)
-        # (clamped: a GPU index is not checked without a sync; the kernels turn the rows of one outside
-        # the cache to NaN)
-        return table[batch_idx.to(self.device).long().clamp(0, table.shape[0] - 1)]
+        return table[self.row_index(batch_idx)]
+
+    def row_index(self, batch_idx: torch.Tensor) -> torch.Tensor:
+        """``batch_idx [batch]`` as int64 cache rows to gather with, clamped into ``[0, batch_size)``: a GPU
+        index is not checked (that would sync), and the kernels turn the output rows of one outside the
+        cache to NaN."""
+        return batch_idx.to(self.device).long().clamp(0, self.batch_size - 1)
 
     # ------------------------------------------------------------------ writing
     def _slots(self, batch_idx: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

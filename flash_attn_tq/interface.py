@@ -616,15 +616,13 @@ def _quantized_kvcache(
     window_size = baseline.check_options(0.0, window_size, softcap, softmax_scale)
     baseline.check_alibi(alibi_slopes, batch, q.shape[2], device)
     _check_rotary(rotary_cos, rotary_sin, k, q.shape[3], device)
-    # A GPU index is not checked (that would sync): the gathers here clamp it, and the rows of an
-    # index outside the cache come out NaN (the kernels, and the reference path below).
     if cache_batch_idx is not None:
         bidx = cache_batch_idx.to(device)
     else:  # rows 0..batch-1: slices of the per-row tables, no index tensor
         bidx = None
     if cache_seqlens is None:
         if cache_batch_idx is not None:
-            start = cache.seqlens[bidx.long().clamp(0, cache.batch_size - 1)]
+            start = cache.seqlens[cache.row_index(bidx)]
         else:  # a view (no kernel): an append reads the counts, then advances them in place
             start = cache.seqlens[:batch]
     elif isinstance(cache_seqlens, int):
@@ -688,7 +686,7 @@ def _quantized_kvcache(
         )
     else:
         _took(f"quantized:reference ({reason})")
-        rows = bidx.long().clamp(0, cache.batch_size - 1) if bidx is not None else torch.arange(batch, device=device)
+        rows = cache.row_index(bidx) if bidx is not None else torch.arange(batch, device=device)
         k_deq, v_deq = cache.dequantize(rows)
         out, lse = baseline.attention_reference(
             q,
@@ -703,7 +701,7 @@ def _quantized_kvcache(
             key_start=cache_leftpad,
         )
         out = out.to(q.dtype)
-        if bidx is not None:
+        if bidx is not None:  # (rows outside the cache: NaN, as the kernels write them)
             outside = (bidx < 0) | (bidx >= cache.batch_size)
             out = out.masked_fill(outside.view(-1, 1, 1, 1), math.nan)
             lse = lse.masked_fill(outside.view(-1, 1, 1), math.nan)
