@@ -774,13 +774,13 @@ class Sim:
 
     @staticmethod
     def keep_center_pairs(cache, pairs):
-        """The calibrated RoPE center ``cache.k_shift [B, H, D]`` on its ``pairs`` strongest rotate-half
+        """The calibrated RoPE center ``cache.k_center [B, H, D]`` on its ``pairs`` strongest rotate-half
         pairs ``(m, m + D/2)`` of each (row, head), zero on the others."""
-        c = cache.k_shift
+        c = cache.k_center
         half = c.shape[-1] // 2
         energy = c[..., :half] ** 2 + c[..., half:] ** 2
         keep = torch.zeros_like(energy).scatter_(-1, energy.topk(pairs, dim=-1).indices, 1.0)
-        cache.k_shift = c * torch.cat([keep, keep], -1)
+        cache.keys.center = c * torch.cat([keep, keep], -1)
 
     @staticmethod
     def roundtrip(key, value, cfg, calib, query=None):
@@ -869,7 +869,7 @@ class Sim:
         for the pairs that turn by less than max_drift radians over half a tile; the prompt's post-RoPE
         mean for the others. (rope_center="exact", R(p_j) c for every key, is QuantizedKVCache's
         key_center="rope".)"""
-        from flash_attn_tq.cache import rope_turn
+        from flash_attn_tq.keys import rope_turn
 
         B, N, H, D = k.shape
         inv = Sim.inv_freq.to(k.device).float()

@@ -6,7 +6,7 @@ compute-sanitizer --tool memcheck python benchmarks/sanitize_case.py
 import torch
 
 import flash_attn_tq as fa
-from flash_attn_tq import ops
+from flash_attn_tq import dispatch, ops
 
 for page_size, d, dtype in ((None, 128, torch.float16), (16, 64, torch.bfloat16)):
     cache = fa.QuantizedKVCache(2, 300, 2, d, page_size=page_size, dtype=dtype, device="cuda")
@@ -85,7 +85,7 @@ for capacity, n, row_counts in ((400, 300, (1, 5)), (1200, 1100, (1,))):
     k8 = filled(fa.QuantizedKVCache(2, capacity, 1, 64, k_bits=8, v_bits=8, **rope), n)
     for rows in row_counts:
         qp = torch.randn(2, rows, 12, 64, device="cuda", dtype=torch.float16)
-        assert narrow.pair_reason(k8, qp) is None
+        assert narrow.plan(dispatch.Query.of(qp), pair=(k8, 1)).kernel == "pair"
         for splits in (0, 1, 3):
             outs, _ = narrow.attend(qp, narrow.seqlens, None, 0.125, True, splits, with_lse=False, group2=(k8, 1))
             assert torch.isfinite(outs).all()
@@ -111,7 +111,7 @@ for d, n, hk, opts in (
     )
     for rows in (1, 5):
         qr = torch.randn(2, rows, 4 * hk, d, device="cuda", dtype=torch.float16)
-        assert ring.ring_reason(qr) is None
+        assert ring.plan(dispatch.Query.of(qr)).kernel == "ring"
         for splits in (0, 1, 3):
             outs = fa.flash_attn_with_kvcache(qr, ring, causal=True, num_splits=splits)
 torch.cuda.synchronize()

@@ -61,11 +61,20 @@ Conventions (matching the upstream kernels unless noted):
   size ``k_cache.shape[0]``, which only works when that equals the batch).
 """
 
-import math
-import numbers
 from typing import Optional, Union
 
 import torch
+
+from .validation import DTYPES as _DTYPES
+from .validation import (
+    check_alibi,
+    check_block_table,
+    check_cu_seqlens,
+    check_int32_vector,
+    check_options,
+    check_qkv,
+    check_tensor,
+)
 
 __all__ = [
     "attention_reference",
@@ -78,7 +87,6 @@ __all__ = [
     "flash_attn_with_kvcache",
 ]
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 # --------------------------------------------------------------------------- core
@@ -238,126 +246,11 @@ def attention_reference(
     return out, lse
 
 
-# --------------------------------------------------------------------- validation
-
-
-def _check_tensor(x, name, ndim, what):
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.dim() != ndim:
-        raise ValueError(f"{name} must have shape {what}, got {tuple(x.shape)}")
-
-
-def _check_qkv(q, k, v, varlen, paged=False):
-    """Checks q, k, v; returns (nheads, nheads_k, headdim)."""
-    q_shape = "(total_q, nheads, headdim)" if varlen else "(batch, seqlen, nheads, headdim)"
-    if paged:
-        k_shape = "(num_blocks, page_block_size, nheads_k, headdim)"
-    elif varlen:
-        k_shape = "(total_k, nheads_k, headdim)"
-    else:
-        k_shape = "(batch, seqlen_k, nheads_k, headdim)"
-    _check_tensor(q, "q", 3 if varlen else 4, q_shape)
-    _check_tensor(k, "k", 4 if (paged or not varlen) else 3, k_shape)
-    _check_tensor(v, "v", k.dim(), k_shape)
-    if q.dtype not in _DTYPES:
-        raise TypeError(f"q must have dtype float16, bfloat16 or float32, got {q.dtype}")
-    for x, name in ((k, "k"), (v, "v")):
-        if x.dtype != q.dtype:
-            raise TypeError(f"{name} must have the same dtype as q ({q.dtype}), got {x.dtype}")
-        if x.device != q.device:
-            raise ValueError(f"{name} must be on the same device as q ({q.device}), got {x.device}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    if not varlen and k.shape[0] != q.shape[0]:
-        raise ValueError(f"k must have the same batch size as q ({q.shape[0]}), got {k.shape[0]}")
-    nheads, headdim = q.shape[-2], q.shape[-1]
-    nheads_k = k.shape[-2]
-    if k.shape[-1] != headdim:
-        raise ValueError(f"k must have the same head dimension as q ({headdim}), got {k.shape[-1]}")
-    if nheads_k == 0 or nheads % nheads_k != 0:
-        raise ValueError(f"number of heads in k/v ({nheads_k}) must divide number of heads in q ({nheads})")
-    return nheads, nheads_k, headdim
-
-
-def is_int(x) -> bool:
-    """An integer argument (numpy integers too; not a bool)."""
-    # (the exact type first: the ABC check costs ~1 us, and decode calls check their options every call)
-    return type(x) is int or (isinstance(x, numbers.Integral) and not isinstance(x, bool))
-
-
-def _real(x) -> bool:
-    return type(x) in (float, int) or (isinstance(x, numbers.Real) and not isinstance(x, bool))
-
-
-def check_options(dropout_p, window_size, softcap, softmax_scale=None):
-    """dropout_p, window_size, softcap and softmax_scale as the attention functions take them;
-    returns window_size as a pair of ints."""
-    if not _real(dropout_p) or not 0.0 <= float(dropout_p) < 1.0:
-        raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
-    if (
-        not isinstance(window_size, (tuple, list))
-        or len(window_size) != 2
-        or not is_int(window_size[0])
-        or not is_int(window_size[1])
-    ):
-        raise ValueError(f"window_size must be a pair of ints (left, right), -1 for unbounded, got {window_size!r}")
-    if not _real(softcap) or not math.isfinite(softcap) or softcap < 0:
-        raise ValueError(f"softcap must be a finite number >= 0 (0 disables it), got {softcap!r}")
-    if softmax_scale is not None and (not _real(softmax_scale) or not math.isfinite(softmax_scale)):
-        raise ValueError(f"softmax_scale must be a finite number (None: 1 / sqrt(headdim)), got {softmax_scale!r}")
-    return (int(window_size[0]), int(window_size[1]))
-
-
-def check_alibi(alibi_slopes, batch, nheads, device):
-    if alibi_slopes is None:
-        return
-    if not isinstance(alibi_slopes, torch.Tensor):
-        raise TypeError("alibi_slopes must be a torch.Tensor")
-    if alibi_slopes.dtype != torch.float32:
-        raise TypeError(f"alibi_slopes must have dtype float32, got {alibi_slopes.dtype}")
-    if alibi_slopes.device != device:
-        raise ValueError(f"alibi_slopes must be on the same device as q ({device})")
-    if tuple(alibi_slopes.shape) not in ((nheads,), (batch, nheads)):
-        raise ValueError(
-            f"alibi_slopes must have shape ({nheads},) or ({batch}, {nheads}), got {tuple(alibi_slopes.shape)}"
-        )
-    if not bool(torch.isfinite(alibi_slopes).all()):
-        raise ValueError("alibi_slopes must be finite")
-
-
-def check_int32_vector(x, name, length, device):
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of dtype int32")
-    if x.dtype != torch.int32:
-        raise TypeError(f"{name} must have dtype torch.int32, got {x.dtype}")
-    if x.device != device:
-        raise ValueError(f"{name} must be on the same device as q ({device}), got {x.device}")
-    if x.dim() != 1 or (length is not None and x.shape[0] != length):
-        want = f"({length},)" if length is not None else "1-D"
-        raise ValueError(f"{name} must have shape {want}, got {tuple(x.shape)}")
-
-
-def _check_block_table(block_table, batch, num_blocks, device):
-    if not isinstance(block_table, torch.Tensor):
-        raise TypeError("block_table must be a torch.Tensor of dtype int32")
-    if block_table.dtype != torch.int32:
-        raise TypeError(f"block_table must have dtype torch.int32, got {block_table.dtype}")
-    if block_table.device != device:
-        raise ValueError(f"block_table must be on the same device as q ({device})")
-    if block_table.dim() != 2 or block_table.shape[0] != batch:
-        raise ValueError(
-            f"block_table must have shape ({batch}, max_num_blocks_per_seq), got {tuple(block_table.shape)}"
-        )
-    if block_table.numel() and (int(block_table.min()) < 0 or int(block_table.max()) >= num_blocks):
-        raise ValueError(f"block_table entries must be in [0, {num_blocks})")
-
-
 # ------------------------------------------------------------------ dense entries
 
 
 def _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs):
-    _check_qkv(q, k, v, varlen=False)
+    check_qkv(q, k, v, varlen=False)
     window_size = check_options(dropout_p, window_size, softcap, softmax_scale)
     check_alibi(alibi_slopes, q.shape[0], q.shape[2], q.device)
     out, lse, probs = _attend(
@@ -380,7 +273,7 @@ def flash_attn_qkvpacked_func(
 ):
     """qkv: (batch, seqlen, 3, nheads, headdim).  Returns out (batch, seqlen, nheads,
     headdim), or (out, softmax_lse, S_dmask) if return_attn_probs."""
-    _check_tensor(qkv, "qkv", 5, "(batch, seqlen, 3, nheads, headdim)")
+    check_tensor(qkv, "qkv", 5, "(batch, seqlen, 3, nheads, headdim)")
     if qkv.shape[2] != 3:
         raise ValueError(f"qkv must have size 3 in dimension 2, got {qkv.shape[2]}")
     q, k, v = qkv.unbind(dim=2)
@@ -400,7 +293,7 @@ def flash_attn_kvpacked_func(
     return_attn_probs=False,
 ):
     """q: (batch, seqlen_q, nheads, headdim); kv: (batch, seqlen_k, 2, nheads_k, headdim)."""
-    _check_tensor(kv, "kv", 5, "(batch, seqlen_k, 2, nheads_k, headdim)")
+    check_tensor(kv, "kv", 5, "(batch, seqlen_k, 2, nheads_k, headdim)")
     if kv.shape[2] != 2:
         raise ValueError(f"kv must have size 2 in dimension 2, got {kv.shape[2]}")
     k, v = kv.unbind(dim=2)
@@ -427,25 +320,6 @@ def flash_attn_func(
 # ----------------------------------------------------------------- varlen entries
 
 
-def _check_cu_seqlens(cu, name, batch, total, max_seqlen, max_name, device):
-    check_int32_vector(cu, name, batch + 1 if batch is not None else None, device)
-    if not is_int(max_seqlen):
-        raise TypeError(f"{max_name} must be an int, got {max_seqlen!r}")
-    if cu.shape[0] < 2:
-        raise ValueError(f"{name} must have at least 2 entries (batch_size + 1)")
-    bounds = cu.tolist()
-    lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
-    if bounds[0] < 0 or min(lengths) < 0:
-        raise ValueError(f"{name} must be non-negative and non-decreasing, got {bounds}")
-    if total is not None and bounds[-1] > total:
-        raise ValueError(f"{name}[-1] ({bounds[-1]}) exceeds the number of tokens ({total})")
-    if max(lengths) > int(max_seqlen):
-        raise ValueError(
-            f"{max_name} ({int(max_seqlen)}) is smaller than the longest sequence in {name} ({max(lengths)})"
-        )
-    return bounds
-
-
 def _varlen(
     q,
     k,
@@ -464,18 +338,18 @@ def _varlen(
     block_table=None,
 ):
     paged = block_table is not None
-    nheads, _, _ = _check_qkv(q, k, v, varlen=True, paged=paged)
+    nheads, _, _ = check_qkv(q, k, v, varlen=True, paged=paged)
     window_size = check_options(dropout_p, window_size, softcap, softmax_scale)
     if not isinstance(cu_seqlens_q, torch.Tensor):
         raise TypeError("cu_seqlens_q must be a torch.Tensor of dtype int32")
     batch = cu_seqlens_q.shape[0] - 1 if cu_seqlens_q.dim() == 1 else None
-    qb = _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", None, q.shape[0], max_seqlen_q, "max_seqlen_q", q.device)
-    kb = _check_cu_seqlens(
+    qb = check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", None, q.shape[0], max_seqlen_q, "max_seqlen_q", q.device)
+    kb = check_cu_seqlens(
         cu_seqlens_k, "cu_seqlens_k", batch, None if paged else k.shape[0], max_seqlen_k, "max_seqlen_k", q.device
     )
     check_alibi(alibi_slopes, batch, nheads, q.device)
     if paged:
-        _check_block_table(block_table, batch, k.shape[0], q.device)
+        check_block_table(block_table, batch, k.shape[0], q.device)
         capacity = block_table.shape[1] * k.shape[1]
         for b in range(batch):
             if kb[b + 1] - kb[b] > capacity:
@@ -526,7 +400,7 @@ def flash_attn_varlen_qkvpacked_func(
     return_attn_probs=False,
 ):
     """qkv: (total, 3, nheads, headdim); cu_seqlens: (batch + 1,) int32."""
-    _check_tensor(qkv, "qkv", 4, "(total, 3, nheads, headdim)")
+    check_tensor(qkv, "qkv", 4, "(total, 3, nheads, headdim)")
     if qkv.shape[1] != 3:
         raise ValueError(f"qkv must have size 3 in dimension 1, got {qkv.shape[1]}")
     q, k, v = qkv.unbind(dim=1)
@@ -565,7 +439,7 @@ def flash_attn_varlen_kvpacked_func(
     return_attn_probs=False,
 ):
     """q: (total_q, nheads, headdim); kv: (total_k, 2, nheads_k, headdim)."""
-    _check_tensor(kv, "kv", 4, "(total_k, 2, nheads_k, headdim)")
+    check_tensor(kv, "kv", 4, "(total_k, 2, nheads_k, headdim)")
     if kv.shape[1] != 2:
         raise ValueError(f"kv must have size 2 in dimension 1, got {kv.shape[1]}")
     k, v = kv.unbind(dim=1)
@@ -685,15 +559,15 @@ def flash_attn_with_kvcache(
     Returns out (batch, seqlen_q, nheads, headdim), plus softmax_lse
     (batch, nheads, seqlen_q) float32 if return_softmax_lse.  num_splits is ignored.
     """
-    _check_tensor(q, "q", 4, "(batch, seqlen_q, nheads, headdim)")
+    check_tensor(q, "q", 4, "(batch, seqlen_q, nheads, headdim)")
     paged = block_table is not None
     cache_shape = (
         "(num_blocks, page_block_size, nheads_k, headdim)"
         if paged
         else "(batch_cache, seqlen_cache, nheads_k, headdim)"
     )
-    _check_tensor(k_cache, "k_cache", 4, cache_shape)
-    _check_tensor(v_cache, "v_cache", 4, cache_shape)
+    check_tensor(k_cache, "k_cache", 4, cache_shape)
+    check_tensor(v_cache, "v_cache", 4, cache_shape)
     if q.dtype not in _DTYPES:
         raise TypeError(f"q must have dtype float16, bfloat16 or float32, got {q.dtype}")
     for x, name in ((k_cache, "k_cache"), (v_cache, "v_cache")):
@@ -720,7 +594,7 @@ def flash_attn_with_kvcache(
             raise ValueError("cache_batch_idx is not supported together with block_table")
         if cache_leftpad is not None:
             raise ValueError("cache_leftpad is not supported together with block_table")
-        _check_block_table(block_table, batch, k_cache.shape[0], device)
+        check_block_table(block_table, batch, k_cache.shape[0], device)
         page = k_cache.shape[1]
         capacity = block_table.shape[1] * page
     else:
@@ -745,7 +619,7 @@ def flash_attn_with_kvcache(
         if cache_seqlens is None:
             raise ValueError("cache_seqlens must be given when k and v are given")
         for x, name in ((k, "k"), (v, "v")):
-            _check_tensor(x, name, 4, "(batch, seqlen_new, nheads_k, headdim)")
+            check_tensor(x, name, 4, "(batch, seqlen_new, nheads_k, headdim)")
             if x.dtype != q.dtype:
                 raise TypeError(f"{name} must have the same dtype as q ({q.dtype}), got {x.dtype}")
             if x.device != device:
@@ -783,8 +657,8 @@ def flash_attn_with_kvcache(
     if rotary_cos is not None:
         if k is None:
             raise ValueError("rotary_cos/rotary_sin need the new k and v to be given")
-        _check_tensor(rotary_cos, "rotary_cos", 2, "(seqlen_ro, rotary_dim / 2)")
-        _check_tensor(rotary_sin, "rotary_sin", 2, "(seqlen_ro, rotary_dim / 2)")
+        check_tensor(rotary_cos, "rotary_cos", 2, "(seqlen_ro, rotary_dim / 2)")
+        check_tensor(rotary_sin, "rotary_sin", 2, "(seqlen_ro, rotary_dim / 2)")
         if rotary_sin.shape != rotary_cos.shape:
             raise ValueError("rotary_sin must have the same shape as rotary_cos")
         if rotary_cos.device != device or rotary_sin.device != device:

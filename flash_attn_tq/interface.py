@@ -22,8 +22,10 @@ from typing import Optional, Union
 
 import torch
 
-from . import baseline, cpu, ops
-from .cache import QuantizedKVCache, as_seqlens
+from . import baseline, cpu, dispatch, ops, reference
+from . import validation as check
+from .cache import QuantizedKVCache
+from .writes import as_seqlens
 
 _LAST_PATH: contextvars.ContextVar[str] = contextvars.ContextVar("flash_attn_tq_last_path", default="none")
 
@@ -48,6 +50,9 @@ def _upstream():
     try:
         mod = importlib.import_module("flash_attn.flash_attn_interface")
     except Exception:  # ImportError, or a broken/mismatched build
+        return None
+    # (a package aliased as flash_attn over this one, as when upstream's tests run against it, is not upstream)
+    if getattr(getattr(mod, "flash_attn_func", None), "__module__", "").startswith(__package__):
         return None
     return mod
 
@@ -289,7 +294,7 @@ def flash_attn_with_kvcache(
         if v_cache is not None and v_cache is not cache:
             raise ValueError(f"v_cache: pass None (or the same cache) when k_cache is a {type(cache).__name__}")
         if isinstance(cache, cpu.CpuQuantizedKVCache):
-            _check_query(q, cache)
+            check.check_query(q, cache)
             _took("quantized:cpu-int8-keys")
             attend = cpu.flash_attn_with_kvcache
         else:
@@ -318,19 +323,9 @@ def flash_attn_with_kvcache(
         raise ValueError("k_cache is required (a tensor, or a QuantizedKVCache; or pass kv_cache=)")
     if v_cache is None:
         raise ValueError("v_cache is required unless k_cache is a QuantizedKVCache")
-    if _upstream() is None and isinstance(q, torch.Tensor) and q.is_cuda:
-        reason = ops.kv16_decode_unsupported(q, k_cache, v_cache, block_table)
-        extras = (
-            k is not None
-            or v is not None
-            or rotary_cos is not None
-            or cache_leftpad is not None
-            or window_size[0] >= 0
-            or window_size[1] >= 0
-            or softcap != 0.0
-            or alibi_slopes is not None
-        )
-        if reason is None and not extras:
+    if _upstream() is None and isinstance(q, torch.Tensor) and q.is_cuda and isinstance(k_cache, torch.Tensor):
+        plan = _plan_kv16(q, k_cache, v_cache, k, rotary_cos, cache_leftpad, block_table, window_size, softcap, alibi_slopes)
+        if plan.fused:
             return _kv16_kvcache(
                 q,
                 k_cache,
@@ -366,76 +361,29 @@ def flash_attn_with_kvcache(
     )
 
 
-def _check_batch_args(cache_seqlens, cache_batch_idx, batch: int) -> None:
-    """cache_seqlens (int, None or int32 [batch]) and cache_batch_idx (None or int32 [batch])."""
-    bad_lens = isinstance(cache_seqlens, torch.Tensor) and (
-        cache_seqlens.dtype != torch.int32 or cache_seqlens.shape != (batch,)
-    )
-    if bad_lens:
-        raise ValueError(
-            f"cache_seqlens must be an int or int32 [batch={batch}], got {cache_seqlens.dtype} "
-            f"{tuple(cache_seqlens.shape)}"
-        )
-    if cache_batch_idx is not None and (cache_batch_idx.dtype != torch.int32 or cache_batch_idx.shape != (batch,)):
-        raise ValueError(
-            f"cache_batch_idx must be int32 [batch={batch}], got {cache_batch_idx.dtype} {tuple(cache_batch_idx.shape)}"
-        )
-
-
 def _check_cache_type(kv_cache) -> None:
     if kv_cache is not None and not isinstance(kv_cache, (QuantizedKVCache, cpu.CpuQuantizedKVCache)):
         raise TypeError(f"kv_cache must be a QuantizedKVCache (or None), got {type(kv_cache).__name__}")
 
 
-def _check_cache_rows(cache, cache_seqlens, cache_batch_idx, cache_leftpad, batch: int, seqlen_new: int) -> None:
-    """The values of the per-row arguments against a QuantizedKVCache, where reading them costs no
-    device sync: ints always, index tensors when they live on the CPU. (On a GPU the kernels clamp
-    lengths to the capacity and the pack kernel flags bad rows and overflows.)"""
-    on_host = lambda x: isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.numel() > 0  # noqa: E731
-    if isinstance(cache_seqlens, int) or on_host(cache_seqlens):
-        low, high = (cache_seqlens,) * 2 if isinstance(cache_seqlens, int) else cache_seqlens.aminmax()
-        if low < 0:
-            raise ValueError(f"cache_seqlens must be >= 0, got {int(low)}")
-        if high + seqlen_new > cache.max_seqlen:
-            raise ValueError(
-                f"cache overflow: cache_seqlens ({int(high)}) + {seqlen_new} new tokens exceeds "
-                f"max_seqlen={cache.max_seqlen}"
-            )
-    if on_host(cache_batch_idx):
-        if int(cache_batch_idx.min()) < 0 or int(cache_batch_idx.max()) >= cache.batch_size:
-            raise ValueError(f"cache_batch_idx entries must be in [0, {cache.batch_size}) (the cache's batch_size)")
-        if seqlen_new and cache_batch_idx.unique().numel() != batch:
-            raise ValueError("cache_batch_idx must not repeat a row when new k / v are written")
-    if cache_leftpad is not None:
-        baseline.check_int32_vector(cache_leftpad, "cache_leftpad", batch, cache.device)
-        if on_host(cache_leftpad) and int(cache_leftpad.min()) < 0:
-            raise ValueError("cache_leftpad must be >= 0")
-
-
-def _check_new_rows(k, v, batch: int) -> None:
-    """New k / v for a QuantizedKVCache call: tensors of q's batch (the cache checks the rest)."""
-    if (k is None) != (v is None):
-        raise ValueError("k and v must be given together")
-    for name, x in (("k", k), ("v", v)):
-        if x is not None and (not isinstance(x, torch.Tensor) or x.dim() != 4 or x.shape[0] != batch):
-            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"{name} must be (batch={batch}, seqlen_new, nheads_k, headdim) like q's batch, got {got}")
-
-
-def _check_rotary(rotary_cos, rotary_sin, k, head_dim: int, device) -> None:
-    if (rotary_cos is None) != (rotary_sin is None):
-        raise ValueError("rotary_cos and rotary_sin must be given together")
-    if rotary_cos is None:
-        return
-    if k is None:
-        raise ValueError("rotary_cos/rotary_sin need the new k and v to be given")
-    for name, x in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
-        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.device != device:
-            raise ValueError(f"{name} must be a 2-D tensor (seqlen_ro, rotary_dim / 2) on {device}")
-    if rotary_sin.shape != rotary_cos.shape:
-        raise ValueError("rotary_sin must have the same shape as rotary_cos")
-    if 2 * rotary_cos.shape[1] > head_dim:
-        raise ValueError(f"rotary_cos gives rotary_dim {2 * rotary_cos.shape[1]} > headdim {head_dim}")
+def _plan_kv16(q, k_cache, v_cache, k, rotary_cos, cache_leftpad, block_table, window_size, softcap, alibi_slopes):
+    """dispatch.plan_kv16 for a flash_attn_with_kvcache call over 16-bit cache tensors (window_size and
+    softcap checked first, in every form upstream accepts)."""
+    window_size = check.check_options(0.0, window_size, softcap)
+    if not (isinstance(v_cache, torch.Tensor) and q.dim() == 4 and k_cache.dim() == 4 and k_cache.shape == v_cache.shape):
+        return dispatch.Plan(None, "shapes")
+    if q.shape[-1] != k_cache.shape[-1] or v_cache.dtype != k_cache.dtype:
+        return dispatch.Plan(None, "shapes or dtypes")
+    aligned = all(
+        t.stride(-1) == 1 and not any(st % 8 for st in t.stride()[:3]) and t.data_ptr() % 16 == 0
+        for t in (k_cache, v_cache)
+    )
+    local = window_size[0] >= 0 or window_size[1] >= 0
+    flags = dict(local=local, softcap=softcap != 0.0, leftpad=cache_leftpad is not None, alibi=alibi_slopes is not None)
+    query = dispatch.Query.of(q, **flags)
+    page = k_cache.shape[1] if block_table is not None else None
+    appends = k is not None or rotary_cos is not None
+    return dispatch.plan_kv16(query, k_cache.shape[2], k_cache.dtype, page, aligned, appends, dispatch.Device.of(q.device))
 
 
 def _kv16_kvcache(
@@ -452,7 +400,7 @@ def _kv16_kvcache(
 ):
     """Upstream flash_attn_with_kvcache (no new k/v) on our decode kernel over a 16-bit cache."""
     batch = q.shape[0]
-    _check_batch_args(cache_seqlens, cache_batch_idx, batch)
+    check.check_batch_args(cache_seqlens, cache_batch_idx, batch)
     if block_table is not None and (
         block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != batch
     ):
@@ -482,23 +430,25 @@ def _kv16_kvcache(
 # ------------------------------------------------------------------------------- quantized path
 
 
-def _check_query(q, cache) -> None:
-    """q against a QuantizedKVCache or CpuQuantizedKVCache: rank, dtype, device, head_dim, heads, batch."""
-    if not isinstance(q, torch.Tensor) or q.dim() != 4:
-        raise ValueError(
-            f"q must be a 4-D tensor (batch, seqlen_q, nheads, headdim), got "
-            f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}"
-        )
-    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise TypeError(f"q must be float16 or bfloat16 (float32 on the reference path), got {q.dtype}")
-    if q.device != cache.device:
-        raise ValueError(f"q is on {q.device} but the {type(cache).__name__} is on {cache.device}")
-    if q.shape[3] != cache.head_dim:
-        raise ValueError(f"q head_dim {q.shape[3]} does not match the cache's head_dim {cache.head_dim}")
-    if q.shape[2] % cache.num_kv_heads:
-        raise ValueError(f"q heads ({q.shape[2]}) must be a multiple of the cache's kv heads ({cache.num_kv_heads})")
-    if q.shape[0] > cache.batch_size:
-        raise ValueError(f"q batch {q.shape[0]} exceeds the cache's batch_size {cache.batch_size}")
+def attend_with_plan(
+    q: torch.Tensor,
+    cache: QuantizedKVCache,
+    plan: dispatch.Plan,
+    softmax_scale: float,
+    causal: bool = True,
+    group2: tuple[QuantizedKVCache, int] | None = None,
+) -> torch.Tensor:
+    """The run of plan/run: causal attention of ``q [batch, seqlen_q, heads, d]`` over rows
+    ``0..batch-1`` of ``cache`` as ``plan`` (:meth:`QuantizedKVCache.plan`) says, without the per-call
+    argument checks of :func:`flash_attn_with_kvcache` (the caller made ``q`` and planned once, as
+    ``TQCache`` does for every layer of every decode step). ``group2``: the plan's ``pair``. Returns
+    the output like q."""
+    _took(plan.path)
+    lens = cache.seqlens[: q.shape[0]]
+    if plan.fused:
+        return cache.attend(q, lens, None, softmax_scale, causal, with_lse=False, group2=group2, plan=plan)[0]
+    out, _ = reference.attention(q, cache, None, lens, softmax_scale, causal, (-1, -1), 0.0, None, None)
+    return out
 
 
 def _quantized_varlen(
@@ -518,7 +468,7 @@ def _quantized_varlen(
         ):
             got = f"{cu.dtype} {tuple(cu.shape)}" if isinstance(cu, torch.Tensor) else type(cu).__name__
             raise ValueError(f"{name} must be int32 (batch + 1,), got {got}")
-    if not baseline.is_int(max_seqlen_q):
+    if not check.is_int(max_seqlen_q):
         raise TypeError(f"max_seqlen_q must be an int, got {max_seqlen_q!r}")
     lens_q = cu_seqlens_q.diff().tolist()
     batch = len(lens_q)
@@ -531,14 +481,17 @@ def _quantized_varlen(
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together")
     # q and the options are checked before the appends below change the cache
-    _check_query(q[None], cache)
-    window_size = baseline.check_options(0.0, window_size, softcap, softmax_scale)
-    baseline.check_alibi(alibi_slopes, batch, q.shape[1], q.device)
+    check.check_query(q[None], cache)
+    window_size = check.check_options(0.0, window_size, softcap, softmax_scale)
+    check.check_alibi(alibi_slopes, batch, q.shape[1], q.device)
     if k is not None:
         if cu_seqlens_k is None or cu_seqlens_k.numel() != batch + 1:
             raise ValueError(f"cu_seqlens_k must be int32 (batch + 1 = {batch + 1},) with new k/v")
         if k.dim() != 3 or k.shape != v.shape or cu_seqlens_k[-1].item() != k.shape[0]:
             raise ValueError("k, v must be (total_k, nheads_k, headdim) with cu_seqlens_k ending at total_k")
+        for name, x in (("k", k), ("v", v)):
+            if x.dtype != q.dtype:
+                raise TypeError(f"{name} must have the same dtype as q ({q.dtype}), got {x.dtype}")
         bounds = cu_seqlens_k.tolist()
         if bounds[0] != 0 or any(b < a for a, b in zip(bounds, bounds[1:])):
             raise ValueError(f"cu_seqlens_k must rise from 0 to total_k={k.shape[0]}, got {bounds}")
@@ -602,29 +555,24 @@ def _quantized_kvcache(
     num_splits,
     return_softmax_lse,
 ):
-    _check_query(q, cache)
+    check.check_query(q, cache)
     if block_table is not None and block_table is not cache.block_table:
         raise ValueError("block_table: a QuantizedKVCache carries its own block_table (set it on the cache)")
     batch, seqlen_q = q.shape[:2]
     device = q.device
     # every argument is checked before the append below changes the cache
     cache_seqlens = as_seqlens(cache_seqlens)
-    _check_batch_args(cache_seqlens, cache_batch_idx, batch)
-    _check_new_rows(k, v, batch)
+    check.check_batch_args(cache_seqlens, cache_batch_idx, batch)
+    check.check_new_rows(k, v, batch, q.dtype)
     seqlen_new = 0 if k is None else k.shape[1]
-    _check_cache_rows(cache, cache_seqlens, cache_batch_idx, cache_leftpad, batch, seqlen_new)
-    window_size = baseline.check_options(0.0, window_size, softcap, softmax_scale)
-    baseline.check_alibi(alibi_slopes, batch, q.shape[2], device)
-    _check_rotary(rotary_cos, rotary_sin, k, q.shape[3], device)
-    if cache_batch_idx is not None:
-        bidx = cache_batch_idx.to(device)
-    else:  # rows 0..batch-1: slices of the per-row tables, no index tensor
-        bidx = None
+    check.check_cache_rows(cache, cache_seqlens, cache_batch_idx, cache_leftpad, batch, seqlen_new)
+    window_size = check.check_options(0.0, window_size, softcap, softmax_scale)
+    check.check_alibi(alibi_slopes, batch, q.shape[2], device)
+    check.check_rotary(rotary_cos, rotary_sin, k, q.shape[3], device)
+    bidx = None if cache_batch_idx is None else cache_batch_idx.to(device)  # (None: rows 0..batch-1, slices)
     if cache_seqlens is None:
-        if cache_batch_idx is not None:
-            start = cache.seqlens[cache.row_index(bidx)]
-        else:  # a view (no kernel): an append reads the counts, then advances them in place
-            start = cache.seqlens[:batch]
+        # (rows 0..batch-1: a view, no kernel; an append reads the counts, then advances them in place)
+        start = cache.seqlens[:batch] if bidx is None else cache.seqlens[cache.row_index(bidx)]
     elif isinstance(cache_seqlens, int):
         start = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=device)
     else:
@@ -649,60 +597,21 @@ def _quantized_kvcache(
     if cache_leftpad is not None and cache_leftpad.device.type == "cpu" and batch:  # (no device sync)
         if bool((cache_leftpad > (start + seqlen_new).to(cache_leftpad.device)).any()):
             raise ValueError("cache_leftpad must be in [0, cache_seqlens + seqlen_new]")
+    flags = dict(local=local, softcap=softcap != 0.0, leftpad=cache_leftpad is not None, alibi=alibi_slopes is not None)
+    plan = cache.plan(dispatch.Query.of(q, **flags))
     if k is not None:
-        cache.append(k, v, cache_seqlens=None if own else start, batch_idx=bidx)
+        cache.append(k, v, cache_seqlens=cache_seqlens, batch_idx=bidx)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-
-    reason = cache.fused_reason(q)
-    if reason is None:
-        extras = local or softcap != 0.0 or cache_leftpad is not None
-        for bad, what in (
-            (alibi_slopes is not None, "alibi_slopes"),
-            (
-                (cache.fp16_window or cache.sink_tokens) and extras,
-                "window_size / softcap / cache_leftpad with an fp16 window or sink tokens",
-            ),
-            (cache.rope_center and extras, "window_size / softcap / cache_leftpad with key_center='rope'"),
-            (softcap != 0.0 and cache.key_center, "softcap with key centering (the kernel's scores lack q . mu)"),
-        ):
-            if bad:
-                reason = f"{what} is not supported by the fused kernel"
-                break
-    if reason is None:
-        _took("quantized:fused-cuda")
+    _took(plan.path)
+    if plan.fused:
         leftpad = None if cache_leftpad is None else cache_leftpad.to(device=device, dtype=torch.int32).contiguous()
+        window = window_size if local else (-1, -1)
         out, lse = cache.attend(
-            q,
-            lens,
-            bidx,
-            softmax_scale,
-            causal,
-            num_splits,
-            window_size if local else (-1, -1),
-            leftpad,
-            softcap,
-            with_lse=return_softmax_lse,
+            q, lens, bidx, softmax_scale, causal, num_splits, window, leftpad, softcap, return_softmax_lse, plan=plan
         )
     else:
-        _took(f"quantized:reference ({reason})")
-        rows = cache.row_index(bidx) if bidx is not None else torch.arange(batch, device=device)
-        k_deq, v_deq = cache.dequantize(rows)
-        out, lse = baseline.attention_reference(
-            q,
-            k_deq,
-            v_deq,
-            softmax_scale=softmax_scale,
-            causal=causal,
-            window_size=window_size,
-            softcap=softcap,
-            alibi_slopes=alibi_slopes,
-            key_lengths=lens,
-            key_start=cache_leftpad,
+        out, lse = reference.attention(
+            q, cache, bidx, lens, softmax_scale, causal, window_size, softcap, alibi_slopes, cache_leftpad
         )
-        out = out.to(q.dtype)
-        if bidx is not None:  # (rows outside the cache: NaN, as the kernels write them)
-            outside = (bidx < 0) | (bidx >= cache.batch_size)
-            out = out.masked_fill(outside.view(-1, 1, 1, 1), math.nan)
-            lse = lse.masked_fill(outside.view(-1, 1, 1), math.nan)
     return (out, lse) if return_softmax_lse else out

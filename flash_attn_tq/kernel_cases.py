@@ -11,7 +11,11 @@ PREFILL_BITS = ((3, 3), (4, 3))
 FUSED_PAIR_BITS = (((3, 3), (8, 8)), ((4, 3), (8, 8)))
 # query rows a kv head (GQA group x seqlen_q) from which the prefill kernel runs
 PREFILL_MIN_ROWS = 128
+# ... and from which its Hopper variant (wgmma; sm_90a builds) runs
+WGMMA_MIN_ROWS = 256
 # a ring of window codes (window_bits) the decode launch attends: its width, and the codes' (k_bits,
 # v_bits) beside it (scale-only metadata, contiguous caches with sinks; decode-sized calls)
 FUSED_RING_WINDOW_BITS = 4
 FUSED_RING_BITS = ((3, 3), (4, 3))
+# (quantizer, grid, fit) the quantize-on-write kernel implements -> the kernel's quant id
+PACK_QUANTIZERS = {('turbo', 'uniform', 'norm'): 0, ('turbo', 'lloyd_max', 'norm'): 1, ('asym', 'uniform', 'norm'): 2, ('turbo', 'uniform', 'mean'): 3}

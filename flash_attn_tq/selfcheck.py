@@ -16,7 +16,7 @@ import torch
 
 import flash_attn_tq as fa
 from flash_attn_tq import baseline, ops
-from flash_attn_tq.cache import rope_turn
+from flash_attn_tq.keys import rope_turn
 from flash_attn_tq.quantizers import grid_mse
 
 

@@ -29,7 +29,7 @@ import torch
 import flash_attn_tq as fa
 from flash_attn_tq import baseline
 from flash_attn_tq import format as fmt
-from flash_attn_tq.cache import rope_turn
+from flash_attn_tq.keys import rope_turn
 from flash_attn_tq.quantizers import grid_mse
 
 ROUNDING_FACTOR = 4.0  # the attention error may be this many times the 16-bit rounding error ...
@@ -160,7 +160,7 @@ def check_codec(cache: fa.QuantizedKVCache, k: torch.Tensor, v: torch.Tensor, ju
     bpe = cache.bits_per_element()
     checks.append(Check("bits/element", bpe, expected, bpe == expected == measured))
     S = k.shape[1]
-    coded = slice(cache.sink_tokens, S - cache.side_ring)
+    coded = slice(cache.sink_tokens, S - cache.side_recent)
     kd, vd = cache.dequantize()
     for name, x, xd, bits in (("K", k, kd, cache.k_bits), ("V", v, vd, cache.v_bits)):
         x, xd = x[:, coded].float().to(xd.device), xd[:, coded]

@@ -262,9 +262,9 @@ def test_center_on_strongest_pairs():
     gen = torch.Generator().manual_seed(0)
     k = torch.randn(2, 40, 3, d, generator=gen) + 3 * torch.randn(2, 1, 3, d, generator=gen)
     cache.calibrate(k, positions=torch.arange(40).expand(2, -1))
-    full = cache.k_shift.clone()
+    full = cache.k_center.clone()
     eval_quality.Sim.keep_center_pairs(cache, 8)
-    kept = cache.k_shift
+    kept = cache.k_center
     energy = full[..., : d // 2] ** 2 + full[..., d // 2 :] ** 2
     top = torch.zeros_like(energy, dtype=torch.bool).scatter_(-1, energy.topk(8, dim=-1).indices, True)
     mask = torch.cat([top, top], -1)

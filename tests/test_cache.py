@@ -259,23 +259,67 @@ def test_quantized_window(layout, quantizer, window_bits):
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="fp16 window after a rollback (append at cache_seqlens < seqlens): ring "
-    "slots of positions [start + n - R, start) still hold newer, discarded tokens and are "
-    "returned as if they were those positions",
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(quantizer="asym", fp16_window=8),
+        dict(fp16_window=8, sink_tokens=3),
+        dict(fp16_window=8, window_bits=4, sink_tokens=3),
+        dict(fp16_window=8, sink_tokens=2, page_size=16),
+        dict(fp16_window=8, sink_tokens=2, key_center="rope", calib_min_tokens=1),
+    ],
 )
-def test_fp16_window_after_rollback():
+@pytest.mark.parametrize("how", ["append", "crop"])
+def test_recent_slots_after_rollback(options, how):
+    """A rollback (an append at cache_seqlens below a row's length, or crop) leaves no discarded token
+    in the recent slots: positions whose slot a later, discarded token overwrote read their codes'
+    value, the others keep their 16-bit (or window-code) value; rows that do not roll back are
+    untouched."""
     R = 8
-    cache = QuantizedKVCache(1, 64, 1, 64, quantizer="asym", fp16_window=R)
+    if options.get("key_center") == "rope":
+        options = dict(options, rope_inv_freq=1.0 / 10000.0 ** (torch.arange(0, 64, 2).float() / 64))
+    cache = QuantizedKVCache(2, 64, 1, 64, **options)
     g = torch.Generator().manual_seed(1)
-    k = torch.randn(1, 20, 1, 64, generator=g).half()
-    cache.append(k, k)
-    k2 = torch.randn(1, 1, 1, 64, generator=g).half()
-    cache.append(k2, k2, cache_seqlens=15)  # speculative decoding: drop 5 tokens, write 1
-    kd, _ = cache.dequantize()
-    assert cache.seqlens.tolist() == [16]
-    assert (kd[0, 8:15] - k[0, 8:15].float()).abs().max() < 0.5
+    k = torch.randn(2, 20, 1, 64, generator=g).half()
+    v = torch.randn(2, 20, 1, 64, generator=g).half()
+    cache.append(k, v)
+    k_codes, v_codes = cache.dequantize(use_window=False)  # what the codes alone hold
+    k_full, v_full = cache.dequantize()
+    k2 = torch.randn(2, 1, 1, 64, generator=g).half()
+    if how == "append":  # speculative decoding: row 0 drops 5 tokens and writes 1, row 1 appends at 20
+        cache.append(k2, k2, cache_seqlens=torch.tensor([15, 20], dtype=torch.int32))
+        assert cache.seqlens.tolist() == [16, 21]
+    else:
+        cache.crop(torch.tensor([15, 20]))
+        assert cache.seqlens.tolist() == [15, 20]
+    kd, vd = cache.dequantize()
+    end = int(cache.seqlens[0])
+    # row 0: positions [end - R, 15) - those older than 20 - R = 12 held discarded tokens' slots
+    rel = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
+    for p in range(end - R, 15):
+        restored = p < 20 - R and p >= cache.sink_tokens
+        for got, codes, full in ((kd, k_codes, k_full), (vd, v_codes, v_full)):
+            if not restored:
+                torch.testing.assert_close(got[0, p], full[0, p], rtol=0, atol=0)
+            elif "window_bits" in options:  # the codes' value again as 4-bit window codes
+                assert rel(got[0, p], codes[0, p]) < 0.15
+            else:
+                torch.testing.assert_close(got[0, p], codes[0, p], rtol=0, atol=1e-3)
+        if restored:  # the position's own token, not the discarded one that held its slot
+            assert rel(kd[0, p], k[0, p].float()) < 0.5 < rel(kd[0, p], k[0, p + R].float())
+    kept = int(cache.seqlens[1]) - R  # the other row's window: its slots untouched
+    torch.testing.assert_close(kd[1, kept:20], k_full[1, kept:20], rtol=0, atol=0)
+    if how == "append":
+        assert (kd[0, 15] - k2[0, 0].float()).abs().max() < (0.05 if "window_bits" not in options else 1.0)
+
+
+def test_crop_refuses_growing_rows():
+    cache = QuantizedKVCache(2, 64, 1, 64, fp16_window=8)
+    cache.append(torch.randn(2, 10, 1, 64).half(), torch.randn(2, 10, 1, 64).half())
+    with pytest.raises(ValueError, match="lengths"):
+        cache.crop(11)
+    with pytest.raises(ValueError, match="lengths"):
+        cache.crop(torch.tensor([1.0, 2.0]))
 
 
 # ----------------------------------------------------------------------------- sizes
@@ -320,9 +364,10 @@ def test_compression_ratio_3bit_128():
 
 
 def assert_same_cache(a, b):
-    for name in QuantizedKVCache._TENSORS:
-        ta, tb = getattr(a, name), getattr(b, name)
-        assert (ta is None) == (tb is None), name
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys() and sa.pop("config") == sb.pop("config")
+    for name, ta in sa.items():
+        tb = sb[name]
         if ta is not None:
             assert torch.equal(ta, tb) or (
                 ta.is_floating_point()
@@ -401,23 +446,25 @@ def test_to_cpu():
     k0, v0 = cache.dequantize()
     assert cache.to("cpu") is cache
     assert cache.device == torch.device("cpu")
-    for name in QuantizedKVCache._TENSORS:
-        t = getattr(cache, name)
-        assert t is None or t.device.type == "cpu"
+    for name, t in cache.state_dict().items():
+        assert name == "config" or t.device.type == "cpu"
     k1, v1 = cache.to(torch.device("cpu")).dequantize()
     assert torch.equal(k0, k1) and torch.equal(v0, v1)
     assert "paged(page_size=16" in repr(cache)
 
 
-def test_kernel_args_side_follows_kv_side():
-    """The kernel gets views of the cache's kv_side as it is now (kept beside it, replaced with it)."""
+def test_stores_side_follows_kv_side():
+    """The decode op gets views of the cache's kv_side as it is now (kept beside it, replaced with it)."""
+    from flash_attn_tq import ops
+
     cache = QuantizedKVCache(2, 64, 2, 64, sink_tokens=4, fp16_window=8)
     for _ in range(2):
-        args = cache.kernel_args(2)
-        for i, name in enumerate(("side_k", "side_v")):
-            assert args[name].data_ptr() == cache.kv_side[i].data_ptr() and args[name].shape == cache.kv_side[i].shape
+        (side,) = [s for s in cache.stores(2) if s.kind == ops.SIDE]
+        assert (side.a, side.b) == (4, 8)
+        for i, t in enumerate(side.tensors):
+            assert t.data_ptr() == cache.kv_side[i].data_ptr() and t.shape == cache.kv_side[i].shape
         cache.kv_side = cache.kv_side.clone()  # (as .to() replaces it)
-    assert "side_k" not in QuantizedKVCache(2, 64, 2, 64).kernel_args(2)
+    assert [s.kind for s in QuantizedKVCache(2, 64, 2, 64).stores(2)] == [ops.CODES]
 
 
 # ----------------------------------------------------------------------------- streaming asym

@@ -14,6 +14,7 @@ from gpu_cases import DECODE_CASES, DEV, NEEDS_GPU, PREFILL_CASES, poison_alloca
 import flash_attn_tq as fa
 from flash_attn_tq import baseline, ops
 from flash_attn_tq import format as fmt
+from flash_attn_tq import dispatch
 from flash_attn_tq.cache import QuantizedKVCache
 
 pytestmark = NEEDS_GPU
@@ -469,7 +470,7 @@ def test_torch_compile_traces_the_op():
     q = torch.randn(2, 1, 4, 64, device=DEV, dtype=torch.bfloat16)
 
     def f(qq):
-        return ops.decode(qq, cache.seqlens, None, 0.125, False, 2, **cache.kernel_args(qq.shape[0]))[0]
+        return cache.attend(qq, cache.seqlens, None, 0.125, False, 2, plan=dispatch.Plan("decode"))[0]
 
     compiled = torch.compile(f, fullgraph=True)
     torch.testing.assert_close(compiled(q), f(q))
@@ -699,7 +700,7 @@ def test_pack_kernel_fit_mean_matches_reference(bits, d, dtype):
     gen = torch.Generator(device=DEV).manual_seed(31 * bits + d)
     x = (torch.randn(1, n, h, d, device=DEV, generator=gen) + 0.7).to(dtype)  # a nonzero mean to fit
     cache = QuantizedKVCache(1, n, h, d, k_bits=bits, v_bits=bits, fit="mean", device=DEV)
-    assert cache.pack_reason(x) is None
+    assert cache.write_plan(x.dtype).kernel
     cache.k_codes.fill_(0xCD)
     cache.k_meta.fill_(float("nan"))
     cache.append(x, x)
@@ -751,5 +752,6 @@ def test_decode_kernel_many_query_rows(dtype):
     cache, _, _ = _make_cache(2, [700, 1500], 2, 128, dtype=dtype, seed=17)
     q = torch.randn(2, 257, 8, 128, device=DEV, dtype=dtype)
     poison_allocator()
-    out, lse = ops.decode(q, cache.seqlens, None, 128**-0.5, True, 0, **cache.kernel_args(q.shape[0]))
+    assert cache.plan(dispatch.Query.of(q)).kernel.startswith("prefill")
+    out, lse = cache.attend(q, cache.seqlens, None, 128**-0.5, True)
     _check_against_reference(q, cache, out, lse, True)

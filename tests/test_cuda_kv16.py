@@ -154,7 +154,8 @@ def test_kv16_errors_name_the_argument():
     q64 = q[..., :64].contiguous()
     with pytest.raises(RuntimeError, match="16-byte aligned"):
         ops.decode_kv16(q64, k[..., 1:65], v[..., 1:65], lens, None, None, 0.1, False, 0)
-    assert "16-byte" in ops.kv16_decode_unsupported(q64, k[..., 1:65], v[..., 1:65], None)
+    fa.flash_attn_with_kvcache(q64, k[..., 1:65], v[..., 1:65], cache_seqlens=lens)  # not our kernel's: the baseline
+    assert fa.last_path() != "baseline:fused-kv16-cuda"
     with pytest.raises(RuntimeError, match="seqlens_k"):
         ops.decode_kv16(q, k, v, lens.long(), None, None, 0.1, False, 0)
 

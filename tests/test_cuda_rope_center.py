@@ -14,7 +14,8 @@ from gpu_cases import DECODE_CASES, DEV, NEEDS_GPU, poison_allocator, shuffled_b
 
 import flash_attn_tq as fa
 from flash_attn_tq import baseline
-from flash_attn_tq.cache import QuantizedKVCache, rope_turn
+from flash_attn_tq.cache import QuantizedKVCache
+from flash_attn_tq.keys import rope_turn
 
 pytestmark = NEEDS_GPU
 
@@ -95,7 +96,7 @@ def _check(q, cache, out, lse, causal, seqlens):
     bound = 2 * err_lp + torch.finfo(dt).eps * ref.abs().max().item() + 2e-3
     assert err <= bound, (err, err_lp)
     # the term's float16 operands: one float16 rounding of its size, |q . R(p) c| <= |q| |c| (scaled)
-    term = q.shape[-1] ** -0.5 * q.float().norm(dim=-1).max().item() * cpu.k_shift.norm(dim=-1).max().item()
+    term = q.shape[-1] ** -0.5 * q.float().norm(dim=-1).max().item() * cpu.k_center.norm(dim=-1).max().item()
     lse_err, lse_lp_err = (lse.cpu() - ref_lse).abs().max().item(), (lp_lse - ref_lse).abs().max().item()
     assert lse_err <= 2 * lse_lp_err + 1e-3 + 2**-11 * term, (lse_err, lse_lp_err, term)
     if min(seqlens) > 32:  # the term matters: without it the output is far off
@@ -206,7 +207,7 @@ def test_rope_center_op_errors_name_the_argument():
         None,
         0.0,
     )
-    center, inv = cache.k_shift[:1].contiguous(), cache.rope_inv_freq
+    center, inv = cache.k_center[:1].contiguous(), cache.rope_inv_freq
     with pytest.raises(RuntimeError, match="together"):
         torch.ops.flash_attn_tq.decode_kvcache(*args, center, None, 0)
     with pytest.raises(RuntimeError, match="rope_center must be"):

@@ -14,9 +14,11 @@ import torch
 from gpu_cases import DEV, NEEDS_GPU, poison_allocator, shuffled_block_table
 
 import flash_attn_tq as fa
+from flash_attn_tq import dispatch
 from flash_attn_tq import baseline
 from flash_attn_tq import format as fmt
-from flash_attn_tq.cache import QuantizedKVCache, rope_turn
+from flash_attn_tq.cache import QuantizedKVCache
+from flash_attn_tq.keys import rope_turn
 
 pytestmark = NEEDS_GPU
 
@@ -98,7 +100,7 @@ def _check(q, cache, out, lse, causal, rows=None):
     term = 0.0
     if cache.rope_center:
         lp, lp_lse = baseline.attention_reference(q, kd.to(dt), vd.to(dt), causal=causal, key_lengths=lens)
-        term = 2**-11 * scale * q.float().norm(dim=-1).max().item() * cache.k_shift.norm(dim=-1).max().item()
+        term = 2**-11 * scale * q.float().norm(dim=-1).max().item() * cache.k_center.norm(dim=-1).max().item()
     else:
         kr, vr = cache.dequantize(rows, rotated=True)
         lp, lp_lse = baseline.attention_reference(
@@ -322,7 +324,7 @@ def test_ring_of_window_codes_in_the_launch(
     """window_bits=4 (NO_FP16_WINDOW's form): the ring of 4-bit window codes attended by the decode
     launch itself (no pass of its own), beside the codes and the sinks' side, against float32 over
     the dequantized cache."""
-    monkeypatch.setattr("flash_attn_tq.cache.window_attention", lambda *a: pytest.fail("the ring's own pass ran"))
+    monkeypatch.setattr("flash_attn_tq.reference.window_attention", lambda *a: pytest.fail("the ring's own pass ran"))
     cache = _cache(
         batch,
         seqlens,
@@ -337,8 +339,8 @@ def test_ring_of_window_codes_in_the_launch(
         v_bits=bits[1],
         seed=len(seqlens) + d,
     )
-    assert cache.ring_reason(torch.zeros(batch, seqlen_q, hk * group, d)) is None
     q = torch.randn(batch, seqlen_q, hk * group, d, device=DEV, dtype=dtype)
+    assert cache.plan(dispatch.Query.of(q)).kernel == "ring"
     poison_allocator()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         out, lse = fa.flash_attn_with_kvcache(q, cache, causal=True, num_splits=splits, return_softmax_lse=True)
@@ -377,7 +379,7 @@ def test_pack_writes_the_ring_of_window_codes(d, dtype, center, scale_only, monk
     for c, kernel in zip(caches, (True, False)):
         with monkeypatch.context() as m:
             if not kernel:
-                m.setattr(QuantizedKVCache, "pack_reason", lambda self, x: "the PyTorch writes")
+                m.setattr(QuantizedKVCache, "write_plan", lambda self, dtype: dispatch.WritePlan(False, reason="PyTorch"))
             for x in chunks:
                 c.append(x, x.flip(-1))
     got, ref = caches
@@ -451,7 +453,7 @@ def test_side_two_head_groups_one_launch(batch, seqlens, hk1, hk2, at, group, se
     what the cache holds."""
     a, b = _pair(batch, seqlens, hk1, hk2, d, dtype, center, bits)
     q = torch.randn(batch, seqlen_q, (hk1 + hk2) * group, d, device=DEV, dtype=dtype)
-    assert a.pair_reason(b, q) is None
+    assert _pair_reason(a, b, q) is None
     heads_a, heads_b = _layer_heads(hk1, hk2, at, group)
     lens, scale = a.seqlens[:batch], d**-0.5
     for splits in (0, 1, 5):
@@ -500,18 +502,23 @@ def test_side_two_head_groups_wide_tiles_own_splits():
     _check_pair_on_wide_tiles(_pair(8, lens, 7, 1, 64, torch.float16, "rope", (3, 3)), 7, 1, 3, num_splits=0)
 
 
+def _pair_reason(a, b, q):
+    """Why one launch cannot attend q over head groups a and b (None: it can)."""
+    return a.plan(dispatch.Query.of(q), pair=(b, 0)).reason
+
+
 def test_side_two_head_groups_reasons():
-    """What one launch for two head groups does not take, said by pair_reason (those calls run a launch a group)."""
+    """What one launch for two head groups does not take, said by the plan (those calls run a launch a group)."""
     a, b = _pair(2, [300, 40], 2, 1, 64, torch.float16, "rope", (3, 3))
     q = torch.randn(2, 1, 9, 64, device=DEV, dtype=torch.float16)
-    assert a.pair_reason(b, q) is None
-    assert "K8V8 beside K3V3" in b.pair_reason(a, q)
-    assert "decode-sized" in a.pair_reason(b, torch.randn(2, 50, 9, 64, device=DEV, dtype=torch.float16))
+    assert _pair_reason(a, b, q) is None and a.plan(dispatch.Query.of(q), pair=(b, 0)).kernel == "pair"
+    assert "K8V8 beside K3V3" in _pair_reason(b, a, q)
+    assert "decode-sized" in _pair_reason(a, b, torch.randn(2, 50, 9, 64, device=DEV, dtype=torch.float16))
     c = _cache(2, [300, 40], 1, 64, sinks=8, window=112, center="rope", k_bits=8, v_bits=8, capacity=309)
-    assert "differ in sink_tokens" in a.pair_reason(c, q)
+    assert "differ in sink_tokens" in _pair_reason(a, c, q)
     no_side = dict(sinks=0, window=0, capacity=309)
     plain = [_cache(2, [300, 40], h, 64, k_bits=kb, v_bits=kb, **no_side) for h, kb in ((2, 3), (1, 8))]
-    assert "16-bit side" in plain[0].pair_reason(plain[1], q)
+    assert "16-bit side" in _pair_reason(plain[0], plain[1], q)
 
 
 def test_side_cuda_graph():

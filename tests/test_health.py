@@ -11,7 +11,7 @@ import torch
 
 import flash_attn_tq as fa
 from flash_attn_tq import ops
-from flash_attn_tq.cache import HEALTH_COUNTERS, health_reports
+from flash_attn_tq.health import HEALTH_COUNTERS, health_reports
 from flash_attn_tq.quantizers import TurboQuantizer
 
 GPU = torch.cuda.is_available() and ops.extension_available()

@@ -34,7 +34,7 @@ def test_centering_is_exact_on_scores(quantizer):
     cache.append(k, v)
     assert bool(cache.calibrated.all())
     torch.testing.assert_close(cache.untransform_keys(cache.transform_keys(k)), k, rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(cache.k_shift, k.mean(1))
+    torch.testing.assert_close(cache.k_center, k.mean(1))
     # q . (k - mu) + q . mu == q . k for the centered keys the quantizer sees
     kt = cache.transform_keys(k)
     group = Hq // H
@@ -78,7 +78,7 @@ def test_window_holds_centered_keys_and_state_dict():
     cache = QuantizedKVCache(B, 64, H, d, key_center=True, fp16_window=8)
     cache.append(k[:, :30], v[:, :30])
     cache.append(k[:, 30:], v[:, 30:])  # calibration stays the first chunk's
-    torch.testing.assert_close(cache.k_shift, k[:, :30].mean(1))
+    torch.testing.assert_close(cache.k_center, k[:, :30].mean(1))
     k_hat, _ = cache.dequantize()
     torch.testing.assert_close(k_hat[:, S - 8 : S], k[:, S - 8 :].half().float(), rtol=2e-3, atol=2e-2)
     clone = QuantizedKVCache.from_state_dict(cache.state_dict())
@@ -90,7 +90,7 @@ def test_short_first_chunk_keeps_identity():
     cache = QuantizedKVCache(1, 32, 1, 64, key_center=True, calib_min_tokens=16)
     cache.append(torch.randn(1, 4, 1, 64) + 3, torch.randn(1, 4, 1, 64))
     assert bool(cache.calibrated.all())
-    assert float(cache.k_shift.abs().max()) == 0.0
+    assert float(cache.k_center.abs().max()) == 0.0
 
 
 def test_research_options_are_not_in_the_product():
@@ -215,7 +215,7 @@ def test_query_shift_of_selected_rows():
     cache.append(keys_with_offset(B, S, H, d, seed=9), torch.randn(B, S, H, d))
     rows = torch.tensor([2, 0], dtype=torch.int32)
     q = torch.randn(2, 3, Hq, d)
-    mu = cache.k_shift[rows.long()].repeat_interleave(Hq // H, 1)
+    mu = cache.k_center[rows.long()].repeat_interleave(Hq // H, 1)
     torch.testing.assert_close(cache.query_shift(q, rows), torch.einsum("bshd,bhd->bhs", q, mu))
     torch.testing.assert_close(cache.query_shift(q), cache.query_shift(q, torch.tensor([0, 1])))
 
@@ -247,7 +247,7 @@ def test_rope_center_is_the_mean_pre_rope_key_and_exact():
     cache.append(k[:, :first], v[:, :first])
     cache.append(k[:, first:], v[:, first:])
     unturned = rope(k[:, :first], -torch.arange(first).float(), inv)  # R(-p) k: the pre-RoPE keys
-    torch.testing.assert_close(cache.k_shift, unturned.mean(1), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(cache.k_center, unturned.mean(1), rtol=1e-4, atol=1e-4)
     pos = torch.arange(S).expand(B, -1)
     torch.testing.assert_close(
         cache.untransform_keys(cache.transform_keys(k, positions=pos), positions=pos), k, rtol=1e-5, atol=1e-4

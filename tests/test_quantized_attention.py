@@ -144,8 +144,8 @@ def test_matches_float64_reference(quantizer, bits, d, heads, L, seqlen_q, causa
     ctx = [L - seqlen_q, (L - seqlen_q) // 2, max(0, L - seqlen_q - 3)]  # per-sequence lengths
     fill_rows(cache, ctx, gen)
     q = torch.randn(B, seqlen_q, Hq, d, generator=gen) * 1.5
-    k = torch.randn(B, seqlen_q, Hkv, d, generator=gen).half()
-    v = torch.randn(B, seqlen_q, Hkv, d, generator=gen).half()
+    k = torch.randn(B, seqlen_q, Hkv, d, generator=gen)  # (new k / v in q's dtype, as upstream requires)
+    v = torch.randn(B, seqlen_q, Hkv, d, generator=gen)
     out, lse = flash_attn_with_kvcache(
         q, cache, k=k, v=v, cache_seqlens=torch.tensor(ctx, dtype=torch.int32), causal=causal, return_softmax_lse=True
     )
@@ -272,8 +272,8 @@ def test_fp16_window(quantizer, window_bits, seqlen_q, causal):
     ctx = [40, 2, 11]
     fill_rows(cache, ctx, gen)
     q = torch.randn(3, seqlen_q, 4, 128, generator=gen)
-    k = torch.randn(3, seqlen_q, 2, 128, generator=gen).half()
-    v = torch.randn(3, seqlen_q, 2, 128, generator=gen).half()
+    k = torch.randn(3, seqlen_q, 2, 128, generator=gen).half().float()  # (q's dtype; fp16 values the window keeps)
+    v = torch.randn(3, seqlen_q, 2, 128, generator=gen).half().float()
     out, lse = flash_attn_with_kvcache(q, cache, k=k, v=v, causal=causal, return_softmax_lse=True)
     lens = [c + seqlen_q for c in ctx]
     kd, vd = cache.dequantize()
@@ -301,7 +301,7 @@ def test_window_part_of_the_fused_path(seqlen_q, causal, batch_idx, window_bits)
     """The window attention the fused GPU path merges with the kernel's output (cache.window_attention),
     against float64 attention over the window's tokens: causal queries must not see newer window keys,
     rows shorter than the window only their own tokens."""
-    from flash_attn_tq.cache import window_attention
+    from flash_attn_tq.reference import window_attention
 
     R = 8
     gen = torch.Generator().manual_seed(seqlen_q + 2 * causal)
@@ -326,8 +326,8 @@ def test_fp16_window_covering_everything_is_full_precision():
     R = 16
     gen = torch.Generator().manual_seed(5)
     cache = QuantizedKVCache(2, 40, 1, 64, fp16_window=R)
-    k = torch.randn(2, 13, 1, 64, generator=gen).half()
-    v = torch.randn(2, 13, 1, 64, generator=gen).half()
+    k = torch.randn(2, 13, 1, 64, generator=gen).half().float()  # (q's dtype; fp16 values the window keeps)
+    v = torch.randn(2, 13, 1, 64, generator=gen).half().float()
     q = torch.randn(2, 13, 3, 64, generator=gen)
     out = flash_attn_with_kvcache(q, cache, k=k, v=v, causal=True)
     exp, _ = ref_attention(q, k, v, [13, 13], causal=True)
@@ -688,28 +688,19 @@ def test_quality_peaked_attention():
 
 
 def _stand_in_kernel(monkeypatch, cache):
-    """Let the fused branch run on the CPU: the cache's kernels report themselves usable and ops.decode
-    becomes _cpu_stand_in_for_the_kernel over ``cache`` (checking it gets the cache's own tensors)."""
+    """Let the fused branch run on the CPU: dispatch plans fused launches (the cpu_as_gpu fixture) and
+    ops.decode becomes _cpu_stand_in_for_the_kernel over ``cache`` (checking it gets the cache's own
+    tensors)."""
     from flash_attn_tq import ops
 
-    def decode(
-        q,
-        seqlens_k,
-        batch_idx,
-        softmax_scale,
-        causal,
-        num_splits,
-        window_size=(-1, -1),
-        leftpad=None,
-        softcap=0.0,
-        **args,
-    ):
-        assert args["k_codes"] is cache.k_codes and args["codes_tail"] == cache.fp16_window
+    def decode(q, stores, seqlens_k, batch_idx=None, *, softmax_scale, causal, window_size=(-1, -1), leftpad=None,
+               softcap=0.0, **options):  # fmt: skip
+        codes = stores[0]
+        assert codes.kind == ops.CODES and codes.tensors[0] is cache.k_codes and codes.a == cache.fp16_window
         return _cpu_stand_in_for_the_kernel(
             q, cache, seqlens_k, batch_idx, softmax_scale, causal, window_size, leftpad, softcap
         )
 
-    monkeypatch.setattr(QuantizedKVCache, "fused_reason", lambda self, q: None)
     monkeypatch.setattr(ops, "decode", decode)
 
 
@@ -738,7 +729,7 @@ def _cpu_stand_in_for_the_kernel(
 
 @pytest.mark.parametrize("seqlen_q", [1, 4, 30])
 @pytest.mark.parametrize("options", ["sinks", "sinks-window", "tqcache-default"])
-def test_sinks_are_kept_in_16_bit(monkeypatch, seqlen_q, options):
+def test_sinks_are_kept_in_16_bit(monkeypatch, cpu_as_gpu_later, seqlen_q, options):
     """sink_tokens: the first tokens of each sequence attended in 16-bit (raw), the rest from the
     codes (and the window): the reference path equals float32 attention over exactly that, and the
     fused branch's Python side (stand-in kernel) equals the reference path."""
@@ -764,6 +755,7 @@ def test_sinks_are_kept_in_16_bit(monkeypatch, seqlen_q, options):
     out, lse = flash_attn_with_kvcache(q.float(), cache, causal=True, softmax_scale=0.125, return_softmax_lse=True)
     assert last_path().startswith("quantized:reference")
     assert rel_err(out.float(), expected) < 1e-5
+    cpu_as_gpu_later()
     _stand_in_kernel(monkeypatch, cache)
     fused, fused_lse = flash_attn_with_kvcache(q, cache, causal=True, softmax_scale=0.125, return_softmax_lse=True)
     assert last_path() == "quantized:fused-cuda"
@@ -791,7 +783,7 @@ def test_side_slots_after_many_appends():
 @pytest.mark.parametrize("seqlen_q", [1, 4])
 @pytest.mark.parametrize("options", ["plain", "window", "tqcache-default", "local", "leftpad-softcap"])
 @pytest.mark.parametrize("batch_idx", [None, [2, 0]])
-def test_fused_branch_python_side_matches_reference_path(monkeypatch, seqlen_q, options, batch_idx):
+def test_fused_branch_python_side_matches_reference_path(monkeypatch, cpu_as_gpu_later, seqlen_q, options, batch_idx):
     """The GPU path's Python side (window part, log-sum-exp merge, key/value transforms, lse shift)
     run on the CPU with a stand-in for the kernel, against the reference path on the same cache."""
     kw = {
@@ -818,6 +810,7 @@ def test_fused_branch_python_side_matches_reference_path(monkeypatch, seqlen_q, 
         q.float(), cache, cache_batch_idx=bidx, causal=True, window_size=local, return_softmax_lse=True, **extra
     )
     assert last_path().startswith("quantized:reference")
+    cpu_as_gpu_later()
     _stand_in_kernel(monkeypatch, cache)
     out, lse = flash_attn_with_kvcache(
         q, cache, cache_batch_idx=bidx, causal=True, window_size=local, return_softmax_lse=True, **extra

@@ -300,7 +300,7 @@ def test_without_cache_falls_back_to_sdpa():
 def test_pack_errors_are_read_back_once_a_forward():
     """The layers share one pack-error word; only the last quantized layer reads it back (one host
     sync a step on the GPU), and a read raises for any bit set and clears it."""
-    from flash_attn_tq.cache import PackErrors
+    from flash_attn_tq.health import PackErrors
 
     model = tiny_model(layers=3)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)

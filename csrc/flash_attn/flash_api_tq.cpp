@@ -866,34 +866,20 @@ void pack_kv(const at::Tensor &x,                            // [tokens, heads, 
 
 TORCH_LIBRARY(flash_attn_tq, m) {
     m.def(
-        "decode_kvcache(Tensor q, Tensor k_codes, Tensor k_meta, Tensor v_codes, Tensor v_meta, Tensor seqlens_k, "
-        "Tensor? cache_batch_idx, Tensor? block_table, Tensor? rot_signs, int k_bits, int v_bits, float softmax_scale, "
-        "bool is_causal, "
-        "int num_splits, int window_left=-1, int window_right=-1, Tensor? cache_leftpad=None, float softcap=0.0, "
-        "Tensor? rope_center=None, Tensor? rope_inv_freq=None, int rope_offset=0, Tensor? side_k=None, "
-        "Tensor? side_v=None, int side_sinks=0, int side_ring=0, int codes_tail=0, Tensor? g2_k_codes=None, "
-        "Tensor? g2_k_meta=None, Tensor? g2_v_codes=None, Tensor? g2_v_meta=None, int g2_k_bits=0, int g2_v_bits=0, "
-        "Tensor? g2_rope_center=None, Tensor? g2_side_k=None, Tensor? g2_side_v=None, int g2_head=0, "
-        "Tensor? ring_k_codes=None, Tensor? ring_k_meta=None, Tensor? ring_v_codes=None, Tensor? ring_v_meta=None) -> "
-        "(Tensor, Tensor)");
+        "decode_kvcache(Tensor q, Tensor seqlens_k, Tensor? cache_batch_idx, Tensor? block_table, "
+        "Tensor? cache_leftpad, Tensor[] stores, int[] layout, Tensor? rot_signs, Tensor? rope_inv_freq, "
+        "int rope_offset, int kernel, float softmax_scale, bool is_causal, int num_splits, int window_left, "
+        "int window_right, float softcap) -> (Tensor, Tensor)");
     m.def(
-        "decode_kv16(Tensor q, Tensor k_cache, Tensor v_cache, Tensor seqlens_k, Tensor? cache_batch_idx, "
-        "Tensor? block_table, float softmax_scale, bool is_causal, int num_splits) -> (Tensor, Tensor)");
-    m.def(
-        "pack_kv(Tensor x, Tensor? slot_mapping, Tensor? start, Tensor? batch_idx, Tensor? block_table, Tensor(a!) "
-        "codes, "
-        "Tensor(b!) meta, Tensor(c!)? error_flags, int capacity, int bits, int quant, Tensor? signs, Tensor? levels, "
-        "float step, Tensor(d!)? side=None, int side_sinks=0, int side_ring=0, Tensor? rope_center=None, "
-        "Tensor? rope_inv_freq=None, int rope_offset=0, Tensor? v=None, Tensor(e!)? v_codes=None, "
-        "Tensor(f!)? v_meta=None, int v_bits=0, float v_step=1.0, Tensor? v_signs=None, Tensor? v_levels=None, "
-        "Tensor(g!)? v_side=None, Tensor(h!)? lengths=None, Tensor(i!)? tally=None, Tensor(j!)? ring_codes=None, "
-        "Tensor(k!)? ring_meta=None, Tensor(l!)? v_ring_codes=None, Tensor(m!)? v_ring_meta=None, int ring_bits=0, "
-        "float ring_step=1.0) -> ()");
+        "pack_kv(Tensor k, Tensor? v, Tensor? slot_mapping, Tensor? start, Tensor? batch_idx, Tensor? block_table, "
+        "Tensor(a!)[] stores, int[] layout, float[] steps, Tensor? k_signs, Tensor? v_signs, Tensor? k_levels, "
+        "Tensor? v_levels, Tensor? rope_center, Tensor? rope_inv_freq, int rope_offset, Tensor(b!)? error_flags, "
+        "Tensor(c!)? lengths, Tensor(d!)? tally, int capacity, int quant) -> ()");
+    m.def("build_info() -> int[]", &flash_tq::build_info);  // (no tensors: a catch-all kernel)
 }
 
 TORCH_LIBRARY_IMPL(flash_attn_tq, CUDA, m) {
     m.impl("decode_kvcache", &flash_tq::decode_kvcache);
-    m.impl("decode_kv16", &flash_tq::decode_kv16);
     m.impl("pack_kv", &flash_tq::pack_kv);
 }
 

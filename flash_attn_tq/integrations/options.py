@@ -7,7 +7,8 @@ from typing import Mapping
 
 import torch
 
-from ..cache import QuantizedKVCache, scale_only_fits
+from ..cache import QuantizedKVCache
+from ..spec import scale_only_fits
 
 # The default configuration (chosen by benchmarks/eval_quality.py; see benchmarks/results/quality.md).
 DEFAULTS = dict(

@@ -36,11 +36,12 @@ try:
 except ImportError as e:  # pragma: no cover - exercised only without transformers
     raise ImportError("flash_attn_tq.integrations.transformers needs transformers >= 5") from e
 
-from ..baseline import is_int
-from ..cache import PackErrors, QuantizedKVCache, capturing, health_reports
-from ..format import bits_per_element as _format_bits
-from ..interface import flash_attn_with_kvcache
-from ..kernel_cases import FUSED_PAIR_BITS
+from .. import dispatch
+from ..cache import QuantizedKVCache
+from ..health import PackErrors, health_reports
+from ..interface import attend_with_plan
+from ..ops import capturing
+from ..spec import CacheSpec, is_int
 from .options import (
     DEFAULTS,
     NO_FP16_WINDOW,
@@ -145,19 +146,12 @@ class TQLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def _one_launch_pair(self) -> tuple[int, int] | None:
-        """(a, b): two head groups one kernel launch can attend (FUSED_PAIR_BITS; group b a run of
-        adjacent kv heads, their options the same but the bits), else None."""
+        """(a, b): two head groups one kernel launch can attend (group b a run of adjacent kv heads;
+        :func:`dispatch.pair_order`), else None."""
         if len(self.groups) != 2:
             return None
-        opts = [self.group_kwargs(g) for g in range(2)]
-        bits = [(o.get("k_bits", 3), o.get("v_bits", 3)) for o in opts]
-        rest = [{k: v for k, v in o.items() if k not in ("k_bits", "v_bits")} for o in opts]
-        if rest[0] != rest[1]:  # (the same objects but for the head options' scalars)
-            return None
-        for a, b in ((0, 1), (1, 0)):
-            if _adjacent(self.groups[b]) and (bits[a], bits[b]) in FUSED_PAIR_BITS:
-                return a, b
-        return None
+        specs = tuple(CacheSpec.of(**self.group_kwargs(g)) for g in range(2))
+        return dispatch.pair_order(specs, tuple(_adjacent(heads) for heads in self.groups))
 
     def group_kwargs(self, group: int) -> dict:
         """QuantizedKVCache options of head group ``group``."""
@@ -221,15 +215,7 @@ class TQLayer(CacheLayerMixin):
             if needed <= old.max_seqlen:
                 continue
             new = self._new_qcache(g, max(needed, 2 * old.max_seqlen))
-            per_token = ("k_codes", "v_codes", "k_meta", "v_meta")  # [batch, max_seqlen, ...]: the old tokens
-            for name in QuantizedKVCache._TENSORS:  # (contiguous layers: no block_table)
-                if getattr(old, name) is None:
-                    continue
-                if name in per_token:
-                    getattr(new, name)[:, : old.max_seqlen] = getattr(old, name)
-                else:
-                    getattr(new, name).copy_(getattr(old, name))
-            new._calibration_done = old._calibration_done
+            old.copy_into(new)
             self.caches[g] = new
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -314,24 +300,24 @@ class TQLayer(CacheLayerMixin):
     # -- attention
     def attend(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """query ``[B, Hq, Sq, D]`` (the last Sq tokens) -> output ``[B, Sq, Hq, D]``: causal attention
-        over the layer's caches, one :func:`flash_attn_with_kvcache` call a head group, or one decode
-        launch for two head groups that differ in bits only (a 3-bit group beside K8V8 heads: see
-        :meth:`QuantizedKVCache.pair_reason`)."""
+        over the layer's caches, a launch a head group, or one launch for two head groups that differ
+        in bits only (a 3-bit group beside K8V8 heads). Each cache plans a call shape once
+        (:meth:`QuantizedKVCache.plan`); every later step reuses the plan."""
         q = query.transpose(1, 2)
         G = q.shape[2] // self.num_kv_heads
         if self._pair is not None and q.is_cuda:  # both head groups in one launch where the call allows it
             a, b = self._pair
             qa, qb = self.caches[a], self.caches[b]
             qq = q.to(qa.dtype)
-            if qa.pair_reason(qb, qq) is None:
-                lens = qa.seqlens[: q.shape[0]]
-                out, _ = qa.attend(qq, lens, None, scaling, True, with_lse=False, group2=(qb, self.groups[b][0]))
-                return out.to(query.dtype)
+            group2 = (qb, self.groups[b][0])
+            plan = qa.plan(dispatch.Query.of(qq), pair=group2)
+            if plan.fused:
+                return attend_with_plan(qq, qa, plan, scaling, group2=group2).to(query.dtype)
         outs = []
         for g, qc in enumerate(self.caches):
             qg = self._heads(q, g, G)
             qq = qg.to(qc.dtype) if qg.is_cuda else (qg.float() if qg.dtype == torch.float64 else qg)
-            outs.append(flash_attn_with_kvcache(qq, qc, softmax_scale=scaling, causal=True))
+            outs.append(attend_with_plan(qq, qc, qc.plan(dispatch.Query.of(qq)), scaling))
         if len(self.caches) == 1:
             return outs[0].to(query.dtype)
         if self._runs is not None:  # the groups' heads in head order already
@@ -500,14 +486,13 @@ class TQCache(Cache):
                 total += 16.0
                 continue
             for h in range(H):
-                o = dict(self.layer_cache_kwargs(i), **self.head_options.get((i, h), {}))
-                mb = 2 if o.get("scale_only") else 4  # metadata bytes a vector
-                total += (_format_bits(head_dim, o["k_bits"], mb) + _format_bits(head_dim, o["v_bits"], mb)) / (2 * H)
+                spec = CacheSpec.of(**dict(self.layer_cache_kwargs(i), **self.head_options.get((i, h), {})))
+                total += spec.bits_per_element(head_dim) / H
         return total / L
 
     def health(self) -> list[dict | None]:
         """Each layer's health counters (``TQCache(..., health=True)``), its head groups summed, with
-        one host sync (see :func:`flash_attn_tq.cache.health_reports`); None for layers without codes."""
+        one host sync (see :func:`flash_attn_tq.health.health_reports`); None for layers without codes."""
         groups = [getattr(layer, "caches", None) for layer in self.layers]
         reports = iter(health_reports([g for g in groups if g]))
         return [next(reports) if g else None for g in groups]

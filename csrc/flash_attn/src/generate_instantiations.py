@@ -24,6 +24,11 @@ META = (("", "false"), ("_scale", "true"))  # (scale, offset) or scale-only meta
 # Query rows a kv head (GQA group x seqlen_q) from which the prefill kernel (256-row CTAs, each packed
 # tile expanded once into shared memory) replaces the decode kernel (16-row CTAs)
 PREFILL_MIN_ROWS = 128
+# ... and from which its Hopper variant (wgmma; sm_90a builds) replaces its mma.sync one
+WGMMA_MIN_ROWS = 256
+# (quantizer, grid, fit) the quantize-on-write kernel implements -> its Quant (tq_params.h)
+PACK_QUANTIZERS = {("turbo", "uniform", "norm"): 0, ("turbo", "lloyd_max", "norm"): 1, ("asym", "uniform", "norm"): 2,
+                   ("turbo", "uniform", "mean"): 3}
 
 HERE = pathlib.Path(__file__).resolve().parent
 PYTHON_CASES = HERE.parents[2] / "flash_attn_tq" / "kernel_cases.py"
@@ -118,9 +123,12 @@ def main() -> int:
           f"# a 16-bit side; decode-sized calls)\nFUSED_PAIR_BITS = {PAIR_BITS}\n"
           f"# query rows a kv head (GQA group x seqlen_q) from which the prefill kernel runs\n"
           f"PREFILL_MIN_ROWS = {PREFILL_MIN_ROWS}\n"
+          f"# ... and from which its Hopper variant (wgmma; sm_90a builds) runs\nWGMMA_MIN_ROWS = {WGMMA_MIN_ROWS}\n"
           f"# a ring of window codes (window_bits) the decode launch attends: its width, and the codes' (k_bits,\n"
           f"# v_bits) beside it (scale-only metadata, contiguous caches with sinks; decode-sized calls)\n"
-          f"FUSED_RING_WINDOW_BITS = {RING_WINDOW_BITS}\nFUSED_RING_BITS = {RING_BITS}\n")
+          f"FUSED_RING_WINDOW_BITS = {RING_WINDOW_BITS}\nFUSED_RING_BITS = {RING_BITS}\n"
+          f"# (quantizer, grid, fit) the quantize-on-write kernel implements -> the kernel's quant id\n"
+          f"PACK_QUANTIZERS = {PACK_QUANTIZERS}\n")
     if "--check" in sys.argv:
         stale = [str(p) for p, text in OUTPUTS.items() if not p.exists() or p.read_text() != text]
         print("\n".join(f"out of date: {p}" for p in stale) or f"{len(OUTPUTS)} generated files up to date")
