@@ -8,13 +8,13 @@
 #include <torch/library.h>
 
 #include <cmath>
-#include <cstdlib>
 #include <functional>
 #include <limits>
 #include <type_traits>
 
 #include "src/tq_api.h"
 #include "src/tq_cases.h"
+#include "src/tq_heuristics.h"
 
 namespace flash_tq {
 namespace {
@@ -26,45 +26,8 @@ namespace {
 
 #define CHECK_CUDA(t) TQ_CHECK((t).is_cuda(), #t " must be a CUDA tensor")
 
-// Pick num_splits. The busiest SM holds ceil(ctas * s / num_sms) CTAs of 1/s of a sequence each,
-// so time goes as load(s) = ceil(ctas * s / num_sms) / s. Among splits within 5% of the best load,
-// take the first that puts about two CTAs (8 warps) on every SM, else the fewest (each split adds a
-// prologue, a merge and combine work); >= 128 tokens a split. Measured on the H200
-// (benchmarks/results/splits*.md), B=1 x 8 kv heads x 128K tokens: 67 us at 32 splits, 70 us at
-// 16, 98 us at 17 (4 SMs run two CTAs), 81 us at 66; B=8 x 32K: 112 us at 8, 126 us at 2.
-// per_sm_x20: the CTAs an SM to reach, times 20 (38: 1.9). A launch with a 16-bit side asks 2.9:
-// its short side CTAs start after the codes' and take SM slots, and one code split then measured
-// 125 us at 32 x 8K against 94 us with two (92 without the side). side_ctas: that side's CTAs; a
-// split count whose code CTAs are short (< 512 keys) must leave them a slot (kSideSlotsPerSm), or
-// they run as a second wave as long as the first: B=8 x 1K, 6 splits 24.4 us, 2 splits 20.2.
-constexpr int kSideSlotsPerSm = 3;  // one row tile with a side: <= 168 registers, 3 CTAs an SM
-int choose_num_splits(int ctas, int max_seqlen_k, int num_sms, int per_sm_x20 = 38, int side_ctas = 0) {
-    int max_splits = std::max(1, std::min(128, max_seqlen_k / 128));
-    while (side_ctas > 0 && max_splits > 1 && max_seqlen_k / max_splits < 512 &&
-           static_cast<int64_t>(ctas) * max_splits + side_ctas > static_cast<int64_t>(kSideSlotsPerSm) * num_sms) {
-        --max_splits;
-    }
-    auto load = [&](int s) {
-        return static_cast<double>((static_cast<int64_t>(ctas) * s + num_sms - 1) / num_sms) / s;
-    };
-    double best = load(1);
-    for (int s = 2; s <= max_splits; ++s) { best = std::min(best, load(s)); }
-    int fewest = 0;
-    for (int s = 1; s <= max_splits; ++s) {
-        if (load(s) > 1.05 * best) continue;
-        if (fewest == 0) fewest = s;
-        if (static_cast<int64_t>(ctas) * s * 20 >= static_cast<int64_t>(num_sms) * per_sm_x20) return s;
-    }
-    return fewest;
-}
-
-// (kPrefillMinRows, tq_cases.h: the query rows a kv head from which the prefill kernel, 256-row CTAs
-// expanding each tile once into shared memory, replaces the decode kernel, 16-row CTAs expanding
-// every tile in registers themselves)
-constexpr int kPrefillRowsPerCta = 256;
-// ... and from which its wgmma variant (H200: 12-28% less time than mma.sync at 256 rows,
-// 17-26% at 512; a tie at 128)
-constexpr int kWgmmaMinRows = 256;
+// The launch a plan chose (decode_kvcache's `kernel`; flash_attn_tq/ops.py KERNEL_IDS).
+enum class Kernel { kDecode = 0, kPrefill = 1, kPrefillWgmma = 2 };
 
 template <typename Elem>
 constexpr at::ScalarType scalar_type_of() {
@@ -162,15 +125,15 @@ void dispatch_ring(at::ScalarType dtype, int d, int k_bits, int v_bits, int ring
 // What the K/V store holds: packed codes (PackedKV) or the float16/bfloat16 cache itself (Fp16KV).
 enum class Store { kPacked, kFp16 };
 
-// A second head group attended by the same launch (decode_kvcache's g2_* arguments): its kv heads,
-// where they sit among the layer's, its bits, and what sets its packed store on a copy of the params.
+// A second head group attended by the same launch (group 1's stores): its kv heads, where they sit
+// among the layer's, its bits, and what sets its packed store on a copy of the params.
 struct Pair {
     int h_k, head, k_bits, v_bits;
     std::function<void(DecodeParams &)> set_store;
 };
 
-// A ring of window codes attended by the same launch (decode_kvcache's ring_* arguments): what sets
-// its store (and its size as side_ring) on a copy of the params.
+// A ring of window codes attended by the same launch (a window store): what sets its store (and its
+// size as side_ring) on a copy of the params.
 struct Ring {
     int bits;
     std::function<void(DecodeParams &)> set_store;
@@ -183,7 +146,7 @@ std::tuple<at::Tensor, at::Tensor> run_decode_op(
     const std::optional<at::Tensor> &cache_batch_idx, const std::optional<at::Tensor> &block_table,
     const std::optional<at::Tensor> &rot_signs, int k_bits, int v_bits, double softmax_scale, bool is_causal,
     int64_t num_splits, int64_t window_left, int64_t window_right, const std::optional<at::Tensor> &cache_leftpad,
-    double softcap, const Pair *pair = nullptr, const Ring *ring = nullptr) {
+    double softcap, Kernel kernel, const Pair *pair = nullptr, const Ring *ring = nullptr) {
     CHECK_CUDA(seqlens_k);
     TQ_CHECK(seqlens_k.scalar_type() == at::kInt && seqlens_k.dim() == 1 && seqlens_k.is_contiguous(),
              "seqlens_k must be contiguous int32 [batch]");
@@ -256,11 +219,6 @@ std::tuple<at::Tensor, at::Tensor> run_decode_op(
         is_causal ? 0 : (window_right >= max_seqlen_k ? -1 : static_cast<int>(std::max<int64_t>(window_right, -1)));
 
     const int rows = p.h_h_k_ratio * seqlen_q;
-    auto prefill_fits = [&]() {  // a CTA's shared memory on this device (asked only for prefill-sized calls)
-        int smem_optin = 0;
-        C10_CUDA_CHECK(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, q.get_device()));
-        return smem_optin >= kPrefillSmemBudget;
-    };
     if (p.rope_center != nullptr) {  // (the kernels' RoPE-center variant: tq_decode_launch.h)
         TQ_CHECK(!p.local(), "rope_center does not combine with window_size, softcap or cache_leftpad");
         TQ_CHECK(p.block_table == nullptr || p.page_block_size >= 32, "rope_center needs pages of 32 tokens or more");
@@ -268,23 +226,29 @@ std::tuple<at::Tensor, at::Tensor> run_decode_op(
     const bool side = p.side_k != nullptr;
     TQ_CHECK(!(side || p.codes_tail > 0) || !p.local(),
              "a 16-bit side or codes_tail does not combine with window_size, softcap or cache_leftpad");
-    // (8-bit keys: the decode kernel for every row count, no prefill instantiations for them)
-    const bool prefill_sized = store == Store::kPacked && pair == nullptr && ring == nullptr &&
-                               rows >= kPrefillMinRows &&
-                               has_prefill(q.scalar_type(), d, k_bits, v_bits, p.meta_words == 1) && prefill_fits();
-    bool wgmma = false;  // Hopper's wgmma variant of the prefill kernel (FLASH_ATTN_TQ_PREFILL_WGMMA=0: the mma.sync one)
+    // the plan's kernel: what the stores and this device can run (the choice is flash_attn_tq.dispatch's)
+    const bool prefill = kernel != Kernel::kDecode;
+    if (prefill) {
+        TQ_CHECK(store == Store::kPacked && pair == nullptr && ring == nullptr &&
+                     has_prefill(q.scalar_type(), d, k_bits, v_bits, p.meta_words == 1),
+                 "kernel: no prefill kernel for these stores (the decode kernel takes them)");
+        int smem_optin = 0;
+        C10_CUDA_CHECK(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, q.get_device()));
+        TQ_CHECK(smem_optin >= kPrefillSmemBudget, "kernel: the prefill kernel's shared memory does not fit this device");
+    }
+    if (kernel == Kernel::kPrefillWgmma) {
 #ifdef FLASH_TQ_SM90A
-    if (prefill_sized && rows >= kWgmmaMinRows) {
         int major = 0, minor = 0;
         C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, q.get_device()));
         C10_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, q.get_device()));
-        const char *env = std::getenv("FLASH_ATTN_TQ_PREFILL_WGMMA");
-        wgmma = major == 9 && minor == 0 && !(env != nullptr && env[0] == '0');
-    }
+        TQ_CHECK(major == 9 && minor == 0, "kernel: the prefill kernel's wgmma variant runs on sm_90 devices only");
+#else
+        TQ_CHECK(false, "kernel: the prefill kernel's wgmma variant needs an sm_90a build (FLASH_ATTN_TQ_CUDA_ARCHS=90a)");
 #endif
-    // (the RoPE center: the wgmma variant only, else the decode kernel, which takes any row count)
-    const bool prefill = prefill_sized && (p.rope_center == nullptr || wgmma);
-    p.use_wgmma = prefill && wgmma;
+    }
+    TQ_CHECK(p.rope_center == nullptr || kernel != Kernel::kPrefill,
+             "kernel: the prefill kernel's RoPE-center term runs in its wgmma variant only");
+    p.use_wgmma = kernel == Kernel::kPrefillWgmma;
     at::Tensor rope_table;
     if (prefill && p.rope_center != nullptr) {  // v(p) / |c| of every position (rope_table_kernel), for this call
         rope_table = at::empty({b, h_k, max_seqlen_k, d}, q.options());
@@ -300,17 +264,13 @@ std::tuple<at::Tensor, at::Tensor> run_decode_op(
     const int span = p.window_left >= 0 ? std::min<int64_t>(max_seqlen_k, p.window_left + seqlen_q + 1) : max_seqlen_k;
     // (the decode kernel's side CTAs share its launch; the prefill kernel's side is a launch of its own)
     p.num_splits = num_splits > 0 ? static_cast<int>(num_splits)
-                                  : side && !prefill ? choose_num_splits(ctas, span, num_sms, 58, ctas)
+                                  : side && !prefill ? choose_num_splits(ctas, span, num_sms, kSidePerSmX20, ctas)
                                                      : choose_num_splits(ctas, span, num_sms);
     // the side pass: one more split, merged by the combine kernel (prefill over one code split: by the
     // prefill kernel, run_prefill)
-    // A second head group splits its keys into as many more splits as its codes' bits over the first's
-    // (CTAs of about one length)
-    const int pair_splits =
-        pair == nullptr || num_splits > 0
-            ? p.num_splits
-            : std::min(std::max(1, std::min(128, span / 128)),
-                       (p.num_splits * (pair->k_bits + pair->v_bits) + k_bits + v_bits - 1) / (k_bits + v_bits));
+    const int pair_splits = pair == nullptr || num_splits > 0
+                                ? p.num_splits
+                                : pair_num_splits(p.num_splits, span, k_bits, v_bits, pair->k_bits, pair->v_bits);
     p.num_splits += (side ? 1 : 0) + (ring != nullptr ? 1 : 0);  // (the ring's split: decode_ring_kernel)
     p.has_ring = ring != nullptr;
     const int slots = std::max(p.num_splits, pair_splits + (side ? 1 : 0));  // (the split buffers' count)
@@ -467,108 +427,67 @@ void set_packed_store(DecodeParams &p, const at::Tensor &q, const at::Tensor &k_
     p.codes_tail = static_cast<int>(codes_tail);
 }
 
-std::tuple<at::Tensor, at::Tensor> decode_kvcache(
-    const at::Tensor &q,        // [b, seqlen_q, h, d]
-    const at::Tensor &k_codes,  // [rows, cols, h_k, bytes] uint8
-    const at::Tensor &k_meta,   // [rows, cols, h_k, 2] half
-    const at::Tensor &v_codes, const at::Tensor &v_meta,
-    const at::Tensor &seqlens_k,  // [b] int32
-    const std::optional<at::Tensor> &cache_batch_idx, const std::optional<at::Tensor> &block_table,
-    const std::optional<at::Tensor> &rot_signs,  // turbo: [d] float32 Hadamard signs (rotate q in, output out)
-    int64_t k_bits, int64_t v_bits, double softmax_scale, bool is_causal, int64_t num_splits, int64_t window_left,
-    int64_t window_right, const std::optional<at::Tensor> &cache_leftpad, double softcap,
-    const std::optional<at::Tensor> &rope_center,    // key_center='rope': [b, h_k, d] float32, each batch entry's c
-    const std::optional<at::Tensor> &rope_inv_freq,  // [d / 2] float32
-    int64_t rope_offset,                             // a key's RoPE position = its index + rope_offset
-    const std::optional<at::Tensor> &side_k,         // [rows, side_sinks + side_ring (+ more), h_k, d], q's dtype
-    const std::optional<at::Tensor> &side_v, int64_t side_sinks, int64_t side_ring, int64_t codes_tail,
-    // a second head group in the same launch (its codes, metadata, RoPE center and side; the rest shared):
-    // the layer's kv heads [g2_head, g2_head + its kv heads), the first group's the others in order
-    const std::optional<at::Tensor> &g2_k_codes, const std::optional<at::Tensor> &g2_k_meta,
-    const std::optional<at::Tensor> &g2_v_codes, const std::optional<at::Tensor> &g2_v_meta, int64_t g2_k_bits,
-    int64_t g2_v_bits, const std::optional<at::Tensor> &g2_rope_center, const std::optional<at::Tensor> &g2_side_k,
-    const std::optional<at::Tensor> &g2_side_v, int64_t g2_head,
-    // a ring of window codes in the same launch: [rows, R, h_k, d * kRingBits / 8] uint8 and metadata
-    // [rows, R, h_k, 1] half, token p in slot p % R; the codes end codes_tail = R before the last key
-    const std::optional<at::Tensor> &ring_k_codes, const std::optional<at::Tensor> &ring_k_meta,
-    const std::optional<at::Tensor> &ring_v_codes, const std::optional<at::Tensor> &ring_v_meta) {
-    check_query(q);
-    c10::cuda::CUDAGuard guard(q.device());
-    DecodeParams p{};
-    set_packed_store(p, q, k_codes, k_meta, v_codes, v_meta, k_bits, v_bits, block_table, rope_center, rope_inv_freq,
-                     rope_offset, side_k, side_v, side_sinks, side_ring, codes_tail);
-    if (ring_k_codes.has_value()) {
-        TQ_CHECK(ring_k_meta.has_value() && ring_v_codes.has_value() && ring_v_meta.has_value(),
-                 "ring_k_codes, ring_k_meta, ring_v_codes and ring_v_meta must be given together");
-        TQ_CHECK(!g2_k_codes.has_value() && !block_table.has_value() && side_k.has_value() && side_ring == 0,
-                 "a ring of window codes takes one head group, a contiguous cache and a side of sinks alone");
-        const at::Tensor &rk = *ring_k_codes;
-        TQ_CHECK(rk.dim() == 4 && rk.size(1) > 0 && rk.size(1) == codes_tail && rk.size(0) >= k_codes.size(0) &&
-                     rk.size(2) == k_codes.size(2),
-                 "ring codes must be [rows, codes_tail, kv_heads, bytes] beside the codes");
-        const int ring_bits = static_cast<int>(rk.size(3) * 8 / q.size(3));  // (the bytes: set_packed_store)
-        TQ_CHECK(p.meta_words == 1 && has_ring(q.scalar_type(), q.size(3), k_bits, v_bits, ring_bits),
-                 "no ring kernel for this dtype, head_dim, bits and metadata (flash_attn_tq.kernel_cases)");
-        const Ring ring{
-            ring_bits, [&](DecodeParams &r) {
-                set_packed_store(r, q, rk, *ring_k_meta, *ring_v_codes, *ring_v_meta, ring_bits, ring_bits, block_table,
-                                 rope_center, rope_inv_freq, rope_offset, side_k, side_v, side_sinks, 0, codes_tail);
-                r.side_ring = static_cast<int>(rk.size(1));  // (the ring's slots map to positions as a side's ring)
-                TQ_CHECK(r.meta_words == 1, "ring metadata must be the scale alone, as the codes'");
-                for (const at::Tensor *t : {&rk, &*ring_v_codes}) {
-                    TQ_CHECK(t->sizes() == rk.sizes() && reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0 &&
-                                 t->stride(0) % 16 == 0 && t->stride(1) % 16 == 0 && t->stride(2) % 16 == 0,
-                             "ring codes must be 16-byte aligned rows of one shape");
-                }
-                TQ_CHECK(ring_k_meta->size(0) == rk.size(0) && ring_k_meta->size(1) == rk.size(1) &&
-                             ring_k_meta->size(2) == rk.size(2) && ring_v_meta->sizes() == ring_k_meta->sizes(),
-                         "ring metadata must be [rows, R, kv_heads, 1] beside the ring codes");
-            }};
-        return run_decode_op(Store::kPacked, p, q, k_codes, seqlens_k, cache_batch_idx, block_table, rot_signs, k_bits,
-                             v_bits, softmax_scale, is_causal, num_splits, window_left, window_right, cache_leftpad,
-                             softcap, nullptr, &ring);
-    }
-    if (!g2_k_codes.has_value()) {
-        return run_decode_op(Store::kPacked, p, q, k_codes, seqlens_k, cache_batch_idx, block_table, rot_signs, k_bits,
-                             v_bits, softmax_scale, is_causal, num_splits, window_left, window_right, cache_leftpad,
-                             softcap);
-    }
-    TQ_CHECK(g2_k_meta.has_value() && g2_v_codes.has_value() && g2_v_meta.has_value(),
-             "g2_k_codes, g2_k_meta, g2_v_codes and g2_v_meta must be given together");
-    TQ_CHECK(g2_rope_center.has_value() == rope_center.has_value() && g2_side_k.has_value() && side_k.has_value(),
-             "two head groups need a 16-bit side each and the RoPE center in both or neither");
-    TQ_CHECK(!block_table.has_value(), "two head groups take contiguous caches");
-    TQ_CHECK(p.meta_words == 1 && g2_k_meta->dim() == 4 && g2_k_meta->size(3) == 1,
-             "two head groups take scale-only metadata");
-    TQ_CHECK(g2_k_codes->dim() == 4 && g2_k_codes->size(0) == k_codes.size(0) && g2_k_codes->size(1) == k_codes.size(1),
-             "both head groups' codes must hold the same rows and capacity");
-    TQ_CHECK(has_pair(q.scalar_type(), q.size(3), k_bits, v_bits, g2_k_bits, g2_v_bits),
-             "no two-group kernel for this dtype, head_dim and bits (flash_attn_tq.kernel_cases)");
-    const int h_k = k_codes.size(2), h_k2 = g2_k_codes->size(2);
-    TQ_CHECK(h_k2 > 0 && g2_head >= 0 && g2_head <= h_k,
-             "g2_head must place the second group's kv heads among the layer's");
-    TQ_CHECK(q.size(2) % (h_k + h_k2) == 0 && (q.size(2) / (h_k + h_k2)) * q.size(1) < kPrefillMinRows,
-             "two head groups take decode-sized calls (fewer query rows a kv head than the prefill kernel's)");
-    const Pair pair{h_k2, static_cast<int>(g2_head), static_cast<int>(g2_k_bits), static_cast<int>(g2_v_bits),
-                    [&](DecodeParams &g) {
-                        set_packed_store(g, q, *g2_k_codes, *g2_k_meta, *g2_v_codes, *g2_v_meta, g2_k_bits, g2_v_bits,
-                                         block_table, g2_rope_center, rope_inv_freq, rope_offset, g2_side_k, g2_side_v,
-                                         side_sinks, side_ring, codes_tail);
-                    }};
-    return run_decode_op(Store::kPacked, p, q, k_codes, seqlens_k, cache_batch_idx, block_table, rot_signs, k_bits,
-                         v_bits, softmax_scale, is_causal, num_splits, window_left, window_right, cache_leftpad,
-                         softcap, &pair);
+// A call's K/V stores: the ops' `stores` and `layout` (six ints a store: kind, head group, K bits, V
+// bits, a, b), as flash_attn_tq/ops.py flattens them. Kinds: a head group's codes (a: the tokens at the
+// end that a side or a ring holds instead; b: a second group's first kv head among the layer's), its
+// 16-bit side (a sinks, then b recent slots), a ring of window codes, a group's RoPE center, a
+// float16/bfloat16 cache.
+enum class StoreKind : int64_t { kCodes = 0, kSide = 1, kWindow = 2, kCenter = 3, kKv16 = 4 };
+constexpr size_t kLayoutInts = 6;
+
+struct StoreView {
+    int index = -1, group = 0, k_bits = 0, v_bits = 0, a = 0, b = 0;  // (index: its place in the layout)
+    std::vector<at::Tensor> t;  // its tensors (none: the call has no such store)
+    bool present() const { return !t.empty(); }
+    std::optional<at::Tensor> get(size_t i) const { return present() ? std::optional<at::Tensor>(t[i]) : std::nullopt; }
+};
+
+// The tensors a store of `kind` brings (a pack without v: the K half).
+size_t store_tensors(StoreKind kind, bool with_v) {
+    const size_t n = kind == StoreKind::kCenter ? 1 : (kind == StoreKind::kCodes || kind == StoreKind::kWindow ? 4 : 2);
+    return with_v ? n : n / 2;
 }
 
-// The same kernel body over a float16/bfloat16 cache (the Fp16KV loader): our FP16 baseline.
-std::tuple<at::Tensor, at::Tensor> decode_kv16(const at::Tensor &q,        // [b, seqlen_q, h, d]
-                                               const at::Tensor &k_cache,  // [rows, cols, h_k, d], q's dtype
-                                               const at::Tensor &v_cache,
-                                               const at::Tensor &seqlens_k,  // [b] int32
-                                               const std::optional<at::Tensor> &cache_batch_idx,
-                                               const std::optional<at::Tensor> &block_table, double softmax_scale,
-                                               bool is_causal, int64_t num_splits) {
-    check_query(q);
+// The one unpacker of both ops: each store in its place, at most one of a kind a head group.
+struct Stores {
+    StoreView codes[2], side[2], center[2], window, kv16;
+};
+
+Stores unpack_stores(at::TensorList tensors, at::IntArrayRef layout, bool with_v) {
+    TQ_CHECK(layout.size() % kLayoutInts == 0, "layout must hold six ints a store");
+    Stores out;
+    size_t used = 0;
+    for (size_t i = 0; i < layout.size(); i += kLayoutInts) {
+        const int64_t kind = layout[i], group = layout[i + 1];
+        TQ_CHECK(kind >= 0 && kind <= 4, "layout: a store's kind must be 0 to 4 (flash_attn_tq.ops)");
+        TQ_CHECK(group == 0 || group == 1, "layout: a store's head group must be 0 or 1");
+        const auto k = static_cast<StoreKind>(kind);
+        TQ_CHECK(group == 0 || k == StoreKind::kCodes || k == StoreKind::kSide || k == StoreKind::kCenter,
+                 "layout: a ring or a 16-bit cache belongs to head group 0");
+        StoreView *slot = k == StoreKind::kCodes    ? &out.codes[group]
+                          : k == StoreKind::kSide   ? &out.side[group]
+                          : k == StoreKind::kCenter ? &out.center[group]
+                          : k == StoreKind::kWindow ? &out.window
+                                                    : &out.kv16;
+        TQ_CHECK(!slot->present(), "stores: at most one store of a kind a head group");
+        const size_t n = store_tensors(k, with_v);
+        TQ_CHECK(used + n <= tensors.size(), "stores: fewer tensors than the layout names");
+        slot->t.assign(tensors.begin() + used, tensors.begin() + used + n);
+        used += n;
+        slot->index = static_cast<int>(i / kLayoutInts);
+        slot->group = static_cast<int>(group);
+        slot->k_bits = static_cast<int>(layout[i + 2]);
+        slot->v_bits = static_cast<int>(layout[i + 3]);
+        slot->a = static_cast<int>(layout[i + 4]);
+        slot->b = static_cast<int>(layout[i + 5]);
+    }
+    TQ_CHECK(used == tensors.size(), "stores: more tensors than the layout names");
+    return out;
+}
+
+// A float16/bfloat16 cache as the K/V store (the Fp16KV loader).
+void set_kv16_store(DecodeParams &p, const at::Tensor &q, const at::Tensor &k_cache, const at::Tensor &v_cache,
+                    bool paged) {
     CHECK_CUDA(k_cache);
     CHECK_CUDA(v_cache);
     TQ_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
@@ -581,10 +500,8 @@ std::tuple<at::Tensor, at::Tensor> decode_kv16(const at::Tensor &q,        // [b
         TQ_CHECK(t->stride(3) == 1 && t->stride(2) % 8 == 0 && t->stride(1) % 8 == 0 && t->stride(0) % 8 == 0 &&
                      reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0,
                  "k_cache/v_cache rows must be contiguous and 16-byte aligned");
-        check_strides_32bit(*t, block_table.has_value());
+        check_strides_32bit(*t, paged);
     }
-    c10::cuda::CUDAGuard guard(q.device());
-    DecodeParams p{};
     p.k_codes = reinterpret_cast<const uint8_t *>(k_cache.data_ptr());
     p.v_codes = reinterpret_cast<const uint8_t *>(v_cache.data_ptr());
     p.kc_batch_stride = 2 * k_cache.stride(0);
@@ -593,8 +510,124 @@ std::tuple<at::Tensor, at::Tensor> decode_kv16(const at::Tensor &q,        // [b
     p.vc_batch_stride = 2 * v_cache.stride(0);
     p.vc_row_stride = 2 * v_cache.stride(1);
     p.vc_head_stride = 2 * v_cache.stride(2);
-    return run_decode_op(Store::kFp16, p, q, k_cache, seqlens_k, cache_batch_idx, block_table, std::nullopt, 0, 0,
-                         softmax_scale, is_causal, num_splits, -1, -1, std::nullopt, 0.0);
+}
+
+// A head group's codes, RoPE center and 16-bit side (group g of the stores) into p.
+void set_group(DecodeParams &p, const at::Tensor &q, const Stores &s, int g, const std::optional<at::Tensor> &block_table,
+               const std::optional<at::Tensor> &rope_inv_freq, int64_t rope_offset) {
+    const StoreView &c = s.codes[g], &side = s.side[g];
+    set_packed_store(p, q, c.t[0], c.t[1], c.t[2], c.t[3], c.k_bits, c.v_bits, block_table, s.center[g].get(0),
+                     s.center[g].present() ? rope_inv_freq : std::nullopt, rope_offset, side.get(0), side.get(1),
+                     side.a, side.b, c.a);
+}
+
+std::tuple<at::Tensor, at::Tensor> decode_kvcache(
+    const at::Tensor &q,          // [b, seqlen_q, h, d]
+    const at::Tensor &seqlens_k,  // [b] int32
+    const std::optional<at::Tensor> &cache_batch_idx, const std::optional<at::Tensor> &block_table,
+    const std::optional<at::Tensor> &cache_leftpad,
+    at::TensorList stores,   // the K/V stores (unpack_stores)
+    at::IntArrayRef layout,  // six ints a store
+    const std::optional<at::Tensor> &rot_signs,      // turbo: [d] float32 Hadamard signs (rotate q in, output out)
+    const std::optional<at::Tensor> &rope_inv_freq,  // with RoPE centers: [d / 2] float32
+    int64_t rope_offset,                             // a key's RoPE position = its index + rope_offset
+    int64_t kernel_id, double softmax_scale, bool is_causal, int64_t num_splits, int64_t window_left,
+    int64_t window_right, double softcap) {
+    check_query(q);
+    c10::cuda::CUDAGuard guard(q.device());
+    TQ_CHECK(kernel_id >= 0 && kernel_id <= 2, "kernel must be 0 (decode), 1 (prefill) or 2 (prefill, wgmma)");
+    const auto kernel = static_cast<Kernel>(kernel_id);
+    const Stores s = unpack_stores(stores, layout, true);
+    DecodeParams p{};
+    if (s.kv16.present()) {
+        TQ_CHECK(!s.codes[0].present() && !s.codes[1].present() && !s.side[0].present() && !s.side[1].present() &&
+                     !s.center[0].present() && !s.center[1].present() && !s.window.present(),
+                 "stores: a 16-bit cache is attended alone");
+        TQ_CHECK(kernel == Kernel::kDecode && window_left < 0 && window_right < 0 && !cache_leftpad.has_value() &&
+                     softcap == 0.0,
+                 "a 16-bit cache takes the decode kernel without window_size, cache_leftpad or softcap");
+        const at::Tensor &k = s.kv16.t[0];
+        set_kv16_store(p, q, k, s.kv16.t[1], block_table.has_value());
+        return run_decode_op(Store::kFp16, p, q, k, seqlens_k, cache_batch_idx, block_table, std::nullopt, 0, 0,
+                             softmax_scale, is_causal, num_splits, -1, -1, std::nullopt, 0.0, kernel);
+    }
+    TQ_CHECK(s.codes[0].present(), "stores: the codes of head group 0 are missing");
+    const StoreView &codes = s.codes[0];
+    set_group(p, q, s, 0, block_table, rope_inv_freq, rope_offset);
+    if (s.window.present()) {
+        const StoreView &w = s.window;
+        TQ_CHECK(!s.codes[1].present() && !block_table.has_value() && s.side[0].present() && s.side[0].b == 0,
+                 "a ring of window codes takes one head group, a contiguous cache and a side of sinks alone");
+        const at::Tensor &rk = w.t[0];
+        TQ_CHECK(rk.dim() == 4 && rk.size(1) > 0 && rk.size(1) == codes.a && rk.size(0) >= codes.t[0].size(0) &&
+                     rk.size(2) == codes.t[0].size(2),
+                 "ring codes must be [rows, the codes' tail, kv_heads, bytes] beside the codes");
+        const int ring_bits = w.k_bits;
+        TQ_CHECK(w.v_bits == ring_bits && rk.size(3) * 8 == static_cast<int64_t>(q.size(3)) * ring_bits,
+                 "ring codes must hold head_dim * bits / 8 bytes a vector, K and V at one width");
+        TQ_CHECK(p.meta_words == 1 && has_ring(q.scalar_type(), q.size(3), codes.k_bits, codes.v_bits, ring_bits),
+                 "no ring kernel for this dtype, head_dim, bits and metadata (flash_attn_tq.kernel_cases)");
+        const Ring ring{ring_bits, [&](DecodeParams &r) {
+                            set_packed_store(r, q, rk, w.t[1], w.t[2], w.t[3], ring_bits, ring_bits, block_table,
+                                             s.center[0].get(0), s.center[0].present() ? rope_inv_freq : std::nullopt,
+                                             rope_offset, s.side[0].get(0), s.side[0].get(1), s.side[0].a, 0, codes.a);
+                            r.side_ring = static_cast<int>(rk.size(1));  // (the ring's slots map to positions as a side's)
+                            TQ_CHECK(r.meta_words == 1, "ring metadata must be the scale alone, as the codes'");
+                            for (const at::Tensor *t : {&rk, &w.t[2]}) {
+                                TQ_CHECK(t->sizes() == rk.sizes() && reinterpret_cast<uintptr_t>(t->data_ptr()) % 16 == 0 &&
+                                             t->stride(0) % 16 == 0 && t->stride(1) % 16 == 0 && t->stride(2) % 16 == 0,
+                                         "ring codes must be 16-byte aligned rows of one shape");
+                            }
+                            TQ_CHECK(w.t[1].size(0) == rk.size(0) && w.t[1].size(1) == rk.size(1) &&
+                                         w.t[1].size(2) == rk.size(2) && w.t[3].sizes() == w.t[1].sizes(),
+                                     "ring metadata must be [rows, R, kv_heads, 1] beside the ring codes");
+                        }};
+        TQ_CHECK(kernel == Kernel::kDecode, "kernel: a ring of window codes takes the decode kernel");
+        return run_decode_op(Store::kPacked, p, q, codes.t[0], seqlens_k, cache_batch_idx, block_table, rot_signs,
+                             codes.k_bits, codes.v_bits, softmax_scale, is_causal, num_splits, window_left,
+                             window_right, cache_leftpad, softcap, kernel, nullptr, &ring);
+    }
+    if (!s.codes[1].present()) {
+        TQ_CHECK(!s.side[1].present() && !s.center[1].present(), "stores: head group 1 has a side or center but no codes");
+        return run_decode_op(Store::kPacked, p, q, codes.t[0], seqlens_k, cache_batch_idx, block_table, rot_signs,
+                             codes.k_bits, codes.v_bits, softmax_scale, is_causal, num_splits, window_left,
+                             window_right, cache_leftpad, softcap, kernel);
+    }
+    const StoreView &codes2 = s.codes[1];
+    TQ_CHECK(kernel == Kernel::kDecode, "kernel: two head groups take the decode kernel");
+    TQ_CHECK(s.center[1].present() == s.center[0].present() && s.side[1].present() && s.side[0].present(),
+             "two head groups need a 16-bit side each and the RoPE center in both or neither");
+    TQ_CHECK(s.side[1].a == s.side[0].a && s.side[1].b == s.side[0].b && codes2.a == codes.a,
+             "two head groups' sides must hold as many sinks and recent slots");
+    TQ_CHECK(!block_table.has_value(), "two head groups take contiguous caches");
+    TQ_CHECK(p.meta_words == 1 && codes2.t[1].dim() == 4 && codes2.t[1].size(3) == 1,
+             "two head groups take scale-only metadata");
+    TQ_CHECK(codes2.t[0].dim() == 4 && codes2.t[0].size(0) == codes.t[0].size(0) &&
+                 codes2.t[0].size(1) == codes.t[0].size(1),
+             "both head groups' codes must hold the same rows and capacity");
+    TQ_CHECK(has_pair(q.scalar_type(), q.size(3), codes.k_bits, codes.v_bits, codes2.k_bits, codes2.v_bits),
+             "no two-group kernel for this dtype, head_dim and bits (flash_attn_tq.kernel_cases)");
+    const int h_k = codes.t[0].size(2), h_k2 = codes2.t[0].size(2);
+    TQ_CHECK(h_k2 > 0 && codes2.b >= 0 && codes2.b <= h_k,
+             "the second group's first kv head must place its kv heads among the layer's");
+    TQ_CHECK(q.size(2) % (h_k + h_k2) == 0 && (q.size(2) / (h_k + h_k2)) * q.size(1) < kPrefillMinRows,
+             "two head groups take decode-sized calls (fewer query rows a kv head than the prefill kernel's)");
+    const Pair pair{h_k2, codes2.b, codes2.k_bits, codes2.v_bits,
+                    [&](DecodeParams &g) { set_group(g, q, s, 1, block_table, rope_inv_freq, rope_offset); }};
+    return run_decode_op(Store::kPacked, p, q, codes.t[0], seqlens_k, cache_batch_idx, block_table, rot_signs,
+                         codes.k_bits, codes.v_bits, softmax_scale, is_causal, num_splits, window_left, window_right,
+                         cache_leftpad, softcap, kernel, &pair);
+}
+
+// The extension's build, for flash_attn_tq.dispatch: [sm_90a code built (the prefill kernel's wgmma
+// variant), the prefill kernel's shared memory a CTA in bytes].
+std::vector<int64_t> build_info() {
+#ifdef FLASH_TQ_SM90A
+    const int64_t sm90a = 1;
+#else
+    const int64_t sm90a = 0;
+#endif
+    return {sm90a, kPrefillSmemBudget};
 }
 
 // One pack's vectors and destination (x, codes, meta) and quantizer constants into p; the slots
@@ -716,18 +749,18 @@ void set_pack_side(PackParams &p, const at::Tensor &x, const at::Tensor &side, i
     p.side_ring = static_cast<int>(side_ring);
 }
 
-// Quantize-on-write of x [tokens, heads, d] into codes/meta. Token t goes to slot_mapping[t] (as
-// vLLM's reshape_and_cache; -1 skips), or, without one, to position start[i] + j of cache row
-// batch_idx[i] (t = i * n + j, n = tokens / start.size(0)), through block_table when paged: the
-// kernel resolves and range-checks the slots and ORs PackError bits into error_flags. Without a slot
-// mapping it can also keep the append's books (PackParams): the 16-bit side copy of sinks and recent
-// tokens (side [batch rows, side_sinks + side_ring + 1, heads, d], x's dtype) and the RoPE center
-// (rope_center [batch rows, heads, d] and rope_inv_freq [d / 2], float32). With v (x's shape: the
-// values of the same tokens, x the keys) v_codes / v_meta / v_side receive v in the same launch.
-// With lengths (int32 [rows]: the cache's seqlens; start may overlap them only where start[i] is the
-// element lengths[row] itself) and tally (int32 [1], zero between calls), the launch ends with
-// lengths[row] = start[i] + n, unless it met an error.
-void pack_kv(const at::Tensor &x,                            // [tokens, heads, d] fp16/bf16
+// Quantize-on-write of x [tokens, heads, d] into codes/meta (pack_kv's stores, unpacked). Token t goes
+// to slot_mapping[t] (as vLLM's reshape_and_cache; -1 skips), or, without one, to position start[i] + j
+// of cache row batch_idx[i] (t = i * n + j, n = tokens / start.size(0)), through block_table when
+// paged: the kernel resolves and range-checks the slots and ORs PackError bits into error_flags.
+// Without a slot mapping it can also keep the append's books (PackParams): the 16-bit side copy of
+// sinks and recent tokens (side [batch rows, side_sinks + side_ring + 1, heads, d], x's dtype), the
+// RoPE center (rope_center [batch rows, heads, d] and rope_inv_freq [d / 2], float32) and a ring of
+// window codes. With v (x's shape: the values of the same tokens, x the keys) v_codes / v_meta /
+// v_side / v_ring_* receive v in the same launch. With lengths (int32 [rows]: the cache's seqlens;
+// start may overlap them only where start[i] is the element lengths[row] itself) and tally (int32
+// [1], zero between calls), the launch ends with lengths[row] = start[i] + n, unless it met an error.
+void pack_into(const at::Tensor &x,                            // [tokens, heads, d] fp16/bf16
              const std::optional<at::Tensor> &slot_mapping,  // [tokens] int64
              const std::optional<at::Tensor> &start,         // [batch] int32
              const std::optional<at::Tensor> &batch_idx,     // [batch] int32
@@ -859,6 +892,37 @@ void pack_kv(const at::Tensor &x,                            // [tokens, heads, 
         }
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+void pack_kv(const at::Tensor &k,                            // [tokens, heads, d] fp16/bf16
+             const std::optional<at::Tensor> &v,             // the values of the same tokens
+             const std::optional<at::Tensor> &slot_mapping,  // [tokens] int64
+             const std::optional<at::Tensor> &start,         // [batch] int32
+             const std::optional<at::Tensor> &batch_idx,     // [batch] int32
+             const std::optional<at::Tensor> &block_table,   // [cache rows, max_blocks] int32
+             at::TensorList stores,                          // the codes, a 16-bit side, a ring (unpack_stores)
+             at::IntArrayRef layout, c10::ArrayRef<double> steps,  // a store's K and V grid steps
+             const std::optional<at::Tensor> &k_signs, const std::optional<at::Tensor> &v_signs,
+             const std::optional<at::Tensor> &k_levels, const std::optional<at::Tensor> &v_levels,
+             const std::optional<at::Tensor> &rope_center, const std::optional<at::Tensor> &rope_inv_freq,
+             int64_t rope_offset, const std::optional<at::Tensor> &error_flags,
+             const std::optional<at::Tensor> &lengths, const std::optional<at::Tensor> &tally, int64_t capacity,
+             int64_t quant) {
+    const bool with_v = v.has_value();
+    const Stores s = unpack_stores(stores, layout, with_v);
+    TQ_CHECK(steps.size() * kLayoutInts == layout.size() * 2, "steps must hold two a store");
+    TQ_CHECK(s.codes[0].present() && !s.codes[1].present() && !s.side[1].present() && !s.center[0].present() &&
+                 !s.kv16.present(),
+             "stores: a pack writes one group's codes, and its side and ring");
+    auto step_of = [&](const StoreView &view, int i) { return view.present() ? steps[2 * view.index + i] : 1.0; };
+    const StoreView &c = s.codes[0], &side = s.side[0], &w = s.window;
+    at::Tensor codes = c.t[0], meta = c.t[1];
+    const std::optional<at::Tensor> none;
+    pack_into(k, slot_mapping, start, batch_idx, block_table, codes, meta, error_flags, capacity, c.k_bits, quant,
+              k_signs, k_levels, step_of(c, 0), side.get(0), side.a, side.b, rope_center, rope_inv_freq, rope_offset,
+              v, with_v ? c.get(2) : none, with_v ? c.get(3) : none, c.v_bits, step_of(c, 1), v_signs, v_levels,
+              with_v ? side.get(1) : none, lengths, tally, w.get(0), w.get(1), with_v ? w.get(2) : none,
+              with_v ? w.get(3) : none, w.k_bits, step_of(w, 0));
 }
 
 }  // namespace
