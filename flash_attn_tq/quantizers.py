@@ -3,7 +3,8 @@
 Both quantizers turn a float tensor ``x [..., head_dim]`` into integer codes ``[..., head_dim]`` and
 float16 metadata ``[..., 2] = (scale, offset)`` such that, in the quantizer's domain,
 ``x_hat = scale * level(code) + offset`` (see :mod:`flash_attn_tq.format`). Rounding is always
-``floor(v + 0.5)`` and every scale (and asym's offset) is rounded to float16 *before* codes are
+``floor(v + 0.5)`` (ties go up; a value exactly on an edge between two Lloyd-Max levels likewise
+takes the upper one) and every scale (and asym's offset) is rounded to float16 *before* codes are
 computed from it, so a kernel doing the same float32 arithmetic gets the same codes except where
 the arithmetic's order differs near a bin edge.
 
@@ -238,7 +239,8 @@ class TurboQuantizer:
         else:
             levels = self.codebook(x.device)
             edges = (levels[1:] + levels[:-1]) / 2
-            codes = torch.bucketize(y, edges).float()
+            # right=True: a value exactly on an edge goes up, as floor(v + 0.5) does on the uniform grid
+            codes = torch.bucketize(y, edges, right=True).float()
             level = levels[codes.long()]
         lnorm = level.norm(dim=-1, keepdim=True)
         scale = torch.where(lnorm > 0, norm / lnorm, torch.zeros_like(norm))  # norm correction

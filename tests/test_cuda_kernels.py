@@ -476,6 +476,28 @@ def test_pack_kernel_asym_vectors_not_straddling_zero(bits, d, dtype):
     _check_against_reference(q, cache, out, lse, causal=False)
 
 
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("d", [64, 128])
+def test_pack_kernel_lloyd_max_tie_goes_up(bits, d):
+    """A coordinate exactly on a Lloyd-Max bin edge (here 0, the middle edge) takes the upper level
+    in the pack kernel as in the reference (the floor(v + 0.5) rule of the uniform grid)."""
+    cache = QuantizedKVCache(1, 8, 1, d, k_bits=bits, v_bits=bits, grid="lloyd_max", device=DEV, seed=5)
+    rows = []
+    for qz in (cache.k_quantizer, cache.v_quantizer):
+        x = torch.zeros(d)
+        x[0], x[1] = qz.signs[0], qz.signs[1]  # rotated: (2, 0, 2, 0, ...) / sqrt(d), zeros exactly
+        rows.append(x.view(1, 1, 1, d).to(DEV, torch.float16))
+    k, v = rows
+    assert cache.pack_reason(k) is None
+    cache.append(k, v)
+    ref = cache.quantize(k, v)
+    for name in ("k", "v"):
+        got = fmt.unpack_codes(getattr(cache, f"{name}_codes")[0, :1], bits, d)
+        exp = fmt.unpack_codes(ref[f"{name}_codes"][0], bits, d)
+        assert torch.equal(got, exp)
+        assert got[0, 0, 1::2].tolist() == [(1 << bits) // 2] * (d // 2)
+
+
 def test_cuda_graph_capture_and_replay():
     cache, _, _ = _make_cache(2, [500, 700], 2, 128, seed=5, max_seqlen=1024)
     q = torch.randn(2, 1, 8, 128, device=DEV, dtype=torch.float16)

@@ -384,16 +384,15 @@ def test_turbo_uniform_tie_goes_up():
         assert codes[1::2].tolist() == [(1 << bits) // 2] * 32
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Lloyd-Max uses torch.bucketize(right=False): a value exactly on a "
-    "bin edge goes DOWN (the CUDA pack kernel agrees: `y > edge`), unlike the documented "
-    "floor(v + 0.5) rule",
-)
 def test_turbo_lloyd_max_tie_goes_up():
-    q = TurboQuantizer(64, 3, "lloyd_max", seed=5)
-    codes, _ = q.quantize(turbo_tie_input(q))
-    assert codes[1::2].tolist() == [4] * 32
+    """A value exactly on a Lloyd-Max bin edge takes the upper level, as floor(v + 0.5) does on the
+    uniform grid (the middle edge is exactly 0: the codebook is symmetric)."""
+    for bits in (2, 3, 4):
+        q = TurboQuantizer(64, bits, "lloyd_max", seed=5)
+        levels = q.codebook()
+        assert float(levels[(1 << bits) // 2] + levels[(1 << bits) // 2 - 1]) == 0.0
+        codes, _ = q.quantize(turbo_tie_input(q))
+        assert codes[1::2].tolist() == [(1 << bits) // 2] * 32
 
 
 # ----------------------------------------------------------------------------- AsymQuantizer

@@ -401,9 +401,9 @@ __device__ __forceinline__ bool pack_vectors(const PackParams &p, int block, int
                 #pragma unroll
                 for (int k = 0; k < P; ++k) {
                     const float y = __fmul_rn(x[k], to_unit);
-                    int cnt = 0;  // number of bin edges strictly below y
+                    int cnt = 0;  // number of bin edges at or below y: a value on an edge goes up
                     #pragma unroll
-                    for (int e = 0; e + 1 < kLevels; ++e) { cnt += y > edge_smem[e] ? 1 : 0; }
+                    for (int e = 0; e + 1 < kLevels; ++e) { cnt += y >= edge_smem[e] ? 1 : 0; }
                     code[k] = cnt;
                     const float level = level_smem[cnt];
                     lss = __fmaf_rn(level, level, lss);
