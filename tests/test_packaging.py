@@ -1,14 +1,19 @@
-"""Packaging: what setup.py declares (read from its source, nothing is built) and the architectures a
-build picks."""
+"""Packaging: what setup.py declares (read from its source, nothing is built), the architectures a
+build picks, and the ImportError a user without transformers gets from the modules that need it."""
 
 from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SETUP = ROOT / "setup.py"
+INSTALL = 'pip install "flash_attn_tq[transformers]"'
 
 
 def setup_keywords() -> dict:
@@ -97,3 +102,49 @@ def test_cuda_archs_default():
     assert ns["_parse_archs"](archs) == ["-gencode", "arch=compute_90a,code=sm_90a"]
     doc = ast.get_docstring(ast.parse(SETUP.read_text()))
     assert "``90a`` alone where it sees" in doc and "24.7 minutes" in doc and "FLASH_ATTN_TQ_SKIP_CUDA_BUILD=1" in doc
+
+
+def test_without_transformers_the_import_error_names_the_install_command():
+    """transformers made unimportable (as if not installed): the modules written against it raise an
+    ImportError naming the command that installs it; what needs only torch still imports and runs."""
+    code = f"""
+import sys
+sys.modules["transformers"] = None  # `import transformers` now fails as if it were not installed
+import importlib
+for name in ("flash_attn_tq.integrations.transformers", "flash_attn_tq.integrations.calibration",
+             "flash_attn_tq.integrations.graphs"):
+    try:
+        importlib.import_module(name)
+    except ImportError as e:
+        msg = str(e)
+        assert {INSTALL!r} in msg and name in msg and "transformers >= 5" in msg, msg
+        assert not isinstance(e, ModuleNotFoundError), type(e)
+    else:
+        raise AssertionError(name + " imported without transformers")
+import torch
+from flash_attn_tq import qat
+from flash_attn_tq.integrations import options
+x = torch.randn(2, 3, 2, 64)
+assert qat.fake_quant(x, bits=3).shape == x.shape  # the fake quantization needs torch only
+for fn in (qat.register_fake_quant_attention, qat.make_fake_quant_attention):
+    try:
+        fn()
+    except ImportError as e:
+        assert {INSTALL!r} in str(e) and fn.__name__ in str(e), str(e)
+    else:
+        raise AssertionError(fn.__name__ + " ran without transformers")
+print("ok")
+"""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(ROOT))
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "ok"
+
+
+def test_in_process_without_transformers(monkeypatch):
+    """The same through importlib in this process (transformers' own modules already imported)."""
+    import importlib
+
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    monkeypatch.delitem(sys.modules, "flash_attn_tq.integrations.transformers", raising=False)
+    with pytest.raises(ImportError, match=re.escape(INSTALL)):
+        importlib.import_module("flash_attn_tq.integrations.transformers")
