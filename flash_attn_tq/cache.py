@@ -680,9 +680,14 @@ class QuantizedKVCache:
 
     def check_new_kv(self, k: torch.Tensor, v: torch.Tensor, check_values: bool = True) -> None:
         for name, x in (("k", k), ("v", v)):
-            self._check_new(name, x, check_values)
+            self._check_new(name, x, check_values=False)
+        if v.dtype != k.dtype:  # (upstream's rule: both have q's dtype; without q, each other's)
+            raise TypeError(f"v must have the same dtype as k ({k.dtype}), got {v.dtype}")
         if k.shape != v.shape:
             raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+        if check_values:
+            for name, x in (("k", k), ("v", v)):
+                self._check_values(name, x)
 
     def _check_new(self, name: str, x: torch.Tensor, check_values: bool) -> None:
         """One of the new ``k`` / ``v``: type, shape, dtype, device and (``check_values``: one read) values."""
@@ -697,7 +702,12 @@ class QuantizedKVCache:
             raise TypeError(f"{name} must be float16, bfloat16 or float32, got {x.dtype}")
         if x.device != self.device:
             raise ValueError(f"{name} is on {x.device} but the cache is on {self.device}")
-        if check_values and not capturing() and x.numel():
+        if check_values:
+            self._check_values(name, x)
+
+    def _check_values(self, name: str, x: torch.Tensor) -> None:
+        """New ``k`` / ``v`` values (one read; none inside CUDA-graph capture): finite, within float16."""
+        if not capturing() and x.numel():
             peak = float(x.detach().abs().amax())  # (NaN propagates: one read for both checks)
             if not math.isfinite(peak):
                 raise ValueError(f"{name} contains NaN or Inf: a quantized cache cannot store them")

@@ -412,14 +412,22 @@ def _check_cache_rows(cache, cache_seqlens, cache_batch_idx, cache_leftpad, batc
             raise ValueError("cache_leftpad must be >= 0")
 
 
-def _check_new_rows(k, v, batch: int) -> None:
-    """New k / v for a QuantizedKVCache call: tensors of q's batch (the cache checks the rest)."""
+def _check_new_rows(k, v, batch: int, q_dtype: torch.dtype) -> None:
+    """New k / v for a QuantizedKVCache call: tensors of q's batch and dtype (the cache checks the rest)."""
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together")
     for name, x in (("k", k), ("v", v)):
         if x is not None and (not isinstance(x, torch.Tensor) or x.dim() != 4 or x.shape[0] != batch):
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"{name} must be (batch={batch}, seqlen_new, nheads_k, headdim) like q's batch, got {got}")
+    _check_new_dtype(k, v, q_dtype)
+
+
+def _check_new_dtype(k, v, q_dtype: torch.dtype) -> None:
+    """Upstream's rule for new keys and values: q's dtype (checked before they reach the cache)."""
+    for name, x in (("k", k), ("v", v)):
+        if x is not None and x.dtype != q_dtype:
+            raise TypeError(f"{name} must have the same dtype as q ({q_dtype}), got {x.dtype}")
 
 
 def _check_rotary(rotary_cos, rotary_sin, k, head_dim: int, device) -> None:
@@ -537,6 +545,10 @@ def _quantized_varlen(
     if k is not None:
         if cu_seqlens_k is None or cu_seqlens_k.numel() != batch + 1:
             raise ValueError(f"cu_seqlens_k must be int32 (batch + 1 = {batch + 1},) with new k/v")
+        for name, x in (("k", k), ("v", v)):
+            if not isinstance(x, torch.Tensor):
+                raise ValueError(f"{name} must be a (total_k, nheads_k, headdim) tensor, got {type(x).__name__}")
+        _check_new_dtype(k, v, q.dtype)
         if k.dim() != 3 or k.shape != v.shape or cu_seqlens_k[-1].item() != k.shape[0]:
             raise ValueError("k, v must be (total_k, nheads_k, headdim) with cu_seqlens_k ending at total_k")
         bounds = cu_seqlens_k.tolist()
@@ -610,7 +622,7 @@ def _quantized_kvcache(
     # every argument is checked before the append below changes the cache
     cache_seqlens = as_seqlens(cache_seqlens)
     _check_batch_args(cache_seqlens, cache_batch_idx, batch)
-    _check_new_rows(k, v, batch)
+    _check_new_rows(k, v, batch, q.dtype)
     seqlen_new = 0 if k is None else k.shape[1]
     _check_cache_rows(cache, cache_seqlens, cache_batch_idx, cache_leftpad, batch, seqlen_new)
     window_size = baseline.check_options(0.0, window_size, softcap, softmax_scale)
