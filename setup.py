@@ -12,6 +12,13 @@ The Python package is always installed.  The CUDA extension
 Otherwise a single message explains why, and the package falls back to its
 reference (PyTorch) implementation at run time.
 
+Architectures: ``FLASH_ATTN_TQ_CUDA_ARCHS`` when set; otherwise ``80;90a``
+where torch sees a CUDA GPU at build time, and ``90a`` alone where it sees
+none (a CPU-only machine, where the extension can never run: the build is
+then only a compile check, as in CI).  Compile times on 2 CPU cores: about
+10 minutes for ``90a``, 24.7 minutes for ``80;90a``.  A build without a
+visible GPU says so, with how to skip it (``FLASH_ATTN_TQ_SKIP_CUDA_BUILD=1``).
+
 Install torch, setuptools, wheel and ninja first, then this package with
 ``pip install -v --no-build-isolation .`` (``.[test]`` adds what the tests
 import), so that the extension is compiled against the torch that is already
@@ -21,7 +28,8 @@ Environment variables:
 
 ``FLASH_ATTN_TQ_SKIP_CUDA_BUILD``  ``1``/``TRUE`` installs Python-only.
 ``FLASH_ATTN_TQ_CUDA_ARCHS``       target architectures, ``;`` or ``,``
-                                   separated (default ``80;90a``); e.g.
+                                   separated (default ``80;90a``, or
+                                   ``90a`` without a visible GPU); e.g.
                                    ``90a`` gives compute_90a/sm_90a (Hopper's
                                    wgmma prefill kernel: only with ``90a``;
                                    plain ``90`` runs the mma.sync one) and a
@@ -45,6 +53,9 @@ VERSION = "0.1.0"
 PACKAGE_NAME = "flash_attn_tq"
 EXT_NAME = "flash_attn_tq_cuda"
 DEFAULT_ARCHS = "80;90a"
+NO_GPU_ARCHS = "90a"  # the default where no GPU is visible at build time: a compile check
+# compile times on 2 CPU cores (MAX_JOBS=2), in minutes
+BUILD_MINUTES = {"90a": "about 10", "80;90a": "24.7"}
 
 THIS_DIR = os.path.dirname(os.path.abspath(__file__))
 # Source paths below are relative to the project root (setuptools expects
@@ -76,6 +87,31 @@ def _parse_archs(spec):
         if m.group(4):
             flags += ["-gencode", "arch=compute_%s,code=compute_%s" % (arch, arch)]
     return flags
+
+
+def _cuda_archs(env, gpu_visible):
+    """(architectures to build, a note to print or None) from the environment and whether torch
+    sees a CUDA GPU at build time."""
+    spec = env.get("FLASH_ATTN_TQ_CUDA_ARCHS", "").strip()
+    if spec:
+        return spec, None
+    if gpu_visible:
+        return DEFAULT_ARCHS, None
+    return NO_GPU_ARCHS, (
+        "no CUDA GPU is visible at build time and FLASH_ATTN_TQ_CUDA_ARCHS is not set, so the "
+        "extension is compiled for %s only (%s minutes on 2 CPU cores; %s would take %s minutes): here it is a "
+        "compile check, as the kernels cannot run on this machine. FLASH_ATTN_TQ_SKIP_CUDA_BUILD=1 "
+        "skips the build (Python-only install, reference path); set FLASH_ATTN_TQ_CUDA_ARCHS (e.g. %s) "
+        "to build for the GPUs the package will run on"
+        % (NO_GPU_ARCHS, BUILD_MINUTES[NO_GPU_ARCHS], DEFAULT_ARCHS, BUILD_MINUTES[DEFAULT_ARCHS], DEFAULT_ARCHS)
+    )
+
+
+def _gpu_visible(torch):
+    try:
+        return torch.cuda.device_count() > 0
+    except Exception:  # a driver that cannot be queried: no usable GPU
+        return False
 
 
 def _cxx_standard(torch_include_dirs):
@@ -149,7 +185,9 @@ def _extension_plan():
         "-U__CUDA_NO_HALF_CONVERSIONS__",
         "-U__CUDA_NO_HALF2_OPERATORS__",
         "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
-    ] + _parse_archs(os.environ.get("FLASH_ATTN_TQ_CUDA_ARCHS", DEFAULT_ARCHS))
+    ]
+    archs, note = _cuda_archs(os.environ, _gpu_visible(torch))
+    nvcc_flags += _parse_archs(archs)
     # sm_90a code holds the prefill kernel's wgmma variant; the host launches it only then
     defines = ["-DFLASH_TQ_SM90A"] if "arch=compute_90a,code=sm_90a" in nvcc_flags else []
     nvcc_flags += defines
@@ -160,26 +198,30 @@ def _extension_plan():
         include_dirs=[os.path.join(THIS_DIR, CSRC_DIR), os.path.join(THIS_DIR, KERNEL_DIR)],
         extra_compile_args={"cxx": ["-O3", "-std=" + std] + defines, "nvcc": nvcc_flags},
     )
-    cmdclass = {"build_ext": _progress_build_ext(BuildExtension.with_options(use_ninja=True))}
+    cmdclass = {"build_ext": _progress_build_ext(BuildExtension.with_options(use_ninja=True), archs, note)}
     return [ext], cmdclass, None
 
 
-def _progress_build_ext(base):
+def _progress_build_ext(base, archs, note=None):
     """A build_ext that says what it is about to compile and how long it took.
 
     ninja numbers each compiled file ([n/N] lines on stdout; pip shows them with ``-v``), so a
-    build of several minutes is visibly moving; this adds a line before and after it.
+    build of several minutes is visibly moving; this adds a line before and after it (and
+    ``note``, :func:`_cuda_archs`'s word on a default chosen without a visible GPU, before).
     """
 
     class BuildExtWithProgress(base):
         def build_extensions(self):
             n = sum(len(ext.sources) for ext in self.extensions)
-            archs = os.environ.get("FLASH_ATTN_TQ_CUDA_ARCHS", DEFAULT_ARCHS)
             jobs = os.environ.get("MAX_JOBS", "ninja's default")
+            if note:
+                print("flash_attn_tq: " + note, flush=True)
             print(
                 "flash_attn_tq: compiling %d source files of %s for CUDA archs %s with MAX_JOBS=%s "
-                "(about 10 minutes for 90a alone on 2 cores; more archs take longer); ninja prints "
-                "[n/N] as each file is compiled" % (n, EXT_NAME, archs, jobs),
+                "(on 2 cores: %s minutes for %s, %s minutes for %s; more cores are faster; "
+                "FLASH_ATTN_TQ_SKIP_CUDA_BUILD=1 skips the build); ninja prints [n/N] as each file is compiled"
+                % (n, EXT_NAME, archs, jobs, BUILD_MINUTES[NO_GPU_ARCHS], NO_GPU_ARCHS,
+                   BUILD_MINUTES[DEFAULT_ARCHS], DEFAULT_ARCHS),
                 flush=True,
             )
             start = time.time()
@@ -232,15 +274,21 @@ setup(
     long_description_content_type="text/markdown",
     license="BSD-3-Clause",
     packages=find_packages(include=[PACKAGE_NAME, PACKAGE_NAME + ".*"]),
-    python_requires=">=3.9",
-    install_requires=["torch", "einops", "packaging"],
+    python_requires=">=3.10",  # torch 2.14 needs Python 3.10 or newer
+    install_requires=["torch"],
     extras_require={
+        # flash_attn_tq.integrations (TQCache, calibration, GraphDecoder) and the attention
+        # functions of flash_attn_tq.qat
+        "transformers": ["transformers>=5"],
         # what `python -m pytest tests` imports: numpy / scipy (quantizer statistics), hypothesis
         # (format properties), transformers (the TQCache integration tests; pinned to the version
-        # they are written against)
-        "test": ["pytest", "hypothesis", "numpy", "scipy", "transformers==5.17.0"],
+        # they are written against), einops (upstream flash-attn's own test file, run against this
+        # package)
+        "test": ["pytest", "hypothesis", "numpy", "scipy", "einops", "transformers==5.17.0"],
         "upstream": ["flash-attn"],
-        "bench": ["triton", "matplotlib"],
+        # benchmarks/: triton's do_bench timings (also the self-check's on a GPU), plots, and the
+        # model benchmarks' transformers
+        "bench": ["triton", "matplotlib", "transformers>=5"],
     },
     ext_modules=ext_modules,
     cmdclass=cmdclass,

@@ -143,10 +143,10 @@ class CpuQuantizedKVCache:
         cache_seqlens: Union[torch.Tensor, int, None] = None,
         batch_idx: Optional[torch.Tensor] = None,
     ) -> None:
-        """Quantize ``k, v [batch, n, kv_heads, head_dim]`` (any float dtype) and write them at
-        positions ``cache_seqlens + 0 .. n-1`` of rows ``batch_idx`` (int ``[batch]``; default
-        ``0 .. batch-1``). ``cache_seqlens`` (int or int ``[batch]``) defaults to :attr:`seqlens`;
-        afterwards ``seqlens[rows] = cache_seqlens + n``."""
+        """Quantize ``k, v [batch, n, kv_heads, head_dim]`` (any float dtype, the same for both) and
+        write them at positions ``cache_seqlens + 0 .. n-1`` of rows ``batch_idx`` (int ``[batch]``;
+        default ``0 .. batch-1``). ``cache_seqlens`` (int or int ``[batch]``) defaults to
+        :attr:`seqlens`; afterwards ``seqlens[rows] = cache_seqlens + n``."""
         for name, x in (("k", k), ("v", v)):
             if not isinstance(x, torch.Tensor) or x.dim() != 4 or not x.is_floating_point():
                 raise ValueError(
@@ -159,6 +159,8 @@ class CpuQuantizedKVCache:
                 )
             if x.device != self.device:
                 raise ValueError(f"{name} is on {x.device} but the cache is on {self.device}")
+        if v.dtype != k.dtype:  # (upstream's rule: both have q's dtype; without q, each other's)
+            raise TypeError(f"v must have the same dtype as k ({k.dtype}), got {v.dtype}")
         if k.shape != v.shape:
             raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
         batch, n = k.shape[:2]
@@ -351,7 +353,7 @@ def flash_attn_with_kvcache(
     :func:`flash_attn_tq.flash_attn_with_kvcache` calls for one).
 
     q: (batch, seqlen_q, nheads, headdim), float16/bfloat16/float32 on the CPU. k, v: (batch,
-    seqlen_new, nheads_k, headdim) or None, quantized into the cache at ``cache_seqlens`` (default:
+    seqlen_new, nheads_k, headdim) in q's dtype, or None, quantized into the cache at ``cache_seqlens`` (default:
     the cache's ``seqlens``) of rows ``cache_batch_idx`` first. ``num_splits`` is ignored.
     Returns out (batch, seqlen_q, nheads, headdim) in q's dtype [, softmax_lse (batch, nheads,
     seqlen_q) float32]. Not supported (ValueError naming the argument): cache_leftpad,
@@ -368,6 +370,9 @@ def flash_attn_with_kvcache(
             raise ValueError(f"{name} is not supported by CpuQuantizedKVCache")
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together")
+    for name, x in (("k", k), ("v", v)):  # upstream's rule, before the append below changes the cache
+        if isinstance(x, torch.Tensor) and x.dtype != q.dtype:
+            raise TypeError(f"{name} must have the same dtype as q ({q.dtype}), got {x.dtype}")
     if (rotary_cos is None) != (rotary_sin is None):
         raise ValueError("rotary_cos and rotary_sin must be given together")
     batch, seqlen_q = q.shape[:2]

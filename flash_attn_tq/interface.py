@@ -487,11 +487,12 @@ def _quantized_varlen(
     if k is not None:
         if cu_seqlens_k is None or cu_seqlens_k.numel() != batch + 1:
             raise ValueError(f"cu_seqlens_k must be int32 (batch + 1 = {batch + 1},) with new k/v")
+        for name, x in (("k", k), ("v", v)):
+            if not isinstance(x, torch.Tensor):
+                raise ValueError(f"{name} must be a (total_k, nheads_k, headdim) tensor, got {type(x).__name__}")
+        check.check_new_dtype(k, v, q.dtype)
         if k.dim() != 3 or k.shape != v.shape or cu_seqlens_k[-1].item() != k.shape[0]:
             raise ValueError("k, v must be (total_k, nheads_k, headdim) with cu_seqlens_k ending at total_k")
-        for name, x in (("k", k), ("v", v)):
-            if x.dtype != q.dtype:
-                raise TypeError(f"{name} must have the same dtype as q ({q.dtype}), got {x.dtype}")
         bounds = cu_seqlens_k.tolist()
         if bounds[0] != 0 or any(b < a for a, b in zip(bounds, bounds[1:])):
             raise ValueError(f"cu_seqlens_k must rise from 0 to total_k={k.shape[0]}, got {bounds}")

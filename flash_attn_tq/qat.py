@@ -8,6 +8,11 @@ Usage (transformers)::
     ...
     model.set_attn_implementation("tq_kvcache")  # then decode over the real cache (TQCache)
 
+:func:`fake_quant`, :func:`fake_quant_kv` and :func:`clip_mask` need torch only; the attention
+functions (:func:`make_fake_quant_attention`, :func:`register_fake_quant_attention`) need
+transformers >= 5 (``pip install "flash_attn_tq[transformers]"``; without it they raise an
+ImportError saying so).
+
 :func:`fake_quant` runs the cache's own codec (:class:`~flash_attn_tq.TurboQuantizer`: its
 ``quantize`` then ``dequantize``), so the forward value is exactly what the cache gives back for
 that vector. Its gradient is a straight-through estimator taken in the rotated domain, where the
@@ -45,6 +50,7 @@ from typing import Iterable, Mapping
 
 import torch
 
+from .optional_deps import require_transformers
 from .quantizers import TurboQuantizer, round_half_up
 
 FAKE_QUANT_ATTENTION = "tq_fake_quant"
@@ -160,6 +166,7 @@ def make_fake_quant_attention(
 ):
     """The attention function (transformers' AttentionInterface signature) that
     :func:`register_fake_quant_attention` registers; see the module docstring for the options."""
+    require_transformers("flash_attn_tq.qat.make_fake_quant_attention")
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if quantizer != "turbo":
@@ -215,6 +222,7 @@ def register_fake_quant_attention(name: str = FAKE_QUANT_ATTENTION, **options) -
     ``model.set_attn_implementation(name)`` or ``from_pretrained(..., attn_implementation=name)``.
     ``options``: those of :func:`make_fake_quant_attention` (``k_bits=3, v_bits=3, grid="uniform",
     seed=0, scale_only=None, sink_tokens=0, protected_layers=(), layer_options=None``)."""
+    require_transformers("flash_attn_tq.qat.register_fake_quant_attention")
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 

@@ -3,17 +3,20 @@
 Both quantizers turn a float tensor ``x [..., head_dim]`` into integer codes ``[..., head_dim]`` and
 float16 metadata ``[..., 2] = (scale, offset)`` such that, in the quantizer's domain,
 ``x_hat = scale * level(code) + offset`` (see :mod:`flash_attn_tq.format`). Rounding is always
-``floor(v + 0.5)`` and every scale is rounded to float16 *before* codes are computed from it, so a
-kernel doing the same float32 arithmetic gets the same codes except at exact ties.
+``floor(v + 0.5)`` (ties go up; a value exactly on an edge between two Lloyd-Max levels likewise
+takes the upper one) and every scale (and asym's offset) is rounded to float16 *before* codes are
+computed from it, so a kernel doing the same float32 arithmetic gets the same codes except where
+the arithmetic's order differs near a bin edge.
 
 * :class:`TurboQuantizer`: randomized Hadamard rotation (seeded signs, fast Walsh-Hadamard), then a
   per-coordinate grid on the unit-variance coordinates ``y = rot(x) * sqrt(d) / |x|``: the uniform
   grid with the MSE-optimal step for N(0, 1) (default), or the Lloyd-Max codebook. Norm correction:
   the scale makes ``|x_hat| = |x|``. Queries are rotated with :meth:`TurboQuantizer.rotate`;
   attention outputs are rotated back with :meth:`TurboQuantizer.unrotate`.
-* :class:`AsymQuantizer`: asymmetric uniform per vector (token, kv head) with an integer zero point;
-  in streaming mode the scale comes from a per-head range smoothed as
-  ``alpha * max|x_new| + (1 - alpha) * ema`` (alpha 0.95) on every append.
+* :class:`AsymQuantizer`: asymmetric uniform per vector (token, kv head), the grid spanning the
+  vector's own [min, max] (offset = min, so vectors that do not straddle 0 are coded as well as those
+  that do); in streaming mode the scale comes from a per-head range smoothed as
+  ``alpha * max|x_new| + (1 - alpha) * ema`` (alpha 0.95) on every append, with an integer zero point.
 """
 
 from __future__ import annotations
@@ -236,7 +239,8 @@ class TurboQuantizer:
         else:
             levels = self.codebook(x.device)
             edges = (levels[1:] + levels[:-1]) / 2
-            codes = torch.bucketize(y, edges).float()
+            # right=True: a value exactly on an edge goes up, as floor(v + 0.5) does on the uniform grid
+            codes = torch.bucketize(y, edges, right=True).float()
             level = levels[codes.long()]
         lnorm = level.norm(dim=-1, keepdim=True)
         scale = torch.where(lnorm > 0, norm / lnorm, torch.zeros_like(norm))  # norm correction
@@ -325,15 +329,18 @@ class TurboQuantizer:
 
 
 class AsymQuantizer:
-    """Asymmetric uniform quantization per vector with an integer zero point.
+    """Asymmetric uniform quantization per vector.
 
-    ``scale = (max - min) / (2**bits - 1)`` (rounded to float16), ``zero = floor(-min/scale + 0.5)``
-    clamped to the code range, ``code = clamp(floor(x/scale + zero + 0.5))``; stored as
-    ``(scale, -scale * zero)``. With ``streaming=True`` the scale is ``2 r / (2**bits - 1)`` where
-    ``r`` is a per-head range updated on each :meth:`quantize` call as
-    ``alpha * max|x_new| + (1 - alpha) * r`` (the first call sets ``r = max|x_new|``), and the zero
-    point centers each vector's own [min, max] in the code range. Pass the running range tensor as
-    ``ema`` and take the updated one from the return value; the quantizer keeps no state itself.
+    ``scale = (max - min) / (2**bits - 1)`` and ``offset = min``, both rounded to float16 first, then
+    ``code = clamp(floor((x - offset) / scale + 0.5))``; stored as ``(scale, offset)``, so
+    ``x_hat = code * scale + offset``. The grid spans the vector's own [min, max] whether or not it
+    contains 0 (a constant vector: scale 1, ``x_hat = fp16(x)``); every element is within half a step
+    of its level, plus the float16 rounding of the offset. With ``streaming=True`` the scale is
+    ``2 r / (2**bits - 1)`` where ``r`` is a per-head range updated on each :meth:`quantize` call as
+    ``alpha * max|x_new| + (1 - alpha) * r`` (the first call sets ``r = max|x_new|``), and an integer
+    zero point ``zero`` (offset ``-scale * zero``, clamped to the code range) centers each vector's
+    own [min, max] in the code range. Pass the running range tensor as ``ema`` and take the updated
+    one from the return value; the quantizer keeps no state itself.
     """
 
     name = "asym"
@@ -366,15 +373,14 @@ class AsymQuantizer:
             scale = _as_fp16_float(2 * r / (n - 1)).expand_as(mn)
             scale = torch.where(scale > 0, scale, torch.ones_like(scale))
             zero = round_half_up((n - 1) / 2 - (mx + mn) / (2 * scale)).clamp_(0, n - 1)
-        else:
-            scale = _as_fp16_float((mx - mn) / (n - 1))
-            scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-            zero = round_half_up(-mn / scale).clamp_(0, n - 1)
-        codes = round_half_up(xf / scale + zero).clamp_(0, n - 1)
-        meta = torch.cat([scale, -scale * zero], -1).to(torch.float16)
-        if self.streaming:
+            codes = round_half_up(xf / scale + zero).clamp_(0, n - 1)
+            meta = torch.cat([scale, -scale * zero], -1).to(torch.float16)
             return codes.long(), meta, new_ema
-        return codes.long(), meta
+        scale = _as_fp16_float((mx - mn) / (n - 1))
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        offset = _as_fp16_float(mn)
+        codes = round_half_up((xf - offset) / scale).clamp_(0, n - 1)
+        return codes.long(), torch.cat([scale, offset], -1).to(torch.float16)
 
     def dequantize(self, codes: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
         m = meta.float()
@@ -384,7 +390,8 @@ class AsymQuantizer:
 
     def clipped(self, x: torch.Tensor, codes: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
         """bool ``[..., d]``: the elements of ``x`` the codes clipped (an outermost code more than half
-        a step away: only a streaming range can clip, the per-vector range never does)."""
+        a step away: a streaming range can clip; the per-vector range only by the float16 rounding of
+        its offset, where the range is tiny next to the values)."""
         err = (self.dequantize(codes, meta) - x.float()).abs()
         edge = (codes == 0) | (codes == (1 << self.bits) - 1)
         return edge & (err > 0.5 * meta[..., :1].float() * (1 + 1e-3))

@@ -25,16 +25,45 @@ def _check(name: str, ok: bool, detail: str) -> bool:
     return ok
 
 
-def _time_us(fn, reps: int) -> float:
-    if torch.cuda.is_available():
-        from triton.testing import do_bench
+CUDA_REPS = 50  # timed calls a measurement on the GPU without triton
 
-        return do_bench(fn, warmup=10, rep=100, return_mode="median") * 1e3
-    fn()
-    t0 = time.perf_counter()
-    for _ in range(reps):
+
+def decode_timer(cuda: bool, reps: int):
+    """``(time_us, label)``: ``time_us(fn)`` times ``fn`` in microseconds and ``label`` says what that
+    number is. On the GPU: the median of triton's ``do_bench`` (triton ships with CUDA builds of torch
+    on Linux; ``pip install "flash_attn_tq[bench]"`` otherwise), or without triton the median of
+    CUDA-event-timed calls. On the CPU: the mean of ``reps`` calls after one warm-up call."""
+    if cuda:
+        try:
+            from triton.testing import do_bench
+        except ImportError:
+            do_bench = None
+        if do_bench is not None:
+            return (lambda fn: do_bench(fn, warmup=10, rep=100, return_mode="median") * 1e3), "GPU median, do_bench"
+
+        def events_us(fn) -> float:
+            for _ in range(3):
+                fn()
+            times = []
+            for _ in range(CUDA_REPS):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) * 1e3)
+            return sorted(times)[len(times) // 2]
+
+        return events_us, f"GPU median of {CUDA_REPS} calls, CUDA events (triton not installed)"
+
+    def mean_us(fn) -> float:
         fn()
-    return (time.perf_counter() - t0) / reps * 1e6
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return (time.perf_counter() - t0) / reps * 1e6
+
+    return mean_us, f"CPU mean of {reps} calls after one warm-up"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,14 +139,15 @@ def main(argv: list[str] | None = None) -> int:
         f"cache {cache.nbytes / 2**20:.1f} MiB, {cache.compression_ratio():.2f}x smaller than fp16"
     )
 
-    print("decode timing (median)")
-    t_ours = _time_us(lambda: fa.flash_attn_with_kvcache(q, cache), reps=3)
+    time_us, how = decode_timer(dev.type == "cuda", reps=3)
+    print(f"decode timing ({how})")
+    t_ours = time_us(lambda: fa.flash_attn_with_kvcache(q, cache))
     if dev.type == "cuda":  # the fp16 reference point: PyTorch SDPA (cuDNN/flash) over the fp16 cache
         qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        t_fp16 = _time_us(lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True), reps=3)
+        t_fp16 = time_us(lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True))
         base = "SDPA on the fp16 cache"
     else:
-        t_fp16 = _time_us(lambda: fa.flash_attn_func(q, k, v), reps=3)
+        t_fp16 = time_us(lambda: fa.flash_attn_func(q, k, v))
         base = f"fp16 baseline, {fa.last_path()}"
     print(
         f"  3-bit cache ({path}): {t_ours:.1f} us | {base}: {t_fp16:.1f} us | fp16/ours {t_fp16 / t_ours:.2f}x "

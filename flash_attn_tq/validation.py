@@ -193,8 +193,14 @@ def check_new_rows(k, v, batch: int, dtype: torch.dtype) -> None:
         if x is not None and (not isinstance(x, torch.Tensor) or x.dim() != 4 or x.shape[0] != batch):
             got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(f"{name} must be (batch={batch}, seqlen_new, nheads_k, headdim) like q's batch, got {got}")
-        if x is not None and x.dtype != dtype:
-            raise TypeError(f"{name} must have the same dtype as q ({dtype}), got {x.dtype}")
+    check_new_dtype(k, v, dtype)
+
+
+def check_new_dtype(k, v, q_dtype: torch.dtype) -> None:
+    """Upstream's rule for new keys and values: q's dtype (checked before they reach the cache)."""
+    for name, x in (("k", k), ("v", v)):
+        if x is not None and x.dtype != q_dtype:
+            raise TypeError(f"{name} must have the same dtype as q ({q_dtype}), got {x.dtype}")
 
 
 def check_rotary(rotary_cos, rotary_sin, k, head_dim: int, device) -> None:

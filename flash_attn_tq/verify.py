@@ -235,7 +235,11 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, arg
     ap.add_argument("--key-center", choices=("none", "mean", "rope"), default="none")
     ap.add_argument("--rope-theta", type=float, default=10000.0, help="RoPE base for --key-center rope")
     ap.add_argument("--qkv", help="a file from save_qkv (q, k, v): use them instead of Gaussian data")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="cpu, cuda or cuda:N (default: cuda where a CUDA device is visible, else cpu)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
     return ap, ap.parse_args(argv)
@@ -310,9 +314,27 @@ def format_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def device_problem(spec: str) -> str | None:
+    """Why ``--device spec`` cannot run here (a usage error), or None."""
+    try:
+        device = torch.device(spec)
+    except (RuntimeError, ValueError):
+        return f"--device {spec!r} is not a device torch knows (e.g. cpu, cuda, cuda:1)"
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            return f"--device {spec}: no CUDA device is visible on this machine (use --device cpu)"
+        if device.index is not None and device.index >= count:
+            return f"--device {spec}: only {count} CUDA device(s) are visible (cuda:0 .. cuda:{count - 1})"
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the checks and print the table (or JSON); 0 if every check passed, 1 otherwise."""
     ap, args = parse_args(argv)
+    problem = device_problem(args.device)
+    if problem:
+        ap.error(problem)
     if min(args.batch, args.seqlen, args.q_heads, args.kv_heads, args.head_dim) < 1:
         ap.error("--batch, --seqlen, --q-heads, --kv-heads and --head-dim must be positive")
     if not args.qkv and not 1 <= args.seqlen_q <= args.seqlen:

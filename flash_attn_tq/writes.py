@@ -56,13 +56,16 @@ def check_new(cache: "QuantizedKVCache", name: str, x, check_values: bool) -> No
 
 
 def check_new_kv(cache: "QuantizedKVCache", k, v, check_values: bool = True) -> None:
-    """New ``k`` and ``v``: each as :func:`check_new`, and of one shape and dtype."""
+    """New ``k`` and ``v``: each as :func:`check_new`, of one dtype and shape, then (one read each) values."""
     for name, x in (("k", k), ("v", v)):
-        check_new(cache, name, x, check_values)
+        check_new(cache, name, x, check_values=False)
+    if v.dtype != k.dtype:  # (upstream's rule: both have q's dtype; without q, each other's)
+        raise TypeError(f"v must have the same dtype as k ({k.dtype}), got {v.dtype}")
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
-    if k.dtype != v.dtype:
-        raise TypeError(f"v must have k's dtype ({k.dtype}), got {v.dtype}")
+    if check_values:
+        for name, x in (("k", k), ("v", v)):
+            check_new(cache, name, x, check_values=True)
 
 
 def quantize(cache: "QuantizedKVCache", k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor) -> dict[str, torch.Tensor]:

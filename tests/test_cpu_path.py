@@ -56,7 +56,7 @@ def test_ragged_rows_batch_idx_and_causal_chunk():
     assert cache.seqlens.tolist() == lens
     # a causal chunk of 5 new tokens on rows 3 and 1 (in that order), bottom-right aligned
     rows = torch.tensor([3, 1], dtype=torch.int32)
-    k, v = make_kv(gen, 2, 5, hk, d)
+    k, v = (x.half() for x in make_kv(gen, 2, 5, hk, d))  # new k / v in q's dtype
     q = torch.randn(2, 5, hq, d, generator=gen, dtype=torch.float16)
     out, lse = fa.flash_attn_with_kvcache(
         q, cache, k=k, v=v, cache_batch_idx=rows, causal=True, return_softmax_lse=True

@@ -435,6 +435,70 @@ def test_pack_kernel_matches_reference_codes(quantizer, grid, bits, d, dtype):
         torch.testing.assert_close(got_meta, ref_meta, rtol=2e-3, atol=1e-4)
 
 
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_pack_kernel_asym_vectors_not_straddling_zero(bits, d, dtype):
+    """asym vectors entirely above or below 0, and constant ones: the pack kernel's grid starts at
+    the vector's minimum (offset = min), with the same codes and metadata as the reference, bit for
+    bit, and the fused decode over them agrees with the reference path."""
+    n, h = 301, 4
+    gen = torch.Generator(device=DEV).manual_seed(7 * bits + d)
+    x = torch.rand(1, n, h, d, device=DEV, generator=gen)
+    x[:, :, 0] += 5.0  # all in [5, 6]
+    x[:, :, 1] = -9.0 + x[:, :, 1]  # all in [-9, -8]
+    x[:, :, 2] = 10.0  # constant
+    x[:, :, 3] = x[:, :, 3] * 40 + 0.25  # wide, positive
+    x = x.to(dtype)
+    cache = QuantizedKVCache(1, n, h, d, k_bits=bits, v_bits=bits, quantizer="asym", device=DEV)
+    assert cache.pack_reason(x) is None
+    for t in (cache.k_codes, cache.v_codes):
+        t.fill_(0xAB)
+    for t in (cache.k_meta, cache.v_meta):
+        t.fill_(float("nan"))
+    cache.append(x, x)
+    ref = cache.quantize(x, x)
+    for name in ("k", "v"):
+        got_codes = fmt.unpack_codes(getattr(cache, f"{name}_codes")[0, :n], bits, d)
+        ref_codes = fmt.unpack_codes(ref[f"{name}_codes"][0], bits, d)
+        assert torch.equal(got_codes, ref_codes)
+        got_meta = getattr(cache, f"{name}_meta")[0, :n]
+        assert torch.equal(got_meta, ref[f"{name}_meta"][0])
+        torch.testing.assert_close(got_meta[..., 1].float(), x[0].float().amin(-1).half().float(), rtol=0, atol=0)
+    kd, vd = cache.dequantize()
+    step = cache.k_meta[0, :n, :, :1].float().cpu()
+    err = (kd[0, :n].cpu() - x[0].float().cpu()).abs()
+    assert (err <= step / 2 * 1.002 + 1e-6).all(), err.amax()
+    assert torch.equal(kd[0, :n, 2].cpu(), x[0, :, 2].float().cpu())  # constant vectors: exact
+    q = torch.randn(1, 1, 2 * h, d, device=DEV, dtype=dtype)
+    out, lse = fa.flash_attn_with_kvcache(q, cache, return_softmax_lse=True)
+    fused = (bits, bits) in ops.FUSED_DECODE_BITS
+    assert fa.last_path() == "quantized:fused-cuda" if fused else fa.last_path().startswith("quantized:reference")
+    _check_against_reference(q, cache, out, lse, causal=False)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("d", [64, 128])
+def test_pack_kernel_lloyd_max_tie_goes_up(bits, d):
+    """A coordinate exactly on a Lloyd-Max bin edge (here 0, the middle edge) takes the upper level
+    in the pack kernel as in the reference (the floor(v + 0.5) rule of the uniform grid)."""
+    cache = QuantizedKVCache(1, 8, 1, d, k_bits=bits, v_bits=bits, grid="lloyd_max", device=DEV, seed=5)
+    rows = []
+    for qz in (cache.k_quantizer, cache.v_quantizer):
+        x = torch.zeros(d)
+        x[0], x[1] = qz.signs[0], qz.signs[1]  # rotated: (2, 0, 2, 0, ...) / sqrt(d), zeros exactly
+        rows.append(x.view(1, 1, 1, d).to(DEV, torch.float16))
+    k, v = rows
+    assert cache.pack_reason(k) is None
+    cache.append(k, v)
+    ref = cache.quantize(k, v)
+    for name in ("k", "v"):
+        got = fmt.unpack_codes(getattr(cache, f"{name}_codes")[0, :1], bits, d)
+        exp = fmt.unpack_codes(ref[f"{name}_codes"][0], bits, d)
+        assert torch.equal(got, exp)
+        assert got[0, 0, 1::2].tolist() == [(1 << bits) // 2] * (d // 2)
+
+
 def test_cuda_graph_capture_and_replay():
     cache, _, _ = _make_cache(2, [500, 700], 2, 128, seed=5, max_seqlen=1024)
     q = torch.randn(2, 1, 8, 128, device=DEV, dtype=torch.float16)

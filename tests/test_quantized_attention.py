@@ -144,8 +144,8 @@ def test_matches_float64_reference(quantizer, bits, d, heads, L, seqlen_q, causa
     ctx = [L - seqlen_q, (L - seqlen_q) // 2, max(0, L - seqlen_q - 3)]  # per-sequence lengths
     fill_rows(cache, ctx, gen)
     q = torch.randn(B, seqlen_q, Hq, d, generator=gen) * 1.5
-    k = torch.randn(B, seqlen_q, Hkv, d, generator=gen)  # (new k / v in q's dtype, as upstream requires)
-    v = torch.randn(B, seqlen_q, Hkv, d, generator=gen)
+    k = torch.randn(B, seqlen_q, Hkv, d, generator=gen).half().float()  # float16 values, in q's dtype
+    v = torch.randn(B, seqlen_q, Hkv, d, generator=gen).half().float()
     out, lse = flash_attn_with_kvcache(
         q, cache, k=k, v=v, cache_seqlens=torch.tensor(ctx, dtype=torch.int32), causal=causal, return_softmax_lse=True
     )
@@ -272,7 +272,7 @@ def test_fp16_window(quantizer, window_bits, seqlen_q, causal):
     ctx = [40, 2, 11]
     fill_rows(cache, ctx, gen)
     q = torch.randn(3, seqlen_q, 4, 128, generator=gen)
-    k = torch.randn(3, seqlen_q, 2, 128, generator=gen).half().float()  # (q's dtype; fp16 values the window keeps)
+    k = torch.randn(3, seqlen_q, 2, 128, generator=gen).half().float()  # float16 values, in q's dtype
     v = torch.randn(3, seqlen_q, 2, 128, generator=gen).half().float()
     out, lse = flash_attn_with_kvcache(q, cache, k=k, v=v, causal=causal, return_softmax_lse=True)
     lens = [c + seqlen_q for c in ctx]
@@ -326,7 +326,7 @@ def test_fp16_window_covering_everything_is_full_precision():
     R = 16
     gen = torch.Generator().manual_seed(5)
     cache = QuantizedKVCache(2, 40, 1, 64, fp16_window=R)
-    k = torch.randn(2, 13, 1, 64, generator=gen).half().float()  # (q's dtype; fp16 values the window keeps)
+    k = torch.randn(2, 13, 1, 64, generator=gen).half().float()  # float16 values, in q's dtype
     v = torch.randn(2, 13, 1, 64, generator=gen).half().float()
     q = torch.randn(2, 13, 3, 64, generator=gen)
     out = flash_attn_with_kvcache(q, cache, k=k, v=v, causal=True)
@@ -549,6 +549,22 @@ BAD_KVCACHE_CALLS = {  # keyword arguments of flash_attn_with_kvcache(q, cache, 
     "rotary_cos wider than the head": (_new_kv(2, rotary=(32, 40)), ValueError, "rotary"),
     "rotary_cos too short": (_new_kv(2, rotary=(4, 32)), ValueError, "rotary_cos has 4 positions"),
     "k_cache beside kv_cache": (dict(k_cache=torch.zeros(2, 16, 2, 64), kv_cache="self"), ValueError, "k_cache"),
+    # upstream's rule: new k and v have q's dtype (q is float32 here)
+    "k of another dtype than q": (
+        dict(k=torch.randn(2, 1, 2, 64).half(), v=torch.randn(2, 1, 2, 64)),
+        TypeError,
+        r"k must have the same dtype as q \(torch.float32\), got torch.float16",
+    ),
+    "v of another dtype than q": (
+        dict(k=torch.randn(2, 1, 2, 64), v=torch.randn(2, 1, 2, 64).bfloat16()),
+        TypeError,
+        r"v must have the same dtype as q \(torch.float32\), got torch.bfloat16",
+    ),
+    "k and v of another dtype than q, through kv_cache=": (
+        dict(k=torch.randn(2, 1, 2, 64).half(), v=torch.randn(2, 1, 2, 64).half(), kv_cache="self"),
+        TypeError,
+        "k must have the same dtype as q",
+    ),
 }
 
 
@@ -618,6 +634,9 @@ def test_varlen_bad_arguments_leave_the_cache():
         (dict(alibi_slopes=torch.ones(3)), ValueError, "alibi_slopes"),
         (dict(cu_seqlens_q=None), ValueError, "cu_seqlens_q"),
         (dict(max_seqlen_q=None), TypeError, "max_seqlen_q"),
+        (dict(k=kv.half(), v=kv.half()), TypeError, "k must have the same dtype as q"),
+        (dict(v=kv.bfloat16()), TypeError, "v must have the same dtype as q"),
+        (dict(q=torch.randn(2, 4, 64).half()), TypeError, "k must have the same dtype as q"),
     ):
         call = dict(q=torch.randn(2, 4, 64), k=kv, v=kv, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=1)
         call.update(kwargs)
@@ -634,6 +653,55 @@ def test_varlen_bad_arguments_leave_the_cache():
                 **call,
             )
         assert cache.seqlens.tolist() == [5, 5]
+
+
+def test_new_kv_dtypes_follow_upstreams_rule():
+    """Upstream refuses k / v whose dtype is not q's (and k's and v's apart): so do QuantizedKVCache.append
+    (k and v alike), the CPU cache and the baseline paths, each with a TypeError naming the argument,
+    before anything is written. Matching dtypes go through."""
+    from flash_attn_tq.cpu import CpuQuantizedKVCache
+
+    cache = _filled_cache()
+    before = {key: getattr(cache, key).clone() for key in ("seqlens", "k_codes", "v_codes", "k_meta", "v_meta")}
+    k16, v16 = torch.randn(2, 3, 2, 64).half(), torch.randn(2, 3, 2, 64).half()
+    with pytest.raises(TypeError, match=r"v must have the same dtype as k \(torch.float16\), got torch.bfloat16"):
+        cache.append(k16, v16.bfloat16())
+    with pytest.raises(TypeError, match="v must have the same dtype as k"):
+        cache.append(k16.float(), v16)
+    assert all(torch.equal(getattr(cache, key), val) for key, val in before.items())
+    q16 = torch.randn(2, 1, 4, 64).half()
+    out = flash_attn_with_kvcache(q16, cache, k=k16, v=v16)  # all float16: fine
+    assert out.dtype == torch.float16 and cache.seqlens.tolist() == [8, 8]
+
+    cpu_cache = CpuQuantizedKVCache(2, 16, 2, 64)
+    with pytest.raises(TypeError, match="v must have the same dtype as k"):
+        cpu_cache.append(k16, v16.float())
+    with pytest.raises(TypeError, match="k must have the same dtype as q"):
+        flash_attn_with_kvcache(q16.float(), cpu_cache, k=k16, v=v16)
+    with pytest.raises(TypeError, match="v must have the same dtype as q"):
+        flash_attn_with_kvcache(q16, cpu_cache, k=k16, v=v16.bfloat16())
+    assert cpu_cache.seqlens.tolist() == [0, 0]
+    flash_attn_with_kvcache(q16, cpu_cache, k=k16, v=v16)
+    assert cpu_cache.seqlens.tolist() == [3, 3]
+
+    # the baseline (tensor) paths
+    q, k, v = torch.randn(2, 3, 4, 64), torch.randn(2, 3, 2, 64), torch.randn(2, 3, 2, 64)
+    with pytest.raises(TypeError, match="v must have the same dtype as q"):
+        flash_attn_tq.flash_attn_func(q, k, v.half())
+    cu = torch.tensor([0, 3, 6], dtype=torch.int32)
+    with pytest.raises(TypeError, match="k must have the same dtype as q"):
+        flash_attn_tq.flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1).half(), v.flatten(0, 1), cu, cu, 3, 3)
+    k_cache, v_cache = torch.zeros(2, 8, 2, 64), torch.zeros(2, 8, 2, 64)
+    for kwargs, name in (
+        (dict(k_cache=k_cache.half()), "k_cache"),
+        (dict(v_cache=v_cache.bfloat16()), "v_cache"),
+        (dict(k=k.half(), v=v, cache_seqlens=0), "k"),
+        (dict(k=k, v=v.half(), cache_seqlens=0), "v"),
+    ):
+        call = dict(dict(k_cache=k_cache, v_cache=v_cache), **kwargs)
+        with pytest.raises(TypeError, match=f"{name} must have the same dtype as q"):
+            flash_attn_with_kvcache(q[:, :1], call.pop("k_cache"), call.pop("v_cache"), **call)
+        assert not k_cache.any() and not v_cache.any()
 
 
 # ----------------------------------------------------------------------------- quality

@@ -2,6 +2,10 @@
 q/k/v, a deliberately broken attention and the JSON output."""
 
 import json
+import os
+import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -104,6 +108,37 @@ def test_bad_options_are_usage_errors():
 
 
 @pytest.mark.gpu
+def test_unusable_device_is_a_usage_error(monkeypatch, capsys):
+    """--device cuda where no CUDA device is visible (and a malformed device) is an argparse error
+    naming --device (exit code 2), not a traceback from deep inside torch."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    for device in ("cuda", "cuda:1", "gpu0"):
+        with pytest.raises(SystemExit) as e:
+            verify.main(SMALL[:-2] + ["--device", device])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert f"error: --device {device}" in err or f"error: --device '{device}'" in err
+        assert "Traceback" not in err
+    assert verify.device_problem("cpu") is None
+
+
+def test_unusable_device_from_the_command_line():
+    """The module as a user runs it, with no CUDA device visible: one error line, exit code 2."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    res = subprocess.run(
+        [sys.executable, "-m", "flash_attn_tq.verify", "--device", "cuda"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=str(pathlib.Path(__file__).resolve().parents[1]),
+    )
+    assert res.returncode == 2, res.stderr
+    assert "Traceback" not in res.stderr and res.stdout == ""
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("python -m flash_attn_tq.verify: error: --device cuda: no CUDA device"), last
+
+
 @pytest.mark.skipif(
     not torch.cuda.is_available() or not flash_attn_tq.ops.extension_available(),
     reason="needs a CUDA GPU and the flash_attn_tq_cuda extension",

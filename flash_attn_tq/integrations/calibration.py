@@ -9,8 +9,13 @@ from typing import Iterable, Mapping
 
 import torch
 
+from ..optional_deps import transformers_missing
 from .options import DEFAULTS, cache_options, head_dim_of, late_layers
-from .transformers import ATTN_IMPLEMENTATION, TQCache
+
+try:
+    from .transformers import ATTN_IMPLEMENTATION, TQCache
+except ImportError as e:  # without transformers, or an older one
+    raise transformers_missing("flash_attn_tq.integrations.calibration", e) from e
 
 
 def allocate_key_bits(

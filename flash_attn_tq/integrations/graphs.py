@@ -20,7 +20,12 @@ from __future__ import annotations
 
 import torch
 
-from .transformers import ATTN_IMPLEMENTATION, TQCache, TQLayer
+from ..optional_deps import transformers_missing
+
+try:
+    from .transformers import ATTN_IMPLEMENTATION, TQCache, TQLayer
+except ImportError as e:  # without transformers, or an older one
+    raise transformers_missing("flash_attn_tq.integrations.graphs", e) from e
 
 
 class GraphDecoder:

@@ -7,6 +7,7 @@ from typing import Mapping
 
 import torch
 
+from ..optional_deps import require_transformers
 from ..cache import QuantizedKVCache
 from ..spec import scale_only_fits
 
@@ -110,11 +111,12 @@ def rope_inv_freq(config) -> torch.Tensor:
     """The RoPE frequencies ``[head_dim / 2]`` a transformers model config gives its rotary
     embedding (``rope_parameters``: ``"default"`` or one of transformers' scaled kinds), for
     ``key_center="rope"``."""
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
     params = dict(getattr(config, "rope_parameters", None) or {})
     kind = params.get("rope_type", "default")
     if kind != "default":
+        require_transformers(f"rope_inv_freq for rope_type={kind!r}")
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
         return ROPE_INIT_FUNCTIONS[kind](config, "cpu")[0].float()
     theta = params.get("rope_theta", getattr(config, "rope_theta", None))
     if theta is None:

@@ -28,13 +28,15 @@ from typing import Iterable, Mapping
 
 import torch
 
+from ..optional_deps import transformers_missing
+
 try:
     from transformers import AttentionInterface
     from transformers.cache_utils import Cache, CacheLayerMixin
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-except ImportError as e:  # pragma: no cover - exercised only without transformers
-    raise ImportError("flash_attn_tq.integrations.transformers needs transformers >= 5") from e
+except ImportError as e:  # without transformers, or an older one
+    raise transformers_missing("flash_attn_tq.integrations.transformers", e) from e
 
 from .. import dispatch
 from ..cache import QuantizedKVCache

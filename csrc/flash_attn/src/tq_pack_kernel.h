@@ -335,14 +335,16 @@ __device__ __forceinline__ bool pack_vectors(const PackParams &p, int block, int
             float scale =
                 __half2float(__float2half_rn(__fdiv_rn(__fsub_rn(vmax, vmin), static_cast<float>(kLevels - 1))));
             if (!(scale > 0.f)) scale = 1.f;
-            const float zero = fminf(fmaxf(floorf(__fadd_rn(__fdiv_rn(-vmin, scale), 0.5f)), 0.f), kLevels - 1.f);
+            // the grid starts at the vector's own minimum (rounded to float16 before any code is
+            // taken from it), so vectors that do not straddle 0 are coded as finely as those that do
+            const float offset = __half2float(__float2half_rn(vmin));
             #pragma unroll
             for (int k = 0; k < P; ++k) {
-                code[k] = static_cast<int>(
-                    fminf(fmaxf(floorf(__fadd_rn(__fadd_rn(__fdiv_rn(x[k], scale), zero), 0.5f)), 0.f), kLevels - 1.f));
+                code[k] = static_cast<int>(fminf(
+                    fmaxf(floorf(__fadd_rn(__fdiv_rn(__fsub_rn(x[k], offset), scale), 0.5f)), 0.f), kLevels - 1.f));
             }
             scale_out = scale;
-            offset_out = __fmul_rn(-scale, zero);
+            offset_out = offset;
         } else if constexpr (kQuant == Quant::kTurboMean) {
             // x is the unnormalized transform H x (the rotated vector is x / sqrt(d)): fit the grid
             // to r = x - mean(x): codes of r * sqrt(d) / |r| on the uniform grid, then the
@@ -399,9 +401,9 @@ __device__ __forceinline__ bool pack_vectors(const PackParams &p, int block, int
                 #pragma unroll
                 for (int k = 0; k < P; ++k) {
                     const float y = __fmul_rn(x[k], to_unit);
-                    int cnt = 0;  // number of bin edges strictly below y
+                    int cnt = 0;  // number of bin edges at or below y: a value on an edge goes up
                     #pragma unroll
-                    for (int e = 0; e + 1 < kLevels; ++e) { cnt += y > edge_smem[e] ? 1 : 0; }
+                    for (int e = 0; e + 1 < kLevels; ++e) { cnt += y >= edge_smem[e] ? 1 : 0; }
                     code[k] = cnt;
                     const float level = level_smem[cnt];
                     lss = __fmaf_rn(level, level, lss);
