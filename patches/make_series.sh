@@ -86,16 +86,19 @@ variant adds the table's rows to K." \
 add "csrc: the kernel cases, generated once" \
 "generate_instantiations.py lists the (dtype, head_dim, K bits, V bits, metadata) cases and writes a
 tiny .cu file a case (decode, prefill, pack: they build in parallel), the C++ case table the ops
-dispatch over (tq_cases.h) and the Python list of fused cases; tq_prefill_launch.h picks the
-prefill variant (wgmma from 256 rows a kv head on sm_90a builds)." \
+dispatch over (tq_cases.h) and the Python list of fused cases; tq_prefill_launch.h runs the prefill
+variant the caller's plan chose (wgmma on sm_90a builds)." \
     generate_instantiations.py tq_cases.h tq_prefill_launch.h 'tq_decode_*.cu' 'tq_prefill_*.cu' 'tq_pack_*.cu'
 
-add "csrc: register flash_attn_tq::decode_kvcache, decode_kv16 and pack_kv" \
+add "csrc: register flash_attn_tq::decode_kvcache, pack_kv and build_info" \
 "torch.library ops (traceable with fake implementations registered from Python, CUDA-graph safe:
-num_splits is chosen on the host) dispatching over the generated case table; setup.py builds them
-into flash_attn_2_cuda (its module stays upstream's: FLASH_TQ_NO_PYBIND_MODULE; upstream targets
-sm_90, not sm_90a, so this build runs the mma.sync prefill variant on Hopper)." \
-    tq_api.h
+num_splits is chosen on the host, tq_heuristics.h). A call describes the cache as a list of K/V
+stores (a head group's codes, its RoPE center, its 16-bit side, a ring of window codes, a 16-bit
+cache) with six ints each, unpacked in one place, and names the kernel its caller planned; the
+binding checks that the stores and the device can run it, over the generated case table. setup.py
+builds them into flash_attn_2_cuda (its module stays upstream's: FLASH_TQ_NO_PYBIND_MODULE; upstream
+targets sm_90, not sm_90a, so build_info reports no wgmma variant there)." \
+    tq_api.h tq_heuristics.h
 cp "$here"/csrc/flash_attn/flash_api_tq.cpp csrc/flash_attn/
 git add csrc/flash_attn/flash_api_tq.cpp
 git commit -q --amend --no-edit
