@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from . import dispatch, health, ops, reference, storage, writes
+from . import dispatch, health, ops, reference, state, storage, writes
 from .keys import KeyCenter
 from .quantizers import AsymQuantizer, TurboQuantizer
 from .spec import CacheSpec, is_int
@@ -376,78 +376,31 @@ class QuantizedKVCache:
     def window_kv(self, rows, rotated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         return reference.window_kv(self, rows, rotated)
 
-    # ------------------------------------------------------------------ movement / serialization
+    # ------------------------------------------------------------------ state (flash_attn_tq.state)
     def copy_into(self, other: "QuantizedKVCache") -> None:
         """Copy every token and all state into ``other``, a contiguous cache of the same spec, rows and
         kv heads with at least this one's capacity (a cache that grows)."""
-        if other.spec != self.spec or (other.batch_size, other.num_kv_heads) != (self.batch_size, self.num_kv_heads):
-            raise ValueError("copy_into: the other cache must have the same spec, rows and kv heads")
-        if self.paged or other.max_seqlen < self.max_seqlen:
-            raise ValueError("copy_into: contiguous caches, into one of at least this capacity")
-        for name in self._STATE:
-            mine = getattr(self, name)
-            if mine is not None:
-                (getattr(other, name)[:, : self.max_seqlen] if name in storage.PER_TOKEN else getattr(other, name)).copy_(mine)
-        for _, attr in self._KEY_STATE:
-            if getattr(self.keys, attr) is not None:
-                getattr(other.keys, attr).copy_(getattr(self.keys, attr))
-        other.keys.done = self.keys.done
-
-    _STATE = storage.TENSORS + ("k_range", "v_range", "health_counters")
-    _KEY_STATE = (("k_center", "center"), ("calibrated", "calibrated"), ("rope_inv_freq", "inv_freq"))
+        state.copy_into(self, other)
 
     def to(self, device: torch.device | str) -> "QuantizedKVCache":
         """Move every tensor of the cache to ``device`` (in place); returns self."""
-        for name in self._STATE + ("pack_tally",):
-            t = getattr(self, name)
-            if t is not None:
-                setattr(self, name, t.to(device))
-        self.keys.to(device)
+        state.move(self, device)
         self._plans.clear()
         return self
 
     def config(self) -> dict[str, Any]:
         """The shape and the spec (:meth:`CacheSpec.options`, dtype as a string)."""
-        shape = dict(batch_size=self.batch_size, max_seqlen=self.max_seqlen, num_kv_heads=self.num_kv_heads,
-                     head_dim=self.head_dim, num_blocks=self.k_codes.shape[0] if self.paged else None)  # fmt: skip
-        options = self.spec.options()
-        options["dtype"] = str(self.dtype).replace("torch.", "")
-        return {**shape, **options}
+        return state.config(self)
 
     def state_dict(self) -> dict[str, Any]:
-        sd = {name: getattr(self, name) for name in self._STATE if getattr(self, name) is not None}
-        sd.update({name: getattr(self.keys, attr) for name, attr in self._KEY_STATE if getattr(self.keys, attr) is not None})
-        sd["config"] = self.config()
-        return sd
+        return state.state_dict(self)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        mine, theirs = self.config(), _saved_config(state["config"])
-        if mine != theirs:
-            diff = {k: (mine.get(k), theirs.get(k)) for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k)}
-            raise ValueError(f"state_dict was saved from a cache with another configuration: {diff}")
-        state = dict(state)
-        if "k_shift" in state:  # (the key center's earlier name)
-            state.setdefault("k_center", state.pop("k_shift"))
-        for name in self._STATE:
-            if name in state:
-                getattr(self, name).copy_(state[name])
-        for name, attr in self._KEY_STATE:
-            if name in state:
-                getattr(self.keys, attr).copy_(state[name])
-        if "kv_side" not in state and "k_window" in state and self.window_quantizer is None:  # saved without sinks
-            self.k_window.copy_(state["k_window"])
-            self.v_window.copy_(state["v_window"])
-        self.keys.done = False  # re-read from `calibrated` on the next append
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        state.load_state_dict(self, saved)
 
     @classmethod
-    def from_state_dict(cls, state: dict[str, Any], device: torch.device | str = "cpu") -> "QuantizedKVCache":
-        cfg = _saved_config(state["config"])
-        cfg["dtype"] = getattr(torch, cfg["dtype"])
-        bt = state.get("block_table")
-        shape = [cfg.pop(n) for n in ("batch_size", "max_seqlen", "num_kv_heads", "head_dim")]
-        cache = cls(*shape, **cfg, block_table=bt.cpu() if bt is not None else None, device=device)
-        cache.load_state_dict(state)
-        return cache
+    def from_state_dict(cls, saved: dict[str, Any], device: torch.device | str = "cpu") -> "QuantizedKVCache":
+        return state.from_state_dict(cls, saved, device)
 
     def __repr__(self) -> str:
         s = self.spec
@@ -459,21 +412,3 @@ class QuantizedKVCache:
             f"fp16_window={s.fp16_window}{window}, sink_tokens={s.sink_tokens}, "
             f"{self.bits_per_element():.3f} bits/element, device={self.device})"
         )
-
-
-# options a saved config may lack (saved before they existed), and ones a cache no longer has
-_SAVED_DEFAULTS = dict(fit="norm", key_center=False, rope_inv_freq=None, rope_position_offset=0, calib_min_tokens=16,
-                       scale_only=False, window_bits=16, sink_tokens=0, health=False, page_size=None, num_blocks=None)  # fmt: skip
-_DROPPED = {"key_scale": 0.0, "key_scale_q": False, "key_pca": False, "value_pca": False}
-
-
-def _saved_config(config: dict[str, Any]) -> dict[str, Any]:
-    """A saved config in today's form (older saves: missing options at their old defaults, options
-    that no longer exist dropped where they were switched off)."""
-    cfg = {**_SAVED_DEFAULTS, **config}
-    for key, off in _DROPPED.items():
-        if cfg.get(key, off) == off:
-            cfg.pop(key, None)
-    if cfg.get("rope_inv_freq") is not None:
-        cfg["rope_inv_freq"] = [float(x) for x in cfg["rope_inv_freq"]]
-    return cfg
