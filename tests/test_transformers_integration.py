@@ -209,22 +209,22 @@ def test_layer_options():
     assert mixed.bits_per_element(64) == pytest.approx(3.5)
     # the default: 4-bit keys in as many last layers as scale-only metadata pays for, 3 + 32 / head_dim bits
     default = TQCache(model.config)
-    assert [default.layer_cache_kwargs(i)["k_bits"] for i in range(4)] == [3, 3, 4, 4]
+    assert [default.layer_spec(i).k_bits for i in range(4)] == [3, 3, 4, 4]
     assert default.bits_per_element(64) == pytest.approx(3.5)
-    assert [TQCache(model.config, protected_layers=(0,)).layer_cache_kwargs(i)["k_bits"] for i in range(4)] == [
+    assert [TQCache(model.config, protected_layers=(0,)).layer_spec(i).k_bits for i in range(4)] == [
         3,
         3,
         3,
         4,
     ]
-    assert TQCache(model.config, layer_options={3: {"k_bits": 3}}).layer_cache_kwargs(3)["k_bits"] == 3
+    assert TQCache(model.config, layer_options={3: {"k_bits": 3}}).layer_spec(3).k_bits == 3
     assert all(
-        TQCache(model.config, **o).layer_cache_kwargs(3)["k_bits"] == 3
+        TQCache(model.config, **o).layer_spec(3).k_bits == 3
         for o in (dict(late_k_bits=None), dict(scale_only=False), dict(quantizer="asym"), dict(fit="mean"))
     )
     model.config.head_dim = 128  # a quarter of the layers at head_dim 128: 3.25 bits/element
     wide = TQCache(model.config)
-    assert [wide.layer_cache_kwargs(i)["k_bits"] for i in range(4)] == [3, 3, 3, 4]
+    assert [wide.layer_spec(i).k_bits for i in range(4)] == [3, 3, 3, 4]
     assert wide.bits_per_element(128) == pytest.approx(3.25)
     with pytest.raises(ValueError, match="late_k_bits"):
         TQCache(None, late_k_bits=4)
@@ -245,7 +245,7 @@ def test_layer_options():
         (dict(sink_tokens=-1), "sink_tokens"),
         (dict(sink_tokens="x"), "sink_tokens"),
     ):
-        with pytest.raises(ValueError, match=name):
+        with pytest.raises((TypeError, ValueError), match=name):
             TQCache(model.config, **kwargs)
     with pytest.raises(TypeError, match="config"):  # a dict would silently drop the late 4-bit layers
         TQCache(model.config.to_dict())
@@ -255,7 +255,7 @@ def test_defaults_and_errors():
     model = tiny_model(layers=1)
     cache = TQCache(model.config)
     assert cache.sink_tokens == DEFAULTS["sink_tokens"]
-    assert cache.cache_kwargs["fp16_window"] == DEFAULTS["fp16_window"]
+    assert cache.spec.fp16_window == DEFAULTS["fp16_window"]
     assert DEFAULTS["fp16_window"] + DEFAULTS["sink_tokens"] <= 128
     with pytest.raises(ValueError):
         TQCache(model.config, prefill="lazy")
@@ -430,13 +430,13 @@ def test_defaults_are_the_quality_study_default():
             assert tuple(cfg["k_cal"]) == (3, 4) and cfg["copy_heads"] == 1  # calibrated's defaults
             cfg = dict(
                 cfg,
-                k_layer_bits={i: cal.layer_cache_kwargs(i)["k_bits"] for i in range(layers)},
+                k_layer_bits={i: cal.layer_spec(i).k_bits for i in range(layers)},
                 head_bits={f"{i},{h}": [o["k_bits"], o["v_bits"]] for (i, h), o in cal.head_options.items()},
                 kv_heads=3,
             )
         assert cache.sink_tokens == cfg["sink_tokens"]
         for i in range(layers):
-            opts = cache.layer_cache_kwargs(i)
+            opts = cache.layer_spec(i).options()
             assert opts["k_bits"] == eval_quality.key_bits_of(cfg, i, layers), (name, i)
             assert opts["v_bits"] == (2 if i in eval_quality.v2_layers(cfg, layers) else cfg["v_bits"]), i
             want = eval_quality.tq_options(cfg)  # (rope_center="exact" is key_center="rope")
@@ -448,7 +448,7 @@ def test_defaults_are_the_quality_study_default():
     assert cal.bits_per_element(64) == pytest.approx(3.5 - 2 / (2 * 90))
     # the calibrated bits go to the layers with the largest measured gains
     gains = sorted(range(layers), key=lambda i: sensitivity[(i, 4)] - sensitivity[(i, 3)])
-    assert {i for i in range(layers) if cal.layer_cache_kwargs(i)["k_bits"] == 4} == set(gains[:11])
+    assert {i for i in range(layers) if cal.layer_spec(i).k_bits == 4} == set(gains[:11])
 
 
 def test_allocate_key_bits_spends_the_budget_where_it_gains_most():
@@ -482,7 +482,7 @@ def test_calibrated_cache_places_the_key_bits_by_measured_sensitivity():
             layer.self_attn.q_proj.weight.mul_(4)
             layer.self_attn.k_proj.weight.mul_(4)
     opts = dict(fp16_window=8, sink_tokens=2, v_bits=4)  # (4-bit values: less of their error in the measure)
-    sens = key_bit_sensitivity(model, tokens=200, span=32, bits=(2, 3, 4), **opts)
+    sens = key_bit_sensitivity(model, cache_cls=TQCache, tokens=200, span=32, bits=(2, 3, 4), **opts)
     assert set(sens) == {(i, b) for i in range(4) for b in (2, 3, 4)}
     assert all(math.isfinite(v) and v >= 0 for v in sens.values())
     for i in range(4):  # finer keys move the model less
@@ -491,19 +491,19 @@ def test_calibrated_cache_places_the_key_bits_by_measured_sensitivity():
     assert total[0] > total[1] > total[2], total
     cache = TQCache.calibrated(model, sensitivity=sens, **opts)
     # head_dim 64: the 0.25 bit/element scale-only metadata saves pays for 4-bit keys in half the layers
-    four = {i for i in range(4) if cache.layer_cache_kwargs(i)["k_bits"] == 4}
+    four = {i for i in range(4) if cache.layer_spec(i).k_bits == 4}
     gains = sorted(range(4), key=lambda i: sens[(i, 4)] - sens[(i, 3)])
     assert four == set(gains[:2])
     assert cache.bits_per_element(64) == pytest.approx(TQCache(model.config, **opts).bits_per_element(64))
-    assert cache.layer_cache_kwargs(0)["fp16_window"] == 8 and cache.sink_tokens == 2
+    assert cache.layer_spec(0).fp16_window == 8 and cache.sink_tokens == 2
     # a full measurement (no sensitivity given) restores the model's attention implementation
     model.set_attn_implementation("sdpa")
     again = TQCache.calibrated(
         model, protected_layers=(0,), fp16_window=8, sink_tokens=2, layer_options={3: dict(v_bits=4)}
     )  # (measures 3 layers x 2 widths)
     assert model.config._attn_implementation == "sdpa"
-    assert again.protected_layers == {0} and again.layer_cache_kwargs(3)["v_bits"] == 4
-    assert sum(again.layer_cache_kwargs(i)["k_bits"] == 4 for i in (1, 2, 3)) == 1  # 3 quantized layers: 1 raise
+    assert again.protected_layers == {0} and again.layer_spec(3).v_bits == 4
+    assert sum(again.layer_spec(i).k_bits == 4 for i in (1, 2, 3)) == 1  # 3 quantized layers: 1 raise
     with pytest.raises(ValueError, match="late_k_bits"):
         TQCache.calibrated(model, sensitivity=sens, late_k_bits=4)
     with pytest.raises(ValueError, match="k_bits"):
@@ -584,7 +584,7 @@ def test_calibrated_per_head():
             layer.self_attn.q_proj.weight.mul_(4)
             layer.self_attn.k_proj.weight.mul_(4)
     opts = dict(fp16_window=8, sink_tokens=2)
-    sens = head_sensitivity(model, tokens=200, span=32, **opts)
+    sens = head_sensitivity(model, cache_cls=TQCache, tokens=200, span=32, **opts)
     F = FINE_BITS
     assert set(sens) == {(i, h) + w for i in range(3) for h in range(2) for w in ((3, F), (4, F), (F, 3), (F, F))}
     for i in range(3):
@@ -627,10 +627,10 @@ def test_calibrated_copy_heads():
             layer.self_attn.k_proj.weight.mul_(4)
     opts = dict(fp16_window=8, sink_tokens=2)
     F = FINE_BITS
-    sens = copy_head_sensitivity(model, seeds=(0, 1), tokens=200, **opts)
+    sens = copy_head_sensitivity(model, cache_cls=TQCache, seeds=(0, 1), tokens=200, **opts)
     assert set(sens) == {(i, h) + w for i in range(10) for h in range(2) for w in ((3, F), (F, 3), (F, F))}
     assert all(math.isfinite(v) and v >= 0 for v in sens.values())
-    one = [copy_head_sensitivity(model, seeds=(s,), tokens=200, **opts) for s in (0, 1)]
+    one = [copy_head_sensitivity(model, cache_cls=TQCache, seeds=(s,), tokens=200, **opts) for s in (0, 1)]
     assert sens == pytest.approx({k: (one[0][k] + one[1][k]) / 2 for k in sens})  # the mean over the seeds
     heads = sorted({k[:2] for k in sens})
     gain = {hd: head_kl(sens, hd, 3, 3) - head_kl(sens, hd, F, F) for hd in heads}
@@ -642,11 +642,11 @@ def test_calibrated_copy_heads():
     cache = TQCache.calibrated(model, copy_heads=1, sensitivity=layer_sens, copy_sensitivity=sens, **opts)
     assert cache.head_options == {top: {"k_bits": F, "v_bits": F}}
     # the K8V8 head (10 bits) takes the whole budget that 4-bit keys in 5 of the 10 layers would have had
-    assert all(cache.layer_cache_kwargs(i)["k_bits"] == 3 for i in range(10))
+    assert all(cache.layer_spec(i).k_bits == 3 for i in range(10))
     assert cache.bits_per_element(64) == pytest.approx(3 + 32 / 64)
     plain = TQCache.calibrated(model, copy_heads=0, sensitivity=layer_sens, **opts)
     assert plain.head_options == {}
-    assert {i for i in range(10) if plain.layer_cache_kwargs(i)["k_bits"] == 4} == set(range(5))
+    assert {i for i in range(10) if plain.layer_spec(i).k_bits == 4} == set(range(5))
     assert calibrate_key_bits(model, sensitivity=layer_sens, spent=4, **opts) == {i: {"k_bits": 4} for i in range(3)}
     # a small model's budget pays for no 8-bit head: nothing is measured, nothing given
     assert calibrate_copy_heads(tiny_model(layers=2), **opts) == {}
@@ -655,7 +655,7 @@ def test_calibrated_copy_heads():
     with pytest.raises(ValueError, match="copy_heads"):
         TQCache.calibrated(model, per_head=True, copy_heads=1, sensitivity=sens)
     with pytest.raises(ValueError, match="seeds"):
-        copy_head_sensitivity(model, seeds=())
+        copy_head_sensitivity(model, cache_cls=TQCache, seeds=())
 
 
 def test_copy_sequence_and_copy_span_kl():
@@ -681,9 +681,9 @@ def test_rope_center_takes_the_model_rope():
     model = tiny_model(layers=2)
     torch.testing.assert_close(rope_inv_freq(model.config), model.model.rotary_emb.inv_freq.float())
     cache = TQCache(model.config, key_center="rope", sink_tokens=3, fp16_window=4)
-    opts = cache.layer_cache_kwargs(0)
-    assert cache.sink_tokens == 3 and "rope_position_offset" not in opts  # cache positions are the model's
-    torch.testing.assert_close(opts["rope_inv_freq"], model.model.rotary_emb.inv_freq.float())
+    spec = cache.layer_spec(0)
+    assert cache.sink_tokens == 3 and spec.rope_position_offset == 0  # cache positions are the model's
+    torch.testing.assert_close(torch.tensor(spec.rope_inv_freq), model.model.rotary_emb.inv_freq.float())
     with pytest.raises(ValueError, match="config"):
         TQCache(None, key_center="rope")
     ids = torch.randint(3, 96, (1, 30), generator=torch.Generator().manual_seed(2))

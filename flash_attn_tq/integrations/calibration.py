@@ -1,7 +1,8 @@
 """Where a model needs its cache's finer codes: per-layer key widths, per-head widths and the copy
 heads, measured on the model itself (the KL of its predictions with one layer or head quantized at a
 time, over a synthetic sequence with a repeated span), and the exact allocations of a bit budget.
-:meth:`flash_attn_tq.integrations.transformers.TQCache.calibrated` is the entry point."""
+:meth:`flash_attn_tq.integrations.transformers.TQCache.calibrated` is the entry point; the functions that
+measure take the cache class they measure through (``cache_cls=TQCache``)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,16 @@ from typing import Iterable, Mapping
 
 import torch
 
-from ..optional_deps import transformers_missing
-from .options import DEFAULTS, cache_options, head_dim_of, late_layers
+from ..spec import CacheSpec
+from .options import ATTN_IMPLEMENTATION, DEFAULTS, head_dim_of, late_layers, tq_spec
 
-try:
-    from .transformers import ATTN_IMPLEMENTATION, TQCache
-except ImportError as e:  # without transformers, or an older one
-    raise transformers_missing("flash_attn_tq.integrations.calibration", e) from e
+
+def _measuring(cache_cls, what: str):
+    """The cache class a measurement runs its forwards through (TQCache: the caller's, so this module
+    does not depend on the one that defines it)."""
+    if cache_cls is None:
+        raise ValueError(f"{what}: pass cache_cls=TQCache (the cache the measurement runs through) or a sensitivity")
+    return cache_cls
 
 
 def allocate_key_bits(
@@ -102,6 +106,8 @@ def key_bit_sensitivity(
     seed: int = 0,
     bits: Iterable[int] = (2, 3, 4),
     protected_layers: Iterable[int] = (),
+    cache_cls=None,
+    spec: CacheSpec | None = None,
     **cache_kwargs,
 ) -> dict[tuple[int, int], float]:
     """How much quantizing one layer's keys moves the model: ``{(layer, key bits): KL}``.
@@ -116,6 +122,7 @@ def key_bit_sensitivity(
     precision. Costs ``len(bits) x layers`` forwards of the sequence.
     """
     cfg = model.config
+    cls = _measuring(cache_cls, "key_bit_sensitivity")
     protected = frozenset(int(i) for i in protected_layers)
     runs = [
         (i, b) for i in range(cfg.num_hidden_layers) if i not in protected for b in sorted(set(int(b) for b in bits))
@@ -124,9 +131,10 @@ def key_bit_sensitivity(
     def caches():
         for i, b in runs:
             others = [j for j in range(cfg.num_hidden_layers) if j != i]
-            yield TQCache(
-                cfg, protected_layers=others, prefill="quantized", late_k_bits=None, **dict(cache_kwargs, k_bits=b)
-            )
+            yield cls(
+                cfg, spec=spec, protected_layers=others, prefill="quantized", late_k_bits=None,
+                **dict(cache_kwargs, k_bits=b),
+            )  # fmt: skip
 
     ids = copy_sequence(cfg, tokens, span, seed, next(model.parameters()).device)
     return dict(zip(runs, _kl_from_full(model, ids, caches())))
@@ -150,6 +158,8 @@ def head_sensitivity(
     protected_layers: Iterable[int] = (),
     objective="sequence",
     text_ids: torch.Tensor | None = None,
+    cache_cls=None,
+    spec: CacheSpec | None = None,
     **cache_kwargs,
 ) -> dict[tuple[int, int, int, int], float]:
     """:func:`key_bit_sensitivity` a kv head at a time, keys and values: ``{(layer, kv head, K bits,
@@ -165,6 +175,7 @@ def head_sensitivity(
     alone), or a callable ``(kl [tokens + span], span) -> value``. ``text_ids``: real text in place of
     the random ids (a sample of the traffic; see :func:`copy_sequence`)."""
     cfg = model.config
+    cls = _measuring(cache_cls, "head_sensitivity")
     H = cfg.num_key_value_heads
     protected = frozenset(int(i) for i in protected_layers)
     F = FINE_BITS
@@ -180,9 +191,10 @@ def head_sensitivity(
         for i, h, kb, vb in runs:
             others = [j for j in range(cfg.num_hidden_layers) if j != i]
             heads = {(i, g): dict(k_bits=kb, v_bits=vb) if g == h else dict(k_bits=F, v_bits=F) for g in range(H)}
-            yield TQCache(
-                cfg, protected_layers=others, prefill="quantized", late_k_bits=None, head_options=heads, **cache_kwargs
-            )
+            yield cls(
+                cfg, spec=spec, protected_layers=others, prefill="quantized", late_k_bits=None, head_options=heads,
+                **cache_kwargs,
+            )  # fmt: skip
 
     ids = copy_sequence(cfg, tokens, span, seed, next(model.parameters()).device, text_ids)
     reduce = OBJECTIVES[objective] if isinstance(objective, str) else objective
@@ -243,6 +255,8 @@ def calibrate_key_bits(
     protected_layers: Iterable[int] = (),
     sensitivity: Mapping[tuple[int, int], float] | None = None,
     spent: int = 0,
+    cache_cls=None,
+    spec: CacheSpec | None = None,
     **cache_kwargs,
 ) -> dict[int, dict]:
     """Per-layer key bits for :class:`TQCache`, measured on the model itself.
@@ -262,17 +276,19 @@ def calibrate_key_bits(
     """
     cfg = model.config
     head_dim = head_dim_of(cfg)
-    opts = cache_options(cache_kwargs)
-    base = int(opts["k_bits"])
+    opts, _ = tq_spec(cfg, spec, cache_kwargs)
+    base = opts.k_bits
     choices = set(int(b) for b in bits) & {base - 1, base, base + 1}
     if base not in choices:
         raise ValueError(f"bits must include k_bits ({base})")
     protected = frozenset(int(i) for i in protected_layers)
     layers = [i for i in range(cfg.num_hidden_layers) if i not in protected]
     if sensitivity is None:
-        sensitivity = key_bit_sensitivity(model, bits=choices, protected_layers=protected, **cache_kwargs)
+        sensitivity = key_bit_sensitivity(
+            model, bits=choices, protected_layers=protected, cache_cls=cache_cls, spec=spec, **cache_kwargs
+        )
     kl = {k: v for k, v in sensitivity.items() if k[1] in choices}
-    extra = len(late_layers(layers, head_dim, base, base + 1, opts["scale_only"]))
+    extra = len(late_layers(layers, head_dim, base, base + 1, opts.scale_only))
     extra = max(0, extra - -(-int(spent) // cfg.num_key_value_heads))
     chosen = allocate_key_bits(kl, layers, extra, base)
     return {i: {"k_bits": b} for i, b in chosen.items() if b != base}
@@ -285,6 +301,8 @@ def calibrate_head_bits(
     protected_layers: Iterable[int] = (),
     sensitivity: Mapping[tuple[int, int, int, int], float] | None = None,
     fine_budget: int | None = None,
+    cache_cls=None,
+    spec: CacheSpec | None = None,
     **cache_kwargs,
 ) -> dict[tuple[int, int], dict]:
     """Per-(layer, kv head) key and value bits for :class:`TQCache`, measured on the model itself: the
@@ -301,8 +319,8 @@ def calibrate_head_bits(
     head): {"k_bits": k, "v_bits": v}}`` for the heads whose widths differ from (k_bits, v_bits)."""
     cfg = model.config
     head_dim = head_dim_of(cfg)
-    opts = cache_options(cache_kwargs)
-    base = (int(opts["k_bits"]), int(opts["v_bits"]))
+    opts, _ = tq_spec(cfg, spec, cache_kwargs)
+    base = (opts.k_bits, opts.v_bits)
     widths = [tuple(int(b) for b in w) for w in widths]
     if base not in widths or any(k < base[0] or v < base[1] for k, v in widths):
         raise ValueError(f"widths must include (k_bits, v_bits) = {base} and none below it")
@@ -312,9 +330,10 @@ def calibrate_head_bits(
     if sensitivity is None:
         key_bits = {k for k, _ in widths} | ({split[1][0]} if fine_budget is not None else set())
         sensitivity = head_sensitivity(
-            model, key_bits=key_bits, value_bits={v for _, v in widths}, protected_layers=protected, **cache_kwargs
-        )
-    budget = (32 * len(heads)) // head_dim if opts["scale_only"] else 0
+            model, key_bits=key_bits, value_bits={v for _, v in widths}, protected_layers=protected,
+            cache_cls=cache_cls, spec=spec, **cache_kwargs,
+        )  # fmt: skip
+    budget = (32 * len(heads)) // head_dim if opts.scale_only else 0
     if fine_budget is None:
         chosen = allocate_head_bits(sensitivity, heads, budget, widths, base)
     else:
@@ -342,21 +361,25 @@ def copy_head_sensitivity(
     seeds: Iterable[int] = COPY_SEEDS,
     tokens: int = 1024,
     protected_layers: Iterable[int] = (),
+    cache_cls=None,
+    spec: CacheSpec | None = None,
     **cache_kwargs,
 ) -> dict[tuple[int, int, int, int], float]:
     """:func:`head_sensitivity` of the copying alone (``objective="copy"``: the KL over the repeated
     span's predictions) at the cache's (k_bits, v_bits), averaged over synthetic sequences ``seeds``:
     ``(2 x kv heads + 1) x layers`` forwards a seed."""
-    opts = cache_options(cache_kwargs)
+    opts, _ = tq_spec(model.config, spec, cache_kwargs)
     runs = [
         head_sensitivity(
             model,
             tokens=tokens,
             seed=s,
-            key_bits=(opts["k_bits"],),
-            value_bits=(opts["v_bits"],),
+            key_bits=(opts.k_bits,),
+            value_bits=(opts.v_bits,),
             protected_layers=protected_layers,
             objective="copy",
+            cache_cls=cache_cls,
+            spec=spec,
             **cache_kwargs,
         )
         for s in seeds
@@ -372,6 +395,8 @@ def calibrate_copy_heads(
     heads: int = 1,
     protected_layers: Iterable[int] = (),
     sensitivity: Mapping[tuple[int, int, int, int], float] | None = None,
+    cache_cls=None,
+    spec: CacheSpec | None = None,
     **cache_kwargs,
 ) -> dict[tuple[int, int], dict]:
     """The ``heads`` kv heads that copying from far back rests on most, with 8-bit keys and values.
@@ -391,19 +416,21 @@ def calibrate_copy_heads(
         raise ValueError(f"heads must be >= 0, got {heads}")
     if heads == 0:
         return {}
-    opts = cache_options(cache_kwargs)
-    base, F = (int(opts["k_bits"]), int(opts["v_bits"])), FINE_BITS
+    opts, _ = tq_spec(cfg, spec, cache_kwargs)
+    base, F = (opts.k_bits, opts.v_bits), FINE_BITS
     protected = frozenset(int(i) for i in protected_layers)
     candidates = [
         (i, h) for i in range(cfg.num_hidden_layers) if i not in protected for h in range(cfg.num_key_value_heads)
     ]
     head_dim = head_dim_of(cfg)
-    budget = (32 * len(candidates)) // head_dim if opts["scale_only"] else 0
+    budget = (32 * len(candidates)) // head_dim if opts.scale_only else 0
     heads = min(heads, budget // (2 * F - sum(base)))
     if heads == 0:
         return {}
     if sensitivity is None:
-        sensitivity = copy_head_sensitivity(model, protected_layers=protected, **cache_kwargs)
+        sensitivity = copy_head_sensitivity(
+            model, protected_layers=protected, cache_cls=cache_cls, spec=spec, **cache_kwargs
+        )
     gain = {hd: head_kl(sensitivity, hd, *base) - head_kl(sensitivity, hd, F, F) for hd in candidates}
     top = sorted(candidates, key=lambda hd: -gain[hd])[:heads]
     return {hd: {"k_bits": F, "v_bits": F} for hd in sorted(top)}
@@ -442,9 +469,14 @@ def calibrated_cache(
         raise ValueError("late_k_bits: the calibrated cache places its key bits itself")
     tq_only = {k: kwargs.pop(k) for k in ("max_cache_len", "prefill", "layer_options") if k in kwargs}
     protected = tuple(kwargs.pop("protected_layers", ()))
-    measured = dict(kwargs)  # the options the bits are measured with
-    if kwargs.get("key_center", DEFAULTS["key_center"]) == "rope":
-        measured["key_center"] = True
+    spec = kwargs.pop("spec", None)
+    measure = dict(cache_cls=cls, spec=spec, **kwargs)  # the options the bits are measured with
+    key_center = kwargs.get("key_center", DEFAULTS["key_center"] if spec is None else spec.key_center)
+    if key_center == "rope":
+        if "key_center" in kwargs or spec is None:
+            measure["key_center"] = True
+        else:
+            measure["spec"] = spec.replace(key_center=True)
     layer_options, head_options = {}, None
     if per_head:
         if bits is not None:
@@ -457,7 +489,7 @@ def calibrated_cache(
             protected_layers=protected,
             sensitivity=sensitivity,
             fine_budget=fine_budget,
-            **measured,
+            **measure,
         )
     else:
         if widths is not None or fine_budget is not None:
@@ -467,20 +499,21 @@ def calibrated_cache(
             heads=COPY_HEADS if copy_heads is None else copy_heads,
             protected_layers=protected,
             sensitivity=copy_sensitivity,
-            **measured,
+            **measure,
         )
-        opts = cache_options(kwargs)
-        spent = sum(o["k_bits"] - opts["k_bits"] + o["v_bits"] - opts["v_bits"] for o in head_options.values())
+        opts, _ = tq_spec(model.config, spec, kwargs)
+        spent = sum(o["k_bits"] - opts.k_bits + o["v_bits"] - opts.v_bits for o in head_options.values())
         layer_options = {
             i: dict(o)
             for i, o in calibrate_key_bits(
-                model, bits=bits or (3, 4), protected_layers=protected, sensitivity=sensitivity, spent=spent, **measured
+                model, bits=bits or (3, 4), protected_layers=protected, sensitivity=sensitivity, spent=spent, **measure
             ).items()
         }
     for i, o in (tq_only.pop("layer_options", None) or {}).items():
         layer_options.setdefault(int(i), {}).update(o)
     return cls(
         model.config,
+        spec=spec,
         protected_layers=protected,
         late_k_bits=None,
         layer_options=layer_options,

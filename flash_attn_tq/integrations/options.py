@@ -8,8 +8,7 @@ from typing import Mapping
 import torch
 
 from ..optional_deps import require_transformers
-from ..cache import QuantizedKVCache
-from ..spec import scale_only_fits
+from ..spec import CacheSpec, is_int, scale_only_fits
 
 # The default configuration (chosen by benchmarks/eval_quality.py; see benchmarks/results/quality.md).
 DEFAULTS = dict(
@@ -43,52 +42,48 @@ DEFAULTS = dict(
 NO_FP16_WINDOW = dict(fp16_window=128, window_bits=4)
 
 
-def cache_options(cache_kwargs: Mapping) -> dict:
-    """TQCache options: ``cache_kwargs`` over :data:`DEFAULTS`; ``scale_only`` off where the options
-    do not allow it (the scale-only format needs turbo's uniform norm fit)."""
-    opts = dict(DEFAULTS, **cache_kwargs)
-    if "scale_only" not in cache_kwargs and not scale_only_fits(opts["quantizer"], opts["grid"], opts["fit"]):
-        opts["scale_only"] = False
-    return opts
+# the attention implementation name TQCache's layers run under ("tq_kvcache": a name containing "flash"
+# would make transformers look for flash-attn)
+ATTN_IMPLEMENTATION = "tq_kvcache"
+WIDE = ("late_k_bits", "sink_tokens")  # TQCache-wide options: not a layer's or a head's own
 
 
-def validate_overrides(
-    opts: Mapping,
-    layer_options: Mapping[int, Mapping],
-    head_options: Mapping[tuple[int, int], Mapping],
-    protected_layers: frozenset,
-    num_kv_heads: int | None,
-    head_dim: int,
-) -> dict:
-    """Check TQCache's options, its per-layer and its per-head overrides by building a one-token
-    QuantizedKVCache of each (errors name the override); returns the per-head overrides as
-    ``{(layer, kv head): options}``."""
-    QuantizedKVCache(1, 1, 1, head_dim, **opts)
-    for i, o in layer_options.items():
-        if "sink_tokens" in o or "late_k_bits" in o:
-            bad = "sink_tokens" if "sink_tokens" in o else "late_k_bits"
-            raise ValueError(f"layer_options[{i}]: {bad} is a TQCache-wide option")
-        try:
-            QuantizedKVCache(1, 1, 1, head_dim, **dict(opts, **o))
-        except (TypeError, ValueError) as e:
-            raise type(e)(f"layer_options[{i}]: {e}") from None
-    heads = {}
-    for key, o in head_options.items():
-        if not (isinstance(key, tuple) and len(key) == 2):
-            raise ValueError(f"head_options: keys are (layer, kv head) pairs, got {key!r}")
-        i, h = int(key[0]), int(key[1])
-        if i in protected_layers:
-            raise ValueError(f"head_options[{key}]: layer {i} is protected")
-        if "sink_tokens" in o or "late_k_bits" in o:
-            raise ValueError(f"head_options[{key}]: sink_tokens / late_k_bits are TQCache-wide options")
-        if num_kv_heads is not None and not 0 <= h < num_kv_heads:
-            raise ValueError(f"head_options[{key}]: kv head {h} out of range ({num_kv_heads} kv heads)")
-        try:
-            QuantizedKVCache(1, 1, 1, head_dim, **{**opts, **layer_options.get(i, {}), **o})
-        except (TypeError, ValueError) as e:
-            raise type(e)(f"head_options[{key}]: {e}") from None
-        heads[(i, h)] = dict(o)
-    return heads
+def tq_spec(config, spec: CacheSpec | None, options: Mapping) -> tuple[CacheSpec, int | None]:
+    """TQCache's spec and ``late_k_bits``: ``spec`` with ``options`` over it, or :data:`DEFAULTS` with
+    ``options`` over them (``scale_only`` off where the options do not allow it; ``key_center="rope"``
+    where the config has whole-head RoPE, else the post-RoPE mean); the RoPE frequencies from
+    ``config`` where ``key_center="rope"`` needs them."""
+    options = dict(options)
+    late = options.pop("late_k_bits", DEFAULTS["late_k_bits"])
+    if late is not None and (not is_int(late) or not 2 <= int(late) <= 4):
+        raise ValueError(f"late_k_bits must be 2, 3, 4 or None, got {late!r}")
+    if spec is None:
+        opts = {k: v for k, v in DEFAULTS.items() if k != "late_k_bits"}
+        opts.update(options)
+        if "scale_only" not in options and not scale_only_fits(opts["quantizer"], opts["grid"], opts["fit"]):
+            opts["scale_only"] = False
+        if "key_center" not in options and opts["key_center"] == "rope" and rope_center_freqs(config) is None:
+            opts["key_center"] = True  # the default where the RoPE center cannot apply: the post-RoPE mean
+    else:
+        opts = options
+    key_center = opts.get("key_center", None if spec is None else spec.key_center)
+    if key_center == "rope" and opts.get("rope_inv_freq", None if spec is None else spec.rope_inv_freq) is None:
+        if config is None:
+            raise ValueError("key_center='rope' needs the model config (its RoPE frequencies): TQCache(config, ...)")
+        opts["rope_inv_freq"] = rope_inv_freq(config)
+    return (CacheSpec(**opts) if spec is None else spec.replace(**opts)), late
+
+
+def override(spec: CacheSpec, options: Mapping, where: str) -> CacheSpec:
+    """``spec`` with a layer's or a head's ``options`` over it; errors name ``where`` (e.g.
+    ``layer_options[3]``)."""
+    wide = [name for name in WIDE if name in options]
+    if wide:
+        raise ValueError(f"{where}: {wide[0]} is a TQCache-wide option")
+    try:
+        return spec.replace(**options)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{where}: {e}") from None
 
 
 def rope_center_freqs(config) -> torch.Tensor | None:

@@ -44,17 +44,18 @@ from ..health import PackErrors, health_reports
 from ..interface import attend_with_plan
 from ..ops import capturing
 from ..spec import CacheSpec, is_int
+from .calibration import calibrated_cache
 from .options import (
+    ATTN_IMPLEMENTATION,
     DEFAULTS,
     NO_FP16_WINDOW,
-    cache_options,
+    head_dim_of,
     late_layers,
-    rope_center_freqs,
+    override,
     rope_inv_freq,
-    validate_overrides,
+    tq_spec,
 )
 
-ATTN_IMPLEMENTATION = "tq_kvcache"  # (a name containing "flash" would make transformers look for flash-attn)
 
 
 def _check_no_padding(attention_mask, layer: "TQLayer", query_len: int) -> None:
@@ -89,24 +90,23 @@ class TQLayer(CacheLayerMixin):
 
     def __init__(
         self,
+        spec: CacheSpec,
         *,
-        sink_tokens: int = 0,
+        head_specs: Mapping[int, CacheSpec] | None = None,
         max_cache_len: int | None = None,
         prefill: str = "full",
         pack_errors: PackErrors | None = None,
         checks_pack_errors: bool = True,
-        head_options: Mapping[int, Mapping] | None = None,
-        **cache_kwargs,
     ):
         super().__init__()
         self.pack_errors = pack_errors  # shared with the other layers (None: each append checks its own)
         self.checks_pack_errors = checks_pack_errors  # this layer reads them back (the last quantized one)
-        self.sink_tokens = int(sink_tokens)
+        self.spec = spec  # the layer's (its kv heads', but those of head_specs)
+        self.head_specs = {int(h): s for h, s in (head_specs or {}).items()}
         self.max_cache_len = max_cache_len
         self.prefill = prefill
-        self.cache_kwargs = dict(cache_kwargs, sink_tokens=self.sink_tokens)
-        self.head_options = {int(h): dict(o) for h, o in (head_options or {}).items()}
         self.groups: list[tuple[int, ...]] = []  # kv heads of each head group (set on the first update)
+        self.group_specs: list[CacheSpec] = []  # (the 16-bit dtype: the model's, set with the groups)
         self.caches: list[QuantizedKVCache] = []  # one a group (created on the first token)
         self._runs: list[tuple[int, int]] | None = None  # (set with the groups)
         self._pair: tuple[int, int] | None = None  # two head groups one launch attends (set with the groups)
@@ -129,14 +129,14 @@ class TQLayer(CacheLayerMixin):
         # 16-bit storage dtype of the window and sinks (a float32 model stores float16)
         self.store_dtype = self.dtype if self.dtype in (torch.float16, torch.bfloat16) else torch.float16
         self.batch_size, self.num_kv_heads, self.head_dim = B, H, D
-        bad = [h for h in self.head_options if not 0 <= h < H]
+        bad = [h for h in self.head_specs if not 0 <= h < H]
         if bad:
             raise ValueError(f"head_options: kv head {bad[0]} out of range (the layer has {H} kv heads)")
-        by_options: dict = {}  # heads with equal options share a group, in the order of their first head
+        by_spec: dict[CacheSpec, list[int]] = {}  # heads of one spec share a group, in the order of their first head
         for h in range(H):
-            o = self.head_options.get(h, {})
-            by_options.setdefault(tuple(sorted(o.items())), []).append(h)
-        self.groups = [tuple(heads) for heads in by_options.values()]
+            by_spec.setdefault(self.head_specs.get(h, self.spec), []).append(h)
+        self.groups = [tuple(heads) for heads in by_spec.values()]
+        self.group_specs = [spec.replace(dtype=self.store_dtype) for spec in by_spec]
         # per group: its kv heads as an index tensor (None: one group of every head), or, where every
         # group is a run of adjacent heads, the runs' bounds: slices and a concatenation, no gathers
         self._index = [
@@ -152,12 +152,7 @@ class TQLayer(CacheLayerMixin):
         :func:`dispatch.pair_order`), else None."""
         if len(self.groups) != 2:
             return None
-        specs = tuple(CacheSpec.of(**self.group_kwargs(g)) for g in range(2))
-        return dispatch.pair_order(specs, tuple(_adjacent(heads) for heads in self.groups))
-
-    def group_kwargs(self, group: int) -> dict:
-        """QuantizedKVCache options of head group ``group``."""
-        return dict(self.cache_kwargs, **self.head_options.get(self.groups[group][0], {}))
+        return dispatch.pair_order(tuple(self.group_specs), tuple(_adjacent(heads) for heads in self.groups))
 
     def _head_index(self, group: int, per_kv_head: int = 1) -> torch.Tensor | None:
         """Head group ``group``'s kv heads, or its query heads (``per_kv_head`` a kv head, in the order
@@ -195,14 +190,9 @@ class TQLayer(CacheLayerMixin):
 
     def _new_qcache(self, group: int, capacity: int) -> QuantizedKVCache:
         qc = QuantizedKVCache(
-            self.batch_size,
-            capacity,
-            len(self.groups[group]),
-            self.head_dim,
-            dtype=self.store_dtype,
+            self.batch_size, capacity, len(self.groups[group]), self.head_dim, spec=self.group_specs[group],
             device=self.device,
-            **self.group_kwargs(group),
-        )
+        )  # fmt: skip
         if self.max_cache_len is not None:  # fixed capacity: tensors a compiled step may use as they are
             for t in qc.static_tensors():  # (a CUDA graph copies any other input every replay)
                 torch._dynamo.mark_static_address(t)
@@ -343,38 +333,39 @@ class TQCache(Cache):
     """A transformers ``Cache`` whose layers hold 3-bit quantized K/V (see the module docstring).
 
     Args:
-        config: the model config (optional; its layer count and head_dim place ``late_k_bits``).
+        config: the model config (optional; its layer count and head_dim place ``late_k_bits``, its
+            RoPE frequencies the ``key_center="rope"`` default).
+        spec: the layers' :class:`~flash_attn_tq.CacheSpec`; without one, :data:`DEFAULTS` with the
+            keyword options over them (``scale_only`` off where the options do not allow it).
         max_cache_len: capacity in tokens a layer. Eager forwards grow it (doubling) when exceeded;
             it also makes the cache compileable (:attr:`is_compileable`), and compiled steps keep it
             fixed.
         protected_layers: layer indices kept in a plain 16-bit cache.
-        sink_tokens: leading tokens of each sequence kept in 16-bit (QuantizedKVCache's ``sink_tokens``).
         prefill: ``"full"`` (the first forward attends over its own full-precision K/V) or
             ``"quantized"`` (it attends over the quantized cache, as token-by-token decoding would).
         late_k_bits: key bits of the last layers, as many as scale-only metadata pays for (see
             :data:`DEFAULTS`; needs ``config`` for the layer count and head_dim; None: ``k_bits`` in
             every layer).
-        layer_options: per-layer QuantizedKVCache option overrides, ``{layer index: {option: value}}``,
-            applied after ``late_k_bits``.
+        layer_options: per-layer overrides of the spec, ``{layer index: {option: value}}``, applied
+            after ``late_k_bits``.
         head_options: per-head overrides on top, ``{(layer index, kv head): {option: value}}`` (e.g. 8-bit
             keys for the few heads copying depends on: :meth:`calibrated`); a layer then holds its
-            kv heads in one QuantizedKVCache per distinct set of options (see :class:`TQLayer`).
-        **cache_kwargs: QuantizedKVCache options (k_bits, v_bits, quantizer, grid, fit, scale_only,
-            fp16_window, key_center, seed, ...). Missing ones come from :data:`DEFAULTS`;
-            ``scale_only`` defaults to False where the options do not allow it (asym, Lloyd-Max grid,
-            ``fit="mean"``).
+            kv heads in one QuantizedKVCache per distinct spec (see :class:`TQLayer`).
+        **options: the spec's fields (k_bits, v_bits, sink_tokens, fp16_window, key_center, ...) over
+            ``spec`` or the defaults.
     """
 
     def __init__(
         self,
         config=None,
         *,
+        spec: CacheSpec | None = None,
         max_cache_len: int | None = None,
         protected_layers: Iterable[int] = (),
         prefill: str = "full",
         layer_options: Mapping[int, Mapping] | None = None,
         head_options: Mapping[tuple[int, int], Mapping] | None = None,
-        **cache_kwargs,
+        **options,
     ):
         super().__init__(layers=[])
         if prefill not in ("full", "quantized"):
@@ -385,12 +376,7 @@ class TQCache(Cache):
             )
         if max_cache_len is not None and (not is_int(max_cache_len) or max_cache_len <= 0):
             raise ValueError(f"max_cache_len must be a positive int or None, got {max_cache_len!r}")
-        opts = cache_options(cache_kwargs)
-        self.sink_tokens = opts.pop("sink_tokens")
-        if not is_int(self.sink_tokens) or self.sink_tokens < 0:
-            raise ValueError(f"sink_tokens must be an int >= 0, got {self.sink_tokens!r}")
-        late_k_bits = opts.pop("late_k_bits")
-        self.cache_kwargs = opts
+        self.spec, late_k_bits = tq_spec(config, spec, options)
         self.initial_capacity = max_cache_len
         self.num_layers = getattr(config, "num_hidden_layers", None)
         self.protected_layers = frozenset(
@@ -398,33 +384,31 @@ class TQCache(Cache):
         )
         self.prefill = prefill
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", None)
-        head_dim = getattr(config, "head_dim", None)
-        if head_dim is None and config is not None and getattr(config, "num_attention_heads", None):
-            head_dim = config.hidden_size // config.num_attention_heads
-        if late_k_bits is not None and not 2 <= int(late_k_bits) <= 4:
-            raise ValueError(f"late_k_bits must be 2, 3, 4 or None, got {late_k_bits}")
-        if "key_center" not in cache_kwargs and opts["key_center"] == "rope" and rope_center_freqs(config) is None:
-            opts["key_center"] = True  # the default where the RoPE center cannot apply: the post-RoPE mean
-        if opts.get("key_center") == "rope" and opts.get("rope_inv_freq") is None:
-            if config is None:
-                raise ValueError(
-                    "key_center='rope' needs the model config (its RoPE frequencies): TQCache(config, ...)"
-                )
-            opts["rope_inv_freq"] = rope_inv_freq(config)
-        vdim = head_dim or 64  # (the validation caches below)
+        head_dim = head_dim_of(config) if config is not None and getattr(config, "num_attention_heads", None) else None
+        if head_dim is not None:
+            self.spec.check_head_dim(head_dim)
         late = set()
         if self.num_layers is not None and head_dim is not None:
             quantized = [i for i in range(self.num_layers) if i not in self.protected_layers]
-            late = late_layers(quantized, head_dim, opts["k_bits"], late_k_bits, opts["scale_only"])
-        elif "late_k_bits" in cache_kwargs and late_k_bits is not None:
+            late = late_layers(quantized, head_dim, self.spec.k_bits, late_k_bits, self.spec.scale_only)
+        elif "late_k_bits" in options and late_k_bits is not None:
             raise ValueError("late_k_bits needs the model config (layer count and head_dim): TQCache(config, ...)")
         self.layer_options = {i: {"k_bits": int(late_k_bits)} for i in sorted(late)}
         for i, o in (layer_options or {}).items():
             self.layer_options.setdefault(_layer_index("layer_options", i, self.num_layers), {}).update(o)
+        self._layer_specs = {i: override(self.spec, o, f"layer_options[{i}]") for i, o in self.layer_options.items()}
+        self.head_options, self._head_specs = {}, {}
+        for key, o in (head_options or {}).items():
+            if not (isinstance(key, tuple) and len(key) == 2):
+                raise ValueError(f"head_options: keys are (layer, kv head) pairs, got {key!r}")
+            i, h = _layer_index("head_options", key[0], self.num_layers), int(key[1])
+            if i in self.protected_layers:
+                raise ValueError(f"head_options[{key}]: layer {i} is protected")
+            if self.num_kv_heads is not None and not 0 <= h < self.num_kv_heads:
+                raise ValueError(f"head_options[{key}]: kv head {h} out of range ({self.num_kv_heads} kv heads)")
+            self.head_options[(i, h)] = dict(o)
+            self._head_specs[(i, h)] = override(self.layer_spec(i), o, f"head_options[{key}]")
         self.pack_errors = PackErrors()
-        self.head_options = validate_overrides(
-            opts, self.layer_options, head_options or {}, self.protected_layers, self.num_kv_heads, vdim
-        )
 
     @classmethod
     def calibrated(cls, model, **kwargs) -> "TQCache":
@@ -435,9 +419,7 @@ class TQCache(Cache):
         kv head). The measurement's keyword arguments (``per_head``, ``bits``, ``widths``,
         ``fine_budget``, ``copy_heads``, ``sensitivity``, ``copy_sensitivity``) and their costs:
         :func:`flash_attn_tq.integrations.calibration.calibrated_cache`; the other ``kwargs`` are
-        TQCache options (``layer_options`` on top)."""
-        from .calibration import calibrated_cache
-
+        TQCache arguments (``spec``, options, ``layer_options`` on top)."""
         return calibrated_cache(cls, model, **kwargs)
 
     @property
@@ -448,9 +430,17 @@ class TQCache(Cache):
         and sets a pack error, raised by ``cache.pack_errors.check()`` (or the next eager forward)."""
         return self.initial_capacity is not None and not self.protected_layers
 
-    def layer_cache_kwargs(self, idx: int) -> dict:
-        """The QuantizedKVCache options of layer ``idx`` (the TQCache's, with its layer_options)."""
-        return dict(self.cache_kwargs, **self.layer_options.get(idx, {}))
+    @property
+    def sink_tokens(self) -> int:
+        return self.spec.sink_tokens
+
+    def layer_spec(self, idx: int) -> CacheSpec:
+        """The spec of layer ``idx``'s kv heads (the TQCache's, with its layer_options)."""
+        return self._layer_specs.get(idx, self.spec)
+
+    def head_spec(self, idx: int, head: int) -> CacheSpec:
+        """The spec of kv head ``head`` of layer ``idx`` (its layer's, with its head_options)."""
+        return self._head_specs.get((idx, head), self.layer_spec(idx))
 
     def _make_layer(self, idx: int) -> CacheLayerMixin:
         if idx in self.protected_layers:
@@ -459,15 +449,14 @@ class TQCache(Cache):
             return DynamicLayer()
         quantized = [i for i in range(self.num_layers or 0) if i not in self.protected_layers]
         checks = not quantized or idx == quantized[-1]  # (layer count unknown: every layer checks)
-        heads = {h: o for (i, h), o in self.head_options.items() if i == idx}
+        heads = {h: spec for (i, h), spec in self._head_specs.items() if i == idx}
         return TQLayer(
-            sink_tokens=self.sink_tokens,
+            self.layer_spec(idx),
+            head_specs=heads,
             max_cache_len=self.initial_capacity,
             prefill=self.prefill,
             pack_errors=self.pack_errors,
             checks_pack_errors=checks,
-            head_options=heads,
-            **self.layer_cache_kwargs(idx),
         )
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
@@ -487,9 +476,7 @@ class TQCache(Cache):
             if i in self.protected_layers:
                 total += 16.0
                 continue
-            for h in range(H):
-                spec = CacheSpec.of(**dict(self.layer_cache_kwargs(i), **self.head_options.get((i, h), {})))
-                total += spec.bits_per_element(head_dim) / H
+            total += sum(self.head_spec(i, h).bits_per_element(head_dim) for h in range(H)) / H
         return total / L
 
     def health(self) -> list[dict | None]:
