@@ -12,6 +12,10 @@ and checks
   coded K and V, bounded by 1.5x its typical value on Gaussian data; reported only for ``--qkv``).
 
 Prints a verdict table (``--json``: a JSON object) and exits 1 if a check fails.
+
+``--quick`` is the install check: the codec against the published Gaussian errors, then the checks
+above over four caches (plain decode, a chunk of queries, keys centered before RoPE, TQCache's
+default spec), and a decode timing beside fp16 attention over the same K/V.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import json
 import math
 import statistics
 import sys
+import time
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
@@ -31,6 +36,7 @@ from flash_attn_tq import baseline
 from flash_attn_tq import format as fmt
 from flash_attn_tq.keys import rope_turn
 from flash_attn_tq.quantizers import grid_mse
+from flash_attn_tq.spec import CacheSpec
 
 ROUNDING_FACTOR = 4.0  # the attention error may be this many times the 16-bit rounding error ...
 OUT_ATOL = 1e-4  # ... plus this (relative output error)
@@ -103,29 +109,35 @@ def synthetic_qkv(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor,
     return q, k, v
 
 
-def build_cache(
-    args: argparse.Namespace, batch: int, seqlen: int, kv_heads: int, head_dim: int, device: torch.device
-) -> fa.QuantizedKVCache:
-    """An empty cache of ``seqlen`` tokens with the command line's options; a paged one gets a
-    shuffled block table (so pages are not in order)."""
+def spec_of(args: argparse.Namespace, head_dim: int) -> CacheSpec:
+    """The command line's cache options as a :class:`CacheSpec`."""
     opts: dict[str, Any] = dict(
         k_bits=args.k_bits,
         v_bits=args.v_bits,
         quantizer=args.quantizer,
         fp16_window=args.fp16_window,
         sink_tokens=args.sink_tokens,
+        page_size=args.page_size,
         dtype=getattr(torch, args.dtype),
-        device=device,
     )
     if args.key_center != "none":
         opts["key_center"] = "rope" if args.key_center == "rope" else True
     if args.key_center == "rope":
         opts["rope_inv_freq"] = default_rope_inv_freq(head_dim, args.rope_theta)
-    if args.page_size is not None:
-        per_seq = math.ceil(seqlen / args.page_size)
-        perm = torch.randperm(batch * per_seq, generator=torch.Generator().manual_seed(args.seed))
-        opts.update(page_size=args.page_size, block_table=perm.reshape(batch, per_seq).to(torch.int32))
-    return fa.QuantizedKVCache(batch, seqlen, kv_heads, head_dim, **opts)
+    return CacheSpec(**opts)
+
+
+def build_cache(
+    spec: CacheSpec, batch: int, seqlen: int, kv_heads: int, head_dim: int, device: torch.device, seed: int = 0
+) -> fa.QuantizedKVCache:
+    """An empty cache of ``seqlen`` tokens of ``spec``; a paged one gets a shuffled block table (so pages
+    are not in order)."""
+    block_table = None
+    if spec.page_size is not None:
+        per_seq = math.ceil(seqlen / spec.page_size)
+        perm = torch.randperm(batch * per_seq, generator=torch.Generator().manual_seed(seed))
+        block_table = perm.reshape(batch, per_seq).to(torch.int32)
+    return fa.QuantizedKVCache(batch, seqlen, kv_heads, head_dim, spec=spec, block_table=block_table, device=device)
 
 
 # ----------------------------------------------------------------------------- checks
@@ -242,6 +254,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, arg
     )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true", help="print the results as JSON instead of a table")
+    ap.add_argument("--quick", action="store_true", help="the install check over a few fixed caches (no other options)")
     return ap, ap.parse_args(argv)
 
 
@@ -250,7 +263,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     q, k, v = load_qkv(args.qkv) if args.qkv else synthetic_qkv(args)
     B, S, Hkv, D = k.shape
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    cache = build_cache(args, B, S, Hkv, D, device)
+    cache = build_cache(spec_of(args, D), B, S, Hkv, D, device, args.seed)
     cache.append(k.to(device, dtype), v.to(device, dtype))
     checks = check_codec(cache, k, v, judge_error=not args.qkv)
     attn, path = check_attention(cache, q.to(device, dtype), k, v)
@@ -329,12 +342,107 @@ def device_problem(spec: str) -> str | None:
     return None
 
 
+CUDA_REPS = 50  # timed calls a measurement on the GPU without triton
+PUBLISHED_REL_MSE = {"uniform": 0.0375, "lloyd_max": 0.0345}  # 3-bit turbo on Gaussian data, head_dim 128
+
+
+def decode_timer(cuda: bool, reps: int):
+    """``(time_us, label)``: ``time_us(fn)`` times ``fn`` in microseconds and ``label`` says what that
+    number is. On the GPU: the median of triton's ``do_bench`` (``pip install "flash_attn_tq[bench]"``),
+    or without triton the median of CUDA-event-timed calls. On the CPU: the mean of ``reps`` calls
+    after one warm-up call."""
+    if cuda:
+        try:
+            from triton.testing import do_bench
+        except ImportError:
+            do_bench = None
+        if do_bench is not None:
+            return (lambda fn: do_bench(fn, warmup=10, rep=100, return_mode="median") * 1e3), "GPU median, do_bench"
+
+        def events_us(fn) -> float:
+            for _ in range(3):
+                fn()
+            times = []
+            for _ in range(CUDA_REPS):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) * 1e3)
+            return sorted(times)[len(times) // 2]
+
+        return events_us, f"GPU median of {CUDA_REPS} calls, CUDA events (triton not installed)"
+
+    def mean_us(fn) -> float:
+        fn()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return (time.perf_counter() - t0) / reps * 1e6
+
+    return mean_us, f"CPU mean of {reps} calls after one warm-up"
+
+
+def quick(device: str, as_json: bool) -> int:
+    """The install check (``--quick``): see the module docstring. 0 if every check passed."""
+    dev = torch.device(device)
+    gpu = dev.type == "cuda"
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(4096, 128, generator=gen)
+    codec = []
+    for grid, published in PUBLISHED_REL_MSE.items():
+        qz = fa.TurboQuantizer(128, 3, grid)
+        rel = (((qz.dequantize(*qz.quantize(x)) - x) ** 2).sum() / (x**2).sum()).item()
+        codec.append(Check(f"turbo 3-bit {grid} rel. MSE (published {published})", rel, published + 0.004,
+                           abs(rel - published) < 0.004))  # fmt: skip
+    shape = dict(batch=4, seqlen=4099, q_heads=32, kv_heads=8) if gpu else dict(batch=2, seqlen=515, q_heads=8, kv_heads=2)
+    base = dict(head_dim=128, seqlen_q=1, k_bits=3, v_bits=3, quantizer="turbo", dtype="float16", page_size=None,
+                sink_tokens=0, fp16_window=0, key_center="none", rope_theta=10000.0, qkv=None, device=device, seed=0)  # fmt: skip
+    cases = {
+        "decode": {},
+        "chunk of queries": dict(seqlen_q=64 if gpu else 16),
+        "keys centered before RoPE": dict(key_center="rope"),
+        "TQCache's default": dict(key_center="rope", sink_tokens=16, fp16_window=112),
+    }
+    results = {name: run(argparse.Namespace(**{**base, **shape, **extra})) for name, extra in cases.items()}
+    time_us, how = decode_timer(gpu, reps=3)
+    args = argparse.Namespace(**{**base, **shape})
+    q, k, v = (t.to(dev, torch.float16) for t in synthetic_qkv(args))
+    cache = build_cache(spec_of(args, 128), *k.shape, dev)
+    cache.append(k, v)
+    t_ours = time_us(lambda: fa.flash_attn_with_kvcache(q, cache))
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    t_fp16 = time_us(lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True))
+    timing = dict(how=how, quantized_us=t_ours, fp16_sdpa_us=t_fp16, shape=shape)
+    passed = all(c.ok for c in codec) and all(r["passed"] for r in results.values())
+    if as_json:
+        codec_rows = [dict(asdict(c), verdict=c.verdict) for c in codec]
+        print(json.dumps(dict(codec=codec_rows, cases=results, timing=timing, passed=passed), indent=2))
+        return 0 if passed else 1
+    print(f"flash_attn_tq {fa.__version__} | torch {torch.__version__} | device {dev}"
+          f"{' (' + torch.cuda.get_device_name(dev) + ')' if gpu else ''}")  # fmt: skip
+    for c in codec:
+        print(f"  [{c.verdict}] {c.check}: {c.value:.4f}")
+    for name, r in results.items():
+        worst = next(c for c in r["checks"] if c["check"].startswith("attention output"))
+        print(f"  [{'PASS' if r['passed'] else 'FAIL'}] {name}: {r['path']}, output rel. error {worst['value']:.2e}")
+    print(f"  decode ({how}): 3-bit cache {t_ours:.1f} us, fp16 SDPA over the same K/V {t_fp16:.1f} us "
+          f"(B={shape['batch']}, S={shape['seqlen']}, heads {shape['q_heads']}/{shape['kv_heads']}, d=128; eager calls)")  # fmt: skip
+    if not gpu:
+        print("  (the CPU reference path is for correctness, not speed)")
+    print("all checks passed" if passed else "SOME CHECKS FAILED")
+    return 0 if passed else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the checks and print the table (or JSON); 0 if every check passed, 1 otherwise."""
     ap, args = parse_args(argv)
     problem = device_problem(args.device)
     if problem:
         ap.error(problem)
+    if args.quick:
+        return quick(args.device, args.json)
     if min(args.batch, args.seqlen, args.q_heads, args.kv_heads, args.head_dim) < 1:
         ap.error("--batch, --seqlen, --q-heads, --kv-heads and --head-dim must be positive")
     if not args.qkv and not 1 <= args.seqlen_q <= args.seqlen:

@@ -79,7 +79,7 @@ def test_dependencies_and_extras():
     assert any(r.startswith("transformers") for r in extras["test"])
     # upstream flash-attn's own test file (run against this package) imports einops
     assert "einops" in extras["test"]
-    # triton: only the benchmarks and the GPU self-check time with it (selfcheck falls back without)
+    # triton: only the benchmarks and the GPU self-check time with it (verify --quick falls back without)
     assert "triton" in extras["bench"]
     for optional in ("transformers", "triton"):
         assert optional in imported  # imported somewhere, but not required by install_requires
