@@ -9,17 +9,11 @@ The kernel takes strides, so the same codes are copied into a head-major buffer 
 
 from __future__ import annotations
 
-import os
-import sys
-
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from flash_attn_tq import ops  # noqa: E402
-from flash_attn_tq.cache import QuantizedKVCache  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_decode import bench_graph as graph_us  # noqa: E402
+from flash_attn_tq import ops
+from flash_attn_tq.cache import QuantizedKVCache
+from flash_attn_tq.testing import bench_graph as graph_us
 
 
 def head_major(t: torch.Tensor) -> torch.Tensor:

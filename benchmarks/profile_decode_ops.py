@@ -20,9 +20,8 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from flash_attn_tq import ops  # noqa: E402
-from flash_attn_tq.cache import QuantizedKVCache  # noqa: E402
+from flash_attn_tq import ops
+from flash_attn_tq.cache import QuantizedKVCache
 
 
 class CountByFunction(TorchDispatchMode):

@@ -8,19 +8,13 @@ next to the wall time of the call replayed as a CUDA graph (launch gaps included
 
 from __future__ import annotations
 
-import os
-import sys
-
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import flash_attn_tq as fa  # noqa: E402
-from flash_attn_tq import ops  # noqa: E402
-from flash_attn_tq.cache import QuantizedKVCache  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_decode import bench_graph  # noqa: E402
+import flash_attn_tq as fa
+from flash_attn_tq import ops
+from flash_attn_tq.cache import QuantizedKVCache
+from flash_attn_tq.testing import bench_graph
 
 
 def kernel_times(fn, reps=20):
@@ -67,7 +61,7 @@ def main():
     for name, fn in cases:
         times = kernel_times(fn)
         try:
-            g = bench_graph(fn, reps_ms=100)
+            g = bench_graph(fn, rep_ms=100)
         except Exception as e:  # not capturable
             g = float("nan")
             print("  (graph failed:", str(e).splitlines()[0][:100], ")")

@@ -1,6 +1,6 @@
 """Decode times of one build, for an interleaved A/B (benchmarks/ab_interleaved.sh): the plain 3-bit
-cache and the default cache's kinds of layer (``bench_decode.default_layers``: K3V3, K4V3 and the
-copy-head layer), each call replayed as a CUDA graph, fp16, heads 32/8, d 128, one query.
+cache and the default cache's kinds of layer (``flash_attn_tq.testing.default_layers``: K3V3, K4V3
+and the copy-head layer), each call replayed as a CUDA graph, fp16, heads 32/8, d 128, one query.
 
     python3 benchmarks/time_decode.py LABEL OUT.json [B:S,...]
 
@@ -12,11 +12,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, ".")
-sys.path.insert(0, "benchmarks")
-import bench_decode as bd  # noqa: E402
-
-import flash_attn_tq as fa  # noqa: E402
+import flash_attn_tq as fa
+from flash_attn_tq.testing import bench_graph, default_layers, fill_cache, weighted_default
 
 SHAPES = [(1, 1024), (1, 4096), (8, 1024), (64, 2048), (8, 32768)]
 
@@ -28,12 +25,12 @@ def main() -> None:
     for B, S in shapes:
         torch.manual_seed(0)
         q = torch.randn(B, 1, 32, 128, device="cuda", dtype=torch.float16)
-        fns, layers = bd.default_layers(q, S, 8, torch.float16)
+        fns, layers = default_layers(q, S, 8, torch.float16)
         fns.pop("mixed_apart", None)
-        plain, _, _ = bd.fill_cache(B, S, 8, 128, torch.float16)
+        plain, _, _ = fill_cache(B, S, 8, 128, torch.float16)
         fns["plain"] = lambda: fa.flash_attn_with_kvcache(q, plain)
-        times = {name: bd.bench_graph(fn) for name, fn in fns.items()}
-        times["default"] = bd.weighted_default({k + "_us": t for k, t in times.items()}, layers, "_us")
+        times = {name: bench_graph(fn) for name, fn in fns.items()}
+        times["default"] = weighted_default({k + "_us": t for k, t in times.items()}, layers, "_us")
         res[f"{B}·{S}"] = times
         fns = plain = None  # (not del: the lambdas name them)
         torch.cuda.empty_cache()

@@ -4,13 +4,9 @@ few chunk shapes: a quick A/B helper. Usage: python3 benchmarks/time_prefill.py 
 import sys
 
 import torch
-import triton.testing
 
-sys.path.insert(0, ".")
-sys.path.insert(0, "benchmarks")
-from bench_decode import fill_cache  # noqa: E402
-
-from flash_attn_tq import ops  # noqa: E402
+from flash_attn_tq import ops
+from flash_attn_tq.testing import bench, fill_cache
 
 torch.manual_seed(0)
 res = []
@@ -22,10 +18,8 @@ for S, q_len in shapes:
     times = []
     for scale_only in (False, True):
         cache, _, _ = fill_cache(1, S, 8, 128, torch.float16, scale_only=scale_only)
-        t = triton.testing.do_bench(
-            lambda: ops.decode(q, cache.seqlens, None, 128**-0.5, True, 0, **cache.kernel_args(1)), warmup=50, rep=200
-        )
-        times.append(f"{t * 1000:.1f}")
+        t = bench(lambda: ops.decode(q, cache.seqlens, None, 128**-0.5, True, 0, **cache.kernel_args(1)), warmup_ms=50)
+        times.append(f"{t:.1f}")
         cache = None  # (not del: lambdas above name them)
     res.append(f"S={S} q={q_len}: {'/'.join(times)} us")
 print(sys.argv[1], "(plain/scale-only)", "; ".join(res), flush=True)

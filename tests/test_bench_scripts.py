@@ -281,7 +281,7 @@ def test_bench_bitdecoding_writes_its_table(tmp_path):
     row.update(ours_k4v3_us=95.0, bitdecoding_us=120.0, bitdecoding_timing="eager")
     row.update(ours_k3v3_bytes=2 * 10**8, bitdecoding_bytes=2.7 * 10**8)
     bench_bitdecoding.add_ratios(row)
-    meta = {"gpu": "GPU", "torch": "2", "cuda": "13", "commit": "abc"}
+    meta = {"gpu": "GPU", "torch": "2", "cuda": "13", "commit": "abc", "command": "python bench_bitdecoding.py"}
     bench_bitdecoding.write([row], meta, 0.01, str(tmp_path))
     assert json.loads((tmp_path / "bitdecoding.json").read_text())["rows"][0]["B"] == 8
     md = (tmp_path / "bitdecoding.md").read_text()
