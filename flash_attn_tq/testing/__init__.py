@@ -4,12 +4,18 @@
   timing, interleaved rounds, device/host clocks and the time inside a model's attention function;
 * :mod:`.report`: the results stamp (GPU, torch, CUDA, git commit, date, the command line) and the
   JSON / Markdown / PNG writers every results file goes through;
-* :mod:`.workloads`: random caches, the default cache's kinds of layer, upstream FlashAttention-2.
+* :mod:`.workloads`: random caches, the default cache's kinds of layer, upstream FlashAttention-2;
+* the quality study (``benchmarks/eval_quality.py``): :mod:`.configs` (every configuration it
+  measures), :mod:`.quality` (what a configuration means for a model: bits by layer and head, the
+  TQCache that holds it, calibrated widths), :mod:`.simulation` (each layer's K/V through a real
+  cache round trip), :mod:`.tasks` (perplexity windows, copy retrieval, token-by-token decoding)
+  and :mod:`.assets` (SmolLM2 and the texts, fetched with pip; random Llamas).
 
 The benchmark scripts import what they share from here (``from flash_attn_tq.testing import ...``)
 and nothing from each other. triton, matplotlib and transformers are imported only where used.
 """
 
+from . import assets, configs, quality, simulation, tasks
 from .report import (
     MISSING,
     command_line,
@@ -41,6 +47,11 @@ from .workloads import (
 )
 
 __all__ = [
+    "assets",
+    "configs",
+    "quality",
+    "simulation",
+    "tasks",
     "MISSING",
     "command_line",
     "cpu_name",
