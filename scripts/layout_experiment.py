@@ -1,13 +1,15 @@
 """Does the decode kernel read packed K/V faster head-major ([batch, kv_heads, seq, bytes]: a head's
 tokens contiguous) than token-major ([batch, seq, kv_heads, bytes], the cache's layout)?
 
-    python benchmarks/layout_experiment.py
+    python -m scripts.layout_experiment
 
 The kernel takes strides, so the same codes are copied into a head-major buffer viewed as
 [batch, seq, kv_heads, bytes]; outputs must match bit for bit. Times are CUDA-graph medians.
 """
 
 from __future__ import annotations
+
+import argparse
 
 import torch
 
@@ -24,6 +26,9 @@ def head_major(t: torch.Tensor) -> torch.Tensor:
 
 
 def main():
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("layout_experiment needs a CUDA GPU and the built extension")
     for B, S in ((1, 131072), (8, 32768), (32, 8192), (1, 16384), (8, 4096)):
         cache = QuantizedKVCache(B, S, 8, 128, device="cuda")
         cache.append(

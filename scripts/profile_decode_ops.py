@@ -1,12 +1,13 @@
 """Python-side cost of one TQCache decode step, on the CPU: dispatched torch ops by flash_attn_tq function.
 
-    python benchmarks/profile_decode_ops.py [QKV_DUMP] [--prompt 300]
+    python -m scripts.profile_decode_ops [QKV_DUMP] [--prompt 300]
 
 On the GPU a small model's decode step is bound by the host: every torch op costs a dispatch and a
 launch. This runs the GPU code path's Python side on the CPU with the two kernels (pack, fused
 attention) replaced by stubs of the same shapes, counts the ops each flash_attn_tq function
 dispatches in one decode step (a randomly initialised SmolLM2-shaped Llama, config from the
-dump_qkv.py file), and times the step against transformers' DynamicCache (model compute included).
+benchmarks/dump_qkv.py file), and times the step against transformers' DynamicCache (model compute
+included).
 """
 
 from __future__ import annotations
@@ -56,7 +57,9 @@ def stub_kernels() -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("qkv", nargs="?", default=".qkv/smollm2_qkv.pt", help="dump_qkv.py output (for the config)")
+    ap.add_argument(
+        "qkv", nargs="?", default=".qkv/smollm2_qkv.pt", help="benchmarks/dump_qkv.py output (for the config)"
+    )
     ap.add_argument("--prompt", type=int, default=300)
     ap.add_argument("--steps", type=int, default=5)
     args = ap.parse_args()

@@ -1,12 +1,14 @@
 """GPU time of every kernel one call launches (torch.profiler), to see where short calls spend it.
 
-    python benchmarks/profile_kernels.py
+    python -m scripts.profile_kernels
 
 Prints, per case, each CUDA kernel's mean duration over 20 calls (after warm-up) and their sum,
 next to the wall time of the call replayed as a CUDA graph (launch gaps included).
 """
 
 from __future__ import annotations
+
+import argparse
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -33,6 +35,9 @@ def kernel_times(fn, reps=20):
 
 
 def main():
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("profile_kernels needs a CUDA GPU and the built extension")
     dt = torch.float16
     cases = []
     for B, S in ((1, 1024), (1, 16384), (8, 32768)):

@@ -1,14 +1,16 @@
-"""Decode times of one build, for an interleaved A/B (benchmarks/ab_interleaved.sh): the plain 3-bit
+"""Decode times of one build, for an interleaved A/B (scripts/ab_interleaved.sh): the plain 3-bit
 cache and the default cache's kinds of layer (``flash_attn_tq.testing.default_layers``: K3V3, K4V3
 and the copy-head layer), each call replayed as a CUDA graph, fp16, heads 32/8, d 128, one query.
 
-    python3 benchmarks/time_decode.py LABEL OUT.json [B:S,...]
+    python -m scripts.time_decode LABEL OUT.json [B:S,...]
 
 OUT.json: ``{"B·S": {"plain": µs, "k3": µs, "k4": µs, "mixed": µs, "default": µs}}`` with "default"
 the layer kinds weighted as the model holds them (as production.json's default_us)."""
 
+from __future__ import annotations
+
+import argparse
 import json
-import sys
 
 import torch
 
@@ -19,8 +21,13 @@ SHAPES = [(1, 1024), (1, 4096), (8, 1024), (64, 2048), (8, 32768)]
 
 
 def main() -> None:
-    label, out = sys.argv[1], sys.argv[2]
-    shapes = SHAPES if len(sys.argv) < 4 else [tuple(int(x) for x in s.split(":")) for s in sys.argv[3].split(",")]
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("label", help="the build's name in the printed line")
+    ap.add_argument("out", help="the JSON file of the times")
+    ap.add_argument("shapes", nargs="?", help="B:S,... (default: 1K to 32K tokens, B 1 to 64)")
+    args = ap.parse_args()
+    label, out = args.label, args.out
+    shapes = SHAPES if not args.shapes else [tuple(int(x) for x in s.split(":")) for s in args.shapes.split(",")]
     res = {}
     for B, S in shapes:
         torch.manual_seed(0)
