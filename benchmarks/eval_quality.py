@@ -353,9 +353,15 @@ def run(args):
             else PRODUCT
         )
         decode = min(args.product_decode, 32) if quick else args.product_decode
-        pw1k = product_windows(ids, 1024, decode, 2 if quick else args.windows)
-        pw4k = product_windows(ids, 4096, decode, args.long_windows) if long_tasks else []
-        rows, pmeta = run_product(model, pnames, pw1k, pw4k, c1k, c4k_all, decode, head_dim, graph=args.graph)
+        # (the product path's own counts where given: on a GPU it affords many more tasks than the simulation)
+        own = lambda name, default: default if getattr(args, name) is None else getattr(args, name)  # noqa: E731
+        pw1k = product_windows(ids, 1024, decode, 2 if quick else own("product_windows", args.windows))
+        pw4k = product_windows(ids, 4096, decode, own("product_long_windows", args.long_windows)) if long_tasks else []
+        pc1k = c1k if args.product_seeds is None else copy_tasks(ids, 1000, depths, range(args.product_seeds))
+        pc4k = c4k_all
+        if args.product_long_seeds is not None and long_tasks and len(ids) >= 4000:
+            pc4k = copy_tasks(ids, 4000, depths, range(args.product_long_seeds))
+        rows, pmeta = run_product(model, pnames, pw1k, pw4k, pc1k, pc4k, decode, head_dim, graph=args.graph)
         results += rows
         meta.update(pmeta)
     out = dict(
@@ -650,6 +656,13 @@ def main(argv=None):
         default=256,
         help="product path: tokens decoded one a step at the end of each perplexity window (--quick: 32)",
     )
+    for name, what in (
+        ("--product-windows", "1024-token windows"),
+        ("--product-long-windows", "4096-token windows"),
+        ("--product-seeds", "copy-retrieval seeds at 1K"),
+        ("--product-long-seeds", "copy-retrieval seeds at 4K"),
+    ):
+        p.add_argument(name, type=int, help=f"product path: {what} (default: the simulation's count)")
     p.add_argument(
         "--graph",
         action="store_true",
