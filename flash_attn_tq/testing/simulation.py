@@ -17,6 +17,7 @@ cache's own layout is ``[B, S, H, D]``.
 from __future__ import annotations
 
 import math
+from typing import Any, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -51,7 +52,7 @@ class KeyValueTransform:
     offset stores it exactly); values reflected likewise (value_pca). The attention of q over the
     transformed keys differs from the original only by the shift q . mu shared by every key."""
 
-    def __init__(self, cfg, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor | None = None):
+    def __init__(self, cfg: Mapping[str, Any], k: torch.Tensor, v: torch.Tensor, q: torch.Tensor | None = None):
         kf, B, H, D = k.float(), k.shape[0], k.shape[2], k.shape[3]
         self.shift = kf.mean(1) if cfg["key_center"] else kf.new_zeros(B, H, D)
         self.div = kf.new_ones(B, H, D)
@@ -96,7 +97,7 @@ class Sim:
     prefill_len = 0
 
     @staticmethod
-    def keep_center_pairs(cache, pairs):
+    def keep_center_pairs(cache: QuantizedKVCache, pairs: int) -> None:
         """The calibrated RoPE center ``cache.k_shift [B, H, D]`` on its ``pairs`` strongest rotate-half
         pairs ``(m, m + D/2)`` of each (row, head), zero on the others."""
         c = cache.k_shift
@@ -106,7 +107,9 @@ class Sim:
         cache.k_shift = c * torch.cat([keep, keep], -1)
 
     @staticmethod
-    def roundtrip(key, value, cfg, calib, query=None):
+    def roundtrip(
+        key: torch.Tensor, value: torch.Tensor, cfg: Mapping[str, Any], calib: int, query: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """key/value [B, Hkv, S, D] -> (k_hat, v_hat, k_16, v_16), float32 [B, Hkv, S, D]: the dequantized
         values (original domain) and the 16-bit values the window/sinks hold (window keys are stored
         transformed, so their float16 rounding is the transformed key's)."""
@@ -170,7 +173,9 @@ class Sim:
         return kh, vh, k16, v16
 
     @staticmethod
-    def mean_error_offset(cache, k, kd, v, vd):
+    def mean_error_offset(
+        cache: QuantizedKVCache, k: torch.Tensor, kd: torch.Tensor, v: torch.Tensor, vd: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The dequantized ``kd, vd [B, n, H, D]`` with each vector's mean error over its rotated
         coordinates added to its offset (rounded to float16): the error along the rotated all-ones
         direction removed. A key transform (centering) shifts a key and its reconstruction alike, so
@@ -185,7 +190,7 @@ class Sim:
     inv_freq = None  # the model's RoPE frequencies (rotate-half convention), for rope_center
 
     @staticmethod
-    def rope_shift(k, s0, n_cal, tile=32, max_drift=0.1):
+    def rope_shift(k: torch.Tensor, s0: int, n_cal: int, tile: int = 32, max_drift: float = 0.1) -> torch.Tensor:
         """A tile-wise RoPE-aware key center [B, N, H, D] for post-RoPE keys k [B, N, H, D] at
         positions s0..s0+N-1 (what a kernel adding one bias a tile and query could use): R(p_t) c, c
         the mean pre-RoPE key R(-p) k_p of the first n_cal tokens, at the tile's middle position p_t
@@ -208,7 +213,7 @@ class Sim:
     MSE = torch.tensor([1.0, 0.3634, 0.1188, 0.03744, 0.01154, 0.00349, 0.00104, 0.000302, 0.0000869, 0.0])
 
     @staticmethod
-    def allocate_bits(weight, total, max_bits=8):
+    def allocate_bits(weight: torch.Tensor, total: int, max_bits: int = 8) -> torch.Tensor:
         """Greedy reverse water-filling: weight [..., D] (variance x importance a coordinate), total
         bits a vector -> bits [..., D] (long). Each step gives a bit where it removes the most error."""
         bits = torch.zeros(weight.shape, dtype=torch.long)
@@ -220,7 +225,7 @@ class Sim:
         return bits
 
     @staticmethod
-    def gaussian_grid(z, b):
+    def gaussian_grid(z: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """z (unit-variance units) -> the nearest level of the b-bit uniform Gaussian grid (b: same shape;
         0 bits: 0)."""
         step = Sim.STEP[b]
@@ -229,7 +234,9 @@ class Sim:
         return torch.where(b > 0, (level + 0.5) * step, torch.zeros_like(z))
 
     @staticmethod
-    def transform_code(x, c, avg_bits, importance=None):
+    def transform_code(
+        x: torch.Tensor, c: int, avg_bits: float, importance: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """x [B, H, S, D] float32 -> its transform-coded reconstruction (see the klt configs)."""
         B, H, S, D = x.shape
         mu = x[:, :, :c].mean(2, keepdim=True)
@@ -251,14 +258,21 @@ class Sim:
         return (zq * gain * sigma) @ U.transpose(-1, -2) + mu
 
     @staticmethod
-    def _hadamard(n):
+    def _hadamard(n: int) -> torch.Tensor:
         h = torch.ones(1, 1)
         while h.shape[0] < n:
             h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
         return h / math.sqrt(n)
 
     @staticmethod
-    def pair_code(x, c, avg_bits, q_energy=None, group=16, min_bits=1):
+    def pair_code(
+        x: torch.Tensor,
+        c: int,
+        avg_bits: float,
+        q_energy: torch.Tensor | None = None,
+        group: int = 16,
+        min_bits: int = 1,
+    ) -> torch.Tensor:
         """RoPE-aware allocation (no calibrated rotation: RoPE moves keys through each frequency pair's
         plane, so only pair energies are stable across positions). x [B, H, S, D] float32; pairs
         (i, i + D/2) (rotate_half layout). Pairs sorted by energy x query energy go into groups of
@@ -292,7 +306,9 @@ class Sim:
         return out * sigma[:, :, None] + mu
 
     @staticmethod
-    def roundtrip_klt(key, value, cfg, calib, query):
+    def roundtrip_klt(
+        key: torch.Tensor, value: torch.Tensor, cfg: Mapping[str, Any], calib: int, query: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         B, H, S, D = key.shape
         s0 = min(cfg["sink_tokens"], S)
         kh, vh = key.float().clone(), value.float().clone()
@@ -319,14 +335,23 @@ class Sim:
     _projections: dict = {}
 
     @staticmethod
-    def projection(d):
+    def projection(d: int) -> torch.Tensor:
         """A fixed Gaussian QJL projection [d, d] (the same in every layer: the keys' rotation differs)."""
         if d not in Sim._projections:
             Sim._projections[d] = torch.randn(d, d, generator=torch.Generator().manual_seed(1234))
         return Sim._projections[d]
 
     @staticmethod
-    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    def attention(
+        module: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        scaling: float | None = None,
+        dropout: float = 0.0,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
         cfg = Sim.cfg
         B, Hq, S, D = query.shape
         G = Hq // key.shape[1]
@@ -391,7 +416,7 @@ class Sim:
         return out.transpose(1, 2).contiguous().to(query.dtype), None
 
 
-def install_sim(model) -> None:
+def install_sim(model: Any) -> None:
     """Register :meth:`Sim.attention` with transformers as :data:`SIM_NAME`, set it on ``model`` (a
     Llama-style causal LM with rotary embeddings) and take the model's layer count and RoPE
     frequencies into :class:`Sim`."""
