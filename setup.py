@@ -79,8 +79,7 @@ def _parse_archs(spec):
         m = re.fullmatch(r"(?:sm_|compute_)?(\d+)\.?(\d*)([a-z]?)(\+ptx)?", tok.lower())
         if m is None:
             raise ValueError(
-                "FLASH_ATTN_TQ_CUDA_ARCHS: cannot parse architecture %r "
-                "(expected e.g. 80, 90, 90a, 100+PTX)" % tok
+                "FLASH_ATTN_TQ_CUDA_ARCHS: cannot parse architecture %r (expected e.g. 80, 90, 90a, 100+PTX)" % tok
             )
         arch = m.group(1) + m.group(2) + m.group(3)
         flags += ["-gencode", "arch=compute_%s,code=sm_%s" % (arch, arch)]
@@ -154,9 +153,10 @@ def _extension_plan():
     try:
         import torch
     except ImportError:
-        return [], {}, (
-            "torch is not importable at build time (install torch first and "
-            "use `pip install --no-build-isolation`)"
+        return (
+            [],
+            {},
+            ("torch is not importable at build time (install torch first and use `pip install --no-build-isolation`)"),
         )
     if torch.version.cuda is None:
         return [], {}, "the installed torch (%s) is not a CUDA build" % torch.__version__
@@ -220,8 +220,16 @@ def _progress_build_ext(base, archs, note=None):
                 "flash_attn_tq: compiling %d source files of %s for CUDA archs %s with MAX_JOBS=%s "
                 "(on 2 cores: %s minutes for %s, %s minutes for %s; more cores are faster; "
                 "FLASH_ATTN_TQ_SKIP_CUDA_BUILD=1 skips the build); ninja prints [n/N] as each file is compiled"
-                % (n, EXT_NAME, archs, jobs, BUILD_MINUTES[NO_GPU_ARCHS], NO_GPU_ARCHS,
-                   BUILD_MINUTES[DEFAULT_ARCHS], DEFAULT_ARCHS),
+                % (
+                    n,
+                    EXT_NAME,
+                    archs,
+                    jobs,
+                    BUILD_MINUTES[NO_GPU_ARCHS],
+                    NO_GPU_ARCHS,
+                    BUILD_MINUTES[DEFAULT_ARCHS],
+                    DEFAULT_ARCHS,
+                ),
                 flush=True,
             )
             start = time.time()
@@ -239,18 +247,26 @@ def _metadata_only():
     passes so the skip message appears once per install.
     """
     args = set(sys.argv[1:])
-    return bool(args & {"egg_info", "dist_info"}) and not (args & {
-        "build", "build_ext", "bdist_wheel", "editable_wheel", "install", "develop",
-        "bdist_egg", "sdist",
-    })
+    return bool(args & {"egg_info", "dist_info"}) and not (
+        args
+        & {
+            "build",
+            "build_ext",
+            "bdist_wheel",
+            "editable_wheel",
+            "install",
+            "develop",
+            "bdist_egg",
+            "sdist",
+        }
+    )
 
 
 ext_modules, cmdclass, skip_reason = _extension_plan()
 if skip_reason is not None and not _metadata_only():
     print(
         "flash_attn_tq: not building the CUDA extension %s because %s; installing "
-        "the Python package only, and the reference (PyTorch) path will be used."
-        % (EXT_NAME, skip_reason),
+        "the Python package only, and the reference (PyTorch) path will be used." % (EXT_NAME, skip_reason),
         file=sys.stderr,
     )
 
@@ -267,8 +283,7 @@ setup(
     name=PACKAGE_NAME,
     version=VERSION,
     description=(
-        "FlashAttention-2 fork with decode kernels over a 3-bit quantized KV "
-        "cache; drop-in for `import flash_attn`"
+        "FlashAttention-2 fork with decode kernels over a 3-bit quantized KV cache; drop-in for `import flash_attn`"
     ),
     long_description=_long_description(),
     long_description_content_type="text/markdown",

@@ -1,6 +1,7 @@
 """BitDecoding's Hopper decode kernel beside ours and cuDNN, in one run.
 
     python benchmarks/bench_bitdecoding.py SRC CUTLASS_INCLUDE [--out DIR] [--quick]
+    python benchmarks/bench_bitdecoding.py --render bitdecoding.json [--out DIR]   (the table again, no GPU)
 
 BitDecoding (HPCA 2026; github.com/OpenBitSys/BitDecoding, formerly DD-DuDa/BitDecoding) publishes
 speedups over FlashDecoding-v2; its ``hopper`` branch has a fused decode kernel for 4-bit K/V, head_dim
@@ -17,7 +18,8 @@ torch's extension loader (sm_90a) and times, at the production shapes (heads 32/
 
 each replayed as a CUDA graph (eager where a capture fails), and the bytes each reads a step. A
 sanity check first: BitDecoding's output against float32 attention over the unquantized K/V.
-Writes ``bitdecoding.json`` / ``.md`` under ``--out``.
+Writes ``bitdecoding.json`` / ``.md`` under ``--out``, with the run's stamp (GPU, torch, CUDA,
+commit, the command); ``--render`` writes the table of such a JSON again (its stamp kept).
 """
 
 from __future__ import annotations
@@ -33,10 +35,19 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_decode import bench, bench_graph, fill_cache, stamp  # noqa: E402
+import flash_attn_tq as fa
+from flash_attn_tq.testing import (
+    bench,
+    bench_graph,
+    describe,
+    fill_cache,
+    made_by,
+    rerendered,
+    stamp,
+    write_results,
+)
 
-import flash_attn_tq as fa  # noqa: E402
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 SHAPES = [(1, 131072), (8, 32768), (32, 8192), (64, 2048), (1, 4096), (8, 1024), (1, 1024)]  # (B, S)
 HQ, HK, D = 32, 8, 128
@@ -177,7 +188,6 @@ def add_ratios(row: dict) -> None:
 
 def markdown(rows: list[dict], meta: dict, err: float) -> str:
     """bitdecoding.md: the run's stamp, what was timed, a row a shape."""
-    stamp_text = f"{meta['gpu']}, torch {meta['torch']}, CUDA {meta['cuda']}, commit {meta['commit']}"
     cells = []
     for r in rows:
         mark = "" if r["bitdecoding_timing"] == "graph" else " (eager)"
@@ -196,27 +206,38 @@ def markdown(rows: list[dict], meta: dict, err: float) -> str:
         "own split heuristic; TB/s: the cache's bytes over the time. Its output against float32 attention "
         f"over the unquantized K/V (B=1, 1K tokens): mean |error| {err:.4f}."
     )
-    title = f"# BitDecoding (Hopper, 4-bit K/V) beside ours ({stamp_text})"
-    return "\n".join([title, "", about, "", *table]) + "\n"
+    title = f"# BitDecoding (Hopper, 4-bit K/V) beside ours ({describe(meta)})"
+    return "\n".join([title, "", made_by(meta), "", about, "", *table]) + "\n"
 
 
 def write(rows: list[dict], meta: dict, err: float, out_dir: str) -> None:
     """bitdecoding.json (meta, the sanity error, the rows) and bitdecoding.md under out_dir."""
-    os.makedirs(out_dir, exist_ok=True)
     payload = {"meta": meta, "sanity_mean_abs_err": err, "rows": rows}
-    Path(out_dir, "bitdecoding.json").write_text(json.dumps(payload, indent=1))
-    Path(out_dir, "bitdecoding.md").write_text(markdown(rows, meta, err))
+    write_results(out_dir, "bitdecoding", payload, markdown(rows, meta, err))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("src", help="BitDecoding's hopper/src directory")
-    ap.add_argument("cutlass_include", help="CUTLASS 3.8's include directory")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("src", nargs="?", help="BitDecoding's hopper/src directory")
+    ap.add_argument("cutlass_include", nargs="?", help="CUTLASS 3.8's include directory")
+    ap.add_argument("--out", default=RESULTS, help="output directory (default benchmarks/results)")
     ap.add_argument("--quick", action="store_true", help="two shapes")
+    ap.add_argument(
+        "--render", type=Path, help="no run: bitdecoding.json / .md under --out again from this bitdecoding.json"
+    )
     args = ap.parse_args()
+    if args.render:
+        res = json.loads(args.render.read_text())
+        rows = res["rows"]
+        for row in rows:
+            add_ratios(row)
+        write(rows, rerendered(res["meta"]), res["sanity_mean_abs_err"], args.out)
+        return
+    if not args.src or not args.cutlass_include:
+        ap.error("SRC and CUTLASS_INCLUDE are required (or --render JSON)")
     if not torch.cuda.is_available():
         sys.exit("bench_bitdecoding needs a CUDA GPU")
+    meta = stamp()
     ext = build(args.src, args.cutlass_include)
     err = sanity(ext)
     print(f"BitDecoding sanity (B=1, 1K): mean |error| {err:.4f}", flush=True)
@@ -224,7 +245,7 @@ def main() -> None:
     for B, S in SHAPES[:2] if args.quick else SHAPES:
         rows.append(run_shape(ext, B, S))
         print(rows[-1], flush=True)
-    write(rows, stamp(), err, args.out)
+    write(rows, meta, err, args.out)
 
 
 if __name__ == "__main__":

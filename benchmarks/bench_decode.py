@@ -17,28 +17,46 @@ For each shape (batch B, cache length S, q heads, kv heads, head_dim d; q_len 1)
 Speedups are the fastest FP16 path's time over ours (FP16 paths: SDPA flash, SDPA cuDNN, upstream
 FA2, our kv16). GB/s counts the bytes the kernel must read
 (packed codes + metadata for ours, fp16 K/V for the others). Writes JSON + Markdown (+ PNG) with
-the GPU, torch, CUDA and git commit. A second table times quantize-on-write (the pack kernel, K and
-V) against a device copy of the same fp16 bytes.
+the run's stamp (GPU, torch, CUDA, git commit, the command). A second table times
+quantize-on-write (the pack kernel, K and V) against a device copy of the same fp16 bytes. A path
+this run cannot measure (flashinfer or upstream FA2 not installed) is written as missing, with why.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import flash_attn_tq as fa  # noqa: E402
-from flash_attn_tq import ops  # noqa: E402
-from flash_attn_tq.cache import QuantizedKVCache  # noqa: E402
-from flash_attn_tq.integrations.options import NO_FP16_WINDOW  # noqa: E402
+import flash_attn_tq as fa
+from flash_attn_tq import dispatch, ops
+from flash_attn_tq.cache import QuantizedKVCache
+from flash_attn_tq.integrations.options import NO_FP16_WINDOW
+from flash_attn_tq.testing import (
+    DEFAULT_LAYERS,
+    DEFAULT_OPTS,
+    MISSING,
+    bench,
+    bench_graph,
+    default_layers,
+    describe,
+    fill_cache,
+    fmt,
+    interleaved,
+    made_by,
+    missing_notes,
+    rope_freqs,
+    stamp,
+    upstream_fa2,
+    weighted_default,
+    write_results,
+)
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 ISSUE_SHAPES = [  # (B, S, Hq, Hk, d)
     (1, 131072, 32, 8, 128),
@@ -60,12 +78,6 @@ def sweep_shapes(quick: bool, head_dims=(128, 64)):
     return out
 
 
-def bench(fn, reps_ms=200):
-    from triton.testing import do_bench
-
-    return do_bench(fn, warmup=25, rep=reps_ms, return_mode="median") * 1e3  # µs
-
-
 def bench_eager(fn, calls=50, reps=15):
     """Median time (µs) a call of ``fn`` issued back to back, eager: events around ``calls`` calls, so
     a call whose host work outlasts its kernels counts its host time (do_bench flushes L2 between
@@ -84,38 +96,16 @@ def bench_eager(fn, calls=50, reps=15):
     return statistics.median(times)
 
 
-def bench_graph(fn, reps_ms=200):
-    """Median time (µs) of ``fn`` replayed as a CUDA graph (how serving engines run decode)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return bench(graph.replay, reps_ms)
-
-
-def upstream_fa2():
-    try:
-        from flash_attn import flash_attn_with_kvcache as f
-
-        return f
-    except Exception:
-        return None
-
-
 def flashinfer_fp8_decode(q, k, v, page_size=16):
     """The FP8 anchor: FlashInfer's batch decode over an e4m3 copy of the fp16 cache
-    ``k, v [B, S, Hk, d]`` in 16-token pages, for queries ``q [B, 1, Hq, d]``: a call for each of its
-    kernels that plans (the CUDA-core decode kernel, the tensor-core one), none when ``flashinfer``
-    is not importable (an optional extra of the benchmark, JIT-compiled at first use). The cast
-    keeps unit scales: the data is N(0, 1), inside e4m3's range."""
+    ``k, v [B, S, Hk, d]`` in 16-token pages, for queries ``q [B, 1, Hq, d]``: ``(calls, why)``, a call
+    for each of its kernels that plans (the CUDA-core decode kernel, the tensor-core one) and, where
+    none does, why (``flashinfer`` not importable: an optional extra of the benchmark, JIT-compiled
+    at first use). The cast keeps unit scales: the data is N(0, 1), inside e4m3's range."""
     try:
         import flashinfer
-    except Exception:
-        return []
+    except Exception as e:
+        return [], f"flashinfer is not importable ({type(e).__name__})"
     B, S, Hk, d = k.shape
     Hq, pages = q.shape[2], (S + page_size - 1) // page_size
     kv = torch.zeros(B, pages * page_size, 2, Hk, d, device=k.device, dtype=torch.float8_e4m3fn)
@@ -126,7 +116,7 @@ def flashinfer_fp8_decode(q, k, v, page_size=16):
     last = torch.full((B,), S - (pages - 1) * page_size, dtype=torch.int32, device=k.device)
     workspace = torch.empty(128 << 20, dtype=torch.uint8, device=k.device)
     q3, out = q[:, 0].contiguous(), torch.empty(B, Hq, d, device=q.device, dtype=q.dtype)
-    calls = []
+    calls, errors = [], []
     for tensor_cores in (False, True):
         try:
             wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
@@ -148,27 +138,11 @@ def flashinfer_fp8_decode(q, k, v, page_size=16):
             )
             wrapper.run(q3, kv, out=out)
         except Exception as e:  # a JIT or planning failure leaves that kernel out, and says why
-            print(
-                f"flashinfer fp8 decode (tensor_cores={tensor_cores}) unavailable at B={B} S={S} d={d}: "
-                f"{str(e).splitlines()[0][:200]}",
-                flush=True,
-            )
+            errors.append(f"tensor_cores={tensor_cores}: {str(e).splitlines()[0][:200]}")
+            print(f"flashinfer fp8 decode unavailable at B={B} S={S} d={d}, {errors[-1]}", flush=True)
             continue
         calls.append(lambda w=wrapper: w.run(q3, kv, out=out))
-    return calls
-
-
-def fill_cache(B, S, Hk, d, dtype, chunk=8192, **cache_kwargs):
-    cache = QuantizedKVCache(B, S, Hk, d, device="cuda", dtype=dtype, **cache_kwargs)
-    k = torch.empty(B, S, Hk, d, device="cuda", dtype=dtype)
-    v = torch.empty_like(k)
-    for s0 in range(0, S, chunk):
-        kc = torch.randn(B, min(chunk, S - s0), Hk, d, device="cuda", dtype=dtype)
-        vc = torch.randn_like(kc)
-        k[:, s0 : s0 + kc.shape[1]] = kc
-        v[:, s0 : s0 + kc.shape[1]] = vc
-        cache.append(kc, vc)
-    return cache, k, v
+    return calls, None if calls else "flashinfer failed to plan its kernels (" + "; ".join(errors) + ")"
 
 
 def run_shape(B, S, Hq, Hk, d, dtype=torch.float16):
@@ -177,8 +151,8 @@ def run_shape(B, S, Hq, Hk, d, dtype=torch.float16):
     scale = d**-0.5
     lens = cache.seqlens
     row = {"B": B, "S": S, "Hq": Hq, "Hk": Hk, "d": d}
-    args = cache.kernel_args(B)
-    row["tq3_kernel"] = bench(lambda: ops.decode(q, lens, None, scale, False, 0, **args))
+    plan = cache.plan(dispatch.Query.of(q))  # (the op alone: planned once, no per-call checks)
+    row["tq3_kernel"] = bench(lambda: cache.attend(q, lens, None, scale, False, plan=plan))
     row["tq3_api"] = bench(lambda: fa.flash_attn_with_kvcache(q, cache))
     assert fa.last_path() == "quantized:fused-cuda", fa.last_path()
     row["tq3_api_graph"] = bench_graph(lambda: fa.flash_attn_with_kvcache(q, cache))  # splits: host-side heuristic
@@ -192,14 +166,14 @@ def run_shape(B, S, Hq, Hk, d, dtype=torch.float16):
                 row[name] = bench(lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True))
         except Exception as e:  # backend not available for this shape
             row[name] = None
-            row[name + "_error"] = str(e).splitlines()[0][:120]
+            row[name + "_missing"] = f"SDPA's backend refused the shape: {str(e).splitlines()[0][:120]}"
     seq = torch.full((B,), S, dtype=torch.int32, device="cuda")
     row["kv16"] = bench(lambda: ops.decode_kv16(q, k, v, seq, None, None, scale, False, 0))
     f2 = upstream_fa2()
     if f2 is not None:
         row["fa2"] = bench(lambda: f2(q, k, v, cache_seqlens=seq))
     else:
-        row["fa2"] = None
+        row["fa2"], row["fa2_missing"] = None, "upstream flash_attn is not importable"
     fp16_paths = [row[n] for n in ("sdpa_flash", "sdpa_cudnn", "fa2", "kv16") if row.get(n)]
     best = min(fp16_paths)
     row["fp16_best_us"] = best
@@ -224,76 +198,11 @@ PRODUCTION_SHAPES = [  # (B, S, Hq, Hk, d): the issue's table, and short caches
     (8, 1024, 32, 8, 128),
     (32, 8192, 32, 8, 128),
 ]
-# The default cache (TQCache.calibrated for SmolLM2): every layer keeps 16 sink + 112 recent tokens in
-# 16-bit and centers its keys before RoPE; 32 / head_dim of the layers hold 4-bit keys (what the
-# scale-only metadata pays for), and one layer of the 30 holds its most copy-sensitive kv head at
-# K8V8 (float16) beside 3-bit heads. A layer's attention time at a shape is measured for each kind
-# of layer and weighted as the model holds them.
-DEFAULT_LAYERS = 30
-DEFAULT_OPTS = dict(sink_tokens=16, fp16_window=112, key_center="rope")
-
-
-def rope_freqs(d):
-    return 1.0 / 10000.0 ** (torch.arange(0, d, 2).float() / d)
-
-
-def fill_default(B, S, Hk, d, dtype, k_bits=3, v_bits=3):
-    cache, _, _ = fill_cache(
-        B, S, Hk, d, dtype, k_bits=k_bits, v_bits=v_bits, rope_inv_freq=rope_freqs(d), **DEFAULT_OPTS
-    )
-    return cache
-
-
-def default_layers(q, S, Hk, dtype, causal=False):
-    """The default cache's kinds of layer for queries ``q [B, q_len, Hq, d]`` over S tokens, as calls:
-    ``({kind: call}, {kind: layers})`` for kinds k3 and k4 (3- / 4-bit keys) and mixed (the copy-head
-    layer, a K8V8 kv head beside 3-bit ones, attended as TQLayer attends them: both head groups in one
-    launch where it can), plus ``mixed_apart`` (a launch a head group) where the one launch runs."""
-    B, _, Hq, d = q.shape
-    call = lambda c: lambda: fa.flash_attn_with_kvcache(q, c, causal=causal)  # noqa: E731
-    n4 = round(DEFAULT_LAYERS * 32 / d)  # 4-bit-key layers
-    fns, layers = {}, {"k3": DEFAULT_LAYERS - n4 - 1, "k4": n4, "mixed": 1}
-    for name, kb in (("k3", 3), ("k4", 4)):
-        fns[name] = call(fill_default(B, S, Hk, d, dtype, kb, 3))
-        fns[name]()
-        assert fa.last_path() == "quantized:fused-cuda", fa.last_path()
-    wide, rest = fill_default(B, S, 1, d, dtype, 8, 8), fill_default(B, S, Hk - 1, d, dtype)
-    G = Hq // Hk
-    q_wide, q_rest = q[:, :, :G].contiguous(), q[:, :, G:].contiguous()
-    out = torch.empty_like(q)
-
-    def apart():  # a launch a head group (chunks; decode-sized calls before the one-launch kernel)
-        out[:, :, :G] = fa.flash_attn_with_kvcache(q_wide, wide, causal=causal)
-        out[:, :, G:] = fa.flash_attn_with_kvcache(q_rest, rest, causal=causal)
-
-    def mixed():
-        if rest.pair_reason(wide, q) is None:
-            return rest.attend(q, rest.seqlens[:B], None, d**-0.5, causal, with_lse=False, group2=(wide, 0))
-        apart()
-
-    fns["mixed"] = mixed
-    if rest.pair_reason(wide, q) is None:
-        fns["mixed_apart"] = apart
-    return fns, layers
-
-
-def weighted_default(times, layers, suffix):
-    """``times[kind + suffix]`` of the kinds of layer weighted as the model holds them (``layers``)."""
-    return sum(n * times[kind + suffix] for kind, n in layers.items()) / DEFAULT_LAYERS
-
-
-def interleaved(fns, timer, rounds=5):
-    """``{name: median µs}`` of ``timer(fn)`` over ``rounds`` rounds that take every function in turn:
-    host-bound times drift over seconds, so the calls a ratio compares are timed side by side."""
-    times = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            times[name].append(timer(fn))
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def run_production(B, S, Hq, Hk, d, dtype=torch.float16):
-    """One row of production.json: the plain 3-bit cache and the default cache (see DEFAULT_OPTS),
+    """One row of production.json: the plain 3-bit cache and the default cache (its kinds of layer:
+    flash_attn_tq.testing.default_layers),
     flash_attn_with_kvcache replayed as a CUDA graph and eager (plain and the default's layers in
     interleaved rounds), beside cuDNN SDPA on fp16."""
     q = torch.randn(B, 1, Hq, d, device="cuda", dtype=dtype)
@@ -304,8 +213,10 @@ def run_production(B, S, Hq, Hk, d, dtype=torch.float16):
 
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         row["cudnn_us"] = bench(lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True))
-    fp8 = flashinfer_fp8_decode(q, k, v)
+    fp8, why = flashinfer_fp8_decode(q, k, v)
     row["fp8_us"] = min((bench(f) for f in fp8), default=None)  # the faster of FlashInfer's two kernels
+    if why:
+        row["fp8_us_missing"] = why
     k = v = kt = vt = fp8 = None  # (not del: lambdas above name them)
     torch.cuda.empty_cache()
     fns, layers = default_layers(q, S, Hk, dtype)
@@ -340,6 +251,8 @@ def run_production_prefill(S, q_len, Hq=32, Hk=8, d=128, dtype=torch.float16):
     f2 = upstream_fa2()
     seq = torch.full((1,), S, dtype=torch.int32, device="cuda")
     row["fa2_us"] = bench(lambda: f2(q, k, v, cache_seqlens=seq, causal=True)) if f2 else None
+    if f2 is None:
+        row["fa2_us_missing"] = "upstream flash_attn is not importable"
     row["plain_us"] = bench(lambda: fa.flash_attn_with_kvcache(q, plain, causal=True))
     plain = k = v = None  # (not del: lambdas above name them)
     torch.cuda.empty_cache()
@@ -354,14 +267,12 @@ def run_production_prefill(S, q_len, Hq=32, Hk=8, d=128, dtype=torch.float16):
     return row
 
 
-def write_production(rows, meta, out_dir, prefill=(), generate=()):
-    """production.json / .md / .png; ``generate``: rows of benchmarks/bench_generate.py."""
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "production.json"), "w") as f:
-        json.dump({"meta": meta, "rows": rows, "prefill": list(prefill), "generate": list(generate)}, f, indent=1)
+def write_production(rows, prefill, meta, out_dir):
+    """production.json / .md / .png: the decode rows and the prefill rows of this run."""
     lines = [
-        f"# The default cache vs the plain 3-bit cache ({meta['gpu']}, torch {meta['torch']}, CUDA {meta['cuda']}, "
-        f"commit {meta['commit']})",
+        f"# The default cache vs the plain 3-bit cache ({describe(meta)})",
+        "",
+        made_by(meta),
         "",
         "flash_attn_with_kvcache(q, cache), q_len 1, fp16, µs (medians; 'graph': the call replayed as a CUDA "
         "graph; 'eager': 50 calls issued back to back, so host time counts where it exceeds the kernels'; "
@@ -371,8 +282,8 @@ def write_production(rows, meta, out_dir, prefill=(), generate=()):
         "with a K8V8 kv head beside 3-bit ones (both head groups in one launch); its time is the layers' "
         "weighted mean. "
         "FP8: FlashInfer's batch decode over an e4m3 copy of the cache (16-token pages; the faster of its "
-        "CUDA-core and tensor-core kernels), eager like cuDNN; '–' where flashinfer was not importable "
-        "(with --keep-prefill: the earlier file's, marked *, at the commit named below). 'copy-head layer, a "
+        f"CUDA-core and tensor-core kernels), eager like cuDNN; {MISSING} where this run could not measure it "
+        "(the note under the table says why). 'copy-head layer, a "
         "launch a group': the same layer with each head group launched on its own, as before the one-launch "
         "kernel. 'K3V3 layer, 4-bit ring': that layer without a 16-bit window (NO_FP16_WINDOW: the 128 most "
         "recent tokens as 4-bit codes, attended by the decode launch).",
@@ -383,19 +294,19 @@ def write_production(rows, meta, out_dir, prefill=(), generate=()):
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        vs_fp8 = r.get("default_speedup_vs_fp8")
         lines.append(
             f"| {r['B']} | {r['S']} | {r['Hq']}/{r['Hk']} | {r['d']} | {fmt(r['cudnn_us'])} | "
-            f"{fmt(r.get('fp8_us'))}{'*' if r.get('fp8_commit') else ''} | "
+            f"{fmt(r.get('fp8_us'))} | "
             f"{fmt(r['plain_us'])} | {fmt(r['default_us'])} | {r['default_vs_plain']:.2f}x | "
-            f"{r['default_speedup_vs_cudnn']:.2f}x | {f'{vs_fp8:.2f}x' if vs_fp8 else '–'} | "
+            f"{r['default_speedup_vs_cudnn']:.2f}x | {fmt(r.get('default_speedup_vs_fp8'), '.2f', 'x')} | "
             f"{fmt(r['plain_eager_us'])} | {fmt(r['default_eager_us'])} | "
             f"{r['default_eager_us'] / r['plain_eager_us']:.2f}x | {fmt(r['k3_us'])} | {fmt(r['k4_us'])} | "
             f"{fmt(r['mixed_us'])} | {fmt(r.get('mixed_apart_us'))} | {fmt(r.get('k3_ring_us'))} |"
         )
-    kept = sorted({r["fp8_commit"] for r in rows if r.get("fp8_commit")})
-    if kept:
-        lines += ["", f"\\* FP8 measured at commit {', '.join(kept)} (flashinfer was not importable in this run)."]
+    notes = missing_notes(rows, {"fp8_us": "FP8"})
+    if any(r.get("mixed_apart_us") is None for r in rows):
+        notes.append(f"{MISSING} under 'a launch a group': the one-launch kernel does not take that shape.")
+    lines += ["", *notes] if notes else []
     if prefill:
         lines += [
             "",
@@ -403,51 +314,22 @@ def write_production(rows, meta, out_dir, prefill=(), generate=()):
             "",
             "B=1, 32/8 heads, d 128, fp16: a chunk of q_len queries over a cache of S tokens that holds it, "
             "causal, flash_attn_with_kvcache eager, µs. FA2: upstream 2.8.3 over the fp16 cache; default: the "
-            "layers weighted as above (the copy-head layer's K8V8 head runs the decode kernel); 'commit': where "
-            "the row was measured.",
+            "layers weighted as above (the copy-head layer's K8V8 head runs the decode kernel).",
             "",
             "| S | q_len | FA2 | plain | default | FA2 / plain | FA2 / default | K3V3 layer | K4V3 layer | "
-            "copy-head layer | commit |",
-            "|---|---|---|---|---|---|---|---|---|---|---|",
+            "copy-head layer |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in prefill:
             lines.append(
                 f"| {r['S']} | {r['q_len']} | {fmt(r['fa2_us'])} | {fmt(r['plain_us'])} | {fmt(r['default_us'])} | "
-                f"{fmt(r.get('plain_vs_fa2'), '.2f')}x | {fmt(r.get('default_vs_fa2'), '.2f')}x | "
-                f"{fmt(r['k3_us'])} | {fmt(r['k4_us'])} | {fmt(r['mixed_us'])} | {r.get('commit') or meta['commit']} |"
+                f"{fmt(r.get('plain_vs_fa2'), '.2f', 'x')} | {fmt(r.get('default_vs_fa2'), '.2f', 'x')} | "
+                f"{fmt(r['k3_us'])} | {fmt(r['k4_us'])} | {fmt(r['mixed_us'])} |"
             )
-    if generate:
-        lines += [
-            "",
-            "## generate() decode tokens/s (benchmarks/bench_generate.py)",
-            "",
-            "Eager steps; '+compile': the decode step under torch.compile(mode='reduce-overhead'); "
-            "'generate()': model.generate as a user calls it (transformers compiles the steps of both caches); "
-            "'commit': where the row was measured (bench_generate.py's own result file).",
-            "",
-            "| model | B | prompt | DynamicCache | StaticCache | StaticCache+compile | generate(): StaticCache "
-            "| TQCache | TQCache+compile | generate(): TQCache | TQ+compile / best fp16 | generate() TQ / static "
-            "| commit |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-        ]
-        for g in generate:
-            tqc, gen = g.get("tq_compiled_tok_s"), (g.get("tq_generate_tok_s"), g.get("static_generate_tok_s"))
-            lines.append(
-                f"| {g.get('model_desc') or g['model']} | {g['B']} | {g['prompt']} | {fmt(g.get('dynamic_tok_s'))} | "
-                f"{fmt(g.get('static_tok_s'))} | {fmt(g.get('static_compiled_tok_s'))} | "
-                f"{fmt(g.get('static_generate_tok_s'))} | {fmt(g.get('tq_tok_s'))} | {fmt(tqc)} | "
-                f"{fmt(gen[0])} | {fmt(g.get('tq_compiled_vs_best_fp16'), '.2f')}x | "
-                f"{fmt(gen[0] / gen[1] if all(gen) else None, '.2f')}x | {g.get('commit') or meta['commit']} |"
-            )
-    with open(os.path.join(out_dir, "production.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    try:
-        import matplotlib
+        notes = missing_notes(prefill, {"fa2_us": "FA2"})
+        lines += ["", *notes] if notes else []
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
+    def plot(plt):
         fig, ax = plt.subplots(figsize=(8, 4))
         names = [f"{r['B']}x{r['S'] // 1024}K d{r['d']}" for r in rows]
         x = range(len(rows))
@@ -465,10 +347,11 @@ def write_production(rows, meta, out_dir, prefill=(), generate=()):
         ax.set_ylabel("µs (CUDA graph)")
         ax.set_title(f"decode, default vs plain 3-bit cache, {meta['gpu']}")
         ax.legend()
-        fig.tight_layout()
-        fig.savefig(os.path.join(out_dir, "production.png"), dpi=120)
-    except Exception as e:  # matplotlib missing: the table is the result
-        print("no plot:", e)
+        return fig
+
+    payload = {"meta": meta, "rows": rows, "prefill": list(prefill)}
+    write_results(out_dir, "production", payload, "\n".join(lines), plot if rows else None)
+    print("\n".join(lines))
 
 
 PACK_SHAPES = [  # (B, new tokens, kv heads, d): decode appends, a prefill chunk, a long prompt
@@ -502,35 +385,13 @@ def run_pack(B, n, Hk, d, dtype=torch.float16):
     return row
 
 
-def stamp():
-    commit = os.environ.get("GIT_COMMIT")  # set by the caller where the checkout has no (current) .git
-    if not commit:
-        try:
-            commit = subprocess.check_output(
-                ["git", "rev-parse", "--short", "HEAD"], text=True, stderr=subprocess.DEVNULL
-            ).strip()
-        except Exception:
-            commit = "unknown"
-    return {
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "commit": commit,
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-    }
-
-
-def fmt(x, spec=".1f"):
-    return "–" if x is None else format(x, spec)
-
-
-def write_results(rows, pack_rows, meta, out_dir, name):
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
-        json.dump({"meta": meta, "rows": rows, "pack": pack_rows}, f, indent=1)
+def write_decode(rows, pack_rows, meta, out_dir, name):
+    """<name>.json / .md / .png: the decode rows (the issue's shapes and the length sweep) and the
+    quantize-on-write rows of this run."""
     lines = [
-        f"# Decode attention, fused 3-bit vs FP16 ({meta['gpu']}, torch {meta['torch']}, CUDA {meta['cuda']}, "
-        f"commit {meta['commit']})",
+        f"# Decode attention, fused 3-bit vs FP16 ({describe(meta)})",
+        "",
+        made_by(meta),
         "",
         "µs are do_bench medians (random data, warm-up); speedup = fastest FP16 path (SDPA flash, SDPA cuDNN, "
         "upstream FA2, our kv16 = this kernel body over the fp16 cache) / ours. 'kernel' is the fused op alone; "
@@ -547,9 +408,11 @@ def write_results(rows, pack_rows, meta, out_dir, name):
         lines.append(
             f"| {r['B']} | {r['S']} | {r['Hq']}/{r['Hk']} | {r['d']} | {fmt(r['tq3_kernel'])} | "
             f"{fmt(r['tq3_api'])} | {fmt(r['tq3_api_graph'])} | {fmt(r['sdpa_flash'])} | {fmt(r['sdpa_cudnn'])} | "
-            f"{fmt(r['fa2'])} | {fmt(r.get('kv16'))} | {fmt(r['speedup_kernel'], '.2f')}x | "
-            f"{fmt(r['speedup_api_graph'], '.2f')}x | {fmt(r['tq3_GBps'], '.0f')} | {fmt(r['fp16_GBps'], '.0f')} |"
+            f"{fmt(r['fa2'])} | {fmt(r.get('kv16'))} | {fmt(r['speedup_kernel'], '.2f', 'x')} | "
+            f"{fmt(r['speedup_api_graph'], '.2f', 'x')} | {fmt(r['tq3_GBps'], '.0f')} | {fmt(r['fp16_GBps'], '.0f')} |"
         )
+    notes = missing_notes(rows, {"sdpa_flash": "SDPA flash", "sdpa_cudnn": "SDPA cuDNN", "fa2": "FA2"})
+    lines += ["", *notes] if notes else []
     if pack_rows:
         lines += [
             "",
@@ -568,15 +431,8 @@ def write_results(rows, pack_rows, meta, out_dir, name):
                 f"{fmt(r['append_us'])} | {fmt(r['copy_us'])} | {fmt(r['pack_GBps'], '.0f')} | "
                 f"{fmt(r['append_GBps'], '.0f')} | {r['pack_vs_copy_read']:.2f} | {100 * r['pack_vs_hbm_copy']:.0f}% |"
             )
-    with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    try:
-        import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
+    def plot(plt):
         fig, ax = plt.subplots(figsize=(7, 4))
         for d in sorted({r["d"] for r in rows}):
             for B in sorted({r["B"] for r in rows}):
@@ -589,75 +445,43 @@ def write_results(rows, pack_rows, meta, out_dir, name):
         ax.set_ylabel("speedup vs fastest FP16")
         ax.set_title(f"fused 3-bit decode, {meta['gpu']}")
         ax.legend()
-        fig.tight_layout()
-        fig.savefig(os.path.join(out_dir, f"{name}.png"), dpi=120)
-    except Exception as e:  # matplotlib missing: the table is the result
-        print("no plot:", e)
+        return fig
+
+    payload = {"meta": meta, "rows": rows, "pack": pack_rows}
+    write_results(out_dir, name, payload, "\n".join(lines), plot if any(r.get("sweep") for r in rows) else None)
+    print("\n".join(lines))
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer sweep points")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    ap.add_argument("--name", default="decode")
+    ap.add_argument("--out", default=RESULTS, help="output directory (default benchmarks/results)")
+    ap.add_argument("--name", default="decode", help="output file stem of the decode table")
     ap.add_argument("--head-dims", default="128,64", help="head dims of the length sweep")
     ap.add_argument("--pack-only", action="store_true", help="only the quantize-on-write table")
     ap.add_argument(
         "--production", action="store_true", help="only the default-vs-plain table (production.json / production.md)"
     )
     ap.add_argument(
-        "--keep-prefill",
+        "--no-prefill",
         action="store_true",
-        help="with --production: measure the decode rows only, keeping production.json's prefill rows (and the "
-        "commit each was measured at)",
-    )
-    ap.add_argument(
-        "--merge-generate",
-        metavar="JSON",
-        nargs="+",
-        help="put the rows of bench_generate.py results into <out>/production.json's generate table and exit",
+        help="with --production: the decode rows only (production.md then has no prefill table)",
     )
     args = ap.parse_args()
-    if args.merge_generate:
-        with open(os.path.join(args.out, "production.json")) as f:
-            prod = json.load(f)
-        keep = ("model", "model_desc", "B", "prompt", "dynamic_tok_s", "static_tok_s", "tq_tok_s")
-        keep += ("static_compiled_tok_s", "static_generate_tok_s", "tq_compiled_tok_s", "tq_generate_tok_s")
-        keep += ("tq_calibrated_tok_s", "tq_graph_tok_s", "tq_compiled_vs_best_fp16")
-        gen = []
-        for path in args.merge_generate:
-            with open(path) as f:
-                res = json.load(f)
-            commit = res["meta"].get("commit")  # (each file's rows keep the commit they were measured at)
-            gen += [{**{k: r.get(k) for k in keep}, "commit": commit} for r in res["rows"]]
-        write_production(prod["rows"], prod["meta"], args.out, prefill=prod["prefill"], generate=gen)
-        return
     if not torch.cuda.is_available() or not ops.extension_available():
         sys.exit("bench_decode needs a CUDA GPU and the built extension")
+    meta = stamp()
     torch.manual_seed(0)
     if args.production:
-        rows, prefill, generate = [], [], []
+        rows, prefill = [], []
         run_production(*PRODUCTION_SHAPES[0])  # warm-up, not kept: the process's first eager calls ran 2x slow
         for shp in PRODUCTION_SHAPES:
             rows.append(run_production(*shp))
             print(rows[-1], flush=True)
-        if args.keep_prefill:
-            with open(os.path.join(args.out, "production.json")) as f:
-                old = json.load(f)
-            prefill = [{**r, "commit": r.get("commit") or old["meta"]["commit"]} for r in old["prefill"]]
-            generate = old["generate"]
-            shape = lambda r: tuple(r[k] for k in ("B", "S", "Hq", "Hk", "d"))  # noqa: E731
-            earlier = {shape(r): r for r in old["rows"] if r.get("fp8_us")}
-            for r in rows:  # FP8 from the earlier file where flashinfer is missing here
-                e = earlier.get(shape(r))
-                if r["fp8_us"] is None and e is not None:
-                    r["fp8_us"], r["fp8_commit"] = e["fp8_us"], e.get("fp8_commit") or old["meta"]["commit"]
-                    r["plain_speedup_vs_fp8"] = r["fp8_us"] / r["plain_us"]
-                    r["default_speedup_vs_fp8"] = r["fp8_us"] / r["default_us"]
-        for shp in [] if args.keep_prefill else PRODUCTION_PREFILL:
+        for shp in [] if args.no_prefill else PRODUCTION_PREFILL:
             prefill.append(run_production_prefill(*shp))
             print(prefill[-1], flush=True)
-        write_production(rows, stamp(), args.out, prefill=prefill, generate=generate)
+        write_production(rows, prefill, meta, args.out)
         return
     rows = []
     for shp in [] if args.pack_only else ISSUE_SHAPES:
@@ -672,7 +496,7 @@ def main():
     for shp in PACK_SHAPES:
         pack_rows.append(run_pack(*shp))
         print(pack_rows[-1], flush=True)
-    write_results(rows, pack_rows, stamp(), args.out, args.name)
+    write_decode(rows, pack_rows, meta, args.out, args.name)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ Side by side in one run, the same model, prompt and number of decoded tokens thr
   after an untimed call that compiles.
 
 Models: ``smollm2``: SmolLM2-135M-Instruct from its GGUF (float16 on the GPU; assets as
-``benchmarks/eval_quality.py`` finds them, ``--data``), B=1, the ``--prompts`` lengths; ``llama8b``:
+``flash_attn_tq.testing.assets`` finds them, ``--data``), B=1, the ``--prompts`` lengths; ``llama8b``:
 a Llama-3-8B-shaped model with random weights (8 decoder layers, hidden 4096, MLP 14336, 32 q / 8 kv
 heads, head_dim 128, RoPE theta 500000, vocab 128256), bfloat16, B=8, one 32K-token prompt.
 Prompts are random token ids (speed does not depend on the text).
@@ -41,21 +41,18 @@ of it: kernels and the PyTorch ops around them) over the step time. Cache bytes:
 QuantizedKVCaches' ``nbytes`` (codes, metadata, recent window) plus its 16-bit sink tokens; the
 others: their K/V tensors (the static cache and TQCache as allocated for the run's length).
 
-Writes ``generate.json`` (``{"meta": {gpu, torch, cuda, transformers, commit}, "rows": [...]}``, rows
-with ``model, B, prompt, dynamic_tok_s, static_tok_s, tq_tok_s`` and more) and ``generate.md`` under
-``--out`` (default benchmarks/results; with ``--quick``, /tmp/bench_generate_quick). ``--quick``:
-tiny random Llamas in place of both models, tiny prompts (a CPU smoke test).
+Writes ``generate.json`` (``{"meta": the run's stamp (gpu, torch, cuda, transformers, commit, the
+command), "rows": [...]}``, rows with ``model, B, prompt, dynamic_tok_s, static_tok_s, tq_tok_s`` and
+more) and ``generate.md`` under ``--out`` (default benchmarks/results; with ``--quick``,
+/tmp/bench_generate_quick), both written again after each row (a run cut short keeps the rows it
+finished). ``--quick``: tiny random Llamas in place of both models, tiny prompts (a CPU smoke test).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
-import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -64,9 +61,10 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from flash_attn_tq.testing import Clock, describe, fmt, made_by, stamp, timed_attention, write_results
+from flash_attn_tq.testing.assets import GGUF, default_data_dir, ensure_model, load_smollm2, random_llama
+
+RESULTS = Path(__file__).resolve().parent / "results"
 
 ATTN_KEYWORDS = ("decode", "flash", "attention", "sdpa", "fmha", "combine")
 FP16_VARIANTS = ("dynamic", "static", "static_compiled", "static_generate")
@@ -151,25 +149,10 @@ MODELS = {  # batch, prompts (None: --prompts), variants; GPU dtype
 
 
 def meta() -> dict:
+    """The run's stamp (flash_attn_tq.testing.stamp) with the transformers version."""
     import transformers
 
-    commit = os.environ.get("GIT_COMMIT")
-    if not commit:
-        try:
-            commit = subprocess.check_output(
-                ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True, stderr=subprocess.DEVNULL
-            ).strip()
-        except Exception:
-            commit = "unknown"
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    return {
-        "gpu": gpu,
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "transformers": transformers.__version__,
-        "commit": commit,
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-    }
+    return stamp(transformers=transformers.__version__)
 
 
 def sync(device):
@@ -181,23 +164,6 @@ def free_memory(device):
     gc.collect()
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()
-
-
-class Clock:
-    """Marks on the device timeline (CUDA events) or the host clock (CPU); ``ms(a, b)`` after a sync."""
-
-    def __init__(self, device):
-        self.cuda = torch.device(device).type == "cuda"
-
-    def mark(self):
-        if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            return e
-        return time.perf_counter()
-
-    def ms(self, a, b) -> float:
-        return a.elapsed_time(b) if self.cuda else (b - a) * 1e3
 
 
 def tensor_bytes(*ts) -> int:
@@ -216,31 +182,6 @@ def cache_bytes(cache) -> int:
         else:
             total += tensor_bytes(getattr(layer, "keys", None), getattr(layer, "values", None))
     return total
-
-
-@contextlib.contextmanager
-def timed_attention(model, clock, spans):
-    """Within: each call of the model's attention function appends its (start, end) marks to ``spans``."""
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    name = model.config._attn_implementation
-    had_local = name in ALL_ATTENTION_FUNCTIONS._local_mapping
-    original = ALL_ATTENTION_FUNCTIONS[name]
-
-    def wrapped(*args, **kwargs):
-        t0 = clock.mark()
-        out = original(*args, **kwargs)
-        spans.append((t0, clock.mark()))
-        return out
-
-    ALL_ATTENTION_FUNCTIONS[name] = wrapped  # (the instance's local mapping, looked up at each forward)
-    try:
-        yield
-    finally:
-        if had_local:
-            ALL_ATTENTION_FUNCTIONS[name] = original
-        else:
-            del ALL_ATTENTION_FUNCTIONS[name]
 
 
 def kernel_share(prof, cuda: bool) -> tuple[float | None, list]:
@@ -271,32 +212,19 @@ def kernel_share(prof, cuda: bool) -> tuple[float | None, list]:
 # --------------------------------------------------------------------------- models
 
 
-def build_random_llama(kw: dict, dtype, device, seed=0):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(**kw)
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = LlamaForCausalLM._from_config(cfg, dtype=dtype, attn_implementation="sdpa")
-    return model.eval()
-
-
-def load_smollm2(data: Path, dtype, device):
-    from eval_quality import ensure_model, load_model
-
-    _, model = load_model(ensure_model(data))
+def smollm2_model(data: Path, dtype, device):
+    """SmolLM2-135M-Instruct from its GGUF under ``data`` (fetched when missing), SDPA attention."""
+    _, model = load_smollm2(ensure_model(data))
     model.set_attn_implementation("sdpa")
     return model.to(device=device, dtype=dtype).eval()
 
 
-def describe(name: str, quick: bool, random_weights: bool = False) -> str:
+def model_description(name: str, quick: bool, random_weights: bool = False) -> str:
     if quick:
         return f"tiny random Llama standing in for {name}"
     if name == "smollm2" and random_weights:
         return "SmolLM2-135M's architecture, random weights"
     if name == "smollm2":
-        from eval_quality import GGUF
-
         return f"SmolLM2-135M-Instruct ({GGUF})"
     return "Llama-3-8B-shaped, 8 layers, random weights"
 
@@ -324,7 +252,6 @@ def make_cache(variant, model, capacity, calibrated):
     return TQCache(model.config, max_cache_len=capacity)
 
 
-@torch.no_grad()
 @torch.no_grad()
 def warm_up(model, device, B):
     """A short prompt and two decode steps through DynamicCache and TQCache: library and kernel
@@ -500,13 +427,13 @@ def bench_model(name, args) -> Iterator[dict]:
     dtype = spec["dtype"] if cuda else torch.float32
     t0 = time.perf_counter()
     if args.quick:
-        model = build_random_llama(TINY[name], dtype, device)
+        model = random_llama(TINY[name], dtype, device)
     elif name == "smollm2" and args.random_weights:
-        model = build_random_llama(SMOLLM2, dtype, device)
+        model = random_llama(SMOLLM2, dtype, device)
     elif name == "smollm2":
-        model = load_smollm2(Path(args.data), dtype, device)
+        model = smollm2_model(Path(args.data), dtype, device)
     else:
-        model = build_random_llama(LLAMA8B, dtype, device)
+        model = random_llama(LLAMA8B, dtype, device)
     print(f"[{name}] model ready in {time.perf_counter() - t0:.1f} s ({dtype}, {device})", flush=True)
     B = args.batch or (1 if args.quick and name == "smollm2" else 2 if args.quick else spec["B"])
     if args.quick:
@@ -549,7 +476,7 @@ def bench_model(name, args) -> Iterator[dict]:
         ids = torch.randint(0, model.config.vocab_size, (B, P), generator=g).to(device)
         row = dict(
             model=name,
-            model_desc=describe(name, args.quick, args.random_weights),
+            model_desc=model_description(name, args.quick, args.random_weights),
             dtype=str(dtype).replace("torch.", ""),
             B=B,
             prompt=P,
@@ -608,10 +535,6 @@ def bench_model(name, args) -> Iterator[dict]:
 # --------------------------------------------------------------------------- output
 
 
-def fmt(x, spec=".1f"):
-    return "–" if x is None else format(x, spec)
-
-
 def mib(x):
     return "–" if not x else f"{x / 2**20:,.1f}" if x >= 2**20 else f"{x / 2**20:.3f}"
 
@@ -619,8 +542,9 @@ def mib(x):
 def markdown(res) -> str:
     m = res["meta"]
     lines = [
-        f"# End-to-end decode, TQCache vs transformers' caches ({m['gpu']}, torch {m['torch']}, CUDA {m['cuda']}, "
-        f"transformers {m['transformers']}, commit {m['commit']})",
+        f"# End-to-end decode, TQCache vs transformers' caches ({describe(m)})",
+        "",
+        made_by(m),
         "",
         "Decode tokens/s = B / median step time (CUDA events, one greedy token a step after "
         f"{res['setup']['warmup']} warm-up steps, {res['setup']['new_tokens']} timed). +compile: the decode "
@@ -692,7 +616,7 @@ def parse_args(argv=None):
     )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument(
-        "--data", default=os.environ.get("TQ_EVAL_DATA", "/tmp/qdata"), help="SmolLM2 assets (see eval_quality.py)"
+        "--data", default=str(default_data_dir()), help="SmolLM2 assets (flash_attn_tq.testing.assets; $TQ_EVAL_DATA)"
     )
     p.add_argument("--out", help="output directory (default benchmarks/results; --quick: /tmp/bench_generate_quick)")
     p.add_argument("--tag", default="generate", help="output file stem")
@@ -712,7 +636,7 @@ def parse_args(argv=None):
         args.profile_steps = min(args.profile_steps, 2)
     if args.new_tokens < 1:
         p.error("--new-tokens must be >= 1")
-    args.out = Path(args.out or ("/tmp/bench_generate_quick" if args.quick else ROOT / "benchmarks" / "results"))
+    args.out = Path(args.out or ("/tmp/bench_generate_quick" if args.quick else RESULTS))
     return args
 
 
@@ -742,8 +666,8 @@ def main(argv=None):
     args.out.mkdir(parents=True, exist_ok=True)
 
     def write(res):  # (after each row: a run cut short keeps what it measured)
-        (args.out / f"{args.tag}.json").write_text(json.dumps(res, indent=1, default=str))
-        (args.out / f"{args.tag}.md").write_text(markdown(res))
+        write_results(args.out, args.tag, res, markdown(res))
+        print(f"wrote {len(res['rows'])} row(s) to {args.out / args.tag}.json / .md", flush=True)
 
     res = run_benchmark(args, write)
     print(markdown(res))

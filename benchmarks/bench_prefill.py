@@ -11,7 +11,7 @@ cache of S tokens that already holds the chunk: B=1, 32 q heads / 8 kv heads, he
   the chunk quantized into the cache (pack kernel) and then attended;
 * ``default_kernel``: ``flash_attn_with_kvcache(q, cache, causal=True)`` over the default cache's
   3-bit layer (16 sinks and a 112-token window in 16-bit, keys centered before RoPE:
-  ``bench_decode.DEFAULT_OPTS``; ``bench_decode.py --production`` weighs every kind of layer);
+  ``flash_attn_tq.testing.DEFAULT_OPTS``; ``bench_decode.py --production`` weighs every kind of layer);
 * ``tq3o_kernel``: the same over a cache that also stores the offset (``scale_only=False``: fp16
   (scale, offset) a vector, the format asym always uses; the kernel adds the K/V offset terms);
 * ``fa2`` / ``fa2_append``: upstream ``flash_attn_with_kvcache`` on the fp16 cache, the same two ways.
@@ -20,24 +20,34 @@ Table 2 (paged decode): the decode kernel alone over the same tokens stored cont
 pages of 16-256 tokens (shuffled block table), as a ratio to contiguous.
 
 ``triton.testing.do_bench`` medians (CUDA events, warm-up), random data, all paths in one run.
-Writes ``<name>.json``, ``<name>.md`` and ``<name>.png`` stamped with GPU, torch, CUDA and commit.
+Writes ``<name>.json``, ``<name>.md`` and ``<name>.png`` with the run's stamp (GPU, torch, CUDA,
+commit, the command); FA2's columns are missing, with the reason, where it is not installed.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench_decode import bench, fill_cache, fill_default, fmt, stamp, upstream_fa2  # noqa: E402
+import flash_attn_tq as fa
+from flash_attn_tq import ops
+from flash_attn_tq.cache import QuantizedKVCache
+from flash_attn_tq.testing import (
+    bench,
+    describe,
+    fill_cache,
+    fill_default,
+    fmt,
+    made_by,
+    missing_notes,
+    stamp,
+    upstream_fa2,
+    write_results,
+)
 
-import flash_attn_tq as fa  # noqa: E402
-from flash_attn_tq import ops  # noqa: E402
-from flash_attn_tq.cache import QuantizedKVCache  # noqa: E402
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 HQ, HK, D = 32, 8, 128
 
@@ -53,18 +63,14 @@ def run_prefill(S: int, q_len: int, dtype=torch.float16) -> dict:
     k_new, v_new = k[:, S - q_len :].clone(), v[:, S - q_len :].clone()
     lens = cache.seqlens
     row = {"S": S, "q_len": q_len}
-    row["tq3_kernel"] = bench(lambda: ops.decode(q, lens, None, D**-0.5, True, 0, **cache.kernel_args(q.shape[0])))
+    row["tq3_kernel"] = bench(lambda: cache.attend(q, lens, None, D**-0.5, True, 0))
     os.environ["FLASH_ATTN_TQ_PREFILL_WGMMA"] = "0"  # the prefill kernel's mma.sync variant (other GPUs')
     try:
-        row["tq3_sync_kernel"] = bench(
-            lambda: ops.decode(q, lens, None, D**-0.5, True, 0, **cache.kernel_args(q.shape[0]))
-        )
+        row["tq3_sync_kernel"] = bench(lambda: cache.attend(q, lens, None, D**-0.5, True, 0))
     finally:
         del os.environ["FLASH_ATTN_TQ_PREFILL_WGMMA"]
     cache_o, _, _ = fill_cache(1, S, HK, D, dtype, scale_only=False)
-    row["tq3o_kernel"] = bench(
-        lambda: ops.decode(q, cache_o.seqlens, None, D**-0.5, True, 0, **cache_o.kernel_args(q.shape[0]))
-    )
+    row["tq3o_kernel"] = bench(lambda: cache_o.attend(q, cache_o.seqlens, None, D**-0.5, True, 0))
     cache_o = None  # (not del: lambdas above name them)
     cache_d = fill_default(1, S, HK, D, dtype)
     row["default_kernel"] = bench(lambda: fa.flash_attn_with_kvcache(q, cache_d, causal=True))
@@ -77,7 +83,9 @@ def run_prefill(S: int, q_len: int, dtype=torch.float16) -> dict:
     assert fa.last_path() == "quantized:fused-cuda", fa.last_path()
     f2 = upstream_fa2()
     row["fa2"] = row["fa2_append"] = None
-    if f2 is not None:
+    if f2 is None:
+        row["fa2_missing"] = row["fa2_append_missing"] = "upstream flash_attn is not importable"
+    else:
         seq = torch.full((1,), S, dtype=torch.int32, device="cuda")
         seq0 = torch.full((1,), S - q_len, dtype=torch.int32, device="cuda")
         row["fa2"] = bench(lambda: f2(q, k, v, cache_seqlens=seq, causal=True))
@@ -108,7 +116,7 @@ def run_paged(B: int, S: int, page_sizes, dtype=torch.float16) -> dict:
             table = torch.randperm(B * per_seq, dtype=torch.int32).reshape(B, per_seq)
         cache = QuantizedKVCache(B, S, HK, D, page_size=ps, block_table=table, device="cuda", dtype=dtype)
         cache.append(k, v)
-        t = bench(lambda: ops.decode(q, cache.seqlens, None, D**-0.5, False, 0, **cache.kernel_args(q.shape[0])))
+        t = bench(lambda: cache.attend(q, cache.seqlens, None, D**-0.5, False, 0))
         row["contiguous" if ps is None else f"page{ps}"] = t
         cache = None  # (not del: lambdas above name them)
     for ps in page_sizes:
@@ -118,13 +126,12 @@ def run_paged(B: int, S: int, page_sizes, dtype=torch.float16) -> dict:
     return row
 
 
-def write_results(prefill_rows, paged_rows, page_sizes, meta, out_dir, name):
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
-        json.dump({"meta": meta, "prefill": prefill_rows, "paged": paged_rows}, f, indent=1)
-    head = f"({meta['gpu']}, torch {meta['torch']}, CUDA {meta['cuda']}, commit {meta['commit']})"
+def write_prefill(prefill_rows, paged_rows, page_sizes, meta, out_dir, name):
+    """<name>.json / .md / .png: the chunked-prefill rows and the paged-decode rows of this run."""
     lines = [
-        f"# Chunked prefill over the 3-bit cache vs FP16 FA2 {head}",
+        f"# Chunked prefill over the 3-bit cache vs FP16 FA2 ({describe(meta)})",
+        "",
+        made_by(meta),
         "",
         "B=1, 32 q / 8 kv heads, head_dim 128, fp16, causal (bottom-right): q_len new queries over a cache "
         "of S tokens that holds them. µs are do_bench medians; speedup = FA2 time / ours. 'append' = the "
@@ -142,12 +149,15 @@ def write_results(prefill_rows, paged_rows, page_sizes, meta, out_dir, name):
     for r in prefill_rows:
         lines.append(
             f"| {r['S']} | {r['q_len']} | {fmt(r['tq3_kernel'])} | {fmt(r['fa2'])} | "
-            f"{fmt(r.get('speedup'), '.2f')}x | {fmt(r['tq3_TFLOPs'], '.0f')} | {fmt(r.get('fa2_TFLOPs'), '.0f')} | "
-            f"{fmt(r['tq3_append'])} | {fmt(r['fa2_append'])} | {fmt(r.get('speedup_append'), '.2f')}x | "
-            f"{fmt(r['tq3o_kernel'])} | {fmt(r.get('speedup_offset'), '.2f')}x | "
-            f"{fmt(r.get('tq3_sync_kernel'))} | {fmt(r.get('speedup_sync'), '.2f')}x | "
-            f"{fmt(r.get('default_kernel'))} | {fmt(r.get('speedup_default'), '.2f')}x |"
+            f"{fmt(r.get('speedup'), '.2f', 'x')} | {fmt(r['tq3_TFLOPs'], '.0f')} | "
+            f"{fmt(r.get('fa2_TFLOPs'), '.0f')} | {fmt(r['tq3_append'])} | {fmt(r['fa2_append'])} | "
+            f"{fmt(r.get('speedup_append'), '.2f', 'x')} | {fmt(r['tq3o_kernel'])} | "
+            f"{fmt(r.get('speedup_offset'), '.2f', 'x')} | {fmt(r.get('tq3_sync_kernel'))} | "
+            f"{fmt(r.get('speedup_sync'), '.2f', 'x')} | {fmt(r.get('default_kernel'))} | "
+            f"{fmt(r.get('speedup_default'), '.2f', 'x')} |"
         )
+    notes = missing_notes(prefill_rows, {"fa2": "FA2 (and the speedups over it)"})
+    lines += ["", *notes] if notes else []
     lines += [
         "",
         "## Decode over a paged cache (3-bit turbo, kernel alone)",
@@ -160,14 +170,8 @@ def write_results(prefill_rows, paged_rows, page_sizes, meta, out_dir, name):
     for r in paged_rows:
         cells = " | ".join(f"{fmt(r[f'page{ps}'])} ({r[f'page{ps}_overhead_pct']:+.1f}%)" for ps in page_sizes)
         lines.append(f"| {r['B']} | {r['S']} | {fmt(r['contiguous'])} | {cells} |")
-    with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    try:
-        import matplotlib
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
+    def plot(plt):
         fig, ax = plt.subplots(figsize=(7, 4))
         for q_len in sorted({r["q_len"] for r in prefill_rows}):
             rs = [r for r in prefill_rows if r["q_len"] == q_len and r.get("speedup")]
@@ -179,19 +183,23 @@ def write_results(prefill_rows, paged_rows, page_sizes, meta, out_dir, name):
         ax.set_ylabel("FA2 fp16 time / tq3 time")
         ax.set_title(f"Chunked prefill, 3-bit cache vs FP16 FA2 ({meta['gpu']})", fontsize=9)
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(os.path.join(out_dir, f"{name}.png"), dpi=120)
-    except Exception as e:  # the tables are the result; the plot is a convenience
-        print("plot skipped:", e)
+        return fig
+
+    payload = {"meta": meta, "prefill": prefill_rows, "paged": paged_rows}
+    has_speedups = any(r.get("speedup") for r in prefill_rows)
+    write_results(out_dir, name, payload, "\n".join(lines), plot if has_speedups else None)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="fewer shapes")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--out", default=RESULTS, help="output directory (default benchmarks/results)")
     ap.add_argument("--name", default="prefill")
     ap.add_argument("--paged-only", action="store_true", help="only the paged-decode table")
     args = ap.parse_args()
+    if not torch.cuda.is_available() or not ops.extension_available():
+        raise SystemExit("bench_prefill needs a CUDA GPU and the built extension")
+    meta = stamp()
     torch.manual_seed(0)
     lengths = [8192, 32768] if args.quick else [8192, 16384, 32768, 131072]
     chunks = [512, 2048] if args.quick else [64, 512, 1024, 2048, 4096]
@@ -207,7 +215,7 @@ def main():
         r = run_paged(B, S, page_sizes)
         print(r, flush=True)
         paged_rows.append(r)
-    write_results(prefill_rows, paged_rows, page_sizes, stamp(), args.out, args.name)
+    write_prefill(prefill_rows, paged_rows, page_sizes, meta, args.out, args.name)
 
 
 if __name__ == "__main__":

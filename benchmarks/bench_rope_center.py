@@ -8,23 +8,20 @@ tile). For each shape (batch B, cache length S, q heads, kv heads, head_dim d; q
 ``triton.testing.do_bench`` medians (CUDA events, warm-up, random data, caches above L2), side by
 side in one run: ``rope`` (the fused op with the term), ``plain`` (the same codes without it: what
 ``key_center=True`` runs) and ``kv16`` (our FP16 decode over the fp16 cache). Writes
-``rope_center_decode.json`` / ``.md`` stamped with the GPU, torch, CUDA and commit.
+``rope_center_decode.json`` / ``.md`` with the run's stamp (GPU, torch, CUDA, commit, the command).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench_decode import bench, fill_cache, stamp  # noqa: E402
+from flash_attn_tq import ops
+from flash_attn_tq.testing import bench, describe, fill_cache, made_by, stamp, write_results
 
-from flash_attn_tq import ops  # noqa: E402
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 SHAPES = [  # (B, S, Hq, Hk, d)
     (1, 131072, 32, 8, 128),
@@ -43,10 +40,12 @@ def run_shape(B, S, Hq, Hk, d, dtype=torch.float16):
     q = torch.randn(B, 1, Hq, d, device="cuda", dtype=dtype)
     scale, lens = d**-0.5, cache.seqlens
     row = {"B": B, "S": S, "Hq": Hq, "Hk": Hk, "d": d}
-    args = cache.kernel_args(B)
-    row["rope_us"] = bench(lambda: ops.decode(q, lens, None, scale, False, 0, **args))
-    plain = {name: a for name, a in args.items() if name not in ("rope_center", "rope_inv_freq", "rope_offset")}
-    row["plain_us"] = bench(lambda: ops.decode(q, lens, None, scale, False, 0, **plain))  # the same codes, no term
+    stores = cache.stores(B)
+    signs = cache.k_quantizer.signs_on(q.device)
+    common = dict(softmax_scale=scale, causal=False, rot_signs=signs)
+    row["rope_us"] = bench(lambda: ops.decode(q, stores, lens, rope_inv_freq=cache.rope_inv_freq, **common))
+    plain = [s for s in stores if s.kind != ops.CENTER]  # the same codes, no term
+    row["plain_us"] = bench(lambda: ops.decode(q, plain, lens, **common))
     row["kv16_us"] = bench(lambda: ops.decode_kv16(q, k, v, lens, None, None, scale, False, 0))
     row["rope_over_plain"] = row["rope_us"] / row["plain_us"]
     row["kv16_over_rope"] = row["kv16_us"] / row["rope_us"]
@@ -58,8 +57,11 @@ def run_shape(B, S, Hq, Hk, d, dtype=torch.float16):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap.add_argument("--out", default=RESULTS, help="output directory (default benchmarks/results)")
     args = ap.parse_args()
+    if not torch.cuda.is_available() or not ops.extension_available():
+        raise SystemExit("bench_rope_center needs a CUDA GPU and the built extension")
+    meta = stamp()
     rows = []
     for shape in SHAPES:
         rows.append(run_shape(*shape))
@@ -69,13 +71,10 @@ def main():
             f"kv16 {r['kv16_us']:.1f} us (FP16 / rope {r['kv16_over_rope']:.2f}x)",
             flush=True,
         )
-    meta = stamp()
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "rope_center_decode.json"), "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
     lines = [
-        f"# Decode with the RoPE-center term ({meta['gpu']}, torch {meta['torch']}, CUDA {meta['cuda']}, "
-        f"commit {meta['commit']}, {meta['date']})",
+        f"# Decode with the RoPE-center term ({describe(meta)})",
+        "",
+        made_by(meta),
         "",
         "Fused 3-bit decode (K3V3, float16 queries), medians of `triton.testing.do_bench`. `rope`: with "
         "`q . R(p) c` added to each score (`key_center='rope'`); `plain`: the same codes without it; "
@@ -89,8 +88,7 @@ def main():
             f"| {r['B']} | {r['S']} | {r['Hq']}/{r['Hk']} | {r['d']} | {r['rope_us']:.1f} | {r['plain_us']:.1f} | "
             f"{r['rope_over_plain']:.3f} | {r['kv16_over_rope']:.2f}x | {r['kv16_over_plain']:.2f}x |"
         )
-    with open(os.path.join(args.out, "rope_center_decode.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    write_results(args.out, "rope_center_decode", {"meta": meta, "rows": rows}, "\n".join(lines))
 
 
 if __name__ == "__main__":

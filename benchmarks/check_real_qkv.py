@@ -17,16 +17,17 @@
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from flash_attn_tq import QuantizedKVCache, flash_attn_with_kvcache, last_path
+from flash_attn_tq.baseline import attention_reference
+from flash_attn_tq.testing import describe, stamp
+from flash_attn_tq.testing.quality import load_head_sensitivity
 
-from flash_attn_tq import QuantizedKVCache, flash_attn_with_kvcache, last_path  # noqa: E402
-from flash_attn_tq.baseline import attention_reference  # noqa: E402
+HEAD_SENSITIVITY = Path(__file__).resolve().parent / "results" / "head_sensitivity.json"
 
 CONFIGS = {
     "turbo3": dict(),
@@ -104,13 +105,11 @@ def check_layers(data, device, dtype, lengths):
 def _head_options(config):
     """The per-head widths TQCache.calibrated(model, per_head=True) chose for SmolLM2 (results/
     head_sensitivity.json), else 9 heads with 8-bit keys spread over the layers."""
-    from eval_quality import load_head_sensitivity
-
     from flash_attn_tq.integrations.calibration import allocate_head_bits
 
     H, L = config.num_key_value_heads, config.num_hidden_layers
     heads = [(i, h) for i in range(L) for h in range(H)]
-    saved = load_head_sensitivity()
+    saved = load_head_sensitivity(HEAD_SENSITIVITY)
     if saved and (L, H) == (30, 3):
         chosen = allocate_head_bits(saved[1], heads, (32 * len(heads)) // config.head_dim)
     else:
@@ -195,6 +194,8 @@ def main(argv=None):
     dtype = getattr(torch, args.dtype)
     if device.type == "cpu" and dtype != torch.float32:
         dtype = torch.float32  # the CPU reference path computes in float32
+    meta = stamp()
+    print(f"# {describe(meta)}, {meta['date']}: {meta['command']}", flush=True)  # (a log of this output is stamped)
     data = torch.load(args.qkv, map_location="cpu")
     check_layers(data, device, dtype, [int(x) for x in args.lengths.split(",")])
     if args.bench:

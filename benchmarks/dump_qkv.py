@@ -4,35 +4,34 @@
 
 Output (torch.save, float16): {"q": {layer: [1, Hq, S, D]}, "k"/"v": {layer: [1, Hkv, S, D]},
 "scaling", "model", "text", "config": the model's LlamaConfig as a dict}. About 9.4 KB per token
-and layer (4096 tokens x 5 layers: ~40 MB). Model and text are fetched as in eval_quality.py.
+and layer (4096 tokens x 5 layers: ~40 MB). Model and text are fetched as the quality study fetches
+them (flash_attn_tq.testing.assets).
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import eval_quality as EQ  # noqa: E402
+from flash_attn_tq.testing.assets import GGUF, default_data_dir, ensure_assets, load_smollm2
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("text", nargs="?")
-    p.add_argument("--data", default="/tmp/qdata")
+    p.add_argument("--data", default=str(default_data_dir()), help="SmolLM2 assets ($TQ_EVAL_DATA)")
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--start", type=int, default=0, help="first token of the text")
     p.add_argument("--layers", default="0,7,15,23,29")
     p.add_argument("--out", default="/tmp/qdata/smollm2_qkv.pt")
     args = p.parse_args(argv)
     torch.set_num_threads(2)
-    model_dir, default_text = EQ.ensure_assets(Path(args.data))
+    model_dir, default_text = ensure_assets(Path(args.data))
     text = Path(args.text) if args.text else default_text
-    tok, model = EQ.load_model(model_dir)
+    tok, model = load_smollm2(model_dir)
     layers = [int(x) for x in args.layers.split(",")]
     ids = tok(text.read_text(errors="replace"), return_tensors="pt").input_ids[0][args.start : args.start + args.tokens]
     dump = {"q": {}, "k": {}, "v": {}}
@@ -56,7 +55,7 @@ def main(argv=None):
     cfg = model.config.to_dict()
     cfg.pop("quantization_config", None)
     dump.update(
-        scaling=model.model.layers[0].self_attn.scaling, model=EQ.GGUF, text=text.name, tokens=len(ids), config=cfg
+        scaling=model.model.layers[0].self_attn.scaling, model=GGUF, text=text.name, tokens=len(ids), config=cfg
     )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

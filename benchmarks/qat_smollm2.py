@@ -2,7 +2,7 @@
 
     python benchmarks/qat_smollm2.py [--steps 100] [--seq 128] [--batch 2] [--lr 1e-5] [--train qkv]
 
-Fine-tunes the model (float32, loaded as benchmarks/eval_quality.py's load_model does) with its keys
+Fine-tunes the model (float32, from its GGUF: flash_attn_tq.testing.assets) with its keys
 and values fake-quantized to 3 bits by :mod:`flash_attn_tq.qat` (the cache's codec, straight-through
 gradient), next-token loss on random windows of the training text (default: the GPL-3 text), only
 the attention projections trained (``--train``: ``qkv`` = q_proj/k_proj/v_proj, ``qkvo`` adds
@@ -20,9 +20,10 @@ o_proj, ``all``). Before and after, on held-out texts (not used for training): p
   sinks (``fp16_window=0, sink_tokens=0``: key centering before RoPE and 4-bit keys in the last
   layers kept), which the fine-tuning did not simulate.
 
-Writes qat.json / qat.md under --out (default benchmarks/results). The control (the same fine-tuning
-without fake quantization): ``--attn sdpa --skip-before --out DIR``, then ``--render RUN/qat.json
---control DIR/qat.json`` merges it into the report.
+Writes qat.json / qat.md under --out (default benchmarks/results), stamped with the command.
+``--with-control`` also runs the control in the same process: the same fine-tuning (same batches,
+from the same weights) without fake quantization, its "after" column beside the others.
+``--attn sdpa`` runs the control alone.
 """
 
 from __future__ import annotations
@@ -30,23 +31,18 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from flash_attn_tq.integrations.transformers import ATTN_IMPLEMENTATION, TQCache
+from flash_attn_tq.qat import register_fake_quant_attention
+from flash_attn_tq.testing import made_by, stamp, write_json, write_text
+from flash_attn_tq.testing.assets import default_data_dir, ensure_model, load_smollm2
 
-from bench_cpu import commit, cpu_model  # noqa: E402
-from eval_quality import ensure_model, load_model  # noqa: E402
-
-from flash_attn_tq.integrations.transformers import ATTN_IMPLEMENTATION, TQCache  # noqa: E402
-from flash_attn_tq.qat import register_fake_quant_attention  # noqa: E402
-
+RESULTS = Path(__file__).resolve().parent / "results"
 LICENSES = Path("/usr/share/common-licenses")
 TRAINABLE = {"qkv": ("q_proj", "k_proj", "v_proj"), "qkvo": ("q_proj", "k_proj", "v_proj", "o_proj")}
 
@@ -90,8 +86,10 @@ def evaluate(model, held_out: dict, modes, fq_name: str) -> dict:
     return {name: {m: perplexity(model, wins, m, fq_name) for m in modes} for name, wins in held_out.items()}
 
 
-def train(model, ids: torch.Tensor, args, fq_name: str) -> list[float]:
-    model.set_attn_implementation(fq_name if args.attn == "fake3" else "sdpa")
+def train(model, ids: torch.Tensor, args, fq_name: str, attn: str) -> list[float]:
+    """``args.steps`` AdamW steps on random windows of ``ids`` (the batches drawn from ``args.seed``),
+    attention ``attn``: "fake3" (3-bit fake-quantized K/V) or "sdpa" (the control); the losses."""
+    model.set_attn_implementation(fq_name if attn == "fake3" else "sdpa")
     for p in model.parameters():
         p.requires_grad_(args.train == "all")
     if args.train != "all":
@@ -122,11 +120,11 @@ def train(model, ids: torch.Tensor, args, fq_name: str) -> list[float]:
 def markdown(res: dict) -> str:
     a = res["args"]
     ctl = res.get("control")
+    m = res["meta"]
     lines = [
         "# Quantization-aware fine-tuning: SmolLM2-135M-Instruct, 3-bit K/V",
         "",
-        f"`python benchmarks/qat_smollm2.py` — {res['stamp']['cpu']}, torch {res['stamp']['torch']}, "
-        f"transformers {res['stamp']['transformers']}, commit {res['stamp']['commit']}.",
+        f"{m['cpu']}, torch {m['torch']}, transformers {m['transformers']}, commit {m['commit']}. {made_by(m)}",
         "",
         f"Fine-tuned {a['steps']} steps (batch {a['batch']} x {a['seq']} tokens of `{Path(a['train_text']).name}`, "
         f"AdamW lr {a['lr']}, trained: {a['train']}, {res['trainable_params'] / 1e6:.2f}M parameters) with "
@@ -144,7 +142,7 @@ def markdown(res: dict) -> str:
         "a rounding boundary now and then, which 30 layers of 3-bit K/V amplify, so their gap is the noise "
         "floor of these short measurements."
         + (
-            f" Control (`--attn sdpa`, merged in as `control`): the same fine-tuning (same batches) without fake "
+            f" Control (`--with-control`, the same run): the same fine-tuning (same batches) without fake "
             f"quantization ({ctl['train_seconds']:.0f} s, loss {ctl['loss_first10']:.3f} -> {ctl['loss_last10']:.3f}), "
             "to separate adapting to the license-text domain from adapting to the 3-bit K/V."
             if ctl
@@ -196,30 +194,23 @@ def main(argv=None):
         "--no-default-cache", dest="default_cache", action="store_false", help="skip the defaults-without-window row"
     )
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    ap.add_argument("--render", type=Path, help="no run: write qat.json/qat.md from this qat.json (with --control)")
-    ap.add_argument("--control", type=Path, help="with --render: the qat.json of an --attn sdpa run, merged in")
-    ap.add_argument("--data", type=Path, default=Path("/tmp/qdata"))
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument(
+        "--with-control",
+        action="store_true",
+        help="also the control in this run: the same fine-tuning from the same weights without fake quantization",
+    )
+    ap.add_argument("--data", type=Path, default=default_data_dir(), help="SmolLM2 assets ($TQ_EVAL_DATA)")
+    ap.add_argument("--out", type=Path, default=RESULTS, help="output directory (default benchmarks/results)")
     args = ap.parse_args(argv)
-    if args.render:
-        res = json.loads(args.render.read_text())
-        if args.control:
-            c = json.loads(args.control.read_text())
-            res["control"] = {
-                k: c[k] for k in ("args", "stamp", "train_seconds", "losses", "loss_first10", "loss_last10", "after")
-            }
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "qat.json").write_text(json.dumps(res, indent=1) + "\n")
-        (args.out / "qat.md").write_text(markdown(res))
-        print(markdown(res))
-        return
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
 
     import transformers
 
-    tok, model = load_model(ensure_model(args.data))
+    meta = stamp(threads=torch.get_num_threads(), transformers=transformers.__version__)
+    directory = ensure_model(args.data)
+    tok, model = load_smollm2(directory)
     fq_name = register_fake_quant_attention(k_bits=3, v_bits=3, sink_tokens=0)
     train_ids = tokens(tok, Path(args.train_text))
     held_out = {}
@@ -232,20 +223,13 @@ def main(argv=None):
     before = {} if args.skip_before else evaluate(model, held_out, modes, fq_name)
     print("before", json.dumps(before), f"({time.time() - t0:.0f} s)", flush=True)
     t0 = time.time()
-    losses = train(model, train_ids, args, fq_name)
+    losses = train(model, train_ids, args, fq_name, args.attn)
     train_seconds = time.time() - t0
     after = evaluate(model, held_out, modes, fq_name)
     print("after ", json.dumps(after), flush=True)
 
     res = dict(
-        stamp=dict(
-            cpu=cpu_model(),
-            threads=torch.get_num_threads(),
-            torch=torch.__version__,
-            transformers=transformers.__version__,
-            commit=commit(),
-            date=time.strftime("%Y-%m-%d"),
-        ),
+        meta=meta,
         args={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         eval_cache="TQCache(config, fp16_window=0, sink_tokens=0, key_center=False, late_k_bits=None, "
         "prefill='quantized')",
@@ -259,10 +243,22 @@ def main(argv=None):
         before=before,
         after=after,
     )
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "qat.json").write_text(json.dumps(res, indent=1) + "\n")
+    if args.with_control and args.attn != "sdpa":  # the same steps from the same weights, plain attention
+        model = None
+        _, control = load_smollm2(directory)
+        t0 = time.time()
+        c_losses = train(control, train_ids, args, fq_name, "sdpa")
+        res["control"] = dict(
+            train_seconds=time.time() - t0,
+            losses=c_losses,
+            loss_first10=sum(c_losses[:10]) / len(c_losses[:10]),
+            loss_last10=sum(c_losses[-10:]) / len(c_losses[-10:]),
+            after=evaluate(control, held_out, modes, fq_name),
+        )
+        print("control after", json.dumps(res["control"]["after"]), flush=True)
+    write_json(args.out / "qat.json", res)
     if before:
-        (args.out / "qat.md").write_text(markdown(res))
+        write_text(args.out / "qat.md", markdown(res))
         print(markdown(res))
 
 

@@ -4,39 +4,38 @@
 
 For each shape, the fused op (3-bit, and the same kernel over the fp16 cache) replayed as a CUDA
 graph (kernel + combine, no host overhead) at fixed num_splits, and the heuristic's pick (0).
-Writes splits.json / splits.md.
+Writes splits.json / splits.md with the run's stamp (GPU, torch, CUDA, commit, the command).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from flash_attn_tq import ops  # noqa: E402
-from flash_attn_tq.cache import QuantizedKVCache  # noqa: E402
+from flash_attn_tq import ops
+from flash_attn_tq.cache import QuantizedKVCache
+from flash_attn_tq.testing import bench_graph, describe, made_by, stamp, write_results
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_decode import bench_graph  # noqa: E402
-
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 SHAPES = [(1, 1024), (1, 4096), (1, 16384), (1, 65536), (1, 131072), (8, 1024), (8, 4096), (8, 32768), (32, 8192)]
 SPLITS = [0, 1, 2, 4, 8, 16, 32, 48, 66, 96, 128]
 
 
 def graph_us(fn):
-    return bench_graph(fn, reps_ms=60)
+    return bench_graph(fn, rep_ms=60)
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=RESULTS, help="output directory (default benchmarks/results)")
     ap.add_argument("--quick", action="store_true", help="fewer shapes and splits, 3-bit only")
     ap.add_argument("--name", default="splits")
     args = ap.parse_args()
+    if not torch.cuda.is_available() or not ops.extension_available():
+        raise SystemExit("sweep_splits needs a CUDA GPU and the built extension")
+    meta = stamp()
     global SPLITS
     shapes, kinds = SHAPES, ("tq3", "kv16")
     if args.quick:
@@ -49,14 +48,14 @@ def main():
         v = torch.randn_like(k)
         cache.append(k, v)
         q = torch.randn(B, 1, 32, 128, device="cuda", dtype=torch.float16)
-        lens, cache_args = cache.seqlens, cache.kernel_args(B)
+        lens = cache.seqlens
         for kind in kinds:
             times = {}
             for sp in SPLITS:
                 if sp > S // 32:
                     continue
                 if kind == "tq3":
-                    fn = lambda sp=sp: ops.decode(q, lens, None, 0.088, False, sp, **cache_args)  # noqa: E731
+                    fn = lambda sp=sp: cache.attend(q, lens, None, 0.088, False, sp)  # noqa: E731
                 else:
                     fn = lambda sp=sp: ops.decode_kv16(q, k, v, lens, None, None, 0.088, False, sp)  # noqa: E731
                 times[sp] = graph_us(fn)
@@ -74,9 +73,6 @@ def main():
             print(row, flush=True)
         cache = k = v = None  # (not del: lambdas above name them)
         torch.cuda.empty_cache()
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"{args.name}.json"), "w") as f:
-        json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
     lines = [
         "| B | S | kernel | " + " | ".join(f"{s or 'auto'}" for s in SPLITS) + " | best |",
         "|" + "---|" * (len(SPLITS) + 4),
@@ -84,12 +80,16 @@ def main():
     for r in rows:
         cells = [f"{r['us'][s]:.1f}" if s in r["us"] else "–" for s in SPLITS]
         lines.append(f"| {r['B']} | {r['S']} | {r['kind']} | " + " | ".join(cells) + f" | {r['best_splits']} |")
-    with open(os.path.join(args.out, f"{args.name}.md"), "w") as f:
-        f.write(
-            "Decode µs (CUDA graph, kernel + combine) against num_splits; H=32/8, d=128, fp16.\n\n"
-            + "\n".join(lines)
-            + "\n"
-        )
+    head = [
+        f"# Decode time against num_splits ({describe(meta)})",
+        "",
+        made_by(meta),
+        "",
+        "Decode µs (CUDA graph, kernel + combine) against num_splits; H=32/8, d=128, fp16; 'auto' is "
+        "choose_num_splits in csrc/flash_attn/flash_api_tq.cpp; – where a split count exceeds S / 32.",
+        "",
+    ]
+    write_results(args.out, args.name, {"meta": meta, "rows": rows}, "\n".join(head + lines))
     print("\n".join(lines))
 
 

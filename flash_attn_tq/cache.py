@@ -75,8 +75,9 @@ class QuantizedKVCache:
         self.k_quantizer, self.v_quantizer = self._quantizer(spec.k_bits), self._quantizer(spec.v_bits)
         # a ring of window codes: per-token fits (no running range), the same rotation as the main codes
         self.window_quantizer = self._quantizer(spec.window_bits, running=False) if spec.window_codes else None
-        tensors = storage.allocate(spec, self.batch_size, self.max_seqlen, self.num_kv_heads, self.head_dim, device,
-                                   num_blocks, block_table)  # fmt: skip
+        tensors = storage.allocate(
+            spec, self.batch_size, self.max_seqlen, self.num_kv_heads, self.head_dim, device, num_blocks, block_table
+        )
         self.__dict__.update(tensors)  # k_codes, v_codes, k_meta, v_meta, seqlens, kv_side, ... (storage.TENSORS)
         self.pack_tally = torch.zeros(1, dtype=torch.int32, device=device)  # (the pack kernel's, see ops.pack)
         nan = torch.full((self.batch_size, self.num_kv_heads), float("nan"), device=device)
@@ -216,16 +217,23 @@ class QuantizedKVCache:
     def key_center_at(self, batch_idx: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor:
         """What key centering subtracts from keys at ``positions [batch, n]`` (:meth:`KeyCenter.at`)."""
         batch = positions.shape[0] if positions is not None else len(batch_idx)
-        return self.keys.at(None if batch_idx is None else self.row_index(batch_idx), batch,
-                            None if positions is None else positions.to(self.device))  # fmt: skip
+        return self.keys.at(
+            None if batch_idx is None else self.row_index(batch_idx),
+            batch,
+            None if positions is None else positions.to(self.device),
+        )
 
     def transform_keys(self, k: torch.Tensor, batch_idx=None, positions=None) -> torch.Tensor:
         """Keys ``[batch, n, kv_heads, d]`` of rows ``batch_idx`` as the codes store them (same dtype)."""
-        return self.keys.transform(k, self._rows(batch_idx, k.shape[0]), None if positions is None else positions.to(self.device))
+        return self.keys.transform(
+            k, self._rows(batch_idx, k.shape[0]), None if positions is None else positions.to(self.device)
+        )
 
     def untransform_keys(self, kt: torch.Tensor, batch_idx=None, positions=None) -> torch.Tensor:
         """Inverse of :meth:`transform_keys` (float32)."""
-        return self.keys.untransform(kt, self._rows(batch_idx, kt.shape[0]), None if positions is None else positions.to(self.device))
+        return self.keys.untransform(
+            kt, self._rows(batch_idx, kt.shape[0]), None if positions is None else positions.to(self.device)
+        )
 
     def query_shift(self, q: torch.Tensor, batch_idx: torch.Tensor | None = None) -> torch.Tensor:
         """``q . mu`` ``[batch, heads, seqlen_q]``: what the key centering removes from every score."""
@@ -309,7 +317,11 @@ class QuantizedKVCache:
         """The cache as the decode op takes it, for ``batch`` sequences in cache rows ``batch_idx``
         (int32 ``[batch]``; None: 0..batch-1): its codes, its RoPE center's rows and its 16-bit side."""
         tail = self.fp16_window
-        out = [ops.Store(ops.CODES, (self.k_codes, self.k_meta, self.v_codes, self.v_meta), group, self.k_bits, self.v_bits, tail)]
+        out = [
+            ops.Store(
+                ops.CODES, (self.k_codes, self.k_meta, self.v_codes, self.v_meta), group, self.k_bits, self.v_bits, tail
+            )
+        ]
         if self.rope_center:  # (float32 rows: a slice or a gather)
             rows = None if batch_idx is None else self.row_index(batch_idx)
             out.append(ops.Store(ops.CENTER, (self.keys.rows_of(rows, batch),), group))
@@ -325,8 +337,21 @@ class QuantizedKVCache:
             pair = self.__dict__["_side_views"] = tuple(self.kv_side.unbind(0))
         return pair
 
-    def attend(self, q, seqlens, batch_idx, softmax_scale, causal, num_splits=0, window_size=(-1, -1),
-               leftpad=None, softcap=0.0, with_lse=True, group2=None, plan=None):  # fmt: skip
+    def attend(
+        self,
+        q,
+        seqlens,
+        batch_idx,
+        softmax_scale,
+        causal,
+        num_splits=0,
+        window_size=(-1, -1),
+        leftpad=None,
+        softcap=0.0,
+        with_lse=True,
+        group2=None,
+        plan=None,
+    ):
         """The fused kernels' attention of ``q [batch, seqlen_q, heads, d]`` over cache rows ``batch_idx``
         holding ``seqlens [batch]`` tokens, as ``plan`` (default: :meth:`plan`) says. Returns (out like q,
         lse ``[batch, heads, seqlen_q]``; ``with_lse=False`` skips the key centering's lse shift).
@@ -349,11 +374,22 @@ class QuantizedKVCache:
             window = (self.k_window_codes, self.k_window_meta, self.v_window_codes, self.v_window_meta)
             stores.append(ops.Store(ops.WINDOW, window, 0, self.window_bits, self.window_bits))
         out, lse = ops.decode(
-            q, stores, seqlens, batch_idx, softmax_scale=softmax_scale, causal=causal, num_splits=num_splits,
-            kernel=plan.kernel, block_table=self.block_table, leftpad=leftpad, window_size=window_size,
-            softcap=softcap, rot_signs=self.k_quantizer.signs_on(self.device) if self.quantizer == "turbo" else None,
-            rope_inv_freq=self.keys.inv_freq, rope_offset=self.spec.rope_position_offset,
-        )  # fmt: skip
+            q,
+            stores,
+            seqlens,
+            batch_idx,
+            softmax_scale=softmax_scale,
+            causal=causal,
+            num_splits=num_splits,
+            kernel=plan.kernel,
+            block_table=self.block_table,
+            leftpad=leftpad,
+            window_size=window_size,
+            softcap=softcap,
+            rot_signs=self.k_quantizer.signs_on(self.device) if self.quantizer == "turbo" else None,
+            rope_inv_freq=self.keys.inv_freq,
+            rope_offset=self.spec.rope_position_offset,
+        )
         if plan.window_pass:  # the ring of window codes' own pass
             out_w, lse_w = reference.window_attention(q, self, batch_idx, seqlens, softmax_scale, causal)
             out, lse = reference.merge_lse(out, lse, out_w, lse_w)

@@ -361,7 +361,9 @@ def support_matrix() -> list[dict[str, str]]:
                 "K/V bits": f"K{kb}V{vb}",
                 "head_dim": " / ".join(map(str, FUSED_HEAD_DIMS)),
                 "decode": "yes",
-                "prefill kernel": f"from {PREFILL_MIN_ROWS} rows a kv head" if (kb, vb) in PREFILL_BITS else "decode kernel",
+                "prefill kernel": f"from {PREFILL_MIN_ROWS} rows a kv head"
+                if (kb, vb) in PREFILL_BITS
+                else "decode kernel",
                 "one launch beside": ", ".join(pairs) or "–",
                 "window codes in the launch": f"{FUSED_RING_WINDOW_BITS}-bit" if (kb, vb) in FUSED_RING_BITS else "–",
             }

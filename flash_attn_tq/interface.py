@@ -324,7 +324,9 @@ def flash_attn_with_kvcache(
     if v_cache is None:
         raise ValueError("v_cache is required unless k_cache is a QuantizedKVCache")
     if _upstream() is None and isinstance(q, torch.Tensor) and q.is_cuda and isinstance(k_cache, torch.Tensor):
-        plan = _plan_kv16(q, k_cache, v_cache, k, rotary_cos, cache_leftpad, block_table, window_size, softcap, alibi_slopes)
+        plan = _plan_kv16(
+            q, k_cache, v_cache, k, rotary_cos, cache_leftpad, block_table, window_size, softcap, alibi_slopes
+        )
         if plan.fused:
             return _kv16_kvcache(
                 q,
@@ -370,7 +372,9 @@ def _plan_kv16(q, k_cache, v_cache, k, rotary_cos, cache_leftpad, block_table, w
     """dispatch.plan_kv16 for a flash_attn_with_kvcache call over 16-bit cache tensors (window_size and
     softcap checked first, in every form upstream accepts)."""
     window_size = check.check_options(0.0, window_size, softcap)
-    if not (isinstance(v_cache, torch.Tensor) and q.dim() == 4 and k_cache.dim() == 4 and k_cache.shape == v_cache.shape):
+    if not (
+        isinstance(v_cache, torch.Tensor) and q.dim() == 4 and k_cache.dim() == 4 and k_cache.shape == v_cache.shape
+    ):
         return dispatch.Plan(None, "shapes")
     if q.shape[-1] != k_cache.shape[-1] or v_cache.dtype != k_cache.dtype:
         return dispatch.Plan(None, "shapes or dtypes")
@@ -383,7 +387,9 @@ def _plan_kv16(q, k_cache, v_cache, k, rotary_cos, cache_leftpad, block_table, w
     query = dispatch.Query.of(q, **flags)
     page = k_cache.shape[1] if block_table is not None else None
     appends = k is not None or rotary_cos is not None
-    return dispatch.plan_kv16(query, k_cache.shape[2], k_cache.dtype, page, aligned, appends, dispatch.Device.of(q.device))
+    return dispatch.plan_kv16(
+        query, k_cache.shape[2], k_cache.dtype, page, aligned, appends, dispatch.Device.of(q.device)
+    )
 
 
 def _kv16_kvcache(

@@ -73,7 +73,9 @@ def gather(cache: "QuantizedKVCache", rows: torch.Tensor) -> dict[str, torch.Ten
     if not cache.paged:
         return {n: getattr(cache, n)[rows] for n in PER_TOKEN}
     pos = torch.arange(cache.max_seqlen, device=cache.device)
-    r, c = slots(cache.block_table, cache.page_size, rows.unsqueeze(1).expand(-1, cache.max_seqlen), pos.expand(len(rows), -1))
+    r, c = slots(
+        cache.block_table, cache.page_size, rows.unsqueeze(1).expand(-1, cache.max_seqlen), pos.expand(len(rows), -1)
+    )
     return {n: getattr(cache, n)[r, c] for n in PER_TOKEN}
 
 
@@ -151,7 +153,9 @@ def dequantize(cache: "QuantizedKVCache", rows: torch.Tensor, rotated: bool, use
     return out[0], out[1]
 
 
-def attention(q, cache: "QuantizedKVCache", bidx, lens, softmax_scale, causal, window_size, softcap, alibi_slopes, leftpad):
+def attention(
+    q, cache: "QuantizedKVCache", bidx, lens, softmax_scale, causal, window_size, softcap, alibi_slopes, leftpad
+):
     """The reference path: float32 attention of ``q`` over :func:`dequantize` of cache rows ``bidx``
     (None: 0..batch-1) holding ``lens`` tokens. Rows of ``bidx`` outside the cache give NaN output rows
     and lse, as the kernels write them. Returns (out in q's dtype, lse)."""

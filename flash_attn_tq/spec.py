@@ -133,9 +133,7 @@ class CacheSpec:
         if self.scale_only is None:
             object.__setattr__(self, "scale_only", fits)
         elif not isinstance(self.scale_only, bool):
-            raise TypeError(
-                f"scale_only must be True, False or None (the quantizer's choice), got {self.scale_only!r}"
-            )
+            raise TypeError(f"scale_only must be True, False or None (the quantizer's choice), got {self.scale_only!r}")
         elif self.scale_only and not fits:
             raise ValueError(
                 "scale_only needs quantizer='turbo', grid='uniform' and fit='norm' (whose offset is "
@@ -212,8 +210,11 @@ class CacheSpec:
     def check_head_dim(self, head_dim: int) -> None:
         """What depends on head_dim: a multiple of 32 (a power of two for turbo), and ``head_dim / 2``
         RoPE frequencies."""
-        if not is_int(head_dim) or head_dim <= 0 or head_dim % 32 or (
-            self.quantizer == "turbo" and head_dim & (head_dim - 1)
+        if (
+            not is_int(head_dim)
+            or head_dim <= 0
+            or head_dim % 32
+            or (self.quantizer == "turbo" and head_dim & (head_dim - 1))
         ):
             raise ValueError(f"head_dim must be a multiple of 32 (a power of two for turbo), got {head_dim}")
         if self.rope_inv_freq is not None and len(self.rope_inv_freq) != head_dim // 2:

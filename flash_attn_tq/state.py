@@ -16,15 +16,31 @@ STATE = TENSORS + ("k_range", "v_range", "health_counters")  # the cache's own t
 KEY_STATE = (("k_center", "center"), ("calibrated", "calibrated"), ("rope_inv_freq", "inv_freq"))  # its key center's
 
 # options a saved config may lack (saved before they existed), and ones a cache no longer has
-SAVED_DEFAULTS = dict(fit="norm", key_center=False, rope_inv_freq=None, rope_position_offset=0, calib_min_tokens=16,
-                      scale_only=False, window_bits=16, sink_tokens=0, health=False, page_size=None, num_blocks=None)  # fmt: skip
+SAVED_DEFAULTS = dict(
+    fit="norm",
+    key_center=False,
+    rope_inv_freq=None,
+    rope_position_offset=0,
+    calib_min_tokens=16,
+    scale_only=False,
+    window_bits=16,
+    sink_tokens=0,
+    health=False,
+    page_size=None,
+    num_blocks=None,
+)
 DROPPED = {"key_scale": 0.0, "key_scale_q": False, "key_pca": False, "value_pca": False}
 
 
 def config(cache: "QuantizedKVCache") -> dict[str, Any]:
     """The shape and the spec (:meth:`CacheSpec.options`, dtype as a string)."""
-    shape = dict(batch_size=cache.batch_size, max_seqlen=cache.max_seqlen, num_kv_heads=cache.num_kv_heads,
-                 head_dim=cache.head_dim, num_blocks=cache.k_codes.shape[0] if cache.paged else None)  # fmt: skip
+    shape = dict(
+        batch_size=cache.batch_size,
+        max_seqlen=cache.max_seqlen,
+        num_kv_heads=cache.num_kv_heads,
+        head_dim=cache.head_dim,
+        num_blocks=cache.k_codes.shape[0] if cache.paged else None,
+    )
     options = cache.spec.options()
     options["dtype"] = str(cache.dtype).replace("torch.", "")
     return {**shape, **options}

@@ -70,7 +70,9 @@ def default_block_table(
         or block_table.dim() != 2
         or block_table.shape[0] != batch_size
     ):
-        got = f"{block_table.dtype} {tuple(block_table.shape)}" if isinstance(block_table, torch.Tensor) else block_table
+        got = (
+            f"{block_table.dtype} {tuple(block_table.shape)}" if isinstance(block_table, torch.Tensor) else block_table
+        )
         raise ValueError(f"block_table must be int32 [batch_size={batch_size}, max_blocks_per_seq], got {got}")
     if block_table.shape[1] * page < max_seqlen:
         raise ValueError(

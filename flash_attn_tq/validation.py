@@ -14,8 +14,6 @@ from .spec import is_int
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-
-
 def check_tensor(x, name, ndim, what):
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")

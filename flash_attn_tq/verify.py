@@ -394,11 +394,33 @@ def quick(device: str, as_json: bool) -> int:
     for grid, published in PUBLISHED_REL_MSE.items():
         qz = fa.TurboQuantizer(128, 3, grid)
         rel = (((qz.dequantize(*qz.quantize(x)) - x) ** 2).sum() / (x**2).sum()).item()
-        codec.append(Check(f"turbo 3-bit {grid} rel. MSE (published {published})", rel, published + 0.004,
-                           abs(rel - published) < 0.004))  # fmt: skip
-    shape = dict(batch=4, seqlen=4099, q_heads=32, kv_heads=8) if gpu else dict(batch=2, seqlen=515, q_heads=8, kv_heads=2)
-    base = dict(head_dim=128, seqlen_q=1, k_bits=3, v_bits=3, quantizer="turbo", dtype="float16", page_size=None,
-                sink_tokens=0, fp16_window=0, key_center="none", rope_theta=10000.0, qkv=None, device=device, seed=0)  # fmt: skip
+        codec.append(
+            Check(
+                f"turbo 3-bit {grid} rel. MSE (published {published})",
+                rel,
+                published + 0.004,
+                abs(rel - published) < 0.004,
+            )
+        )
+    shape = (
+        dict(batch=4, seqlen=4099, q_heads=32, kv_heads=8) if gpu else dict(batch=2, seqlen=515, q_heads=8, kv_heads=2)
+    )
+    base = dict(
+        head_dim=128,
+        seqlen_q=1,
+        k_bits=3,
+        v_bits=3,
+        quantizer="turbo",
+        dtype="float16",
+        page_size=None,
+        sink_tokens=0,
+        fp16_window=0,
+        key_center="none",
+        rope_theta=10000.0,
+        qkv=None,
+        device=device,
+        seed=0,
+    )
     cases = {
         "decode": {},
         "chunk of queries": dict(seqlen_q=64 if gpu else 16),
@@ -420,15 +442,19 @@ def quick(device: str, as_json: bool) -> int:
         codec_rows = [dict(asdict(c), verdict=c.verdict) for c in codec]
         print(json.dumps(dict(codec=codec_rows, cases=results, timing=timing, passed=passed), indent=2))
         return 0 if passed else 1
-    print(f"flash_attn_tq {fa.__version__} | torch {torch.__version__} | device {dev}"
-          f"{' (' + torch.cuda.get_device_name(dev) + ')' if gpu else ''}")  # fmt: skip
+    print(
+        f"flash_attn_tq {fa.__version__} | torch {torch.__version__} | device {dev}"
+        f"{' (' + torch.cuda.get_device_name(dev) + ')' if gpu else ''}"
+    )
     for c in codec:
         print(f"  [{c.verdict}] {c.check}: {c.value:.4f}")
     for name, r in results.items():
         worst = next(c for c in r["checks"] if c["check"].startswith("attention output"))
         print(f"  [{'PASS' if r['passed'] else 'FAIL'}] {name}: {r['path']}, output rel. error {worst['value']:.2e}")
-    print(f"  decode ({how}): 3-bit cache {t_ours:.1f} us, fp16 SDPA over the same K/V {t_fp16:.1f} us "
-          f"(B={shape['batch']}, S={shape['seqlen']}, heads {shape['q_heads']}/{shape['kv_heads']}, d=128; eager calls)")  # fmt: skip
+    print(
+        f"  decode ({how}): 3-bit cache {t_ours:.1f} us, fp16 SDPA over the same K/V {t_fp16:.1f} us "
+        f"(B={shape['batch']}, S={shape['seqlen']}, heads {shape['q_heads']}/{shape['kv_heads']}, d=128; eager calls)"
+    )
     if not gpu:
         print("  (the CPU reference path is for correctness, not speed)")
     print("all checks passed" if passed else "SOME CHECKS FAILED")

@@ -68,7 +68,9 @@ def check_new_kv(cache: "QuantizedKVCache", k, v, check_values: bool = True) -> 
             check_new(cache, name, x, check_values=True)
 
 
-def quantize(cache: "QuantizedKVCache", k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+def quantize(
+    cache: "QuantizedKVCache", k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor
+) -> dict[str, torch.Tensor]:
     """Reference quantization of ``k, v [batch, n, kv_heads, d]`` of cache ``rows`` (streaming mode:
     their running ranges are used and updated)."""
     out = {}
@@ -84,7 +86,9 @@ def quantize(cache: "QuantizedKVCache", k: torch.Tensor, v: torch.Tensor, rows: 
     return out
 
 
-def write_side(cache: "QuantizedKVCache", k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor) -> None:
+def write_side(
+    cache: "QuantizedKVCache", k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor
+) -> None:
     """Copy the chunk's sinks and its last ``side_recent`` tokens (``[B, n, kv_heads, d]`` at cache
     positions ``pos [B, n]`` of ``rows``) into the 16-bit side, one scatter and no sync: sink ``p`` to
     slot ``p``, window token ``p`` to slot ``S + p % R``; the chunk's first tokens that turn out not to
@@ -105,7 +109,9 @@ def write_side(cache: "QuantizedKVCache", k: torch.Tensor, v: torch.Tensor, rows
     cache.kv_side[:, rows.unsqueeze(1).expand_as(cols), slot] = kv.to(cache.dtype)
 
 
-def write_window_codes(cache: "QuantizedKVCache", k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor) -> None:
+def write_window_codes(
+    cache: "QuantizedKVCache", k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor
+) -> None:
     """The chunk's last ``fp16_window`` tokens (keys in the codes' domain) into the ring of window codes."""
     R, n = cache.fp16_window, k.shape[1]
     j0 = max(0, n - R)  # only the last R tokens of this chunk matter (a slice: no sync)
@@ -117,7 +123,9 @@ def write_window_codes(cache: "QuantizedKVCache", k: torch.Tensor, v: torch.Tens
         getattr(cache, f"{name}_window_meta")[r2, slot] = meta[..., : cache.spec.meta_words]
 
 
-def restore_recent(cache: "QuantizedKVCache", rows: torch.Tensor, old_len: torch.Tensor, start: torch.Tensor, n: int) -> None:
+def restore_recent(
+    cache: "QuantizedKVCache", rows: torch.Tensor, old_len: torch.Tensor, start: torch.Tensor, n: int
+) -> None:
     """After a rollback (``n`` tokens written at ``start`` below a row's old length ``old_len``), the
     recent-token slots of positions ``[start + n - R, start)`` were overwritten by later, discarded
     tokens wherever such a position is older than ``old_len - R``: those slots get the position's value
@@ -132,11 +140,17 @@ def restore_recent(cache: "QuantizedKVCache", rows: torch.Tensor, old_len: torch
         r2 = rows.unsqueeze(1).expand_as(p)
         sr, sc = slots(cache.block_table, cache.page_size, r2, p.clamp(max=cache.max_seqlen - 1))
         k, v = [
-            qz.unrotate(qz.dequantize_rotated(fmt.unpack_codes(getattr(cache, f"{x}_codes")[sr, sc], bits, cache.head_dim),
-                                              getattr(cache, f"{x}_meta")[sr, sc]))
+            qz.unrotate(
+                qz.dequantize_rotated(
+                    fmt.unpack_codes(getattr(cache, f"{x}_codes")[sr, sc], bits, cache.head_dim),
+                    getattr(cache, f"{x}_meta")[sr, sc],
+                )
+            )
             if cache.quantizer == "turbo"
-            else qz.dequantize(fmt.unpack_codes(getattr(cache, f"{x}_codes")[sr, sc], bits, cache.head_dim),
-                               getattr(cache, f"{x}_meta")[sr, sc])
+            else qz.dequantize(
+                fmt.unpack_codes(getattr(cache, f"{x}_codes")[sr, sc], bits, cache.head_dim),
+                getattr(cache, f"{x}_meta")[sr, sc],
+            )
             for x, qz, bits in (("k", cache.k_quantizer, cache.k_bits), ("v", cache.v_quantizer, cache.v_bits))
         ]
         keep = stale[..., None, None]
@@ -158,9 +172,13 @@ def restore_recent(cache: "QuantizedKVCache", rows: torch.Tensor, old_len: torch
 
 def pack_stores(cache: "QuantizedKVCache", side: bool, ring: bool) -> list[ops.Store]:
     """The stores one pack launch writes: the codes, and the 16-bit side / the ring of window codes."""
-    stores = [ops.Store(ops.CODES, (cache.k_codes, cache.k_meta, cache.v_codes, cache.v_meta), 0, cache.k_bits, cache.v_bits)]
+    stores = [
+        ops.Store(ops.CODES, (cache.k_codes, cache.k_meta, cache.v_codes, cache.v_meta), 0, cache.k_bits, cache.v_bits)
+    ]
     if side:
-        stores.append(ops.Store(ops.SIDE, (cache.kv_side[0], cache.kv_side[1]), a=cache.sink_tokens, b=cache.side_recent))
+        stores.append(
+            ops.Store(ops.SIDE, (cache.kv_side[0], cache.kv_side[1]), a=cache.sink_tokens, b=cache.side_recent)
+        )
     if ring:
         window = (cache.k_window_codes, cache.k_window_meta, cache.v_window_codes, cache.v_window_meta)
         stores.append(ops.Store(ops.WINDOW, window, 0, cache.window_bits, cache.window_bits))

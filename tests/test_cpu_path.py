@@ -180,28 +180,3 @@ def test_bad_inputs_name_the_argument():
         fa.flash_attn_with_kvcache(q.double(), c)
     with pytest.raises(ValueError, match="v_cache"):
         fa.flash_attn_with_kvcache(q, c, torch.zeros(1))
-
-
-def test_bench_cpu_smoke(tmp_path, monkeypatch):
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    import bench_cpu
-
-    rows = bench_cpu.timing(1, 64, 4, 2, 64, repeats=1, ref_repeats=1)
-    names = [r["name"] for r in rows]
-    assert names[0] == "SDPA float16 K/V" and any("reference path" in n for n in names)
-    assert all(r["ms"] > 0 for r in rows)
-    monkeypatch.setattr(bench_cpu, "RESULTS", tmp_path)
-    stamp = dict(cpu="x", cpus=2, threads=[1], torch=torch.__version__, commit="abc", load_avg=0.0, date="now")
-    bench_cpu.write(
-        dict(
-            stamp=stamp,
-            shape=dict(batch=1, seqlen=64, heads_q=4, heads_kv=2, head_dim=64),
-            repeats=1,
-            timing={"1": rows},
-        )
-    )
-    assert "CpuQuantizedKVCache" in (tmp_path / "cpu.md").read_text()
-    assert (tmp_path / "cpu.json").exists()

@@ -12,9 +12,8 @@ import torch
 from gpu_cases import DECODE_CASES, DEV, NEEDS_GPU, PREFILL_CASES, poison_allocator, shuffled_block_table
 
 import flash_attn_tq as fa
-from flash_attn_tq import baseline, ops
+from flash_attn_tq import baseline, dispatch, ops
 from flash_attn_tq import format as fmt
-from flash_attn_tq import dispatch
 from flash_attn_tq.cache import QuantizedKVCache
 
 pytestmark = NEEDS_GPU
@@ -451,7 +450,7 @@ def test_pack_kernel_asym_vectors_not_straddling_zero(bits, d, dtype):
     x[:, :, 3] = x[:, :, 3] * 40 + 0.25  # wide, positive
     x = x.to(dtype)
     cache = QuantizedKVCache(1, n, h, d, k_bits=bits, v_bits=bits, quantizer="asym", device=DEV)
-    assert cache.pack_reason(x) is None
+    assert cache.write_plan(x.dtype).kernel
     for t in (cache.k_codes, cache.v_codes):
         t.fill_(0xAB)
     for t in (cache.k_meta, cache.v_meta):
@@ -489,7 +488,7 @@ def test_pack_kernel_lloyd_max_tie_goes_up(bits, d):
         x[0], x[1] = qz.signs[0], qz.signs[1]  # rotated: (2, 0, 2, 0, ...) / sqrt(d), zeros exactly
         rows.append(x.view(1, 1, 1, d).to(DEV, torch.float16))
     k, v = rows
-    assert cache.pack_reason(k) is None
+    assert cache.write_plan(k.dtype).kernel
     cache.append(k, v)
     ref = cache.quantize(k, v)
     for name in ("k", "v"):

@@ -14,8 +14,7 @@ import torch
 from gpu_cases import DEV, NEEDS_GPU, poison_allocator, shuffled_block_table
 
 import flash_attn_tq as fa
-from flash_attn_tq import dispatch
-from flash_attn_tq import baseline
+from flash_attn_tq import baseline, dispatch
 from flash_attn_tq import format as fmt
 from flash_attn_tq.cache import QuantizedKVCache
 from flash_attn_tq.keys import rope_turn
@@ -379,7 +378,9 @@ def test_pack_writes_the_ring_of_window_codes(d, dtype, center, scale_only, monk
     for c, kernel in zip(caches, (True, False)):
         with monkeypatch.context() as m:
             if not kernel:
-                m.setattr(QuantizedKVCache, "write_plan", lambda self, dtype: dispatch.WritePlan(False, reason="PyTorch"))
+                m.setattr(
+                    QuantizedKVCache, "write_plan", lambda self, dtype: dispatch.WritePlan(False, reason="PyTorch")
+                )
             for x in chunks:
                 c.append(x, x.flip(-1))
     got, ref = caches

@@ -80,12 +80,16 @@ def test_pairs_of_head_groups(pair):
     assert dispatch.pair_order((a, b), (True, False)) is None  # the wide group's heads not a run
     big = dispatch.plan(a, 2, q(PREFILL_MIN_ROWS, kv_heads=3), H100, pair=(b, 1))
     assert "decode-sized" in big.reason
-    assert "differ in sink_tokens" in dispatch.plan(a, 2, q(4, kv_heads=3), H100, pair=(b.replace(sink_tokens=8), 1)).reason
+    assert (
+        "differ in sink_tokens"
+        in dispatch.plan(a, 2, q(4, kv_heads=3), H100, pair=(b.replace(sink_tokens=8), 1)).reason
+    )
     plain = CacheSpec(k_bits=ka, v_bits=va), CacheSpec(k_bits=kb, v_bits=vb)
     assert "16-bit side" in dispatch.plan(plain[0], 2, q(4, kv_heads=3), H100, pair=(plain[1], 1)).reason
     center = DEFAULT.replace(key_center=True)
-    reason = dispatch.plan(center.replace(k_bits=ka, v_bits=va), 2, q(4, kv_heads=3), H100,
-                           pair=(center.replace(k_bits=kb, v_bits=vb), 1)).reason  # fmt: skip
+    reason = dispatch.plan(
+        center.replace(k_bits=ka, v_bits=va), 2, q(4, kv_heads=3), H100, pair=(center.replace(k_bits=kb, v_bits=vb), 1)
+    ).reason
     assert "post-RoPE" in reason
 
 
@@ -129,17 +133,24 @@ def test_the_options_the_kernels_take():
     assert dispatch.plan(CacheSpec(scale_only=False, fit="mean"), 2, q(4), H100).fused
 
 
-@pytest.mark.parametrize("spec,dtype,want", [
-    (CacheSpec(), torch.float16, WritePlan(True)),
-    (DEFAULT, torch.float16, WritePlan(True, side=True, rope=True)),
-    (DEFAULT, torch.bfloat16, WritePlan(True, rope=True)),  # (the side in another dtype: PyTorch copies)
-    (DEFAULT.replace(health=True), torch.float16, WritePlan(True)),  # (the counters read the centered keys)
-    (CacheSpec(sink_tokens=16, fp16_window=128, window_bits=4), torch.float16, WritePlan(True, side=True, ring=True)),
-    (CacheSpec(fp16_window=128, window_bits=4, page_size=64), torch.float16, WritePlan(True)),
-    (CacheSpec(quantizer="asym", streaming=True), torch.float16, WritePlan(False, reason="x")),
-    (CacheSpec(fit="ls", scale_only=False), torch.float16, WritePlan(False, reason="x")),
-    (CacheSpec(), torch.float32, WritePlan(False, reason="x")),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "spec,dtype,want",
+    [
+        (CacheSpec(), torch.float16, WritePlan(True)),
+        (DEFAULT, torch.float16, WritePlan(True, side=True, rope=True)),
+        (DEFAULT, torch.bfloat16, WritePlan(True, rope=True)),  # (the side in another dtype: PyTorch copies)
+        (DEFAULT.replace(health=True), torch.float16, WritePlan(True)),  # (the counters read the centered keys)
+        (
+            CacheSpec(sink_tokens=16, fp16_window=128, window_bits=4),
+            torch.float16,
+            WritePlan(True, side=True, ring=True),
+        ),
+        (CacheSpec(fp16_window=128, window_bits=4, page_size=64), torch.float16, WritePlan(True)),
+        (CacheSpec(quantizer="asym", streaming=True), torch.float16, WritePlan(False, reason="x")),
+        (CacheSpec(fit="ls", scale_only=False), torch.float16, WritePlan(False, reason="x")),
+        (CacheSpec(), torch.float32, WritePlan(False, reason="x")),
+    ],
+)
 def test_write_plans(spec, dtype, want):
     got = dispatch.write_plan(spec, 64, dtype, H100)
     assert got.reason is not None if want.reason else got == want
@@ -177,13 +188,22 @@ def test_plans_are_memoized_per_call_shape():
 
 def test_specs_validate_each_field():
     for bad, field in [
-        (dict(k_bits=5), "k_bits"), (dict(quantizer="x"), "quantizer"), (dict(grid="x"), "grid"),
-        (dict(window_bits=4), "window_bits"), (dict(scale_only=True, quantizer="asym"), "scale_only"),
-        (dict(key_center="x"), "key_center"), (dict(key_center="rope"), "rope_inv_freq"),
-        (dict(rope_inv_freq=INV), "rope_inv_freq"), (dict(page_size=0), "page_size"),
-        (dict(streaming=True), "streaming"), (dict(dtype=torch.float32), "dtype"), (dict(sink_tokens=-1), "sink_tokens"),
-        (dict(alpha=2.0), "alpha"), (dict(k_bits=3.0), "k_bits"), (dict(nonsense=1), "nonsense"),
-    ]:  # fmt: skip
+        (dict(k_bits=5), "k_bits"),
+        (dict(quantizer="x"), "quantizer"),
+        (dict(grid="x"), "grid"),
+        (dict(window_bits=4), "window_bits"),
+        (dict(scale_only=True, quantizer="asym"), "scale_only"),
+        (dict(key_center="x"), "key_center"),
+        (dict(key_center="rope"), "rope_inv_freq"),
+        (dict(rope_inv_freq=INV), "rope_inv_freq"),
+        (dict(page_size=0), "page_size"),
+        (dict(streaming=True), "streaming"),
+        (dict(dtype=torch.float32), "dtype"),
+        (dict(sink_tokens=-1), "sink_tokens"),
+        (dict(alpha=2.0), "alpha"),
+        (dict(k_bits=3.0), "k_bits"),
+        (dict(nonsense=1), "nonsense"),
+    ]:
         with pytest.raises((TypeError, ValueError), match=field):
             CacheSpec.of(**bad)
     spec = CacheSpec(quantizer="asym")

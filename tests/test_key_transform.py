@@ -1,15 +1,13 @@
 """Key centering (QuantizedKVCache(key_center=)), the per-vector fits of TurboQuantizer(fit=...) on
 the CPU reference path, and the key/value transforms only the evaluation's simulation has
-(benchmarks/eval_quality.py: key_scale, key_scale_q, key_pca, value_pca)."""
-
-import pathlib
-import sys
+(flash_attn_tq.testing.simulation: key_scale, key_scale_q, key_pca, value_pca)."""
 
 import pytest
 import torch
 
 from flash_attn_tq import QuantizedKVCache, TurboQuantizer, flash_attn_with_kvcache
 from flash_attn_tq.baseline import attention_reference
+from flash_attn_tq.testing.simulation import KeyValueTransform, reflect
 
 
 def keys_with_offset(B, S, H, d, seed=0):
@@ -125,14 +123,7 @@ def test_fits():
     assert rel(cache.dequantize()[0], k) < 0.25
 
 
-# ------------------------------------------------- the simulation's transforms (eval_quality.py)
-
-
-def _eval_quality():
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
-    import eval_quality
-
-    return eval_quality
+# ------------------------------------- the simulation's transforms (flash_attn_tq.testing.simulation)
 
 
 def _cfg(**kw):
@@ -151,17 +142,16 @@ def _cfg(**kw):
 def test_simulated_key_transform_is_exact_on_attention(opts):
     """keys() / keys_back() invert each other, and attention over transformed keys with q * s (then
     reflected) equals attention over the keys themselves up to the shared q . mu."""
-    eq = _eval_quality()
     B, S, H, Hq, d = 2, 40, 2, 4, 64
     k, v = keys_with_offset(B, S, H, d), torch.randn(B, S, H, d)
     q = torch.randn(B, S, Hq, d) * torch.linspace(0.5, 2, d)
-    tf = eq.KeyValueTransform(_cfg(**opts), k, v, q)
+    tf = KeyValueTransform(_cfg(**opts), k, v, q)
     torch.testing.assert_close(tf.keys_back(tf.keys(k)), k, rtol=1e-5, atol=1e-4)
     group = Hq // H
     kt = tf.keys(k).repeat_interleave(group, 2)
     qs = q * tf.div.repeat_interleave(group, 1)[:, None]
     if tf.house is not None:
-        qs = eq._reflect(qs, tf.house.repeat_interleave(group, 1)[:, None])
+        qs = reflect(qs, tf.house.repeat_interleave(group, 1)[:, None])
     shift = torch.einsum("bqhd,bhd->bhq", q, tf.shift.repeat_interleave(group, 1))
     s_t = torch.einsum("bqhd,bkhd->bhqk", qs, kt) + shift.unsqueeze(-1)
     s = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(group, 2))
@@ -169,16 +159,15 @@ def test_simulated_key_transform_is_exact_on_attention(opts):
 
 
 def test_simulated_key_scale_balanced_against_queries():
-    eq = _eval_quality()
     B, S, H, Hq, d = 1, 64, 2, 4, 64
     k, v = keys_with_offset(B, S, H, d, seed=8), torch.randn(B, S, H, d)
     q = torch.randn(B, S, Hq, d) * torch.linspace(0.5, 2, d)
-    tf = eq.KeyValueTransform(_cfg(key_scale=0.5, key_scale_q=True), k, v, q)
+    tf = KeyValueTransform(_cfg(key_scale=0.5, key_scale_q=True), k, v, q)
     rk = (k - k.mean(1, keepdim=True)).pow(2).mean(1).sqrt()
     rq = q.reshape(B, S, H, Hq // H, d).pow(2).mean((1, 3)).sqrt()
     s = (rk / rq).sqrt()
     torch.testing.assert_close(tf.div, s / s.pow(2).mean(-1, keepdim=True).sqrt(), rtol=1e-4, atol=1e-5)
-    plain = eq.KeyValueTransform(_cfg(key_scale=0.5, key_scale_q=True), k, v)  # no queries: rms(k) ** a
+    plain = KeyValueTransform(_cfg(key_scale=0.5, key_scale_q=True), k, v)  # no queries: rms(k) ** a
     torch.testing.assert_close(
         plain.div, rk.sqrt() / rk.sqrt().pow(2).mean(-1, keepdim=True).sqrt(), rtol=1e-4, atol=1e-5
     )
@@ -187,14 +176,13 @@ def test_simulated_key_scale_balanced_against_queries():
 def test_simulated_pca_stores_main_directions_exactly():
     """key_pca / value_pca with fit="mean": the main direction reflected onto e_0, whose component the
     offset stores exactly, so the codes' error drops."""
-    eq = _eval_quality()
     B, S, H, d = 1, 200, 2, 64
     g = torch.Generator().manual_seed(4)
     main = torch.nn.functional.normalize(torch.randn(H, d, generator=g), dim=-1)
     k = torch.randn(B, S, H, d, generator=g) * 0.3 + torch.randn(B, S, H, 1, generator=g) * 4 * main
     v = torch.randn(B, S, H, d, generator=g) * 0.3 + (2 + torch.randn(B, S, H, 1, generator=g)) * 3 * main
-    tf = eq.KeyValueTransform(_cfg(key_pca=True, value_pca=True), k, v)
-    pk = eq._reflect(main[None], tf.house)[0]
+    tf = KeyValueTransform(_cfg(key_pca=True, value_pca=True), k, v)
+    pk = reflect(main[None], tf.house)[0]
     assert torch.allclose(pk.abs()[:, 0], torch.ones(H), atol=0.02)
     torch.testing.assert_close(tf.values(tf.values(v)), v, rtol=1e-5, atol=1e-5)  # its own inverse
     err = {}

@@ -199,9 +199,17 @@ def test_pack_keeps_the_books(recorded, cpu_as_gpu):
     frequencies and each half of kv_side; PyTorch writes neither the centered keys nor the side."""
     inv = 1.0 / 10000.0 ** (torch.arange(0, 64, 2).float() / 64)
     cache = QuantizedKVCache(
-        2, 300, 2, 64, sink_tokens=16, fp16_window=112, key_center="rope", rope_inv_freq=inv,
-        rope_position_offset=5, calib_min_tokens=1,
-    )  # fmt: skip
+        2,
+        300,
+        2,
+        64,
+        sink_tokens=16,
+        fp16_window=112,
+        key_center="rope",
+        rope_inv_freq=inv,
+        rope_position_offset=5,
+        calib_min_tokens=1,
+    )
     recorded.pop("pack_kv", None)
     k, v = torch.randn(2, 150, 2, 64).half(), torch.randn(2, 150, 2, 64).half()
     cache.append(k, v, error_flags=torch.zeros(1, dtype=torch.int32))
@@ -231,9 +239,15 @@ def test_generate_compiles_one_graph(recorded, cpu_as_gpu):
 
     torch.manual_seed(0)
     cfg = LlamaConfig(
-        vocab_size=128, hidden_size=256, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=64, max_position_embeddings=1024,
-    )  # fmt: skip
+        vocab_size=128,
+        hidden_size=256,
+        intermediate_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=1024,
+    )
     model = LlamaForCausalLM(cfg).eval().half()  # (the kernels' dtypes)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     ids = torch.randint(0, 128, (2, 150))
@@ -248,9 +262,13 @@ def test_generate_compiles_one_graph(recorded, cpu_as_gpu):
         recorded.clear()
         with torch.no_grad():
             runs[compiled] = model.generate(
-                ids, past_key_values=cache, max_new_tokens=6, do_sample=False,
-                compile_config=compile_config, disable_compile=not compiled,
-            )  # fmt: skip
+                ids,
+                past_key_values=cache,
+                max_new_tokens=6,
+                do_sample=False,
+                compile_config=compile_config,
+                disable_compile=not compiled,
+            )
         assert len(recorded["decode_kvcache"]) == 5 * 4  # 5 decode steps, 3 layers, one with two head groups
         assert cache.get_seq_length() == 150 + 5  # (read back from the cache after compiled steps)
     assert counters["stats"]["unique_graphs"] == 1 and not counters["recompiles"]

@@ -761,8 +761,19 @@ def _stand_in_kernel(monkeypatch, cache):
     tensors)."""
     from flash_attn_tq import ops
 
-    def decode(q, stores, seqlens_k, batch_idx=None, *, softmax_scale, causal, window_size=(-1, -1), leftpad=None,
-               softcap=0.0, **options):  # fmt: skip
+    def decode(
+        q,
+        stores,
+        seqlens_k,
+        batch_idx=None,
+        *,
+        softmax_scale,
+        causal,
+        window_size=(-1, -1),
+        leftpad=None,
+        softcap=0.0,
+        **options,
+    ):
         codes = stores[0]
         assert codes.kind == ops.CODES and codes.tensors[0] is cache.k_codes and codes.a == cache.fp16_window
         return _cpu_stand_in_for_the_kernel(

@@ -6,8 +6,6 @@ give the same tokens and (to float32 rounding) the same scores.
 """
 
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -399,10 +397,10 @@ def test_fused_decode_matches_the_oracle_on_the_gpu(opts):
 
 
 def test_defaults_are_the_quality_study_default():
-    """TQCache.calibrated(model) is the configuration eval_quality.py reports as the default, and
-    TQCache(config) (no model to measure) its uncalibrated one: the same options, the same bits."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    import eval_quality
+    """TQCache.calibrated(model) is the configuration the quality study (benchmarks/eval_quality.py)
+    reports as the default, and TQCache(config) (no model to measure) its uncalibrated one: the same
+    options, the same bits (flash_attn_tq.testing.quality holds the study's configurations)."""
+    from flash_attn_tq.testing import quality
 
     layers = 30
     config = LlamaConfig(
@@ -424,8 +422,8 @@ def test_defaults_are_the_quality_study_default():
     }
     cal = TQCache.calibrated(model, sensitivity=sensitivity, copy_sensitivity=copy)
     assert cal.head_options == {(18, 2): {"k_bits": F, "v_bits": F}}  # (calibrated's default: one copy head)
-    for name, cache in ((eval_quality.UNCALIBRATED_DEFAULT, TQCache(config)), (eval_quality.DEFAULT, cal)):
-        cfg = eval_quality.CONFIGS[name]
+    for name, cache in ((quality.UNCALIBRATED_DEFAULT, TQCache(config)), (quality.DEFAULT, cal)):
+        cfg = quality.CONFIGS[name]
         if cfg.get("k_cal"):
             assert tuple(cfg["k_cal"]) == (3, 4) and cfg["copy_heads"] == 1  # calibrated's defaults
             cfg = dict(
@@ -437,12 +435,12 @@ def test_defaults_are_the_quality_study_default():
         assert cache.sink_tokens == cfg["sink_tokens"]
         for i in range(layers):
             opts = cache.layer_spec(i).options()
-            assert opts["k_bits"] == eval_quality.key_bits_of(cfg, i, layers), (name, i)
-            assert opts["v_bits"] == (2 if i in eval_quality.v2_layers(cfg, layers) else cfg["v_bits"]), i
-            want = eval_quality.tq_options(cfg)  # (rope_center="exact" is key_center="rope")
+            assert opts["k_bits"] == quality.key_bits_of(cfg, i, layers), (name, i)
+            assert opts["v_bits"] == (2 if i in quality.v2_layers(cfg, layers) else cfg["v_bits"]), i
+            want = quality.tq_options(cfg)  # (rope_center="exact" is key_center="rope")
             for o in ("quantizer", "fit", "fp16_window", "key_center", "scale_only"):
                 assert opts[o] == want[o], (name, i, o)
-        assert cache.bits_per_element(64) == pytest.approx(eval_quality.config_bits(cfg, 64, layers))
+        assert cache.bits_per_element(64) == pytest.approx(quality.config_bits(cfg, 64, layers))
     assert TQCache(config).bits_per_element(64) == pytest.approx(3.5)  # the budget at head_dim 64
     # the copy head (10 bits) and 11 layers of 4-bit keys (33): 43 of the 45 bits
     assert cal.bits_per_element(64) == pytest.approx(3.5 - 2 / (2 * 90))

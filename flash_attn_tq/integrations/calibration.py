@@ -132,9 +132,13 @@ def key_bit_sensitivity(
         for i, b in runs:
             others = [j for j in range(cfg.num_hidden_layers) if j != i]
             yield cls(
-                cfg, spec=spec, protected_layers=others, prefill="quantized", late_k_bits=None,
+                cfg,
+                spec=spec,
+                protected_layers=others,
+                prefill="quantized",
+                late_k_bits=None,
                 **dict(cache_kwargs, k_bits=b),
-            )  # fmt: skip
+            )
 
     ids = copy_sequence(cfg, tokens, span, seed, next(model.parameters()).device)
     return dict(zip(runs, _kl_from_full(model, ids, caches())))
@@ -192,9 +196,14 @@ def head_sensitivity(
             others = [j for j in range(cfg.num_hidden_layers) if j != i]
             heads = {(i, g): dict(k_bits=kb, v_bits=vb) if g == h else dict(k_bits=F, v_bits=F) for g in range(H)}
             yield cls(
-                cfg, spec=spec, protected_layers=others, prefill="quantized", late_k_bits=None, head_options=heads,
+                cfg,
+                spec=spec,
+                protected_layers=others,
+                prefill="quantized",
+                late_k_bits=None,
+                head_options=heads,
                 **cache_kwargs,
-            )  # fmt: skip
+            )
 
     ids = copy_sequence(cfg, tokens, span, seed, next(model.parameters()).device, text_ids)
     reduce = OBJECTIVES[objective] if isinstance(objective, str) else objective
@@ -330,9 +339,14 @@ def calibrate_head_bits(
     if sensitivity is None:
         key_bits = {k for k, _ in widths} | ({split[1][0]} if fine_budget is not None else set())
         sensitivity = head_sensitivity(
-            model, key_bits=key_bits, value_bits={v for _, v in widths}, protected_layers=protected,
-            cache_cls=cache_cls, spec=spec, **cache_kwargs,
-        )  # fmt: skip
+            model,
+            key_bits=key_bits,
+            value_bits={v for _, v in widths},
+            protected_layers=protected,
+            cache_cls=cache_cls,
+            spec=spec,
+            **cache_kwargs,
+        )
     budget = (32 * len(heads)) // head_dim if opts.scale_only else 0
     if fine_budget is None:
         chosen = allocate_head_bits(sensitivity, heads, budget, widths, base)

@@ -57,7 +57,6 @@ from .options import (
 )
 
 
-
 def _check_no_padding(attention_mask, layer: "TQLayer", query_len: int) -> None:
     """Raise for a padded batch: a masked key among the layer's tokens in the last query row. Checked
     for chunks (a prompt, where padding comes in), not for single decode tokens (a sync a layer)."""
@@ -190,9 +189,13 @@ class TQLayer(CacheLayerMixin):
 
     def _new_qcache(self, group: int, capacity: int) -> QuantizedKVCache:
         qc = QuantizedKVCache(
-            self.batch_size, capacity, len(self.groups[group]), self.head_dim, spec=self.group_specs[group],
+            self.batch_size,
+            capacity,
+            len(self.groups[group]),
+            self.head_dim,
+            spec=self.group_specs[group],
             device=self.device,
-        )  # fmt: skip
+        )
         if self.max_cache_len is not None:  # fixed capacity: tensors a compiled step may use as they are
             for t in qc.static_tensors():  # (a CUDA graph copies any other input every replay)
                 torch._dynamo.mark_static_address(t)

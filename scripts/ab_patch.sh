@@ -2,26 +2,27 @@
 # A/B an experiment patch on the device in one call: build and benchmark the checkout as it is (A),
 # apply the patch, rebuild, run the GPU tests and benchmark again (B). Each run times the FP16 paths
 # beside ours, so compare the speedup columns (ratios), not absolute times across calls.
-#   bash benchmarks/ab_patch.sh PATCH [decode|prefill|both|paged]     (tables go to $OUT, or /tmp/ab)
+#   bash scripts/ab_patch.sh PATCH [decode|prefill|both|paged]     (tables go to $OUT, or /tmp/ab)
 # paged: the decode table and bench_prefill.py's paged-decode table only (no FA2 build).
-# Example: GIT_COMMIT=$(git rev-parse --short HEAD) bash benchmarks/ab_patch.sh my_change.patch prefill
+# Example: GIT_COMMIT=$(git rev-parse --short HEAD) bash scripts/ab_patch.sh my_change.patch prefill
+# Run from the repository root (python3 -m runs the checkout's modules).
 set -uo pipefail
 patch=${1:?usage: ab_patch.sh PATCH [decode|prefill|both|paged]}
 what=${2:-both}
 OUT=${OUT:-/tmp/ab}
 mkdir -p "$OUT" /tmp/ab_work
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-} CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} \
+export PYTHONUNBUFFERED=1 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} \
        FLASH_ATTN_TQ_CUDA_ARCHS=${FLASH_ATTN_TQ_CUDA_ARCHS:-90a} MAX_JOBS=${MAX_JOBS:-16}
 
 build() { python3 setup.py -q build_ext --inplace > "/tmp/ab_work/build_$1.log" 2>&1 || { tail -30 "/tmp/ab_work/build_$1.log"; exit 1; }; }
 bench() {  # $1: A or B; only the Markdown tables come back (the JSON/PNG stay in /tmp/ab_work)
   if [ "$what" != prefill ]; then
-    python3 benchmarks/bench_decode.py --quick --head-dims 128 --out /tmp/ab_work --name "decode_$1" > /dev/null 2>&1
+    python3 -m benchmarks.bench_decode --quick --head-dims 128 --out /tmp/ab_work --name "decode_$1" > /dev/null 2>&1
     cp "/tmp/ab_work/decode_$1.md" "$OUT/"
   fi
   if [ "$what" != decode ]; then
     local only=; [ "$what" = paged ] && only=--paged-only
-    python3 benchmarks/bench_prefill.py --quick $only --out /tmp/ab_work --name "prefill_$1" > /dev/null 2>&1
+    python3 -m benchmarks.bench_prefill --quick $only --out /tmp/ab_work --name "prefill_$1" > /dev/null 2>&1
     cp "/tmp/ab_work/prefill_$1.md" "$OUT/"
   fi
 }

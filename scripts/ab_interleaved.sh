@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Interleaved A/B of a decode-kernel patch in one device call: build the checkout (A) and the checkout
-# with PATCH applied (B), then ROUNDS rounds that time both builds in turn (benchmarks/time_decode.py,
+# with PATCH applied (B), then ROUNDS rounds that time both builds in turn (scripts/time_decode.py,
 # a fresh process a build a round, the extension file swapped between them; the order alternates),
 # and print each time's median over the rounds with B / A. The checkout is left as it was (A built).
-#   bash benchmarks/ab_interleaved.sh PATCH [ROUNDS=3] [B:S,...]     (JSON per round in $OUT, or /tmp/ab)
+#   bash scripts/ab_interleaved.sh PATCH [ROUNDS=3] [B:S,...]     (JSON per round in $OUT, or /tmp/ab)
+# Run from the repository root (python3 -m runs the checkout's modules).
 set -uo pipefail
 patch=${1:?usage: ab_interleaved.sh PATCH [ROUNDS] [B:S,...]}
 rounds=${2:-3}
@@ -11,7 +12,7 @@ shapes=${3:-}
 OUT=${OUT:-/tmp/ab}
 work=$(mktemp -d)
 mkdir -p "$OUT"
-export OUT PYTHONUNBUFFERED=1 PYTHONPATH=$PWD:${PYTHONPATH:-} CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} \
+export OUT PYTHONUNBUFFERED=1 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} \
        FLASH_ATTN_TQ_CUDA_ARCHS=${FLASH_ATTN_TQ_CUDA_ARCHS:-90a} MAX_JOBS=${MAX_JOBS:-16}
 t0=$SECONDS
 build() {  # $1: A or B -> $work/$1.so
@@ -28,7 +29,7 @@ for ((r = 1; r <= rounds; r++)); do
   order="A B"; [ $((r % 2)) = 0 ] && order="B A"
   for v in $order; do
     cp "$work/$v.so" "$so"
-    python3 benchmarks/time_decode.py "$v" "$OUT/ab_${v}_$r.json" $shapes 2>&1 | tail -1
+    python3 -m scripts.time_decode "$v" "$OUT/ab_${v}_$r.json" $shapes 2>&1 | tail -1
   done
 done
 cp "$work/A.so" "$so"

@@ -1,24 +1,28 @@
 #!/usr/bin/env bash
 # One device call: build the extension, run the GPU tests, compute-sanitizer, then the benchmarks.
-#   bash benchmarks/run_device.sh [tests|bench|prefill|all]   (results and logs go to $OUT, or benchmarks/results)
-#   bench: decode (bench_decode.py, BENCH_ARGS); prefill: chunked prefill + paged decode (bench_prefill.py, PREFILL_ARGS)
+#   bash scripts/run_device.sh [tests|bench|prefill|all]   (results and logs go to $OUT, or benchmarks/results)
+#   bench: decode (benchmarks/bench_decode.py, BENCH_ARGS); prefill: chunked prefill + paged decode
+#   (benchmarks/bench_prefill.py, PREFILL_ARGS)
+# Run from the repository root: Python runs the checkout's modules (python3 -m ...), so the package
+# needs no install. Wheels carried in .whl/ (flashinfer for the FP8 column, say) are installed into
+# python3's environment first; a path the run cannot measure is written as missing, with the reason.
 set -uo pipefail
 what=${1:-all}
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda} FLASH_ATTN_TQ_CUDA_ARCHS=${FLASH_ATTN_TQ_CUDA_ARCHS:-90a}
-[ -d .whl ] && python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+[ -d .whl ] && python3 -m pip install -q --no-index --no-deps .whl/*.whl
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv
 t0=$SECONDS
-export PYTHONPATH=$PWD:${PYTHONPATH:-}
 MAX_JOBS=16 python3 setup.py -q build_ext --inplace > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
 echo "build: $((SECONDS - t0)) s"
 if [ "$what" = tests ] || [ "$what" = all ]; then
   t0=$SECONDS
-  bash benchmarks/gpu_tests.sh "$OUT" ${GPU_TEST_SHARDS:-4}
+  bash scripts/gpu_tests.sh "$OUT" ${GPU_TEST_SHARDS:-4}
   echo "gpu tests: $((SECONDS - t0)) s"
   for tool in memcheck racecheck; do
-    compute-sanitizer --tool $tool --print-limit 20 python3 benchmarks/sanitize_case.py > "$OUT/sanitizer_$tool.log" 2>&1
+    cmd=(compute-sanitizer --tool $tool --print-limit 20 python3 -m scripts.sanitize_case)
+    { python3 -m flash_attn_tq.testing "${cmd[@]}"; "${cmd[@]}" 2>&1; } > "$OUT/sanitizer_$tool.log"
     tail -3 "$OUT/sanitizer_$tool.log"
   done
 fi
@@ -29,9 +33,9 @@ if [ "$what" != tests ]; then
       && eval "$(tail -1 "$OUT/fa2_build.log")" && echo "upstream FA2 built in $((SECONDS - t0)) s" || tail -5 "$OUT/fa2_build.log"
   fi
   if [ "$what" = bench ] || [ "$what" = all ]; then
-    python3 benchmarks/bench_decode.py ${BENCH_ARGS:-} --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -50
+    python3 -m benchmarks.bench_decode ${BENCH_ARGS:-} --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -50
   fi
   if [ "$what" = prefill ] || [ "$what" = all ]; then
-    python3 benchmarks/bench_prefill.py ${PREFILL_ARGS:-} --out "$OUT" 2>&1 | tee "$OUT/bench_prefill.log" | tail -30
+    python3 -m benchmarks.bench_prefill ${PREFILL_ARGS:-} --out "$OUT" 2>&1 | tee "$OUT/bench_prefill.log" | tail -30
   fi
 fi

@@ -1,12 +1,13 @@
 """Python-side cost of one TQCache decode step, on the CPU: dispatched torch ops by flash_attn_tq function.
 
-    python benchmarks/profile_decode_ops.py [QKV_DUMP] [--prompt 300]
+    python -m scripts.profile_decode_ops [QKV_DUMP] [--prompt 300]
 
 On the GPU a small model's decode step is bound by the host: every torch op costs a dispatch and a
 launch. This runs the GPU code path's Python side on the CPU with the two kernels (pack, fused
 attention) replaced by stubs of the same shapes, counts the ops each flash_attn_tq function
 dispatches in one decode step (a randomly initialised SmolLM2-shaped Llama, config from the
-dump_qkv.py file), and times the step against transformers' DynamicCache (model compute included).
+benchmarks/dump_qkv.py file), and times the step against transformers' DynamicCache (model compute
+included).
 """
 
 from __future__ import annotations
@@ -20,9 +21,7 @@ import time
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from flash_attn_tq import ops  # noqa: E402
-from flash_attn_tq.cache import QuantizedKVCache  # noqa: E402
+from flash_attn_tq import dispatch, ops
 
 
 class CountByFunction(TorchDispatchMode):
@@ -46,10 +45,10 @@ class CountByFunction(TorchDispatchMode):
 
 def stub_kernels() -> None:
     """The GPU branches of the Python code, with shape-correct stand-ins for the two kernels."""
-    QuantizedKVCache.pack_reason = lambda self, x: None
-    QuantizedKVCache.write_codes = lambda self, k, v, start, batch_idx=None, error_flags=None, **books: None
-    QuantizedKVCache.fused_reason = lambda self, q: None
-    ops.decode = lambda q, lens, bidx, scale, causal, splits, *local, **args: (
+    cpu_as_gpu = dispatch.Device("cuda", extension=True, prefill_smem=True)
+    dispatch.Device.of = staticmethod(lambda device: cpu_as_gpu)  # plans: fused launches, the pack kernel
+    ops.pack = lambda k, v, stores, **books: None
+    ops.decode = lambda q, stores, lens, bidx=None, **options: (
         torch.zeros_like(q),
         torch.zeros(q.shape[0], q.shape[2], q.shape[1]),
     )
@@ -57,7 +56,9 @@ def stub_kernels() -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("qkv", nargs="?", default=".qkv/smollm2_qkv.pt", help="dump_qkv.py output (for the config)")
+    ap.add_argument(
+        "qkv", nargs="?", default=".qkv/smollm2_qkv.pt", help="benchmarks/dump_qkv.py output (for the config)"
+    )
     ap.add_argument("--prompt", type=int, default=300)
     ap.add_argument("--steps", type=int, default=5)
     args = ap.parse_args()

@@ -1,7 +1,7 @@
 """Does the decode kernel read packed K/V faster head-major ([batch, kv_heads, seq, bytes]: a head's
 tokens contiguous) than token-major ([batch, seq, kv_heads, bytes], the cache's layout)?
 
-    python benchmarks/layout_experiment.py
+    python -m scripts.layout_experiment
 
 The kernel takes strides, so the same codes are copied into a head-major buffer viewed as
 [batch, seq, kv_heads, bytes]; outputs must match bit for bit. Times are CUDA-graph medians.
@@ -9,17 +9,12 @@ The kernel takes strides, so the same codes are copied into a head-major buffer 
 
 from __future__ import annotations
 
-import os
-import sys
+import argparse
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from flash_attn_tq import ops  # noqa: E402
-from flash_attn_tq.cache import QuantizedKVCache  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_decode import bench_graph as graph_us  # noqa: E402
+from flash_attn_tq.cache import QuantizedKVCache
+from flash_attn_tq.testing import bench_graph as graph_us
 
 
 def head_major(t: torch.Tensor) -> torch.Tensor:
@@ -30,6 +25,9 @@ def head_major(t: torch.Tensor) -> torch.Tensor:
 
 
 def main():
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("layout_experiment needs a CUDA GPU and the built extension")
     for B, S in ((1, 131072), (8, 32768), (32, 8192), (1, 16384), (8, 4096)):
         cache = QuantizedKVCache(B, S, 8, 128, device="cuda")
         cache.append(
@@ -37,7 +35,7 @@ def main():
             torch.randn(B, S, 8, 128, device="cuda", dtype=torch.float16),
         )
         q = torch.randn(B, 1, 32, 128, device="cuda", dtype=torch.float16)
-        fn_tok = lambda: ops.decode(q, cache.seqlens, None, 0.088, False, 0, **cache.kernel_args(q.shape[0]))  # noqa: E731
+        fn_tok = lambda: cache.attend(q, cache.seqlens, None, 0.088, False, 0)  # noqa: E731
         ref = fn_tok()[0]
         t_tok = graph_us(fn_tok)
         for name in ("k_codes", "v_codes", "k_meta", "v_meta"):

@@ -1,6 +1,6 @@
 """GPU time of every kernel one call launches (torch.profiler), to see where short calls spend it.
 
-    python benchmarks/profile_kernels.py
+    python -m scripts.profile_kernels
 
 Prints, per case, each CUDA kernel's mean duration over 20 calls (after warm-up) and their sum,
 next to the wall time of the call replayed as a CUDA graph (launch gaps included).
@@ -8,19 +8,15 @@ next to the wall time of the call replayed as a CUDA graph (launch gaps included
 
 from __future__ import annotations
 
-import os
-import sys
+import argparse
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import flash_attn_tq as fa  # noqa: E402
-from flash_attn_tq import ops  # noqa: E402
-from flash_attn_tq.cache import QuantizedKVCache  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_decode import bench_graph  # noqa: E402
+import flash_attn_tq as fa
+from flash_attn_tq import ops
+from flash_attn_tq.cache import QuantizedKVCache
+from flash_attn_tq.testing import bench_graph
 
 
 def kernel_times(fn, reps=20):
@@ -39,6 +35,9 @@ def kernel_times(fn, reps=20):
 
 
 def main():
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("profile_kernels needs a CUDA GPU and the built extension")
     dt = torch.float16
     cases = []
     for B, S in ((1, 1024), (1, 16384), (8, 32768)):
@@ -67,7 +66,7 @@ def main():
     for name, fn in cases:
         times = kernel_times(fn)
         try:
-            g = bench_graph(fn, reps_ms=100)
+            g = bench_graph(fn, rep_ms=100)
         except Exception as e:  # not capturable
             g = float("nan")
             print("  (graph failed:", str(e).splitlines()[0][:100], ")")

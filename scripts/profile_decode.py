@@ -1,18 +1,17 @@
 """One decode shape (with --q-len > 1 a causal prefill chunk; with --pack, quantize-on-write) for Nsight Compute:
     ncu --clock-control none --kernel-name regex:decode_split --launch-skip 5 --launch-count 1 \
-        --section SpeedOfLight --section Occupancy --section WarpStateStats python benchmarks/profile_decode.py
+        --section SpeedOfLight --section Occupancy --section WarpStateStats python -m scripts.profile_decode
     ncu --clock-control none --kernel-name regex:prefill_split --launch-skip 5 --launch-count 1 --set full \
-        python benchmarks/profile_decode.py --batch 1 --q-len 2048
+        python -m scripts.profile_decode --batch 1 --q-len 2048
 """
 
 import argparse
 
 import torch
 
-from flash_attn_tq import ops
 from flash_attn_tq.cache import QuantizedKVCache
 
-ap = argparse.ArgumentParser()
+ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ap.add_argument("--batch", type=int, default=8)
 ap.add_argument("--seqlen", type=int, default=32768)
 ap.add_argument("--kv-heads", type=int, default=8)
@@ -35,7 +34,7 @@ for s0 in range(0, S, 8192):
     )
 q = torch.randn(B, args.q_len, args.q_heads, d, device="cuda", dtype=torch.float16)
 for _ in range(10):
-    ops.decode(q, cache.seqlens, None, d**-0.5, args.q_len > 1, 0, **cache.kernel_args(q.shape[0]))
+    cache.attend(q, cache.seqlens, None, d**-0.5, args.q_len > 1, 0)
 torch.cuda.synchronize()
 print("done")
 if args.pack:  # quantize-on-write of a 32K-token prompt (ncu --kernel-name regex:pack_kv)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU tests in N pytest processes side by side on one GPU (the suite is mostly host-bound: its
 # float32 references run on the CPU), each test id in one shard, dealt round-robin.
-#   bash benchmarks/gpu_tests.sh OUT [N=4]   -> OUT/gpu_tests.log (the shards' logs, then the totals)
+#   bash scripts/gpu_tests.sh OUT [N=4]   -> OUT/gpu_tests.log (a stamp line: GPU, torch, CUDA, commit,
+#   this command; the shards' logs; then the totals). Run from the repository root.
 #   GPU_TESTS_TIMEOUT=seconds stops each shard there (its log then ends without pytest's summary)
 set -uo pipefail
 out=$1
@@ -19,6 +20,7 @@ for ((i = 0; i < shards; i++)); do
 done
 wait
 {
+  python3 -m flash_attn_tq.testing bash scripts/gpu_tests.sh "$out" "$shards"
   for ((i = 0; i < shards; i++)); do [ -f "$dir/log$i" ] && { echo "=== shard $i"; cat "$dir/log$i"; }; done
   echo "=== all shards ($(wc -l < "$dir/ids") tests collected)"
   grep -hE "^(FAILED|ERROR) " "$dir"/log* || true
