@@ -1,9 +1,9 @@
 """flash_attn_tq: FlashAttention-2's API over a 3-bit quantized KV cache.
 
 ``import flash_attn_tq as flash_attn`` gives the seven flash_attn 2.8.3 functions with the same
-signatures; :func:`flash_attn_with_kvcache` also takes a :class:`QuantizedKVCache`, which it
-attends over with the fused CUDA kernel (or the reference path on CPU). :func:`last_path` says
-which path the last call took.
+signatures; :func:`flash_attn_with_kvcache` also takes a :class:`QuantizedKVCache` (its format and
+features: a :class:`CacheSpec`), which it attends over with the fused CUDA kernels (or the reference
+path on CPU). :func:`last_path` says which path the last call took and why.
 """
 
 from .cache import QuantizedKVCache
@@ -20,6 +20,7 @@ from .interface import (
     last_path,
 )
 from .quantizers import AsymQuantizer, TurboQuantizer
+from .spec import CacheSpec
 
 __version__ = "0.1.0"
 
@@ -33,6 +34,7 @@ __all__ = [
     "flash_attn_with_kvcache",
     "last_path",
     "QuantizedKVCache",
+    "CacheSpec",
     "CpuQuantizedKVCache",
     "TurboQuantizer",
     "AsymQuantizer",

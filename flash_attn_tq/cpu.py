@@ -34,6 +34,36 @@ import torch
 
 from . import format as fmt
 from .quantizers import TurboQuantizer, fwht
+from .spec import CacheSpec
+
+# what a CacheSpec must say for this cache's format: int8 keys, turbo's uniform norm fit for the values
+CPU_FORMAT = dict(
+    k_bits=8,
+    quantizer="turbo",
+    grid="uniform",
+    fit="norm",
+    scale_only=True,
+    sink_tokens=0,
+    fp16_window=0,
+    window_bits=16,
+    key_center=False,
+    page_size=None,
+    streaming=False,
+    health=False,
+)
+
+
+def spec_values(spec: CacheSpec) -> tuple[int, int]:
+    """(v_bits, seed) of a :class:`CacheSpec` this cache's format holds; other fields refused by name."""
+    if not isinstance(spec, CacheSpec):
+        raise TypeError(f"spec must be a CacheSpec, got {type(spec).__name__}")
+    for name, want in CPU_FORMAT.items():
+        if getattr(spec, name) != want:
+            raise ValueError(
+                f"spec: the CPU cache holds {name}={want!r} (int8 keys, 16-bit free), got {getattr(spec, name)!r}"
+            )
+    return spec.v_bits, spec.seed
+
 
 COMPUTE_DTYPES = (torch.bfloat16, torch.float32)
 VALUE_BITS = (2, 3, 4)
@@ -44,6 +74,8 @@ class CpuQuantizedKVCache:
 
     Args:
         batch_size, max_seqlen, num_kv_heads: capacity (rows, tokens per row, kv heads).
+        spec: a :class:`~flash_attn_tq.CacheSpec` of this format (``k_bits=8``: the int8 keys; turbo's
+            uniform norm fit; no side, window or key center): its ``v_bits`` and ``seed``.
         head_dim: a power of two, multiple of 32 (the Hadamard rotation).
         key_group: channels sharing one int8 key scale; divides ``head_dim`` (default: ``head_dim``,
             one scale per token and kv head).
@@ -67,6 +99,7 @@ class CpuQuantizedKVCache:
         num_kv_heads: int,
         head_dim: int,
         *,
+        spec: Optional[CacheSpec] = None,
         key_group: Optional[int] = None,
         v_bits: int = 3,
         seed: int = 0,
@@ -75,6 +108,8 @@ class CpuQuantizedKVCache:
         score_dtype: Optional[torch.dtype] = None,
         device: Union[torch.device, str] = "cpu",
     ):
+        if spec is not None:
+            v_bits, seed = spec_values(spec)
         for name, val in (
             ("batch_size", batch_size),
             ("max_seqlen", max_seqlen),

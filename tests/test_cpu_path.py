@@ -180,3 +180,14 @@ def test_bad_inputs_name_the_argument():
         fa.flash_attn_with_kvcache(q.double(), c)
     with pytest.raises(ValueError, match="v_cache"):
         fa.flash_attn_with_kvcache(q, c, torch.zeros(1))
+
+
+def test_cpu_cache_takes_a_spec():
+    """The CPU cache takes a CacheSpec of its format (int8 keys, turbo values) and refuses the rest by name."""
+    from flash_attn_tq import CacheSpec, CpuQuantizedKVCache
+
+    cache = CpuQuantizedKVCache(1, 16, 1, 64, spec=CacheSpec(k_bits=8, v_bits=4, seed=3))
+    assert (cache.v_bits, cache.seed) == (4, 3)
+    for bad, name in ((CacheSpec(), "k_bits"), (CacheSpec(k_bits=8, sink_tokens=4), "sink_tokens")):
+        with pytest.raises(ValueError, match=name):
+            CpuQuantizedKVCache(1, 16, 1, 64, spec=bad)
