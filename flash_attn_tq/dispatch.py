@@ -83,7 +83,7 @@ def _read_device(device: torch.device, wgmma_on: bool) -> Device:
     return Device(
         "cuda",
         extension=True,
-        prefill_smem=props.shared_memory_per_block_optin >= smem_budget,
+        prefill_smem=getattr(props, "shared_memory_per_block_optin", props.shared_memory_per_block) >= smem_budget,
         wgmma=bool(sm90a) and hopper and wgmma_on,
     )
 
