@@ -10,7 +10,10 @@
     python scripts/make_docs.py            # rewrite the generated blocks
     python scripts/make_docs.py --check    # exit 1 if a block is out of date (nothing is written)
 
-Without transformers, ``--check`` checks the support matrix only and says so; writing needs it.
+It documents the checkout's package: run as a file, it runs itself again as ``python -m
+scripts.make_docs`` from the repository root (where that package comes first on the import path).
+``--root DIR`` checks or writes DIR/README.md and DIR/docs/api.md instead of the checkout's. Without
+transformers, ``--check`` checks the support matrix only and says so; writing needs it.
 """
 
 from __future__ import annotations
@@ -20,19 +23,23 @@ import dataclasses
 import importlib.util
 import inspect
 import re
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # the checkout's package, installed or not
-
-import flash_attn_tq as fa  # noqa: E402
-from flash_attn_tq import dispatch, spec, verify  # noqa: E402
-
-README = ROOT / "README.md"
-API = ROOT / "docs" / "api.md"
 WIDTH = 100  # signature lines wrap here
+
+
+def package():
+    """The checkout's flash_attn_tq and the modules documented here (imported when first needed)."""
+    import flash_attn_tq as fa
+    from flash_attn_tq import dispatch, spec, verify
+
+    if Path(fa.__file__).resolve().parents[1] != ROOT:
+        raise SystemExit(f"make_docs: imported flash_attn_tq from {fa.__file__}, not this checkout: run it from {ROOT}")
+    return fa, dispatch, spec, verify
 
 
 # ----------------------------------------------------------------------------- text helpers
@@ -143,11 +150,13 @@ def table(rows: list[dict[str, str]]) -> str:
 
 
 def support_matrix() -> str:
+    _, dispatch, _, _ = package()
     return table(dispatch.support_matrix())
 
 
 def spec_fields() -> str:
     """CacheSpec's fields: name, type, default, and the docstring's line about it."""
+    _, _, spec, _ = package()
     bullets = {}
     for p in paragraphs(spec.CacheSpec):
         for item in re.split(r"\n(?=\* )", p):
@@ -175,11 +184,13 @@ def spec_fields() -> str:
 
 
 def research_options() -> str:
+    _, _, spec, _ = package()
     return table([{"option": f"`{k}`", "what it takes": v} for k, v in spec.RESEARCH.items()])
 
 
 def api_reference() -> str:
     """The generated API reference (needs transformers: the integration is part of it)."""
+    fa, dispatch, spec, verify = package()
     from flash_attn_tq.integrations.graphs import GraphDecoder
     from flash_attn_tq.integrations.transformers import TQCache
 
@@ -234,7 +245,7 @@ def api_reference() -> str:
 def replace_block(text: str, name: str, body: str, path: Path) -> str:
     begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
     if text.count(begin) != 1 or text.count(end) != 1 or text.index(begin) > text.index(end):
-        raise SystemExit(f"{path.relative_to(ROOT)}: needs exactly one {begin} ... {end} pair")
+        raise SystemExit(f"{path}: needs exactly one {begin} ... {end} pair")
     head, rest = text.split(begin)
     _, tail = rest.split(end)
     return f"{head}{begin}\n{body.rstrip()}\n{end}{tail}"
@@ -243,15 +254,17 @@ def replace_block(text: str, name: str, body: str, path: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="compare only; exit 1 if a block is out of date")
+    ap.add_argument("--root", type=Path, default=ROOT, help="the tree whose README.md and docs/api.md to use")
     args = ap.parse_args(argv)
+    readme, api = args.root / "README.md", args.root / "docs" / "api.md"
     with_transformers = importlib.util.find_spec("transformers") is not None
     if not with_transformers and not args.check:
         print("make_docs: the API page documents TQCache: pip install '.[transformers]' first", file=sys.stderr)
         return 2
     matrix = support_matrix()
-    blocks = {README: {"support-matrix": matrix}, API: {"support-matrix": matrix}}
+    blocks = {readme: {"support-matrix": matrix}, api: {"support-matrix": matrix}}
     if with_transformers:
-        blocks[API]["api"] = api_reference()
+        blocks[api]["api"] = api_reference()
     else:
         print("make_docs: transformers is not installed: the API block of docs/api.md is not checked")
     stale = []
@@ -261,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, body in names.items():
             new = replace_block(new, name, body, path)
         if new != old:
-            stale.append(path.relative_to(ROOT))
+            stale.append(path.relative_to(args.root))
             if not args.check:
                 path.write_text(new)
     if args.check and stale:
@@ -271,5 +284,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def as_module(argv: list[str]) -> int:
+    """Run again as ``python -m scripts.make_docs`` from the root (a ``--root`` resolved here first)."""
+    args = [str(Path(a).resolve()) if i and argv[i - 1] == "--root" else a for i, a in enumerate(argv)]
+    args = [f"--root={Path(a[7:]).resolve()}" if a.startswith("--root=") else a for a in args]
+    return subprocess.call([sys.executable, "-m", "scripts.make_docs", *args], cwd=ROOT)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    # run as a file, it would import whichever flash_attn_tq is installed: run from the root as a module
+    sys.exit(main() if __package__ else as_module(sys.argv[1:]))

@@ -14,8 +14,9 @@ ROOT = Path(__file__).resolve().parents[1]
 MAKE_DOCS = ROOT / "scripts" / "make_docs.py"
 
 
-def run_check() -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(MAKE_DOCS), "--check"], capture_output=True, text=True, cwd=ROOT)
+def run_check(*args: str) -> subprocess.CompletedProcess:
+    """``scripts/make_docs.py --check`` run as a file, as the README says (it documents the checkout's package)."""
+    return subprocess.run([sys.executable, str(MAKE_DOCS), "--check", *args], capture_output=True, text=True)
 
 
 def test_generated_docs_are_up_to_date():
@@ -30,25 +31,22 @@ def test_api_reference_is_checked_with_transformers():
     assert "not checked" not in done.stdout, done.stdout
 
 
-def test_check_fails_on_a_stale_block(tmp_path, monkeypatch):
-    """--check reports a block that differs from the code, and writes nothing."""
-    spec = importlib.util.spec_from_file_location("make_docs", MAKE_DOCS)
-    make_docs = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(make_docs)
-    readme = tmp_path / "README.md"
-    readme.write_text("# x\n<!-- support-matrix:begin -->\n| stale |\n<!-- support-matrix:end -->\n")
-    api = tmp_path / "docs" / "api.md"
-    api.parent.mkdir()
-    api.write_text("<!-- support-matrix:begin -->\n<!-- support-matrix:end -->\n<!-- api:begin -->\n<!-- api:end -->\n")
-    monkeypatch.setattr(make_docs, "ROOT", tmp_path)
-    monkeypatch.setattr(make_docs, "README", readme)
-    monkeypatch.setattr(make_docs, "API", api)
-    before = readme.read_text()
-    assert make_docs.main(["--check"]) == 1
-    assert readme.read_text() == before
+def test_check_fails_on_a_stale_block(tmp_path):
+    """--check reports a block that differs from the code and writes nothing; writing brings it up to date."""
+    (tmp_path / "docs").mkdir()
+    stale = "# x\n<!-- support-matrix:begin -->\n| stale |\n<!-- support-matrix:end -->\n"
+    (tmp_path / "README.md").write_text(stale)
+    (tmp_path / "docs" / "api.md").write_text((ROOT / "docs" / "api.md").read_text())
+    done = run_check("--root", str(tmp_path))
+    assert done.returncode == 1 and "README.md" in done.stdout, done.stdout + done.stderr
+    assert (tmp_path / "README.md").read_text() == stale
     if importlib.util.find_spec("transformers") is not None:
-        assert make_docs.main([]) == 0 and "| K3V3 |" in readme.read_text()
-        assert make_docs.main(["--check"]) == 0
+        wrote = subprocess.run(
+            [sys.executable, str(MAKE_DOCS), "--root", str(tmp_path)], capture_output=True, text=True
+        )
+        assert wrote.returncode == 0, wrote.stdout + wrote.stderr
+        assert "| K3V3 |" in (tmp_path / "README.md").read_text()
+        assert run_check("--root", str(tmp_path)).returncode == 0
 
 
 def test_support_matrix_lists_every_fused_width():
