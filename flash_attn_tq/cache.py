@@ -429,13 +429,16 @@ class QuantizedKVCache:
         return state.config(self)
 
     def state_dict(self) -> dict[str, Any]:
+        """The cache's tensors by name and its :meth:`config`: what :meth:`from_state_dict` rebuilds it from."""
         return state.state_dict(self)
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
+        """Copy a :meth:`state_dict` into this cache in place (saved from the same shape and spec, else ValueError)."""
         state.load_state_dict(self, saved)
 
     @classmethod
     def from_state_dict(cls, saved: dict[str, Any], device: torch.device | str = "cpu") -> "QuantizedKVCache":
+        """A new cache on ``device`` holding a saved :meth:`state_dict` (saves of older versions too)."""
         return state.from_state_dict(cls, saved, device)
 
     def __repr__(self) -> str:

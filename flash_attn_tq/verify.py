@@ -9,7 +9,8 @@ and checks
   with its inputs and output rounded to the cache dtype, plus a small absolute term;
 * the codec: pack/unpack round trip on random codes, bits per element against
   :func:`flash_attn_tq.format.bits_per_element`, and the quantization error (relative MSE of the
-  coded K and V, bounded by 1.5x its typical value on Gaussian data; reported only for ``--qkv``).
+  coded K and V): judged on the default Gaussian data (bound: 1.5x its typical value there), and
+  reported without a verdict for ``--qkv`` data, which has no typical value.
 
 Prints a verdict table (``--json``: a JSON object) and exits 1 if a check fails.
 
