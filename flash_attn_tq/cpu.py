@@ -33,6 +33,7 @@ from typing import Optional, Union
 import torch
 
 from . import format as fmt
+from .baseline import check_window_size
 from .quantizers import TurboQuantizer, fwht
 
 COMPUTE_DTYPES = (torch.bfloat16, torch.float32)
@@ -360,7 +361,7 @@ def flash_attn_with_kvcache(
     for name, bad in (
         ("cache_leftpad", cache_leftpad is not None),
         ("block_table", block_table is not None),
-        ("window_size", tuple(window_size) != (-1, -1)),
+        ("window_size", check_window_size(window_size) != (-1, -1)),
         ("softcap", softcap != 0.0),
         ("alibi_slopes", alibi_slopes is not None),
     ):

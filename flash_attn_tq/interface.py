@@ -318,6 +318,8 @@ def flash_attn_with_kvcache(
         raise ValueError("k_cache is required (a tensor, or a QuantizedKVCache; or pass kv_cache=)")
     if v_cache is None:
         raise ValueError("v_cache is required unless k_cache is a QuantizedKVCache")
+    # validated first: the choice of the decode kernel below reads the window's bounds
+    window_size = baseline.check_options(0.0, window_size, softcap, softmax_scale)
     if _upstream() is None and isinstance(q, torch.Tensor) and q.is_cuda:
         reason = ops.kv16_decode_unsupported(q, k_cache, v_cache, block_table)
         extras = (
