@@ -24,6 +24,9 @@ def run():
 
 
 STAND_IN = """
+import os
+import time
+
 import pytest
 import torch
 from flash_attn import flash_attn_func, flash_attn_with_kvcache
@@ -66,6 +69,12 @@ def test_xfail():
 
 def test_never_selected():
     pass
+
+
+@pytest.mark.parametrize("i", range(2))
+def test_slow(i):
+    if i and os.environ.get("STAND_IN_SLOW"):
+        time.sleep(120)
 """
 
 
@@ -105,7 +114,14 @@ def test_stand_in_suite(run, sdist, tmp_path, monkeypatch, capsys):
     assert rc == 1
     result = json.loads(out.with_suffix(".json").read_text())
     per = result["functions"]
-    assert list(per) == ["test_sampled", "test_fails", "test_raises", "test_skips", "test_xfail", "test_never_selected"]
+    assert list(per)[:6] == [
+        "test_sampled",
+        "test_fails",
+        "test_raises",
+        "test_skips",
+        "test_xfail",
+        "test_never_selected",
+    ]
     kept = sum(zlib.crc32(f"test_flash_attn.py::test_sampled[{i}]".encode()) % 3 == 0 for i in range(40))
     assert 0 < kept < 40
     assert per["test_sampled"] == dict(per["test_sampled"], collected=40, selected=kept, passed=kept, failed=0)
@@ -115,9 +131,9 @@ def test_stand_in_suite(run, sdist, tmp_path, monkeypatch, capsys):
     assert (fails["passed"], fails["failed"]) == (1, 2)  # (widths 128, 64, 32)
     assert fails["failures"] == [
         dict(
-            reason="test_flash_attn.py:23: AssertionError: width",
+            reason="test_flash_attn.py:26: AssertionError: width",
             count=2,
-            example="test_flash_attn.py:23: AssertionError: width",
+            example="test_flash_attn.py:26: AssertionError: width",
             first="test_flash_attn.py::test_fails[32]",
         )
     ]
@@ -148,3 +164,17 @@ def test_all_passing_exits_zero(run, sdist, tmp_path, monkeypatch):
 def test_missing_sdist(run, tmp_path):
     with pytest.raises(SystemExit, match="no such file"):
         run.main(["--sdist", str(tmp_path / "nope.tar.gz")])
+
+
+def test_deadline(run, sdist, tmp_path, monkeypatch):
+    """A run stopped at its --deadline reports what ran; the rest counts as not run (exit status 1)."""
+    monkeypatch.setattr(sys, "argv", ["run.py"])
+    monkeypatch.setenv("STAND_IN_SLOW", "1")
+    out = tmp_path / "suite"
+    argv = ["--sdist", str(sdist), "--emulate-cpu", "--out", str(out), "-k", "test_slow", "--deadline", "20"]
+    assert run.main(argv) == 1
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert result["stamp"]["stopped_at_deadline"] == 20
+    row = result["functions"]["test_slow"]
+    assert (row["selected"], row["passed"], row["failed"], row["not_run"]) == (2, 1, 0, 1)
+    assert "stopped at its --deadline of 20 s" in out.with_suffix(".md").read_text()

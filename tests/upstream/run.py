@@ -26,6 +26,7 @@ import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import tarfile
@@ -113,7 +114,6 @@ PLUGIN = r'''"""pytest plugin of tests/upstream/run.py: samples the tests, recor
 
 import json
 import os
-import re
 import zlib
 
 import pytest
@@ -121,9 +121,8 @@ import pytest
 RESULTS = os.environ["FLASH_ATTN_TQ_UPSTREAM_RESULTS"]
 SAMPLE = json.loads(os.environ["FLASH_ATTN_TQ_UPSTREAM_SAMPLE"])
 TEST_FILE = os.path.basename(os.environ["FLASH_ATTN_TQ_UPSTREAM_TEST_FILE"])
-RANK = {"passed": 0, "xpassed": 1, "skipped": 2, "xfailed": 3, "failed": 4}
 _config = None
-_records = {}  # nodeid -> [status, line of the test file or None, first line of the message or None]
+_log = None  # outcomes.jsonl: [nodeid, status, line of the test file or None, first line of the message or None]
 
 
 def _function(nodeid):
@@ -209,14 +208,12 @@ def pytest_runtest_logreport(report):
     where, message = (None, None) if status in ("passed", "xpassed", "xfailed") else _reason(report)
     if status == "failed" and report.when != "call":
         message = f"(in {report.when}) {message}"
-    old = _records.get(report.nodeid)
-    if old is None or RANK[status] > RANK[old[0]]:
-        _records[report.nodeid] = [status, where, message]
-
-
-def pytest_sessionfinish(session, exitstatus):
-    if _config is not None and not hasattr(_config, "workerinput"):
-        _write("outcomes.json", _records)
+    # one line a report, written at once: a run stopped part way keeps what it did (the runner
+    # keeps each test's worst outcome)
+    global _log
+    if _log is None:
+        _log = open(os.path.join(RESULTS, "outcomes.jsonl"), "a", buffering=1)
+    _log.write(json.dumps([report.nodeid, status, where, message]) + "\n")
 '''
 
 # --------------------------------------------------------------------------------------- helpers
@@ -242,6 +239,11 @@ def parse_args(argv):
     ap.add_argument("-k", dest="keyword", help="pytest -k expression")
     ap.add_argument("--timeout", type=float, help="seconds per test (pytest-timeout)")
     ap.add_argument("-n", dest="workers", help="pytest-xdist workers (a number or 'auto')")
+    ap.add_argument(
+        "--deadline",
+        type=float,
+        help="stop pytest after this many seconds and report what ran (the rest counts as not run)",
+    )
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results path, without or with .json (.md beside it)")
     ap.add_argument("--emulate-cpu", action="store_true", help="developer option: run the file on the CPU (see above)")
     ap.add_argument("--keep-temp", action="store_true", help="keep the temporary folder (its path is printed)")
@@ -354,12 +356,47 @@ def has_extension():
         return False
 
 
+def run_pytest(cmd, cwd, env, deadline):
+    """Runs pytest; past ``deadline`` seconds interrupts it as Ctrl-C would (it then ends the tests
+    in flight and reports), and kills it a minute later.  Returns (exit status, stopped)."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env)
+    try:
+        return proc.wait(timeout=deadline), False
+    except subprocess.TimeoutExpired:
+        print(f"\n--deadline: {deadline:g} s passed, stopping pytest", flush=True)
+        proc.send_signal(signal.SIGINT)
+        try:
+            return proc.wait(timeout=60), True
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            return proc.wait(), True
+
+
 def matches_exclusion(rule, function, nodeid, reason):
     return (
         rule.get("function") in (None, function)
         and re.search(rule.get("nodeid", ""), nodeid) is not None
         and re.search(rule.get("reason", ""), reason or "") is not None
     )
+
+
+RANK = {"passed": 0, "xpassed": 1, "skipped": 2, "xfailed": 3, "failed": 4}
+
+
+def read_outcomes(path):
+    """nodeid -> [status, line, message]: each test's worst report (a failed teardown after a passed
+    call is a failure)."""
+    outcomes = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            try:
+                nodeid, status, where, message = json.loads(line)
+            except ValueError:  # (a line cut short by a kill)
+                continue
+            old = outcomes.get(nodeid)
+            if old is None or RANK[status] > RANK[old[0]]:
+                outcomes[nodeid] = [status, where, message]
+    return outcomes
 
 
 def summarize(functions, collected, outcomes):
@@ -438,7 +475,10 @@ def write_markdown(path, result):
         f"| **all** | {totals['collected']} | {totals['deselected']} | {totals['passed']} | {totals['failed']} | "
         f"{totals['excluded']} | {totals['skipped']} | {totals['xfailed']} | {totals['not_run']} |"
     )
-    lines += ["", "`not run`: selected but without an outcome (pytest stopped or a worker died).", ""]
+    lines += ["", "`not run`: selected but without an outcome (pytest stopped or a worker died)."]
+    if stamp.get("stopped_at_deadline"):
+        lines.append(f"This run was stopped at its --deadline of {stamp['stopped_at_deadline']:g} s.")
+    lines.append("")
     lines += ["## Failures", ""]
     failures = [(f, e) for f, row in per.items() for e in row["failures"]]
     if not failures:
@@ -506,13 +546,13 @@ def main(argv=None):
         env["FLASH_ATTN_TQ_UPSTREAM_SAMPLE"] = json.dumps(rates)
         env["FLASH_ATTN_TQ_UPSTREAM_TEST_FILE"] = str(test_file)
         print("$", shlex.join(cmd), flush=True)
-        rc = subprocess.run(cmd, cwd=tmp, env=env).returncode
+        rc, stopped = run_pytest(cmd, tmp, env, args.deadline)
 
         def load(name):
             path = results / name
             return json.loads(path.read_text()) if path.is_file() else {}
 
-        collected, outcomes = load("collected.json"), load("outcomes.json")
+        collected, outcomes = load("collected.json"), read_outcomes(results / "outcomes.jsonl")
         per = summarize(functions, collected, outcomes)
         keys = ("collected", "deselected", "passed", "failed", "excluded", "skipped", "xfailed", "xpassed", "not_run")
         totals = {k: sum(row[k] for row in per.values()) for k in keys}
@@ -526,9 +566,10 @@ def main(argv=None):
             pytest_command=shlex.join(["pytest", TEST_FILE, *cmd[cmd.index("--rootdir") + 2 :]]),
             sample=rates,
             keyword=args.keyword,
+            stopped_at_deadline=args.deadline if stopped else None,
             alias=load("alias.json"),
         )
-        failed_run = rc not in (0, 1, 5) or (rc == 1 and not totals["failed"] and not outcomes)
+        failed_run = not stopped and (rc not in (0, 1, 5) or (rc == 1 and not totals["failed"] and not outcomes))
         result = dict(
             stamp=stamp,
             pytest_exit_status=rc,
