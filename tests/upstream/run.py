@@ -357,19 +357,23 @@ def has_extension():
 
 
 def run_pytest(cmd, cwd, env, deadline):
-    """Runs pytest; past ``deadline`` seconds interrupts it as Ctrl-C would (it then ends the tests
-    in flight and reports), and kills it a minute later.  Returns (exit status, stopped)."""
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env)
+    """Runs pytest in a process group of its own; past ``deadline`` seconds interrupts the group as
+    Ctrl-C would, and kills it a minute later (pytest-xdist's workers may go on past an interrupt;
+    the outcomes so far are on disk either way).  Returns (exit status, stopped)."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, start_new_session=True)
     try:
         return proc.wait(timeout=deadline), False
     except subprocess.TimeoutExpired:
         print(f"\n--deadline: {deadline:g} s passed, stopping pytest", flush=True)
-        proc.send_signal(signal.SIGINT)
+        os.killpg(proc.pid, signal.SIGINT)
         try:
             return proc.wait(timeout=60), True
         except subprocess.TimeoutExpired:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
             return proc.wait(), True
+    finally:
+        if proc.poll() is None:  # (the runner itself interrupted)
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def matches_exclusion(rule, function, nodeid, reason):
