@@ -30,23 +30,24 @@ Conventions (matching the upstream kernels unless noted):
 * ``dropout_p > 0`` drops attention probabilities at random (torch RNG, so the
   pattern is not the one the CUDA kernel would draw) and rescales the kept ones
   by ``1 / (1 - dropout_p)``.
-* ``return_attn_probs=True`` returns ``(out, softmax_lse, S_dmask)``, shaped
-  ``(batch, nheads, seqlen_q, seqlen_k)`` (varlen: ``max_seqlen_q``,
-  ``max_seqlen_k``, zero-padded), in the dtype of ``q``.  With
-  ``dropout_p > 0`` it holds what the upstream kernel writes: unnormalized
-  scores ``exp(s - m)``.  The key axis is cut into blocks (from each
-  sequence's first key) of 128 columns for ``headdim <= 32``, 64 for
-  ``<= 96``, 32 for ``<= 128`` and 64 above; ``m`` is the row's maximum over
-  the entry's block and all later ones (the kernel walks the blocks from last
-  to first and writes each against its running maximum), or 0 where that
-  maximum is ``-inf``.  Dropped entries are negated, so ``S_dmask >= 0`` is
-  the keep mask (masked-out entries, 0 or -0, read as kept) and
-  ``S_dmask.abs() * exp(m - softmax_lse)`` are the probabilities before
-  dropout; ``out`` is those probabilities times the keep mask, over
-  ``1 - dropout_p``, times ``v``.  Upstream pads the last two dimensions up
-  to a multiple of 128 and returns an empty tensor when ``dropout_p == 0``;
-  this module returns them unpadded and, without dropout, returns the
-  normalized softmax probabilities instead.
+* ``return_attn_probs=True`` returns ``(out, softmax_lse, S_dmask)``, ``S_dmask`` in the
+  dtype of ``q``.  With ``dropout_p > 0`` it is what the upstream kernel writes and upstream's
+  tests decode: shaped ``(batch, nheads, seqlen_q_rounded, seqlen_k_rounded)``, both lengths
+  rounded up to a multiple of 128 (varlen: ``max_seqlen_q`` and ``max_seqlen_k`` rounded, sequence
+  ``b`` in rows and columns from 0 of ``S_dmask[b]``), zero past the sequence (upstream leaves
+  that padding unwritten).  Its entries are the unnormalized scores ``exp(s - m)``: the key axis
+  is cut into blocks, from each sequence's first key, of
+  :func:`get_block_size_n` ``(device, headdim, True, causal)`` columns (upstream's
+  ``_get_block_size_n``: 128 for ``headdim <= 32``, 64 for ``<= 96``, 32 for ``<= 128`` and 64
+  above, past 256 too), and ``m`` is the row's maximum over the entry's block and all later ones (the kernel
+  walks the blocks from last to first and writes each against its running maximum), or 0 where
+  that maximum is ``-inf``.  Dropped entries are negated, so ``S_dmask >= 0`` is the keep mask
+  (masked-out entries, 0 or -0, read as kept) and ``S_dmask.abs() * exp(m - softmax_lse)`` are
+  the probabilities before dropout; ``out`` is those probabilities times the keep mask, over
+  ``1 - dropout_p``, times ``v``.  Upstream returns an empty tensor when ``dropout_p == 0``; this
+  module returns the normalized softmax probabilities instead, shaped
+  ``(batch, nheads, seqlen_q, seqlen_k)`` (varlen: ``max_seqlen_q``, ``max_seqlen_k``,
+  zero-padded), unrounded.
 * Accepted dtypes are float16 and bfloat16 as upstream, and also float32 (the
   baseline only).  q, k, v must share a dtype and a device.  Upstream's limits
   on head size (<= 256, multiple of 8), rotary dim (multiple of 16), paged
@@ -65,6 +66,7 @@ from typing import Optional, Union
 
 import torch
 
+from .spec import is_int
 from .validation import DTYPES as _DTYPES
 from .validation import (
     check_alibi,
@@ -104,18 +106,38 @@ def _per_batch(value, batch, default, device, name):
     return torch.full((batch,), int(value), dtype=torch.long, device=device)
 
 
-def _fwd_block_n(headdim):
-    """Key-block width of upstream's forward kernel when it writes S_dmask (dropout on).
-
-    The same table as upstream's ``_get_block_size_n(device, headdim, True, causal)``,
-    which with dropout does not depend on the GPU or on ``causal``."""
-    if headdim <= 32:
+def get_block_size_n(device, head_dim, is_dropout, is_causal):
+    """Key-block width of upstream's forward kernel, as upstream's
+    ``flash_attn_interface._get_block_size_n(device, head_dim, is_dropout, is_causal)`` gives it
+    (the width its tests decode ``S_dmask`` with).  The widths, by head size: 128 up to 32; up to
+    64, 128 (64 with dropout); up to 96, 64; up to 128, 64 (32 with dropout; without dropout on
+    sm86/sm89, 64 only when causal); up to 256, 64.  Only the no-dropout width at head sizes
+    97-128 depends on the GPU: ``device`` is read only then, and a device that is not CUDA counts
+    as an sm80/sm90 GPU.  ``head_dim`` above 256 is refused, as upstream."""
+    if not is_int(head_dim) or not 0 < head_dim <= 256:
+        raise ValueError(f"head_dim must be an int in [1, 256], got {head_dim!r}")
+    if head_dim <= 32:
         return 128
-    if headdim <= 96:
+    if head_dim <= 64:
+        return 64 if is_dropout else 128
+    if head_dim <= 96:
         return 64
-    if headdim <= 128:
-        return 32
+    if head_dim <= 128:
+        if is_dropout:
+            return 32
+        if not is_causal and _is_sm8x(device):
+            return 32
+        return 64
     return 64
+
+
+def _is_sm8x(device):
+    """True on an sm86 / sm89 GPU (sm8x other than the A100's sm80)."""
+    device = torch.device("cuda", device) if is_int(device) else torch.device(device or "cuda")
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    major, minor = torch.cuda.get_device_capability(device)
+    return major == 8 and minor > 0
 
 
 def _kernel_exp_scores(scores, block_n):
@@ -189,7 +211,7 @@ def _attend(
     scores = scores.masked_fill(~keep, float("-inf"))
     s_dmask = None
     if want_probs and dropout_p > 0:
-        s_dmask = _kernel_exp_scores(scores.detach(), _fwd_block_n(headdim))
+        s_dmask = _kernel_exp_scores(scores.detach(), get_block_size_n(device, min(max(headdim, 1), 256), True, causal))
     # Rows without any key are replaced by zeros so nothing turns into NaN,
     # then zeroed out below.
     scores = torch.where(row_ok, scores, torch.zeros_like(scores))
@@ -256,7 +278,16 @@ def _dense(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alib
         q, k, v, softmax_scale, causal, window_size, softcap, alibi_slopes, None, None, dropout_p, return_attn_probs
     )
     out = out.to(q.dtype)
-    return (out, lse, probs.to(q.dtype)) if return_attn_probs else out
+    if not return_attn_probs:
+        return out
+    if dropout_p > 0:  # upstream's shape: both lengths rounded up to a multiple of 128, zero-padded
+        rows, cols = _round128(probs.shape[2]), _round128(probs.shape[3])
+        probs = torch.nn.functional.pad(probs, (0, cols - probs.shape[3], 0, rows - probs.shape[2]))
+    return out, lse, probs.to(q.dtype)
+
+
+def _round128(n):
+    return -(-n // 128) * 128
 
 
 def flash_attn_qkvpacked_func(
@@ -357,7 +388,12 @@ def _varlen(
     total_q, dv = q.shape[0], v.shape[-1]
     pieces = [q.new_zeros(qb[0], nheads, dv, dtype=torch.float32)]
     lse_pieces = [q.new_full((nheads, qb[0]), float("inf"), dtype=torch.float32)]
-    probs = q.new_zeros(batch, nheads, int(max_seqlen_q), int(max_seqlen_k)) if return_attn_probs else None
+    probs = None
+    if return_attn_probs:
+        rows, cols = int(max_seqlen_q), int(max_seqlen_k)
+        if dropout_p > 0:  # upstream's shape (see _dense)
+            rows, cols = _round128(rows), _round128(cols)
+        probs = q.new_zeros(batch, nheads, rows, cols)
     for b in range(batch):
         qs = q[qb[b] : qb[b + 1]].unsqueeze(0)
         if paged:

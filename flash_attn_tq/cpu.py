@@ -35,6 +35,7 @@ import torch
 from . import format as fmt
 from .quantizers import TurboQuantizer, fwht
 from .spec import CacheSpec
+from .validation import check_window_size
 
 # what a CacheSpec must say for this cache's format: int8 keys, turbo's uniform norm fit for the values
 CPU_FORMAT = dict(
@@ -397,7 +398,7 @@ def flash_attn_with_kvcache(
     for name, bad in (
         ("cache_leftpad", cache_leftpad is not None),
         ("block_table", block_table is not None),
-        ("window_size", tuple(window_size) != (-1, -1)),
+        ("window_size", check_window_size(window_size) != (-1, -1)),
         ("softcap", softcap != 0.0),
         ("alibi_slopes", alibi_slopes is not None),
     ):

@@ -46,20 +46,27 @@ def _took(path: str) -> None:
 
 @functools.lru_cache(maxsize=None)
 def _upstream():
-    """Upstream flash_attn's interface module, or None when it is not installed."""
+    """Upstream flash_attn's interface module, or None when it is not installed (or when
+    ``flash_attn`` is an alias of this package, whose functions would call back here)."""
     try:
         mod = importlib.import_module("flash_attn.flash_attn_interface")
     except Exception:  # ImportError, or a broken/mismatched build
         return None
-    # (a package aliased as flash_attn over this one, as when upstream's tests run against it, is not upstream)
-    if getattr(getattr(mod, "flash_attn_func", None), "__module__", "").startswith(__package__):
+    # genuine upstream holds its compiled backend, and its functions are not this package's own
+    own = getattr(getattr(mod, "flash_attn_func", None), "__module__", "") or ""
+    if getattr(mod, "flash_attn_gpu", None) is None or own.split(".")[0] == __name__.split(".")[0]:
         return None
     return mod
 
 
+def _on_upstream_device(*tensors: torch.Tensor) -> bool:
+    """Whether upstream's kernels take these tensors: CUDA float16 / bfloat16."""
+    return all(t.is_cuda and t.dtype in (torch.float16, torch.bfloat16) for t in tensors)
+
+
 def _baseline_impl(name: str, *tensors: torch.Tensor):
     up = _upstream()
-    if up is not None and all(t.is_cuda and t.dtype in (torch.float16, torch.bfloat16) for t in tensors):
+    if up is not None and _on_upstream_device(*tensors):
         _took("baseline:upstream")
         return getattr(up, name)
     _took("baseline:torch")

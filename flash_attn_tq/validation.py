@@ -4,8 +4,10 @@ names the argument, before anything changes a cache (the upstream-semantics func
 
 from __future__ import annotations
 
+import collections.abc
 import math
 import numbers
+import sys
 
 import torch
 
@@ -57,23 +59,65 @@ def is_real(x) -> bool:
     return type(x) in (float, int) or (isinstance(x, numbers.Real) and not isinstance(x, bool))
 
 
+_WINDOW_ERROR = "window_size must be a pair of ints (left, right), -1 for unbounded"
+
+
+def _window_bound(x):
+    """One bound of window_size as an int, or None when it is not an integer: an int, a numpy
+    integer, or a 0-d integer tensor / numpy array (bools and floats are refused)."""
+    if type(x) is int:
+        return x
+    if isinstance(x, numbers.Integral) and not isinstance(x, bool):
+        return int(x)
+    if isinstance(x, torch.Tensor):
+        if x.dim() == 0 and not x.dtype.is_floating_point and not x.dtype.is_complex and x.dtype != torch.bool:
+            return int(x)
+        return None
+    np = sys.modules.get("numpy")  # (an object can only be a numpy array once numpy is imported)
+    if np is not None and isinstance(x, np.ndarray) and x.ndim == 0 and x.dtype.kind in "iu":
+        return int(x)
+    return None
+
+
+def check_window_size(window_size):
+    """window_size in any form upstream takes: a tuple or list of two integers, a 1-D tensor of
+    two integers (any integer dtype and device; reading a CUDA tensor's values syncs the device),
+    a numpy array or other sequence of two integers.  Returns a plain ``(int, int)``."""
+    if type(window_size) is tuple and len(window_size) == 2:  # (the common case, cheaply)
+        left, right = window_size
+        if type(left) is int and type(right) is int:
+            return window_size
+    pair = None
+    if isinstance(window_size, torch.Tensor):
+        if window_size.shape == (2,) and not window_size.dtype.is_floating_point:
+            if not window_size.dtype.is_complex and window_size.dtype != torch.bool:
+                pair = [int(b) for b in window_size.tolist()]
+    else:
+        np = sys.modules.get("numpy")
+        if np is not None and isinstance(window_size, np.ndarray):
+            if window_size.shape == (2,) and window_size.dtype.kind in "iu":
+                pair = [int(b) for b in window_size.tolist()]
+        elif isinstance(window_size, (tuple, list, collections.abc.Sequence)) and not isinstance(
+            window_size, (str, bytes, bytearray)
+        ):
+            if len(window_size) == 2:
+                pair = [_window_bound(window_size[0]), _window_bound(window_size[1])]
+    if pair is None or None in pair:
+        raise ValueError(f"{_WINDOW_ERROR}, got {window_size!r}")
+    return (pair[0], pair[1])
+
+
 def check_options(dropout_p, window_size, softcap, softmax_scale=None):
     """dropout_p, window_size, softcap and softmax_scale as the attention functions take them;
-    returns window_size as a pair of ints."""
+    returns window_size as a plain pair of ints (see :func:`check_window_size` for its forms)."""
     if not is_real(dropout_p) or not 0.0 <= float(dropout_p) < 1.0:
         raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
-    if (
-        not isinstance(window_size, (tuple, list))
-        or len(window_size) != 2
-        or not is_int(window_size[0])
-        or not is_int(window_size[1])
-    ):
-        raise ValueError(f"window_size must be a pair of ints (left, right), -1 for unbounded, got {window_size!r}")
+    window_size = check_window_size(window_size)
     if not is_real(softcap) or not math.isfinite(softcap) or softcap < 0:
         raise ValueError(f"softcap must be a finite number >= 0 (0 disables it), got {softcap!r}")
     if softmax_scale is not None and (not is_real(softmax_scale) or not math.isfinite(softmax_scale)):
         raise ValueError(f"softmax_scale must be a finite number (None: 1 / sqrt(headdim)), got {softmax_scale!r}")
-    return (int(window_size[0]), int(window_size[1]))
+    return window_size
 
 
 def check_alibi(alibi_slopes, batch, nheads, device):

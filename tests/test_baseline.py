@@ -367,7 +367,10 @@ def test_dropout_s_dmask(d, opt, api_fn):
         out, lse, sd = flash_attn_kvpacked_func(q, torch.stack([k, v], dim=2), p, return_attn_probs=True, **api)
     else:
         out, lse, sd = flash_attn_qkvpacked_func(torch.stack([q, k, v], dim=2), p, return_attn_probs=True, **api)
-    assert sd.shape == (B, Hq, Sq, Sk) and sd.dtype == q.dtype
+    # upstream's shape: both lengths rounded up to a multiple of 128, the padding zero
+    assert sd.shape == (B, Hq, 128, 128) and sd.dtype == q.dtype
+    assert (sd[:, :, Sq:] == 0).all() and (sd[:, :, :, Sk:] == 0).all()
+    sd = sd[:, :, :Sq, :Sk]
     dropped = allowed = 0
     for b in range(B):
         sl = None if slopes is None else (slopes if slopes.dim() == 1 else slopes[b])
@@ -390,12 +393,37 @@ def test_dropout_s_dmask(d, opt, api_fn):
     assert abs(dropped / allowed - p) < 0.06
 
 
-def test_dropout_s_dmask_block_table():
-    """The block width follows upstream's table for every head size."""
-    from flash_attn_tq.baseline import _fwd_block_n
+# upstream's _get_block_size_n, spelled out: head size -> (dropout, no dropout) on sm80 / sm90
+UPSTREAM_BLOCK_N = [(32, 128, 128), (64, 64, 128), (96, 64, 64), (128, 32, 64), (256, 64, 64)]
 
-    assert {d: _fwd_block_n(d) for d in BLOCK_N} == BLOCK_N
-    assert [_fwd_block_n(d) for d in (16, 32, 33, 64, 65, 97, 129, 256)] == [128, 128, 64, 64, 64, 32, 64, 64]
+
+def test_get_block_size_n_table():
+    from flash_attn_tq.baseline import get_block_size_n
+
+    for d in range(1, 257):
+        want_dropout, want_plain = next((w, p) for top, w, p in UPSTREAM_BLOCK_N if d <= top)
+        for causal in (False, True):
+            assert get_block_size_n("cpu", d, True, causal) == want_dropout
+            assert get_block_size_n(torch.device("cpu"), d, False, causal) == want_plain
+    assert {d: get_block_size_n("cpu", d, True, False) for d in BLOCK_N} == BLOCK_N
+    for bad in (0, 257, 64.0):
+        with pytest.raises(ValueError, match="head_dim"):
+            get_block_size_n("cpu", bad, True, False)
+
+
+def test_get_block_size_n_sm8x(monkeypatch):
+    """Only the no-dropout width at head sizes 97-128 depends on the GPU (sm86 / sm89)."""
+    from flash_attn_tq import baseline
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for cap, want in (((8, 6), (32, 64)), ((8, 9), (32, 64)), ((8, 0), (64, 64)), ((9, 0), (64, 64))):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, cap=cap: cap)
+        assert (
+            baseline.get_block_size_n("cuda", 128, False, False),
+            baseline.get_block_size_n(0, 111, False, True),
+        ) == want
+        assert baseline.get_block_size_n("cuda:0", 128, True, False) == 32
+        assert baseline.get_block_size_n("cpu", 128, False, False) == 64  # not a CUDA device
 
 
 @pytest.mark.parametrize("api_fn", ["varlen", "varlen_kvpacked", "varlen_qkvpacked"])
@@ -425,7 +453,8 @@ def test_dropout_s_dmask_varlen(api_fn):
             torch.stack([q, k, v], dim=1), cu_q, max(lq), p, return_attn_probs=True, **kw
         )
         mq, mk = max(lq), max(lk)
-    assert sd.shape == (B, Hq, mq, mk) and sd.dtype == q.dtype
+    assert sd.shape == (B, Hq, 128, 128) and sd.dtype == q.dtype  # mq, mk rounded up to 128
+    assert (sd[:, :, mq:] == 0).all() and (sd[:, :, :, mk:] == 0).all()
     dropped = allowed = 0
     for b in range(B):
         qs, ks = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
@@ -444,9 +473,153 @@ def test_dropout_s_dmask_half(dtype):
     q, k, v = [randn(gen, B, S, H, d, dtype=dtype) for _ in range(3)]
     torch.manual_seed(1)
     out, lse, sd = flash_attn_func(q, k, v, p, causal=True, return_attn_probs=True)
-    assert sd.dtype == dtype and out.dtype == dtype
+    assert sd.dtype == dtype and out.dtype == dtype and sd.shape == (B, H, 128, 128)
+    sd = sd[:, :, :S, :S]
     tol = 1e-2 if dtype == torch.float16 else 3e-2
     check_s_dmask(sd[0], out[0], lse[0], q[0], k[0], v[0], p, 64, causal=True, atol=tol)
+
+
+# Decoding S_dmask the way upstream's tests do it, written from the documented semantics: crop
+# to the sequence, zero what the mask excludes, keep = S >= 0; the probabilities are
+# |S| * exp(m - lse), with lse the row's log-sum-exp and m the row maximum over the entry's key
+# block and every later one, both taken from scores the decoder computes itself, in blocks of
+# upstream's width from the sequence's first key.
+
+
+def upstream_style_decode(sd, q, k, block_n, causal=False, window=(-1, -1), slopes=None):
+    """One sequence: sd (H, rows >= Sq, cols >= Sk), q (Sq, H, d), k (Sk, Hk, d).
+
+    Returns (probs, keep, allowed), each (H, Sq, Sk).  With ``causal`` the ALiBi bias is the
+    column-only ``slope * (j - Sk + 1)`` of upstream's tests, which differs from
+    ``-slope * |diag - j|`` by a per-row constant that the decoding must not care about."""
+    Sq, H, d = q.shape
+    Sk = k.shape[0]
+    sd = sd[:, :Sq, :Sk].double()
+    kd = k.double().repeat_interleave(H // k.shape[1], dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), kd) / math.sqrt(d)
+    i, j = torch.arange(Sq).view(-1, 1), torch.arange(Sk).view(1, -1)
+    diag = i + Sk - Sq
+    left, right = window[0], 0 if causal else window[1]
+    allowed = torch.ones(Sq, Sk, dtype=torch.bool)
+    if left >= 0:
+        allowed &= j >= diag - left
+    if right >= 0:
+        allowed &= j <= diag + right
+    if slopes is not None:
+        slope = slopes.double().view(-1, 1, 1)
+        scores = scores + (slope * (j - Sk + 1) if causal else -slope * (diag - j).abs())
+    scores = scores.masked_fill(~allowed, -INF)
+    sd = sd.masked_fill(~allowed, 0.0)
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    lse = lse.masked_fill(torch.isneginf(lse), INF)
+    m = torch.empty_like(scores)
+    top = torch.full((H, Sq), -INF, dtype=torch.float64)
+    for start in reversed(range(0, Sk, block_n)):
+        top = torch.maximum(top, scores[..., start : start + block_n].amax(dim=-1))
+        m[..., start : start + block_n] = top.unsqueeze(-1)
+    return sd.abs() * torch.exp(m - lse), sd >= 0, allowed.expand(H, Sq, Sk)
+
+
+def softmax_probs(q, k, allowed, slopes=None):
+    """Probabilities (H, Sq, Sk) in float64 over the allowed keys, ALiBi as -slope * |diag - j|;
+    0 in rows without a key (a vectorized naive_probs, for the longer sequences below)."""
+    Sq, H, d = q.shape
+    Sk = k.shape[0]
+    kd = k.double().repeat_interleave(H // k.shape[1], dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), kd) / math.sqrt(d)
+    if slopes is not None:
+        diag = torch.arange(Sq).view(-1, 1) + Sk - Sq
+        scores = scores - slopes.double().view(-1, 1, 1) * (diag - torch.arange(Sk)).abs()
+    probs = torch.softmax(scores.masked_fill(~allowed, -INF), dim=-1)
+    return probs.nan_to_num(0.0)
+
+
+def upstream_block_n(d):
+    return next(w for top, w, _ in UPSTREAM_BLOCK_N if d <= top)
+
+
+def check_decoded(sd, out, q, k, v, p, causal=False, window=(-1, -1), slopes=None):
+    """Decodes one sequence and checks the probabilities and out; returns (dropped, allowed)."""
+    probs, keep, allowed = upstream_style_decode(sd, q, k, upstream_block_n(q.shape[-1]), causal, window, slopes)
+    ref = softmax_probs(q, k, allowed, slopes)
+    assert_close(probs, ref, atol=1e-5, rtol=1e-4)
+    Hq, Hk = q.shape[1], k.shape[1]
+    out_ref = torch.einsum("hqk,khd->qhd", ref * keep / (1 - p), v.double().repeat_interleave(Hq // Hk, dim=1))
+    assert_close(out, out_ref, atol=1e-5, rtol=1e-4)
+    return (allowed & ~keep).sum().item(), allowed.sum().item()
+
+
+DECODE_OPTS = {
+    "plain": dict(),
+    "causal": dict(causal=True),
+    "local": dict(window=(70, 9)),
+    "local_causal_alibi": dict(window=(45, -1), causal=True, alibi=True),
+    "alibi": dict(alibi=True),
+}
+
+
+@pytest.mark.parametrize("opt", list(DECODE_OPTS))
+@pytest.mark.parametrize("d", [32, 64, 96, 128, 160, 192, 224, 256])
+def test_dropout_s_dmask_upstream_decoding(d, opt):
+    """Every head size of upstream's suite: the decoded probabilities are ours, the keep mask
+    reproduces out, and the padded S_dmask has upstream's shape."""
+    gen = gen_for(seed_of(("decode", d, opt)))
+    kw = dict(DECODE_OPTS[opt])
+    B, Sq, Sk, Hq, Hk, p = 2, 37, 300, 4, 2, 0.17
+    q, k, v = randn(gen, B, Sq, Hq, d), randn(gen, B, Sk, Hk, d), randn(gen, B, Sk, Hk, d)
+    slopes = torch.rand(B, Hq, generator=gen) * 0.3 if kw.pop("alibi", False) else None
+    causal, window = kw.get("causal", False), kw.get("window", (-1, -1))
+    torch.manual_seed(seed_of(("decode-rng", d, opt)))
+    out, _, sd = flash_attn_func(
+        q, k, v, p, causal=causal, window_size=window, alibi_slopes=slopes, return_attn_probs=True
+    )
+    assert sd.shape == (B, Hq, 128, 384)
+    dropped = allowed = 0
+    for b in range(B):
+        nd, na = check_decoded(
+            sd[b], out[b], q[b], k[b], v[b], p, causal, window, None if slopes is None else slopes[b]
+        )
+        dropped, allowed = dropped + nd, allowed + na
+    assert abs(dropped / allowed - p) < 0.02
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("opt", ["causal", "local", "alibi"])
+def test_dropout_s_dmask_upstream_decoding_varlen(d, opt):
+    """Padded varlen: sequence b's entries start at row 0 and column 0 of S_dmask[b]; the rows
+    and columns past its lengths (up to max_seqlen rounded up to 128) are zero."""
+    gen = gen_for(seed_of(("decode-varlen", d, opt)))
+    kw = dict(DECODE_OPTS[opt])
+    lq, lk = [30, 0, 17, 129], [200, 5, 140, 131]
+    B, Hq, Hk, p = len(lq), 2, 1, 0.17
+    q, k, v = randn(gen, sum(lq), Hq, d), randn(gen, sum(lk), Hk, d), randn(gen, sum(lk), Hk, d)
+    slopes = torch.rand(B, Hq, generator=gen) * 0.3 if kw.pop("alibi", False) else None
+    causal, window = kw.get("causal", False), kw.get("window", (-1, -1))
+    cu_q, cu_k = _cu(lq), _cu(lk)
+    torch.manual_seed(seed_of(("decode-varlen-rng", d, opt)))
+    out, _, sd = flash_attn_varlen_func(
+        q, k, v, cu_q, cu_k, 140, 260, p, causal=causal, window_size=window, alibi_slopes=slopes, return_attn_probs=True
+    )
+    assert sd.shape == (B, Hq, 256, 384)
+    dropped = allowed = 0
+    for b in range(B):
+        qs, ks = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
+        assert (sd[b, :, lq[b] :] == 0).all() and (sd[b, :, :, lk[b] :] == 0).all()
+        sl = None if slopes is None else slopes[b]
+        nd, na = check_decoded(sd[b], out[qs], q[qs], k[ks], v[ks], p, causal, window, sl)
+        dropped, allowed = dropped + nd, allowed + na
+    assert abs(dropped / allowed - p) < 0.03
+
+
+def test_dropout_s_dmask_decoding_needs_the_right_width():
+    """The decoding above is sensitive to the block width (so the tests would catch a wrong one)."""
+    gen = gen_for(9)
+    q, k, v = randn(gen, 1, 16, 1, 64), randn(gen, 1, 256, 1, 64), randn(gen, 1, 256, 1, 64)
+    out, _, sd = flash_attn_func(q, k, v, 0.1, return_attn_probs=True)
+    good, _, _ = upstream_style_decode(sd[0], q[0], k[0], 64)
+    bad, _, _ = upstream_style_decode(sd[0], q[0], k[0], 128)
+    ref = softmax_probs(q[0], k[0], torch.ones(1, 16, 256, dtype=torch.bool))
+    assert (good - ref).abs().max() < 1e-5 and (bad - ref).abs().max() > 1e-2
 
 
 def test_dropout_grads_and_no_dropout_probs():
