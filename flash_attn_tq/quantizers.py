@@ -376,7 +376,9 @@ class AsymQuantizer:
             codes = round_half_up(xf / scale + zero).clamp_(0, n - 1)
             meta = torch.cat([scale, -scale * zero], -1).to(torch.float16)
             return codes.long(), meta, new_ema
-        scale = _as_fp16_float((mx - mn) / (n - 1))
+        # (mx - mn) / (n - 1) correctly rounded, as the pack kernel's division (a float64 quotient rounds
+        # to the float32 one; a GPU division by a scalar multiplies by its reciprocal instead)
+        scale = _as_fp16_float(((mx - mn).double() / (n - 1)).float())
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))
         offset = _as_fp16_float(mn)
         codes = round_half_up((xf - offset) / scale).clamp_(0, n - 1)

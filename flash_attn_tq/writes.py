@@ -260,7 +260,8 @@ def _write(cache, k, v, start, rows, batch_idx, cache_seqlens, error_flags, plan
         or (cache.rope_center and (calibrating or not kernel_rope))
     )
     pos = start.long().unsqueeze(1) + torch.arange(n, device=cache.device) if needs_pos else None  # [B, n]
-    if rows is None and (needs_pos or keys.enabled or cache.health_counters is not None):
+    # rows as a tensor where a PyTorch step indexes with them (a decode step on the kernels needs none)
+    if rows is None and (needs_pos or calibrating or cache.health_counters is not None):
         rows = torch.arange(B, device=cache.device)
     if keys.enabled:
         if calibrating:

@@ -31,7 +31,7 @@ DECODE_CASES = [
     (1, [77], 4, 4, 16),
 ]
 
-# chunked prefill: GQA group * seqlen_q >= ops.PREFILL_MIN_ROWS query rows a kv head (the prefill kernel)
+# chunked prefill: GQA group * seqlen_q >= kernel_cases.PREFILL_MIN_ROWS query rows a kv head (the prefill kernel)
 PREFILL_CASES = [
     # batch, seqlens, q heads, kv heads, seqlen_q, causal
     (2, [700, 1500], 8, 2, 40, True),  # 160 rows: a partial 256-row CTA (five of its eight warps)

@@ -12,7 +12,7 @@ import torch
 from gpu_cases import DECODE_CASES, DEV, NEEDS_GPU, PREFILL_CASES, poison_allocator, shuffled_block_table
 
 import flash_attn_tq as fa
-from flash_attn_tq import baseline, dispatch, ops
+from flash_attn_tq import baseline, dispatch, kernel_cases
 from flash_attn_tq import format as fmt
 from flash_attn_tq.cache import QuantizedKVCache
 
@@ -143,12 +143,12 @@ def test_decode_matches_reference(dtype, d, bits, quantizer, case):
 @pytest.mark.parametrize("case", PREFILL_CASES)
 @pytest.mark.parametrize("wgmma", ["1", "0"], ids=["wgmma", "mma_sync"])
 def test_prefill_matches_reference(dtype, d, bits, quantizer, case, wgmma, monkeypatch):
-    """The prefill kernel (>= ops.PREFILL_MIN_ROWS query rows a kv head) against float32 attention over
+    """The prefill kernel (>= kernel_cases.PREFILL_MIN_ROWS query rows a kv head) against float32 attention over
     the dequantized cache, through flash_attn_with_kvcache; both of its variants on Hopper (wgmma, and
     the mma.sync one other GPUs run; FLASH_ATTN_TQ_PREFILL_WGMMA=0 picks it there)."""
     monkeypatch.setenv("FLASH_ATTN_TQ_PREFILL_WGMMA", wgmma)
     batch, seqlens, hq, hk, sq, causal = case
-    assert (hq // hk) * sq >= ops.PREFILL_MIN_ROWS
+    assert (hq // hk) * sq >= kernel_cases.PREFILL_MIN_ROWS
     seed = zlib.crc32(repr(("prefill", str(dtype), d, bits, quantizer, seqlens, sq)).encode()) % 10000
     cache, _, _ = _make_cache(
         batch, seqlens, hk, d, quantizer=quantizer, k_bits=bits[0], v_bits=bits[1], dtype=dtype, seed=seed
@@ -471,7 +471,7 @@ def test_pack_kernel_asym_vectors_not_straddling_zero(bits, d, dtype):
     assert torch.equal(kd[0, :n, 2].cpu(), x[0, :, 2].float().cpu())  # constant vectors: exact
     q = torch.randn(1, 1, 2 * h, d, device=DEV, dtype=dtype)
     out, lse = fa.flash_attn_with_kvcache(q, cache, return_softmax_lse=True)
-    fused = (bits, bits) in ops.FUSED_DECODE_BITS
+    fused = (bits, bits) in kernel_cases.FUSED_DECODE_BITS
     assert fa.last_path() == "quantized:fused-cuda" if fused else fa.last_path().startswith("quantized:reference")
     _check_against_reference(q, cache, out, lse, causal=False)
 
@@ -777,7 +777,7 @@ def test_pack_kernel_fit_mean_matches_reference(bits, d, dtype):
     # and attention over it through the fused kernel matches the reference path
     q = torch.randn(1, 1, 2 * h, d, device=DEV, dtype=dtype)
     out = fa.flash_attn_with_kvcache(q, cache)
-    fused = (bits, bits) in ops.FUSED_DECODE_BITS
+    fused = (bits, bits) in kernel_cases.FUSED_DECODE_BITS
     assert fa.last_path() == "quantized:fused-cuda" if fused else fa.last_path().startswith("quantized:reference")
     ref_out, _, ref_lp, _ = _reference(q, cache, cache.seqlens, False)
     err, err_lp = (out.float().cpu() - ref_out).abs().max().item(), (ref_lp - ref_out).abs().max().item()

@@ -331,6 +331,8 @@ def git_commit():
     def git(*a):
         return subprocess.run(["git", "-C", str(REPO), *a], capture_output=True, text=True).stdout.strip()
 
+    if os.environ.get("GIT_COMMIT"):  # (a copy of the tree without its history names its commit so)
+        return os.environ["GIT_COMMIT"]
     commit = git("rev-parse", "HEAD") or "unknown"
     return commit + ("+uncommitted changes" if git("status", "--porcelain", "--untracked-files=no") else "")
 
@@ -347,13 +349,11 @@ def machine(emulated):
     return dict(gpu=gpu, torch=torch.__version__, cuda=torch.version.cuda or "none")
 
 
-def has_extension():
-    try:
-        from flash_attn_tq import ops
-
-        return bool(ops.extension_available())
-    except Exception:
-        return False
+def has_extension(env):
+    """Whether the tests' processes (``env``: theirs) import the built extension."""
+    probe = "from flash_attn_tq import ops; print(ops.extension_available())"
+    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)
+    return done.stdout.strip() == "True"
 
 
 def run_pytest(cmd, cwd, env, deadline):
@@ -564,7 +564,7 @@ def main(argv=None):
             date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             **machine(args.emulate_cpu),
             commit=git_commit(),
-            extension=has_extension(),
+            extension=has_extension(env),
             sdist=sdist.name,
             command=shlex.join([Path(sys.executable).name, sys.argv[0] if argv is None else "run.py", *raw_argv]),
             pytest_command=shlex.join(["pytest", TEST_FILE, *cmd[cmd.index("--rootdir") + 2 :]]),
