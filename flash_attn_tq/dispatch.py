@@ -60,7 +60,7 @@ class Device:
         key = (device.type, device.index, wgmma_on)
         found = _DEVICES.get(key)
         if found is None:
-            found = _read_device(device, wgmma_on)
+            found = read_device(device, wgmma_on)
             if not torch.compiler.is_compiling():
                 _DEVICES[key] = found
         return found
@@ -69,7 +69,8 @@ class Device:
 _DEVICES: dict[tuple, Device] = {}  # (a dict, not lru_cache: torch.compile reads it as a constant)
 
 
-def _read_device(device: torch.device, wgmma_on: bool) -> Device:
+def read_device(device: torch.device, wgmma_on: bool) -> Device:
+    """The facts of ``device`` as the driver and the extension report them (read once a device)."""
     from . import ops
 
     if device.type != "cuda":
@@ -221,10 +222,9 @@ def pair_reason(
         return reason
     if ((spec.k_bits, spec.v_bits), (other.k_bits, other.v_bits)) not in FUSED_PAIR_BITS:
         return f"no one-launch kernel for K{spec.k_bits}V{spec.v_bits} beside K{other.k_bits}V{other.v_bits}"
-    if other.replace(k_bits=spec.k_bits, v_bits=spec.v_bits) != spec:
-        diff = [f.name for f in dataclasses.fields(spec) if f.name not in ("k_bits", "v_bits")]
-        diff = [name for name in diff if getattr(spec, name) != getattr(other, name)]
-        return f"the head groups' caches differ in {diff[0]}"
+    for field in dataclasses.fields(spec):  # (no new spec: its validation does not trace)
+        if field.name not in ("k_bits", "v_bits") and getattr(spec, field.name) != getattr(other, field.name):
+            return f"the head groups' caches differ in {field.name}"
     if not spec.scale_only or spec.page_size is not None or not spec.side_slots or spec.window_bits != 16:
         return "one launch takes contiguous caches with scale-only metadata and a 16-bit side"
     if spec.key_center and not spec.rope_center:

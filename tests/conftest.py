@@ -1,7 +1,6 @@
 """Shared fixtures."""
 
 import pytest
-import torch
 
 
 @pytest.fixture
@@ -11,14 +10,15 @@ def cpu_as_gpu(monkeypatch):
     or test_ops_schema's recording ops)."""
     from flash_attn_tq import dispatch
 
-    real = dispatch.Device.of
+    real = dispatch.read_device
 
-    def of(device):
-        if torch.device(device).type != "cpu":
-            return real(device)
+    def read_device(device, wgmma_on):
+        if device.type != "cpu":
+            return real(device, wgmma_on)
         return dispatch.Device("cuda", extension=True, prefill_smem=True)
 
-    monkeypatch.setattr(dispatch.Device, "of", staticmethod(of))
+    monkeypatch.setattr(dispatch, "read_device", read_device)
+    monkeypatch.setattr(dispatch, "_DEVICES", {})  # (facts read before the patch)
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import torch
 from gpu_cases import DECODE_CASES, DEV, NEEDS_GPU, PREFILL_CASES, poison_allocator, shuffled_block_table
 
 import flash_attn_tq as fa
-from flash_attn_tq import baseline, dispatch, kernel_cases
+from flash_attn_tq import baseline, dispatch, kernel_cases, ops
 from flash_attn_tq import format as fmt
 from flash_attn_tq.cache import QuantizedKVCache
 
@@ -330,29 +330,22 @@ def test_paged_token_major_layout(page_size, seqlen_q):
     signs = cache.k_quantizer.signs_on(q.device)
     tensors = (cache.k_codes, cache.k_meta, cache.v_codes, cache.v_meta)
     assert cache.k_codes.stride(0) == cache.k_codes.stride(2) * 2  # head-major: [blocks, heads, page, bytes]
+    plan = cache.plan(dispatch.Query.of(q))
+    assert plan.fused, plan.reason
     outs = []
-    for k_codes, k_meta, v_codes, v_meta in (tensors, tuple(t.contiguous() for t in tensors)):
+    for codes in (tensors, tuple(t.contiguous() for t in tensors)):
         poison_allocator()
+        store = ops.Store(ops.CODES, codes, k_bits=3, v_bits=3)
         outs.append(
-            torch.ops.flash_attn_tq.decode_kvcache(
+            ops.decode(
                 q,
-                k_codes,
-                k_meta,
-                v_codes,
-                v_meta,
+                [store],
                 cache.seqlens,
-                None,
-                cache.block_table,
-                signs,
-                3,
-                3,
-                128**-0.5,
-                True,
-                0,
-                -1,
-                -1,
-                None,
-                0.0,
+                softmax_scale=128**-0.5,
+                causal=True,
+                kernel=plan.kernel,
+                block_table=cache.block_table,
+                rot_signs=signs,
             )
         )
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
@@ -563,46 +556,19 @@ def test_unsupported_calls_fall_back_to_the_reference():
 def test_kernel_errors_name_the_argument():
     cache, _, _ = _make_cache(1, [40], 2, 128, seed=2)
     q = torch.randn(1, 1, 4, 128, device=DEV, dtype=torch.float16)
+
+    def decode(q, v_codes=cache.v_codes, seqlens=cache.seqlens):
+        store = ops.Store(ops.CODES, (cache.k_codes, cache.k_meta, v_codes, cache.v_meta), k_bits=3, v_bits=3)
+        return ops.decode(q, [store], seqlens, softmax_scale=0.1, causal=False)
+
     with pytest.raises(RuntimeError, match="seqlens_k"):
-        torch.ops.flash_attn_tq.decode_kvcache(
-            q,
-            cache.k_codes,
-            cache.k_meta,
-            cache.v_codes,
-            cache.v_meta,
-            cache.seqlens.long(),
-            None,
-            None,
-            None,
-            3,
-            3,
-            0.1,
-            False,
-            0,
-        )
+        decode(q, seqlens=cache.seqlens.long())
     with pytest.raises(RuntimeError, match="head_dim"):
-        torch.ops.flash_attn_tq.decode_kvcache(
-            q[..., :96].contiguous(),
-            cache.k_codes,
-            cache.k_meta,
-            cache.v_codes,
-            cache.v_meta,
-            cache.seqlens,
-            None,
-            None,
-            None,
-            3,
-            3,
-            0.1,
-            False,
-            0,
-        )
+        decode(q[..., :96].contiguous())
     # V rows of 48 bytes are copied 16 bytes at a time: codes 8 bytes past an alignment are refused
     shifted = torch.zeros(cache.v_codes.numel() + 8, device=DEV, dtype=torch.uint8)[8:].view(cache.v_codes.shape)
     with pytest.raises(RuntimeError, match="k_codes/v_codes rows must be aligned"):
-        torch.ops.flash_attn_tq.decode_kvcache(
-            q, cache.k_codes, cache.k_meta, shifted, cache.v_meta, cache.seqlens, None, None, None, 3, 3, 0.1, False, 0
-        )
+        decode(q, v_codes=shifted)
     with pytest.raises(ValueError, match="NaN"):
         bad = torch.full((1, 1, 2, 128), float("nan"), device=DEV, dtype=torch.float16)
         fa.flash_attn_with_kvcache(q, cache, k=bad, v=bad)

@@ -13,7 +13,7 @@ import torch
 from gpu_cases import DECODE_CASES, DEV, NEEDS_GPU, poison_allocator, shuffled_block_table
 
 import flash_attn_tq as fa
-from flash_attn_tq import baseline
+from flash_attn_tq import baseline, ops
 from flash_attn_tq.cache import QuantizedKVCache
 from flash_attn_tq.keys import rope_turn
 
@@ -187,34 +187,22 @@ def test_rope_center_unsupported_calls_take_the_reference():
 def test_rope_center_op_errors_name_the_argument():
     cache = _rope_cache(1, [40], 2, 64, seed=2)
     q = torch.randn(1, 1, 4, 64, device=DEV, dtype=torch.float16)
-    args = (
-        q,
-        cache.k_codes,
-        cache.k_meta,
-        cache.v_codes,
-        cache.v_meta,
-        cache.seqlens,
-        None,
-        None,
-        None,
-        3,
-        3,
-        0.1,
-        False,
-        0,
-        -1,
-        -1,
-        None,
-        0.0,
-    )
+    codes = ops.Store(ops.CODES, (cache.k_codes, cache.k_meta, cache.v_codes, cache.v_meta), k_bits=3, v_bits=3)
+
+    def decode(center, inv, window_size=(-1, -1)):
+        stores = [codes, ops.Store(ops.CENTER, (center,))]
+        return ops.decode(
+            q, stores, cache.seqlens, softmax_scale=0.1, causal=False, window_size=window_size, rope_inv_freq=inv
+        )
+
     center, inv = cache.k_center[:1].contiguous(), cache.rope_inv_freq
     with pytest.raises(RuntimeError, match="together"):
-        torch.ops.flash_attn_tq.decode_kvcache(*args, center, None, 0)
+        decode(center, None)
     with pytest.raises(RuntimeError, match="rope_center must be"):
-        torch.ops.flash_attn_tq.decode_kvcache(*args, center.half(), inv, 0)
+        decode(center.half(), inv)
     with pytest.raises(RuntimeError, match="rope_center must be"):
-        torch.ops.flash_attn_tq.decode_kvcache(*args, center[:, :1].contiguous(), inv, 0)
+        decode(center[:, :1].contiguous(), inv)
     with pytest.raises(RuntimeError, match="rope_inv_freq must be"):
-        torch.ops.flash_attn_tq.decode_kvcache(*args, center, inv[:16], 0)
+        decode(center, inv[:16])
     with pytest.raises(RuntimeError, match="rope_center does not combine"):
-        torch.ops.flash_attn_tq.decode_kvcache(*(args[:14] + (20, 0) + args[16:]), center, inv, 0)
+        decode(center, inv, window_size=(20, 0))

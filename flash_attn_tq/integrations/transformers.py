@@ -300,14 +300,13 @@ class TQLayer(CacheLayerMixin):
         (:meth:`QuantizedKVCache.plan`); every later step reuses the plan."""
         q = query.transpose(1, 2)
         G = q.shape[2] // self.num_kv_heads
-        if self._pair is not None and q.is_cuda:  # both head groups in one launch where the call allows it
+        if self._pair is not None:  # both head groups in one launch where the call and device allow it
             a, b = self._pair
             qa, qb = self.caches[a], self.caches[b]
-            qq = q.to(qa.dtype)
             group2 = (qb, self.groups[b][0])
-            plan = qa.plan(dispatch.Query.of(qq), pair=group2)
+            plan = qa.plan(dispatch.Query(*q.shape[1:], qa.dtype), pair=group2)
             if plan.fused:
-                return attend_with_plan(qq, qa, plan, scaling, group2=group2).to(query.dtype)
+                return attend_with_plan(q.to(qa.dtype), qa, plan, scaling, group2=group2).to(query.dtype)
         outs = []
         for g, qc in enumerate(self.caches):
             qg = self._heads(q, g, G)
