@@ -86,7 +86,7 @@ class QuantizedKVCache:
         self.keys = KeyCenter(spec, self.batch_size, self.num_kv_heads, self.head_dim, device)
         counters = len(health.HEALTH_COUNTERS)
         self.health_counters = torch.zeros(counters, dtype=torch.float64, device=device) if spec.health else None
-        self._plans: dict = {}  # (query, device) -> dispatch.Plan, dtype -> dispatch.WritePlan
+        self._plans: dict = {}  # (query, wgmma switch, pair) -> dispatch.Plan, dtype -> dispatch.WritePlan
 
     def _quantizer(self, bits: int, running: bool | None = None):
         s = self.spec
@@ -272,12 +272,10 @@ class QuantizedKVCache:
 
     def write_plan(self, dtype: torch.dtype) -> dispatch.WritePlan:
         """How an append of new K/V of ``dtype`` writes (memoized)."""
-        device = dispatch.Device.of(self.device)
-        key = (dtype, device)
-        plan = self._plans.get(key)
+        plan = self._plans.get(dtype)
         if plan is None:
-            plan = dispatch.write_plan(self.spec, self.head_dim, dtype, device)
-            self._remember(key, plan)
+            plan = dispatch.write_plan(self.spec, self.head_dim, dtype, dispatch.Device.of(self.device))
+            self._remember(dtype, plan)
         return plan
 
     def _remember(self, key, plan) -> None:
@@ -304,11 +302,12 @@ class QuantizedKVCache:
     # ------------------------------------------------------------------ attention (the fused kernels)
     def plan(self, query: dispatch.Query, pair: tuple["QuantizedKVCache", int] | None = None) -> dispatch.Plan:
         """How attention of ``query`` over this cache runs (memoized; ``pair``: see :meth:`attend`)."""
-        device = dispatch.Device.of(self.device)
+        wgmma_on = dispatch.wgmma_switch()
         other = None if pair is None else (pair[0].spec, pair[0].num_kv_heads)
-        key = (query, device, other)
+        key = (query, wgmma_on, other)
         plan = self._plans.get(key)
         if plan is None:
+            device = dispatch.Device.of(self.device, wgmma_on)
             plan = dispatch.plan(self.spec, self.num_kv_heads, query, device, other)
             self._remember(key, plan)
         return plan
@@ -316,18 +315,15 @@ class QuantizedKVCache:
     def stores(self, batch: int, batch_idx: torch.Tensor | None = None, group: int = 0) -> list[ops.Store]:
         """The cache as the decode op takes it, for ``batch`` sequences in cache rows ``batch_idx``
         (int32 ``[batch]``; None: 0..batch-1): its codes, its RoPE center's rows and its 16-bit side."""
-        tail = self.fp16_window
-        out = [
-            ops.Store(
-                ops.CODES, (self.k_codes, self.k_meta, self.v_codes, self.v_meta), group, self.k_bits, self.v_bits, tail
-            )
-        ]
-        if self.rope_center:  # (float32 rows: a slice or a gather)
+        s = self.spec  # (its fields read once: this runs every call)
+        codes = (self.k_codes, self.k_meta, self.v_codes, self.v_meta)
+        out = [ops.Store(ops.CODES, codes, group, s.k_bits, s.v_bits, s.fp16_window)]
+        if s.key_center == "rope":  # (float32 rows: a slice or a gather)
             rows = None if batch_idx is None else self.row_index(batch_idx)
             out.append(ops.Store(ops.CENTER, (self.keys.rows_of(rows, batch),), group))
         if self.kv_side is not None:  # (traced: split in the graph, so no two inputs alias what the pack writes)
             side = tuple(self.kv_side.unbind(0)) if torch.compiler.is_compiling() else self._side_pair
-            out.append(ops.Store(ops.SIDE, side, group, a=self.sink_tokens, b=self.side_recent))
+            out.append(ops.Store(ops.SIDE, side, group, a=s.sink_tokens, b=s.side_recent))
         return out
 
     @property
@@ -386,7 +382,7 @@ class QuantizedKVCache:
             leftpad=leftpad,
             window_size=window_size,
             softcap=softcap,
-            rot_signs=self.k_quantizer.signs_on(self.device) if self.quantizer == "turbo" else None,
+            rot_signs=self.k_quantizer.signs_on(q.device) if self.spec.quantizer == "turbo" else None,
             rope_inv_freq=self.keys.inv_freq,
             rope_offset=self.spec.rope_position_offset,
         )

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -53,10 +54,12 @@ class Device:
     wgmma: bool = False
 
     @classmethod
-    def of(cls, device: torch.device | str) -> "Device":
-        """The facts of ``device`` (read once a device; the environment switch every call)."""
+    def of(cls, device: torch.device | str, wgmma_on: bool | None = None) -> "Device":
+        """The facts of ``device`` (read once a device) with the wgmma switch ``wgmma_on`` (None: as
+        :func:`wgmma_switch` reads it now)."""
         device = torch.device(device)
-        wgmma_on = os.environ.get("FLASH_ATTN_TQ_PREFILL_WGMMA", "1")[:1] != "0"
+        if wgmma_on is None:
+            wgmma_on = wgmma_switch()
         key = (device.type, device.index, wgmma_on)
         found = _DEVICES.get(key)
         if found is None:
@@ -64,6 +67,12 @@ class Device:
             if not torch.compiler.is_compiling():
                 _DEVICES[key] = found
         return found
+
+
+def wgmma_switch() -> bool:
+    """False when ``FLASH_ATTN_TQ_PREFILL_WGMMA=0`` switches the prefill kernel's wgmma variant off
+    (read at every plan lookup: a benchmark may switch it between two calls)."""
+    return os.environ.get("FLASH_ATTN_TQ_PREFILL_WGMMA", "1")[:1] != "0"
 
 
 _DEVICES: dict[tuple, Device] = {}  # (a dict, not lru_cache: torch.compile reads it as a constant)
@@ -89,10 +98,10 @@ def read_device(device: torch.device, wgmma_on: bool) -> Device:
     )
 
 
-@dataclasses.dataclass(frozen=True)
-class Query:
+class Query(NamedTuple):
     """The facts of an attention call that decide the kernel: ``q [batch, seqlen_q, q_heads,
-    head_dim]`` of ``dtype`` and the options in use (``local``: a ``window_size``)."""
+    head_dim]`` of ``dtype`` and the options in use (``local``: a ``window_size``). (A tuple: built and
+    hashed every call, as a plan's memo key.)"""
 
     seqlen_q: int
     q_heads: int
