@@ -39,15 +39,21 @@ def script_modules() -> dict[str, Path]:
     return {p.stem: p for d in SCRIPT_DIRS for p in sorted((ROOT / d).glob("*.py")) if p.stem != "__init__"}
 
 
+# tools that run a child interpreter over a checkout they are given (an A/B of two trees, upstream's
+# suite against this one): its environment names that checkout
+CHILD_RUNNERS = {"scripts/ab_host.sh", "scripts/ab_trees.sh", "tests/upstream/run.py"}
+
+
 def test_no_import_path_edits():
-    """No file edits Python's import path (results logs, records of earlier runs, aside)."""
+    """No file edits Python's import path (results logs aside; a child runner sets its child's)."""
     offenders = []
     for path in tracked_files():
         rel = path.relative_to(ROOT)
         if rel.parts[:2] == ("benchmarks", "results") or path.suffix not in (".py", ".sh", ".md", ".toml", ".cfg"):
             continue
         text = path.read_text(errors="replace")
-        offenders += [f"{rel}: {edit}" for edit in PATH_EDITS if edit in text]
+        edits = PATH_EDITS[:2] if rel.as_posix() in CHILD_RUNNERS else PATH_EDITS
+        offenders += [f"{rel}: {edit}" for edit in edits if edit in text]
     assert not offenders, offenders
 
 
