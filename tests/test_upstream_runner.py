@@ -75,6 +75,15 @@ def test_never_selected():
 def test_slow(i):
     if i and os.environ.get("STAND_IN_SLOW"):
         time.sleep(120)
+
+
+@pytest.mark.parametrize("i", range(3))
+def test_big(i):
+    # STAND_IN_OOM = a marker file: out of memory the first time (and every time with "always")
+    mark = os.environ.get("STAND_IN_OOM")
+    if i == 1 and mark and (not os.path.exists(mark) or os.environ.get("STAND_IN_OOM_ALWAYS")):
+        open(mark, "w").close()
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. Process 7 has 70 GiB")
 """
 
 
@@ -178,3 +187,35 @@ def test_deadline(run, sdist, tmp_path, monkeypatch):
     row = result["functions"]["test_slow"]
     assert (row["selected"], row["passed"], row["failed"], row["not_run"]) == (2, 1, 0, 1)
     assert "stopped at its --deadline of 20 s" in out.with_suffix(".md").read_text()
+
+
+@pytest.mark.parametrize("always", [False, True])
+@pytest.mark.parametrize("rerun", [False, True])
+def test_out_of_memory(run, sdist, tmp_path, monkeypatch, always, rerun):
+    """A test out of GPU memory beside other workers counts apart (exit status 1: no verdict);
+    --rerun-oom runs it again alone, where it passes, or fails for good if it runs out again."""
+    monkeypatch.setattr(sys, "argv", ["run.py"])
+    monkeypatch.setenv("STAND_IN_OOM", str(tmp_path / "mark"))
+    if always:
+        monkeypatch.setenv("STAND_IN_OOM_ALWAYS", "1")
+    out = tmp_path / "suite"
+    argv = ["--sdist", str(sdist), "--emulate-cpu", "--out", str(out), "-k", "test_big"] + ["--rerun-oom"] * rerun
+    rc = run.main(argv)
+    result = json.loads(out.with_suffix(".json").read_text())
+    row, md = result["functions"]["test_big"], out.with_suffix(".md").read_text()
+    counts = (row["passed"], row["failed"], row["oom"], row["not_run"])
+    if not rerun:
+        assert rc == 1 and counts == (2, 0, 1, 0) and result["totals"]["oom"] == 1
+        assert row["out_of_memory"] == [
+            dict(line="test_flash_attn.py:61", count=1, first="test_flash_attn.py::test_big[1]")
+        ]
+        assert "## Out of GPU memory beside other workers (not rerun)" in md
+        assert run.render(out.with_suffix(".json")) == 0  # (a second classification changes nothing)
+        again = json.loads(out.with_suffix(".json").read_text())
+        assert again["functions"] == result["functions"] and again["totals"] == result["totals"]
+    elif always:
+        assert rc == 1 and counts == (2, 1, 0, 0)
+        assert row["failures"][0]["example"].startswith("test_flash_attn.py:61: (run alone) ")
+    else:
+        assert rc == 0 and counts == (3, 0, 0, 0) and result["stamp"]["rerun_oom"]["tests"] == 1
+        assert "were run again one at a time" in md

@@ -14,7 +14,11 @@ test function of the file, go to ``benchmarks/results/upstream_suite.json`` and 
 ``-n`` (pytest-xdist) go to pytest; the last two are dropped, with a note, where the plugin is
 missing.  ``--emulate-cpu`` (a developer option, for machines without a GPU) runs the file on the
 CPU: its ``"cuda"`` devices become ``"cpu"`` and the GPU queries it makes answer as an H100 (sm_90).
-Exit status 1 when a test failed (outside the exclusion classes below), 0 otherwise.
+A test that fails for want of GPU memory while other workers share the GPU is counted apart (no
+verdict on it: the run is incomplete); ``--rerun-oom`` runs those again one at a time, where
+running out of memory is a failure.  ``--render RESULTS.json`` writes a results file and its .md
+again (after a change to the classification).  Exit status 1 when a test failed (outside the
+exclusion classes below), ran out of memory beside other workers or did not run; 0 otherwise.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 import urllib.request
 from importlib.util import find_spec
 from pathlib import Path
@@ -247,6 +252,17 @@ def parse_args(argv):
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results path, without or with .json (.md beside it)")
     ap.add_argument("--emulate-cpu", action="store_true", help="developer option: run the file on the CPU (see above)")
     ap.add_argument("--keep-temp", action="store_true", help="keep the temporary folder (its path is printed)")
+    ap.add_argument(
+        "--rerun-oom",
+        action="store_true",
+        help="run the tests that ran out of GPU memory beside other workers again, one at a time",
+    )
+    ap.add_argument(
+        "--render",
+        type=Path,
+        metavar="JSON",
+        help="only write the .json and .md again from a results .json (its failures classified as now)",
+    )
     args, extra = ap.parse_known_args(argv)
     if extra and extra[0] == "--":
         extra = extra[1:]
@@ -376,6 +392,40 @@ def run_pytest(cmd, cwd, env, deadline):
             os.killpg(proc.pid, signal.SIGKILL)
 
 
+def rerun_alone(cmd, test_file, nodeids, cwd, env, deadline):
+    """Runs ``nodeids`` again in one pytest process (no xdist workers: each test has the GPU to
+    itself). Returns (exit status, nodeid -> outcome, failure messages marked as run alone)."""
+    base = list(cmd)
+    if "-n" in base:
+        del base[base.index("-n") : base.index("-n") + 2]
+    base.remove(str(test_file))
+    results = cwd / "results_alone"
+    results.mkdir()
+    print(f"$ (again, one at a time) {len(nodeids)} tests that ran out of GPU memory", flush=True)
+    rc, _ = run_pytest(base + nodeids, cwd, dict(env, FLASH_ATTN_TQ_UPSTREAM_RESULTS=str(results)), deadline)
+    outcomes = read_outcomes(results / "outcomes.jsonl")
+    marked = {n: [st, at, ALONE + (msg or "") if st == "failed" else msg] for n, (st, at, msg) in outcomes.items()}
+    return rc, marked
+
+
+def render(path):
+    """Writes ``path`` (a results .json) and its .md again, the failures classified as now."""
+    result = json.loads(path.read_text())
+    for row in result["functions"].values():
+        row.setdefault("oom", 0)
+        split_out_of_memory(row)
+    result["totals"] = totals_of(result["functions"])
+    result["stamp"]["rendered"] = f"classified again by `run.py --render` at {git_commit()}"
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    write_markdown(path.with_suffix(".md"), result)
+    return 0
+
+
+def totals_of(per):
+    keys = ("collected", "deselected", "passed", "failed", "oom", "excluded", "skipped", "xfailed", "xpassed")
+    return {k: sum(row[k] for row in per.values()) for k in (*keys, "not_run")}
+
+
 def matches_exclusion(rule, function, nodeid, reason):
     return (
         rule.get("function") in (None, function)
@@ -385,6 +435,27 @@ def matches_exclusion(rule, function, nodeid, reason):
 
 
 RANK = {"passed": 0, "xpassed": 1, "skipped": 2, "xfailed": 3, "failed": 4}
+# a failure for want of GPU memory says nothing of the test while other workers share the GPU: its
+# own class (the run is incomplete) until it runs alone (--rerun-oom), where it counts as a failure
+OUT_OF_MEMORY = re.compile(r"OutOfMemoryError|CUDA out of memory")
+ALONE = "(run alone) "
+
+
+def split_out_of_memory(row):
+    """Moves ``row``'s failures for want of GPU memory (not run alone) from ``failures``/``failed`` to
+    ``out_of_memory`` (grouped by the test file's line) and ``oom``."""
+    kept, lines = [], {g["line"]: dict(g) for g in row.get("out_of_memory", [])}
+    for e in row["failures"]:
+        if ALONE in e["example"] or not OUT_OF_MEMORY.search(e["example"]):
+            kept.append(e)
+            continue
+        line = e["example"].split(": ", 1)[0] if e["example"].startswith("test_flash_attn.py:") else "?"
+        group = lines.setdefault(line, dict(line=line, count=0, first=e["first"]))
+        group["count"] += e["count"]
+        row["failed"] -= e["count"]
+        row["oom"] += e["count"]
+    row["failures"] = kept
+    row["out_of_memory"] = sorted(lines.values(), key=lambda g: -g["count"])
 
 
 def read_outcomes(path):
@@ -413,6 +484,7 @@ def summarize(functions, collected, outcomes):
             deselected=c["collected"] - c["selected"],
             passed=0,
             failed=0,
+            oom=0,
             excluded=0,
             skipped=0,
             xfailed=0,
@@ -445,6 +517,7 @@ def summarize(functions, collected, outcomes):
             row[s] for s in ("passed", "failed", "excluded", "skipped", "xfailed", "xpassed")
         )
         row["failures"] = sorted(row["failures"].values(), key=lambda e: -e["count"])
+        split_out_of_memory(row)
         row["exclusions"] = [dict(id=k, count=n) for k, n in row["exclusions"].items()]
         row["skips"] = [dict(reason=k, count=n) for k, n in sorted(row["skips"].items(), key=lambda kv: -kv[1])]
     return per
@@ -466,22 +539,32 @@ def write_markdown(path, result):
         f"- pytest: `{stamp['pytest_command']}` (exit status {result['pytest_exit_status']})",
         f"- sample rates (a test is kept when crc32(nodeid) % N == 0): {rates}"
         + (f"; -k `{stamp['keyword']}`" if stamp["keyword"] else ""),
+        *([f"- {stamp['rendered']}"] if stamp.get("rendered") else []),
         "",
-        "| test function | collected | deselected | passed | failed | excluded | skipped | xfailed | not run |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| test function | collected | deselected | passed | failed | out of GPU memory | excluded | skipped "
+        "| xfailed | not run |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for f, row in per.items():
+    for name, row in [*per.items(), ("**all**", totals)]:
         lines.append(
-            f"| `{f}` | {row['collected']} | {row['deselected']} | {row['passed']} | {row['failed']} | "
-            f"{row['excluded']} | {row['skipped']} | {row['xfailed']} | {row['not_run']} |"
+            f"| {name if name.startswith('*') else f'`{name}`'} | {row['collected']} | {row['deselected']} | "
+            f"{row['passed']} | {row['failed']} | {row.get('oom', 0)} | {row['excluded']} | {row['skipped']} | "
+            f"{row['xfailed']} | {row['not_run']} |"
         )
-    lines.append(
-        f"| **all** | {totals['collected']} | {totals['deselected']} | {totals['passed']} | {totals['failed']} | "
-        f"{totals['excluded']} | {totals['skipped']} | {totals['xfailed']} | {totals['not_run']} |"
-    )
     lines += ["", "`not run`: selected but without an outcome (pytest stopped or a worker died)."]
+    lines.append(
+        "`out of GPU memory`: failed for want of GPU memory while other pytest workers shared the GPU: "
+        "no verdict on the test (the run is incomplete); `--rerun-oom` runs them again one at a time, "
+        "where running out of memory counts as a failure."
+    )
     if stamp.get("stopped_at_deadline"):
         lines.append(f"This run was stopped at its --deadline of {stamp['stopped_at_deadline']:g} s.")
+    rerun = stamp.get("rerun_oom")
+    if rerun:
+        lines.append(
+            f"{rerun['tests']} tests that ran out of GPU memory beside the other workers were run again one at a "
+            f"time (pytest exit status {rerun['pytest_exit_status']}); their outcomes above are those runs'."
+        )
     lines.append("")
     lines += ["## Failures", ""]
     failures = [(f, e) for f, row in per.items() for e in row["failures"]]
@@ -489,6 +572,10 @@ def write_markdown(path, result):
         lines.append("None.")
     for f, e in failures:
         lines.append(f"- `{f}`: {e['count']} x `{e['example']}` (first: `{e['first']}`)")
+    oom = [(f, g) for f, row in per.items() for g in row.get("out_of_memory", [])]
+    if oom:
+        lines += ["", "## Out of GPU memory beside other workers (not rerun)", ""]
+        lines += [f"- `{f}`: {g['count']} x at `{g['line']}` (first: `{g['first']}`)" for f, g in oom]
     lines += ["", "## Exclusion classes", ""]
     if EXCLUSIONS:
         for rule in EXCLUSIONS:
@@ -510,6 +597,8 @@ def write_markdown(path, result):
 def main(argv=None):
     raw_argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(raw_argv)
+    if args.render:
+        return render(args.render)
     rates = sample_rates(args.sample)
     sdist = find_sdist(args.sdist)
     out = args.out.with_suffix("") if args.out.suffix in (".json", ".md") else args.out
@@ -550,6 +639,7 @@ def main(argv=None):
         env["FLASH_ATTN_TQ_UPSTREAM_SAMPLE"] = json.dumps(rates)
         env["FLASH_ATTN_TQ_UPSTREAM_TEST_FILE"] = str(test_file)
         print("$", shlex.join(cmd), flush=True)
+        started = time.monotonic()
         rc, stopped = run_pytest(cmd, tmp, env, args.deadline)
 
         def load(name):
@@ -557,9 +647,15 @@ def main(argv=None):
             return json.loads(path.read_text()) if path.is_file() else {}
 
         collected, outcomes = load("collected.json"), read_outcomes(results / "outcomes.jsonl")
+        oom = [n for n, (st, _, msg) in outcomes.items() if st == "failed" and OUT_OF_MEMORY.search(msg or "")]
+        rerun = None
+        if args.rerun_oom and oom and not stopped:
+            left = None if args.deadline is None else max(1.0, args.deadline - (time.monotonic() - started))
+            rerun_rc, again = rerun_alone(cmd, test_file, oom, tmp, env, left)
+            outcomes.update(again)
+            rerun = dict(tests=len(oom), pytest_exit_status=rerun_rc)
         per = summarize(functions, collected, outcomes)
-        keys = ("collected", "deselected", "passed", "failed", "excluded", "skipped", "xfailed", "xpassed", "not_run")
-        totals = {k: sum(row[k] for row in per.values()) for k in keys}
+        totals = totals_of(per)
         stamp = dict(
             date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             **machine(args.emulate_cpu),
@@ -571,6 +667,7 @@ def main(argv=None):
             sample=rates,
             keyword=args.keyword,
             stopped_at_deadline=args.deadline if stopped else None,
+            rerun_oom=rerun,
             alias=load("alias.json"),
         )
         failed_run = not stopped and (rc not in (0, 1, 5) or (rc == 1 and not totals["failed"] and not outcomes))
@@ -585,16 +682,16 @@ def main(argv=None):
         out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
         write_markdown(out.with_suffix(".md"), result)
         width = max(len(f) for f in per)
-        print(f"\n{'test function':<{width}}  collected  selected  passed  failed  excluded  skipped")
+        print(f"\n{'test function':<{width}}  collected  selected  passed  failed  no memory  excluded  skipped")
         for f, row in per.items():
             print(
                 f"{f:<{width}}  {row['collected']:9d}  {row['selected']:8d}  {row['passed']:6d}  {row['failed']:6d}  "
-                f"{row['excluded']:8d}  {row['skipped']:7d}"
+                f"{row['oom']:9d}  {row['excluded']:8d}  {row['skipped']:7d}"
             )
         print(f"results: {out.with_suffix('.json')} and .md", flush=True)
         if failed_run:
             print(f"pytest ended with exit status {rc} (an error before or outside the tests)", flush=True)
-        return 1 if totals["failed"] or totals["not_run"] or failed_run else 0
+        return 1 if totals["failed"] or totals["oom"] or totals["not_run"] or failed_run else 0
     finally:
         if args.keep_temp:
             print(f"temporary folder kept: {tmp}")
