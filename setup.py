@@ -298,8 +298,8 @@ setup(
         # what `python -m pytest tests` imports: numpy / scipy (quantizer statistics), hypothesis
         # (format properties), transformers (the TQCache integration tests; pinned to the version
         # they are written against), einops (upstream flash-attn's own test file, run against this
-        # package)
-        "test": ["pytest", "hypothesis", "numpy", "scipy", "einops", "transformers==5.17.0"],
+        # package), accelerate (transformers' tensor parallelism, in the two-process CPU test)
+        "test": ["pytest", "hypothesis", "numpy", "scipy", "einops", "transformers==5.17.0", "accelerate"],
         "upstream": ["flash-attn"],
         # benchmarks/: triton's do_bench timings (also the self-check's on a GPU), plots, and the
         # model benchmarks' transformers

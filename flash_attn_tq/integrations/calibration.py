@@ -6,12 +6,14 @@ measure take the cache class they measure through (``cache_cls=TQCache``)."""
 
 from __future__ import annotations
 
+import functools
 from typing import Iterable, Mapping
 
 import torch
 
 from ..spec import CacheSpec
 from .options import ATTN_IMPLEMENTATION, DEFAULTS, head_dim_of, late_layers, tq_spec
+from .parallel import agree, tp_rank_of
 
 
 def _measuring(cache_cls, what: str):
@@ -468,9 +470,18 @@ def calibrated_cache(
     ``kwargs``: TQCache options, used for the measurement too (``key_center="rope"``, the default,
     is measured with ``key_center=True``: on SmolLM2 that placement measured 97.3% top-1 against
     97.0% with its own, copy 1K -1.4 / -1.0 points); ``layer_options`` are applied on top of the
-    calibrated bits."""
+    calibrated bits.
+
+    Under tensor parallelism (transformers' ``tp_plan``) every rank of the group calls this: each
+    measures through caches of its own kv heads, and the first rank's options are the group's
+    (:func:`~flash_attn_tq.integrations.parallel.agree`), so every rank holds the same layout.
+    ``tp_rank`` (default: the model's) is passed to the caches."""
     if "late_k_bits" in kwargs:
         raise ValueError("late_k_bits: the calibrated cache places its key bits itself")
+    tp_rank = kwargs.pop("tp_rank", None)
+    tp_rank = tp_rank_of(model) if tp_rank is None else tp_rank
+    if tp_rank is not None:  # every cache, measured or returned, places the rank's kv heads
+        cls = functools.partial(cls, tp_rank=tp_rank)
     tq_only = {k: kwargs.pop(k) for k in ("max_cache_len", "prefill", "layer_options") if k in kwargs}
     protected = tuple(kwargs.pop("protected_layers", ()))
     spec = kwargs.pop("spec", None)
@@ -513,6 +524,7 @@ def calibrated_cache(
                 model, bits=bits or (3, 4), protected_layers=protected, sensitivity=sensitivity, spent=spent, **measure
             ).items()
         }
+    layer_options, head_options = agree(model, (layer_options, head_options))
     for i, o in (tq_only.pop("layer_options", None) or {}).items():
         layer_options.setdefault(int(i), {}).update(o)
     return cls(

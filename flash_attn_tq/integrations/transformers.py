@@ -55,6 +55,7 @@ from .options import (
     rope_inv_freq,
     tq_spec,
 )
+from .parallel import first_kv_head
 
 
 def _check_no_padding(attention_mask, layer: "TQLayer", query_len: int) -> None:
@@ -96,12 +97,17 @@ class TQLayer(CacheLayerMixin):
         prefill: str = "full",
         pack_errors: PackErrors | None = None,
         checks_pack_errors: bool = True,
+        model_kv_heads: int | None = None,
+        tp_rank: int | None = None,
     ):
         super().__init__()
         self.pack_errors = pack_errors  # shared with the other layers (None: each append checks its own)
         self.checks_pack_errors = checks_pack_errors  # this layer reads them back (the last quantized one)
         self.spec = spec  # the layer's (its kv heads', but those of head_specs)
-        self.head_specs = {int(h): s for h, s in (head_specs or {}).items()}
+        self.head_specs = {int(h): s for h, s in (head_specs or {}).items()}  # by the model's kv head
+        self.model_kv_heads = model_kv_heads  # the config's (None: the layer's own count)
+        self.tp_rank = tp_rank  # (None: torch.distributed's, where the layer sees a shard of the heads)
+        self.first_head = 0  # the model's index of the layer's first kv head (set on the first update)
         self.max_cache_len = max_cache_len
         self.prefill = prefill
         self.groups: list[tuple[int, ...]] = []  # kv heads of each head group (set on the first update)
@@ -128,12 +134,15 @@ class TQLayer(CacheLayerMixin):
         # 16-bit storage dtype of the window and sinks (a float32 model stores float16)
         self.store_dtype = self.dtype if self.dtype in (torch.float16, torch.bfloat16) else torch.float16
         self.batch_size, self.num_kv_heads, self.head_dim = B, H, D
-        bad = [h for h in self.head_specs if not 0 <= h < H]
+        total = self.model_kv_heads or H
+        bad = [h for h in self.head_specs if not 0 <= h < total]
         if bad:
-            raise ValueError(f"head_options: kv head {bad[0]} out of range (the layer has {H} kv heads)")
+            raise ValueError(f"head_options: kv head {bad[0]} out of range (the model has {total} kv heads)")
+        # under tensor parallelism the layer sees a run of the model's kv heads (parallel.first_kv_head)
+        self.first_head = first = first_kv_head(H, self.model_kv_heads, self.tp_rank)
         by_spec: dict[CacheSpec, list[int]] = {}  # heads of one spec share a group, in the order of their first head
         for h in range(H):
-            by_spec.setdefault(self.head_specs.get(h, self.spec), []).append(h)
+            by_spec.setdefault(self.head_specs.get(first + h, self.spec), []).append(h)
         self.groups = [tuple(heads) for heads in by_spec.values()]
         self.group_specs = [spec.replace(dtype=self.store_dtype) for spec in by_spec]
         # per group: its kv heads as an index tensor (None: one group of every head), or, where every
@@ -353,6 +362,10 @@ class TQCache(Cache):
         head_options: per-head overrides on top, ``{(layer index, kv head): {option: value}}`` (e.g. 8-bit
             keys for the few heads copying depends on: :meth:`calibrated`); a layer then holds its
             kv heads in one QuantizedKVCache per distinct spec (see :class:`TQLayer`).
+        tp_rank: under tensor parallelism (transformers' ``tp_plan``), this process's rank in the group
+            that splits the kv heads: each rank's cache holds its own heads, and ``head_options`` name
+            the model's (:mod:`~flash_attn_tq.integrations.parallel`). Default: torch.distributed's
+            rank where a layer sees fewer kv heads than ``config`` has (the group is every process).
         **options: the spec's fields (k_bits, v_bits, sink_tokens, fp16_window, key_center, ...) over
             ``spec`` or the defaults.
     """
@@ -367,6 +380,7 @@ class TQCache(Cache):
         prefill: str = "full",
         layer_options: Mapping[int, Mapping] | None = None,
         head_options: Mapping[tuple[int, int], Mapping] | None = None,
+        tp_rank: int | None = None,
         **options,
     ):
         super().__init__(layers=[])
@@ -378,6 +392,9 @@ class TQCache(Cache):
             )
         if max_cache_len is not None and (not is_int(max_cache_len) or max_cache_len <= 0):
             raise ValueError(f"max_cache_len must be a positive int or None, got {max_cache_len!r}")
+        if tp_rank is not None and (not is_int(tp_rank) or tp_rank < 0):
+            raise ValueError(f"tp_rank must be a rank (an int >= 0) or None, got {tp_rank!r}")
+        self.tp_rank = None if tp_rank is None else int(tp_rank)
         self.spec, late_k_bits = tq_spec(config, spec, options)
         self.initial_capacity = max_cache_len
         self.num_layers = getattr(config, "num_hidden_layers", None)
@@ -459,6 +476,8 @@ class TQCache(Cache):
             prefill=self.prefill,
             pack_errors=self.pack_errors,
             checks_pack_errors=checks,
+            model_kv_heads=self.num_kv_heads,
+            tp_rank=self.tp_rank,
         )
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
