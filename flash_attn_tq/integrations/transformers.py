@@ -86,7 +86,7 @@ class TQLayer(CacheLayerMixin):
     ``torch.compile`` reads no host-side counter (see :attr:`TQCache.is_compileable`)."""
 
     is_sliding = False
-    is_croppable = False
+    is_croppable = True
 
     def __init__(
         self,
@@ -272,6 +272,23 @@ class TQLayer(CacheLayerMixin):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         raise NotImplementedError("TQCache does not support beam search")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the newest ``-tokens_to_remove`` tokens (transformers' convention; a positive value is
+        the length to keep, its older one): assisted generation's rollback of rejected draft tokens.
+        Each head group's :meth:`QuantizedKVCache.crop` puts the recent 16-bit slots the dropped
+        tokens overwrote back from those positions' codes."""
+        if self.pending is not None:
+            raise RuntimeError("TQCache: crop between an update and its attention call")
+        n = self.length
+        keep = n + int(tokens_to_remove) if tokens_to_remove <= 0 else min(int(tokens_to_remove), n)
+        if keep < 0:
+            raise ValueError(f"tokens_to_remove: {-int(tokens_to_remove)} is more than the {n} tokens held")
+        if keep == n or not self.caches:
+            return
+        for qc in self.caches:
+            qc.crop(keep)
+        self.length = keep
 
     def offload(self):
         pass
