@@ -2,9 +2,9 @@
 
 The class is a facade: what it holds is a :class:`~flash_attn_tq.spec.CacheSpec` (the format and
 features) and tensors (:mod:`flash_attn_tq.storage`); the key transforms live in
-:mod:`flash_attn_tq.keys`, writing in :mod:`flash_attn_tq.writes`, the reference math in
-:mod:`flash_attn_tq.reference`, health in :mod:`flash_attn_tq.health`, and which kernel runs in
-:mod:`flash_attn_tq.dispatch`.
+:mod:`flash_attn_tq.keys`, writing in :mod:`flash_attn_tq.writes`, the fused kernels' calls in
+:mod:`flash_attn_tq.fused`, the reference math in :mod:`flash_attn_tq.reference`, health in
+:mod:`flash_attn_tq.health`, and which kernel runs in :mod:`flash_attn_tq.dispatch`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from . import dispatch, health, ops, reference, state, storage, writes
+from . import dispatch, fused, health, ops, reference, state, storage, writes
 from .keys import KeyCenter
 from .quantizers import AsymQuantizer, TurboQuantizer
 from .spec import CacheSpec, is_int
@@ -315,23 +315,7 @@ class QuantizedKVCache:
     def stores(self, batch: int, batch_idx: torch.Tensor | None = None, group: int = 0) -> list[ops.Store]:
         """The cache as the decode op takes it, for ``batch`` sequences in cache rows ``batch_idx``
         (int32 ``[batch]``; None: 0..batch-1): its codes, its RoPE center's rows and its 16-bit side."""
-        s = self.spec  # (its fields read once: this runs every call)
-        codes = (self.k_codes, self.k_meta, self.v_codes, self.v_meta)
-        out = [ops.Store(ops.CODES, codes, group, s.k_bits, s.v_bits, s.fp16_window)]
-        if s.key_center == "rope":  # (float32 rows: a slice or a gather)
-            rows = None if batch_idx is None else self.row_index(batch_idx)
-            out.append(ops.Store(ops.CENTER, (self.keys.rows_of(rows, batch),), group))
-        if self.kv_side is not None:  # (traced: split in the graph, so no two inputs alias what the pack writes)
-            side = tuple(self.kv_side.unbind(0)) if torch.compiler.is_compiling() else self._side_pair
-            out.append(ops.Store(ops.SIDE, side, group, a=s.sink_tokens, b=s.side_recent))
-        return out
-
-    @property
-    def _side_pair(self) -> tuple[torch.Tensor, torch.Tensor]:
-        pair = self.__dict__.get("_side_views")
-        if pair is None or pair[0]._base is not self.kv_side:  # (views made once: not a host op a call)
-            pair = self.__dict__["_side_views"] = tuple(self.kv_side.unbind(0))
-        return pair
+        return fused.stores(self, batch, batch_idx, group)
 
     def attend(
         self,
@@ -355,43 +339,21 @@ class QuantizedKVCache:
         ``group2 = (other, head)``: ``other`` holds the layer's kv heads ``[head, head + its kv heads)``
         and this cache the others, in order; ``q`` and the output hold the layer's query heads, and one
         launch attends both (the plan's ``pair`` kernel)."""
-        if plan is None:
-            flags = dict(local=tuple(window_size) != (-1, -1), softcap=bool(softcap), leftpad=leftpad is not None)
-            plan = self.plan(dispatch.Query.of(q, **flags), None if group2 is None else (group2[0], 0))
-        if not plan.fused:
-            raise ValueError(f"the fused kernels cannot run this call: {plan.reason}")
-        stores = self.stores(q.shape[0], batch_idx)
-        if group2 is not None:
-            other, head = group2
-            if (other.batch_size, other.max_seqlen) != (self.batch_size, self.max_seqlen):
-                raise ValueError("group2: both head groups' caches must hold the same rows and capacity")
-            stores += [s._replace(b=head) if s.kind == ops.CODES else s for s in other.stores(q.shape[0], batch_idx, 1)]
-        if plan.kernel == "ring":  # the recent tokens' codes in the decode launch
-            window = (self.k_window_codes, self.k_window_meta, self.v_window_codes, self.v_window_meta)
-            stores.append(ops.Store(ops.WINDOW, window, 0, self.window_bits, self.window_bits))
-        out, lse = ops.decode(
+        return fused.attend(
+            self,
             q,
-            stores,
             seqlens,
             batch_idx,
-            softmax_scale=softmax_scale,
-            causal=causal,
-            num_splits=num_splits,
-            kernel=plan.kernel,
-            block_table=self.block_table,
-            leftpad=leftpad,
-            window_size=window_size,
-            softcap=softcap,
-            rot_signs=self.k_quantizer.signs_on(q.device) if self.spec.quantizer == "turbo" else None,
-            rope_inv_freq=self.keys.inv_freq,
-            rope_offset=self.spec.rope_position_offset,
+            softmax_scale,
+            causal,
+            num_splits,
+            window_size,
+            leftpad,
+            softcap,
+            with_lse,
+            group2,
+            plan,
         )
-        if plan.window_pass:  # the ring of window codes' own pass
-            out_w, lse_w = reference.window_attention(q, self, batch_idx, seqlens, softmax_scale, causal)
-            out, lse = reference.merge_lse(out, lse, out_w, lse_w)
-        if plan.lse_shift and with_lse:
-            lse = lse + softmax_scale * self.query_shift(q, batch_idx)  # the scores lost q . mu (+inf stays +inf)
-        return (out if out.dtype == q.dtype else out.to(q.dtype)), lse
 
     # ------------------------------------------------------------------ reading
     def gather(self, batch_idx: torch.Tensor | None = None) -> dict[str, torch.Tensor]:

@@ -79,3 +79,14 @@ def test_testing_modules_are_small_and_import_no_private_names():
             if isinstance(node, ast.ImportFrom):
                 private = [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
                 assert not private, f"{path.name} imports {private} from {node.module}"
+
+
+def test_package_modules_stay_small_and_the_cache_a_facade():
+    """No module of the package over 800 lines, and QuantizedKVCache at most 400: its parts (storage,
+    key transforms, writes, the fused and reference reads, health, state) live in their own modules."""
+    for path in sorted((ROOT / "flash_attn_tq").rglob("*.py")):
+        lines = path.read_text().count("\n")
+        assert lines <= 800, f"{path.relative_to(ROOT)}: {lines} lines"
+    tree = ast.parse((ROOT / "flash_attn_tq" / "cache.py").read_text())
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "QuantizedKVCache"]
+    assert cls.end_lineno - cls.lineno + 1 <= 400
