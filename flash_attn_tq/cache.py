@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from . import dispatch, fused, health, ops, reference, state, storage, writes
+from . import dispatch, fused, health, reference, state, storage, writes
 from .keys import KeyCenter
 from .quantizers import AsymQuantizer, TurboQuantizer
 from .spec import CacheSpec, is_int
@@ -312,48 +312,8 @@ class QuantizedKVCache:
             self._remember(key, plan)
         return plan
 
-    def stores(self, batch: int, batch_idx: torch.Tensor | None = None, group: int = 0) -> list[ops.Store]:
-        """The cache as the decode op takes it, for ``batch`` sequences in cache rows ``batch_idx``
-        (int32 ``[batch]``; None: 0..batch-1): its codes, its RoPE center's rows and its 16-bit side."""
-        return fused.stores(self, batch, batch_idx, group)
-
-    def attend(
-        self,
-        q,
-        seqlens,
-        batch_idx,
-        softmax_scale,
-        causal,
-        num_splits=0,
-        window_size=(-1, -1),
-        leftpad=None,
-        softcap=0.0,
-        with_lse=True,
-        group2=None,
-        plan=None,
-    ):
-        """The fused kernels' attention of ``q [batch, seqlen_q, heads, d]`` over cache rows ``batch_idx``
-        holding ``seqlens [batch]`` tokens, as ``plan`` (default: :meth:`plan`) says. Returns (out like q,
-        lse ``[batch, heads, seqlen_q]``; ``with_lse=False`` skips the key centering's lse shift).
-
-        ``group2 = (other, head)``: ``other`` holds the layer's kv heads ``[head, head + its kv heads)``
-        and this cache the others, in order; ``q`` and the output hold the layer's query heads, and one
-        launch attends both (the plan's ``pair`` kernel)."""
-        return fused.attend(
-            self,
-            q,
-            seqlens,
-            batch_idx,
-            softmax_scale,
-            causal,
-            num_splits,
-            window_size,
-            leftpad,
-            softcap,
-            with_lse,
-            group2,
-            plan,
-        )
+    stores = fused.stores  # (functions of the cache, as methods)
+    attend = fused.attend
 
     # ------------------------------------------------------------------ reading
     def gather(self, batch_idx: torch.Tensor | None = None) -> dict[str, torch.Tensor]:

@@ -1,6 +1,7 @@
 """A :class:`~flash_attn_tq.cache.QuantizedKVCache` as the fused kernels see it: the K/V stores the
 decode op takes, and attention through :func:`flash_attn_tq.ops.decode` as a
-:class:`~flash_attn_tq.dispatch.Plan` says (the cache's :meth:`attend` and :meth:`stores`)."""
+:class:`~flash_attn_tq.dispatch.Plan` says. Both are the cache's methods (``cache.stores(...)``,
+``cache.attend(...)``)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,11 @@ if TYPE_CHECKING:
     from .cache import QuantizedKVCache
 
 
-def stores(cache: QuantizedKVCache, batch: int, batch_idx: torch.Tensor | None, group: int) -> list[ops.Store]:
-    """:meth:`QuantizedKVCache.stores`."""
+def stores(
+    cache: QuantizedKVCache, batch: int, batch_idx: torch.Tensor | None = None, group: int = 0
+) -> list[ops.Store]:
+    """The cache as the decode op takes it, for ``batch`` sequences in cache rows ``batch_idx``
+    (int32 ``[batch]``; None: 0..batch-1): its codes, its RoPE center's rows and its 16-bit side."""
     s = cache.spec  # (its fields read once: this runs every call)
     codes = (cache.k_codes, cache.k_meta, cache.v_codes, cache.v_meta)
     out = [ops.Store(ops.CODES, codes, group, s.k_bits, s.v_bits, s.fp16_window)]
@@ -43,15 +47,22 @@ def attend(
     batch_idx,
     softmax_scale,
     causal,
-    num_splits,
-    window_size,
-    leftpad,
-    softcap,
-    with_lse,
-    group2,
-    plan,
+    num_splits=0,
+    window_size=(-1, -1),
+    leftpad=None,
+    softcap=0.0,
+    with_lse=True,
+    group2=None,
+    plan=None,
 ):
-    """:meth:`QuantizedKVCache.attend`."""
+    """The fused kernels' attention of ``q [batch, seqlen_q, heads, d]`` over cache rows ``batch_idx``
+    holding ``seqlens [batch]`` tokens, as ``plan`` (default: the cache's :meth:`plan`) says. Returns
+    (out like q, lse ``[batch, heads, seqlen_q]``; ``with_lse=False`` skips the key centering's lse
+    shift).
+
+    ``group2 = (other, head)``: ``other`` holds the layer's kv heads ``[head, head + its kv heads)``
+    and this cache the others, in order; ``q`` and the output hold the layer's query heads, and one
+    launch attends both (the plan's ``pair`` kernel)."""
     if plan is None:
         flags = dict(local=tuple(window_size) != (-1, -1), softcap=bool(softcap), leftpad=leftpad is not None)
         plan = cache.plan(dispatch.Query.of(q, **flags), None if group2 is None else (group2[0], 0))

@@ -105,12 +105,13 @@ def format_param(p: inspect.Parameter) -> str:
     return text
 
 
-def signature(name: str, fn: Callable) -> str:
-    """``name(params) -> return``, wrapped at :data:`WIDTH` columns (``self`` left out)."""
+def signature(name: str, fn: Callable, method: bool = False) -> str:
+    """``name(params) -> return``, wrapped at :data:`WIDTH` columns (``self``, or a ``method``'s first
+    parameter whatever its name, left out)."""
     sig = inspect.signature(fn)
     parts, star = [], False
-    for p in sig.parameters.values():
-        if p.name == "self":
+    for i, p in enumerate(sig.parameters.values()):
+        if p.name == "self" or (method and i == 0):
             continue
         if p.kind is p.KEYWORD_ONLY and not star:
             parts.append("*")
@@ -133,10 +134,10 @@ def signature(name: str, fn: Callable) -> str:
     return "\n".join(lines)
 
 
-def entry(title: str, name: str, fn: Callable, doc: Any = None, count: int = 1) -> str:
+def entry(title: str, name: str, fn: Callable, doc: Any = None, count: int = 1, method: bool = False) -> str:
     """One API entry: a heading, the signature as a code block, the docstring's first paragraphs."""
     body = summary(fn if doc is None else doc, count)
-    return f"#### `{title}`\n\n```python\n{signature(name, fn)}\n```\n\n{body}\n"
+    return f"#### `{title}`\n\n```python\n{signature(name, fn, method)}\n```\n\n{body}\n"
 
 
 def table(rows: list[dict[str, str]]) -> str:
@@ -210,7 +211,8 @@ def api_reference() -> str:
     parts.append("### The quantized cache\n")
     parts.append(entry("QuantizedKVCache", "QuantizedKVCache", Q, count=2))
     for m in ("append", "crop", "attend", "plan", "dequantize", "health", "state_dict", "load_state_dict"):
-        parts.append(entry(f"QuantizedKVCache.{m}", f"cache.{m}", getattr(Q, m), count=2 if m == "append" else 1))
+        count = 2 if m == "append" else 1
+        parts.append(entry(f"QuantizedKVCache.{m}", f"cache.{m}", getattr(Q, m), count=count, method=True))
     parts.append(entry("QuantizedKVCache.from_state_dict", "QuantizedKVCache.from_state_dict", Q.from_state_dict))
     parts.append("### `CacheSpec`\n")
     parts.append(f"```python\n{signature('CacheSpec', C)}\n```\n\n{summary(C)} Its fields:\n\n{spec_fields()}\n")
