@@ -87,6 +87,7 @@ class QuantizedKVCache:
         counters = len(health.HEALTH_COUNTERS)
         self.health_counters = torch.zeros(counters, dtype=torch.float64, device=device) if spec.health else None
         self._plans: dict = {}  # (query, wgmma switch, pair) -> dispatch.Plan, dtype -> dispatch.WritePlan
+        self.overwritten = None  # the recent slots the last append overwrote (writes.keep_overwritten)
 
     def _quantizer(self, bits: int, running: bool | None = None):
         s = self.spec
@@ -266,8 +267,9 @@ class QuantizedKVCache:
 
     def crop(self, lengths: int | torch.Tensor, batch_idx: torch.Tensor | None = None) -> None:
         """Shorten rows ``batch_idx`` (default: all) to ``lengths`` tokens (speculative decoding's
-        rollback): later appends overwrite the dropped tokens, and the recent slots get the kept
-        tokens back from the codes where the dropped ones overwrote them."""
+        rollback): later appends overwrite the dropped tokens, and the recent slots the dropped ones
+        took get the kept tokens back: as they were where the last append displaced them (an append of
+        at most the window's length), else from their codes."""
         writes.crop(self, lengths, batch_idx)
 
     def write_plan(self, dtype: torch.dtype) -> dispatch.WritePlan:

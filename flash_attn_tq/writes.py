@@ -170,6 +170,55 @@ def restore_recent(
                 wm[r2, slot] = torch.where(keep, meta[..., : cache.spec.meta_words], wm[r2, slot])
 
 
+def _rings(cache: "QuantizedKVCache") -> list[tuple[int, int, list[torch.Tensor]]]:
+    """The recent-token rings: (slots R, first slot, tensors ``[rows, slots, ...]``): the 16-bit
+    side's (position ``p`` in slot ``sink_tokens + p % R``) and the window codes' (``p % R``)."""
+    out = []
+    if cache.kv_side is not None and cache.side_recent:
+        out.append((cache.side_recent, cache.sink_tokens, [cache.kv_side[0], cache.kv_side[1]]))
+    if cache.window_quantizer is not None:
+        names = ("k_window_codes", "v_window_codes", "k_window_meta", "v_window_meta")
+        out.append((cache.fp16_window, 0, [getattr(cache, name) for name in names]))
+    return out
+
+
+def keep_overwritten(cache: "QuantizedKVCache", rows: torch.Tensor, start: torch.Tensor, n: int) -> None:
+    """Before an append of ``n`` > 1 tokens at ``start [B]`` of ``rows [B]``: what the recent slots it
+    writes hold, kept until the next append or crop. A crop straight after it (assisted generation
+    rejecting drafts) then gives the kept tokens the dropped ones displaced back exactly
+    (:func:`restore_overwritten`), where :func:`restore_recent` can only decode them from their codes.
+    Not kept for single tokens (decode steps never crop), for chunks longer than a ring (the tokens
+    they displace are older than any crop of them keeps in it), or in a traced step."""
+    cache.overwritten = None
+    if n < 2 or ops.capturing():
+        return
+    saved = []
+    for ring, (R, first, tensors) in enumerate(_rings(cache)):
+        if n > R:
+            continue
+        p = start.long().unsqueeze(1) + torch.arange(n, device=cache.device)  # [B, n] positions written
+        r2, slot = rows.unsqueeze(1).expand_as(p), first + p % R
+        saved.append((ring, p, r2, slot, [t[r2, slot].clone() for t in tensors]))
+    cache.overwritten = saved or None
+
+
+def restore_overwritten(cache: "QuantizedKVCache") -> None:
+    """After a crop (the rows' new lengths in ``seqlens``): each slot that the last append wrote for a
+    dropped position gets back what it held before, where that was a position the rows keep."""
+    saved, cache.overwritten = cache.overwritten, None
+    if saved is None:
+        return
+    rings = _rings(cache)
+    for ring, p, r2, slot, values in saved:
+        R, _, tensors = rings[ring]
+        new = cache.seqlens[r2[:, 0]].long().unsqueeze(1)
+        before = p - R  # the position the slot held before the append (chunks up to R tokens)
+        back = (p >= new) & (before >= new - R) & (before < new) & (before >= cache.sink_tokens)
+        for t, old in zip(tensors, values):
+            mask = back.view(*back.shape, *([1] * (old.dim() - 2)))
+            t[r2, slot] = torch.where(mask, old, t[r2, slot])
+
+
 def pack_stores(cache: "QuantizedKVCache", side: bool, ring: bool) -> list[ops.Store]:
     """The stores one pack launch writes: the codes, and the 16-bit side / the ring of window codes."""
     stores = [
@@ -240,6 +289,7 @@ def append(cache: "QuantizedKVCache", k, v, cache_seqlens=None, batch_idx=None, 
         old = cache.seqlens[rows]
         if ops.capturing() or bool((start < old).any()):
             restore_recent(cache, rows, old, start, n)
+    keep_overwritten(cache, torch.arange(B, device=cache.device) if rows is None else rows, start, n)
     if n == 0:
         return
     _write(cache, k, v, start, rows, batch_idx, cache_seqlens, error_flags, plan if fused else None, checking)
@@ -338,3 +388,4 @@ def crop(cache: "QuantizedKVCache", lengths, batch_idx=None) -> None:
         raise ValueError("lengths: crop only shortens rows (0 <= lengths <= seqlens)")
     restore_recent(cache, rows, old, new, 0)
     cache.seqlens[rows] = new
+    restore_overwritten(cache)

@@ -52,8 +52,8 @@ def test_assisted_generation_is_exact_where_every_token_is_in_codes(model, monke
 
 def test_assisted_generation_runs_over_the_default_cache(model):
     """The default cache (sinks, 16-bit window, RoPE key center) through assisted generation: it runs,
-    and the cache holds what was generated. Its tokens are not held to greedy decoding's: a rollback
-    puts the window's overwritten 16-bit slots back from codes, and the key center is fit on the first
+    and the cache holds what was generated. Its tokens are not held to greedy decoding's: a verify
+    call's earlier queries see some recent tokens as codes, and the key center is fit on the first
     forward's drafts too (docs/design.md, open gaps)."""
     cache = TQCache(model.config)
     tokens = _generate(model, cache, prompt_lookup_num_tokens=8)

@@ -636,3 +636,31 @@ def test_scale_only_metadata(k_bits, v_bits):
     for bad in (dict(quantizer="asym"), dict(fit="mean"), dict(grid="lloyd_max")):
         with pytest.raises(ValueError, match="scale_only"):
             QuantizedKVCache(1, 8, 1, 64, scale_only=True, **bad)
+
+
+@pytest.mark.parametrize("options", [dict(fp16_window=24, sink_tokens=4), dict(fp16_window=24, window_bits=4)])
+@pytest.mark.parametrize("cut", [3, 8, 12])  # tokens dropped: some of the last append's, all of them, older ones too
+def test_crop_after_an_append_restores_the_recent_slots_exactly(options, cut):
+    """An append of a few tokens then a crop (assisted generation rejecting drafts) leaves the cache as
+    if the dropped tokens never came: the recent slots they took give the tokens they displaced back
+    exactly where the last append displaced them (older ones from their codes, as before)."""
+    g = torch.Generator().manual_seed(3)
+    k, v = (torch.randn(2, 80, 2, 64, generator=g).half() for _ in range(2))
+    a, b = (QuantizedKVCache(2, 128, 2, 64, **options) for _ in range(2))
+    a.append(k[:, :60], v[:, :60])
+    a.append(k[:, 60:68], v[:, 60:68])  # 8 drafts
+    a.crop(torch.tensor([68 - cut, 68]))  # row 1 keeps them all
+    kept = 68 - cut
+    b.append(k[:, :60], v[:, :60])
+    if kept > 60:
+        b.append(k[:, 60:kept], v[:, 60:kept])
+    elif kept < 60:
+        b.crop(kept)
+    b.append(k[1:, kept:68], v[1:, kept:68], batch_idx=torch.tensor([1]))
+    # row 0 is exact where the last append displaced the tokens; older ones (cut 12) come from codes
+    for x, y in zip(a.dequantize(), b.dequantize()):
+        torch.testing.assert_close(x[1], y[1], rtol=0, atol=0)
+        if kept >= 60:
+            torch.testing.assert_close(x[0], y[0], rtol=0, atol=0)
+        else:
+            torch.testing.assert_close(x[0, kept - 24 + 8 :], y[0, kept - 24 + 8 :], rtol=0, atol=0)

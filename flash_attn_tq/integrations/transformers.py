@@ -276,8 +276,9 @@ class TQLayer(CacheLayerMixin):
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the newest ``-tokens_to_remove`` tokens (transformers' convention; a positive value is
         the length to keep, its older one): assisted generation's rollback of rejected draft tokens.
-        Each head group's :meth:`QuantizedKVCache.crop` puts the recent 16-bit slots the dropped
-        tokens overwrote back from those positions' codes."""
+        Each head group's :meth:`QuantizedKVCache.crop` gives the recent 16-bit slots the dropped
+        tokens took back to the tokens they displaced (as they were, after an append of up to the
+        window's length; else from those positions' codes)."""
         if self.pending is not None:
             raise RuntimeError("TQCache: crop between an update and its attention call")
         n = self.length
