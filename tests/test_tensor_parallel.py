@@ -88,10 +88,11 @@ def model_path(tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_tensor_parallel_tokens_equal_one_process(model_path, case):
+def test_tensor_parallel_tokens_equal_one_process(model_path, case, monkeypatch):
     tokens, widths, layer_options, head_options = _decode(_load(model_path), CASES[case])
     assert len(set(tokens)) > 3, "the tiny model's greedy tokens should not be one token repeated"
 
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # the ranks on the CPU (gloo), GPU or not
     ctx = torch.multiprocessing.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
