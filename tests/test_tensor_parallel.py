@@ -33,7 +33,8 @@ def _save_model(path):
 def _load(path, **kwargs):
     from transformers import LlamaForCausalLM
 
-    return LlamaForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="tq_kvcache", **kwargs)
+    # (float64: the split matmuls and the all-reduce round differently from one process; far below a token flip)
+    return LlamaForCausalLM.from_pretrained(path, dtype=torch.float64, attn_implementation="tq_kvcache", **kwargs)
 
 
 def _decode(model, make_cache):
