@@ -342,6 +342,7 @@ class QuantizedKVCache:
         """Move every tensor of the cache to ``device`` (in place); returns self."""
         state.move(self, device)
         self._plans.clear()
+        self.overwritten = None  # (a crop after a move decodes the recent slots from their codes)
         return self
 
     def config(self) -> dict[str, Any]:
@@ -355,6 +356,7 @@ class QuantizedKVCache:
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         """Copy a :meth:`state_dict` into this cache in place (saved from the same shape and spec, else ValueError)."""
         state.load_state_dict(self, saved)
+        self.overwritten = None
 
     @classmethod
     def from_state_dict(cls, saved: dict[str, Any], device: torch.device | str = "cpu") -> "QuantizedKVCache":
