@@ -62,20 +62,19 @@ def is_real(x) -> bool:
 _WINDOW_ERROR = "window_size must be a pair of ints (left, right), -1 for unbounded"
 
 
+def _is_array(x) -> bool:
+    """A torch tensor or a numpy array (an object can only be the latter once numpy is imported)."""
+    np = sys.modules.get("numpy")
+    return isinstance(x, torch.Tensor) or (np is not None and isinstance(x, np.ndarray))
+
+
 def _window_bound(x):
     """One bound of window_size as an int, or None when it is not an integer: an int, a numpy
     integer, or a 0-d integer tensor / numpy array (bools and floats are refused)."""
-    if type(x) is int:
-        return x
-    if isinstance(x, numbers.Integral) and not isinstance(x, bool):
+    if is_int(x):
         return int(x)
-    if isinstance(x, torch.Tensor):
-        if x.dim() == 0 and not x.dtype.is_floating_point and not x.dtype.is_complex and x.dtype != torch.bool:
-            return int(x)
-        return None
-    np = sys.modules.get("numpy")  # (an object can only be a numpy array once numpy is imported)
-    if np is not None and isinstance(x, np.ndarray) and x.ndim == 0 and x.dtype.kind in "iu":
-        return int(x)
+    if _is_array(x) and x.ndim == 0:
+        return _window_bound(x.tolist())  # (a Python int, float, bool or complex)
     return None
 
 
@@ -87,22 +86,14 @@ def check_window_size(window_size):
         left, right = window_size
         if type(left) is int and type(right) is int:
             return window_size
-    pair = None
-    if isinstance(window_size, torch.Tensor):
-        if window_size.shape == (2,) and not window_size.dtype.is_floating_point:
-            if not window_size.dtype.is_complex and window_size.dtype != torch.bool:
-                pair = [int(b) for b in window_size.tolist()]
-    else:
-        np = sys.modules.get("numpy")
-        if np is not None and isinstance(window_size, np.ndarray):
-            if window_size.shape == (2,) and window_size.dtype.kind in "iu":
-                pair = [int(b) for b in window_size.tolist()]
-        elif isinstance(window_size, (tuple, list, collections.abc.Sequence)) and not isinstance(
-            window_size, (str, bytes, bytearray)
-        ):
-            if len(window_size) == 2:
-                pair = [_window_bound(window_size[0]), _window_bound(window_size[1])]
-    if pair is None or None in pair:
+    items = None
+    if _is_array(window_size):
+        if tuple(window_size.shape) == (2,):
+            items = window_size.tolist()
+    elif isinstance(window_size, collections.abc.Sequence) and not isinstance(window_size, (str, bytes, bytearray)):
+        items = window_size
+    pair = [_window_bound(b) for b in items] if items is not None and len(items) == 2 else [None]
+    if None in pair:
         raise ValueError(f"{_WINDOW_ERROR}, got {window_size!r}")
     return (pair[0], pair[1])
 
