@@ -182,16 +182,18 @@ def _rings(cache: "QuantizedKVCache") -> list[tuple[int, int, list[torch.Tensor]
     return out
 
 
-def keep_overwritten(cache: "QuantizedKVCache", rows: torch.Tensor, start: torch.Tensor, n: int) -> None:
-    """Before an append of ``n`` > 1 tokens at ``start [B]`` of ``rows [B]``: what the recent slots it
-    writes hold, kept until the next append or crop. A crop straight after it (assisted generation
-    rejecting drafts) then gives the kept tokens the dropped ones displaced back exactly
+def keep_overwritten(cache: "QuantizedKVCache", rows: torch.Tensor | None, start: torch.Tensor, n: int) -> None:
+    """Before an append of ``n`` > 1 tokens at ``start [B]`` of ``rows [B]`` (None: 0..B-1): what the
+    recent slots it writes hold, kept until the next append or crop. A crop straight after it
+    (assisted generation rejecting drafts) gives the kept tokens the dropped ones displaced back exactly
     (:func:`restore_overwritten`), where :func:`restore_recent` can only decode them from their codes.
     Not kept for single tokens (decode steps never crop), for chunks longer than a ring (the tokens
     they displace are older than any crop of them keeps in it), or in a traced step."""
     cache.overwritten = None
-    if n < 2 or ops.capturing():
+    if n < 2 or ops.capturing():  # (a decode step: nothing made, no launch)
         return
+    if rows is None:
+        rows = torch.arange(start.shape[0], device=cache.device)
     saved = []
     for ring, (R, first, tensors) in enumerate(_rings(cache)):
         if n > R:
@@ -289,7 +291,7 @@ def append(cache: "QuantizedKVCache", k, v, cache_seqlens=None, batch_idx=None, 
         old = cache.seqlens[rows]
         if ops.capturing() or bool((start < old).any()):
             restore_recent(cache, rows, old, start, n)
-    keep_overwritten(cache, torch.arange(B, device=cache.device) if rows is None else rows, start, n)
+    keep_overwritten(cache, rows, start, n)
     if n == 0:
         return
     _write(cache, k, v, start, rows, batch_idx, cache_seqlens, error_flags, plan if fused else None, checking)
