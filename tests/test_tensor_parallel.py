@@ -13,7 +13,7 @@ pytest.importorskip("accelerate")  # transformers' tp_plan loading needs it
 
 from flash_attn_tq.integrations.parallel import first_kv_head  # noqa: E402
 from flash_attn_tq.integrations.transformers import TQCache  # noqa: E402
-from flash_attn_tq.testing.assets import TINY_LLAMA  # noqa: E402
+from flash_attn_tq.testing.assets import TINY_LLAMA, random_llama  # noqa: E402
 
 WORLD = 2
 # four kv heads, two a rank; weights larger than the default init so that greedy decoding does not
@@ -21,13 +21,6 @@ WORLD = 2
 CONFIG = dict(TINY_LLAMA, num_attention_heads=8, num_key_value_heads=4, head_dim=32, initializer_range=0.2)
 PROMPT, NEW = 40, 24
 HEADS = {(0, 1): {"k_bits": 8, "v_bits": 8}, (1, 2): {"k_bits": 4}}  # a head of each rank's share
-
-
-def _save_model(path):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(**CONFIG)).save_pretrained(path)
 
 
 def _load(path, **kwargs):
@@ -84,7 +77,7 @@ def _free_port():
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_llama")
-    _save_model(path)
+    random_llama(CONFIG).save_pretrained(path)
     return path
 
 
