@@ -468,9 +468,10 @@ def _quantized_varlen(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, cache, softmax_scale, causal, window_size, softcap, alibi_slopes
 ):
     """Varlen batch over a QuantizedKVCache: append each sequence's new K/V (one append for all the
-    sequences with the same number of new tokens), then attend with the queries left-padded to
-    max_seqlen_q, so bottom-right causal alignment holds per sequence (the padding rows come first,
-    attend to fewer keys and are dropped)."""
+    sequences with the same number of new tokens), then attend in two launches at most: the decoding
+    sequences (one query each), and the others with their queries left-padded to the longest among
+    them, so bottom-right causal alignment holds per sequence (the padding rows come first, attend to
+    fewer keys and are dropped)."""
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         raise ValueError(
             f"q must be (total_q, nheads, headdim), got {tuple(q.shape) if isinstance(q, torch.Tensor) else q}"
@@ -518,35 +519,49 @@ def _quantized_varlen(
                 n, device=k.device
             )  # [len(seqs), n] rows of k / v
             cache.append(k[tokens], v[tokens], batch_idx=torch.tensor(seqs, dtype=torch.int32, device=cache.device))
-    width = max(max(lens_q, default=0), 1)
-    # token j of sequence b sits at padded row width - len_b + j
+    out = q.new_zeros(q.shape)
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
     cu_q = cu_seqlens_q.to(q.device).long()
-    len_q = cu_q.diff()
-    seq = torch.repeat_interleave(torch.arange(batch, device=q.device), len_q)
-    row = width - len_q[seq] + (torch.arange(q.shape[0], device=q.device) - cu_q[seq])
-    q_pad = q.new_zeros(batch, width, q.shape[1], q.shape[2])
-    q_pad[seq, row] = q
-    out, lse = _quantized_kvcache(
-        q_pad,
-        cache,
-        k=None,
-        v=None,
-        rotary_cos=None,
-        rotary_sin=None,
-        cache_seqlens=None,
-        cache_batch_idx=None,
-        cache_leftpad=None,
-        block_table=None,
-        softmax_scale=softmax_scale,
-        causal=causal,
-        window_size=window_size,
-        softcap=softcap,
-        rotary_interleaved=True,
-        alibi_slopes=alibi_slopes,
-        num_splits=0,
-        return_softmax_lse=True,
-    )
-    return out[seq, row], lse[seq, :, row].transpose(0, 1).contiguous()
+    # decoding sequences (one query) in one launch, the others padded to the longest among them in a
+    # second: a decode token is never padded to a prefill chunk's length
+    for seqs in ([b for b in range(batch) if lens_q[b] == 1], [b for b in range(batch) if lens_q[b] > 1]):
+        if not seqs:
+            continue
+        width = max(lens_q[b] for b in seqs)
+        # token j of sequence seqs[i] sits at padded row width - len + j of row i
+        sel = torch.tensor(seqs, device=q.device)
+        len_q = cu_q[sel + 1] - cu_q[sel]
+        i = torch.repeat_interleave(torch.arange(len(seqs), device=q.device), len_q)  # a token's sequence
+        j = torch.arange(sum(lens_q[b] for b in seqs), device=q.device) - (len_q.cumsum(0) - len_q)[i]
+        token, row = cu_q[sel][i] + j, width - len_q[i] + j  # its row in q, in the padded batch
+        q_pad = q.new_zeros(len(seqs), width, q.shape[1], q.shape[2])
+        q_pad[i, row] = q[token]
+        slopes = alibi_slopes
+        if isinstance(slopes, torch.Tensor) and slopes.dim() == 2:  # [batch, heads]: these sequences'
+            slopes = slopes[sel]
+        o, l = _quantized_kvcache(
+            q_pad,
+            cache,
+            k=None,
+            v=None,
+            rotary_cos=None,
+            rotary_sin=None,
+            cache_seqlens=None,
+            cache_batch_idx=None if seqs == list(range(batch)) else sel.to(torch.int32),
+            cache_leftpad=None,
+            block_table=None,
+            softmax_scale=softmax_scale,
+            causal=causal,
+            window_size=window_size,
+            softcap=softcap,
+            rotary_interleaved=True,
+            alibi_slopes=slopes,
+            num_splits=0,
+            return_softmax_lse=True,
+        )
+        out[token] = o[i, row]
+        lse[:, token] = l[i, :, row].transpose(0, 1)
+    return out, lse
 
 
 def _quantized_kvcache(

@@ -79,3 +79,30 @@ def test_varlen_without_new_kv_and_errors():
         fa.flash_attn_varlen_func(q, torch.randn(3, 1, 64), torch.randn(3, 1, 64), cu, None, 3, None, kv_cache=cache)
     with pytest.raises(ValueError, match="dropout_p"):
         fa.flash_attn_varlen_func(q, None, None, cu, None, 3, None, dropout_p=0.1, kv_cache=cache)
+
+
+def test_mixed_batch_with_per_sequence_alibi_slopes():
+    """Per-sequence ALiBi slopes ``[batch, heads]`` follow each sequence into its launch (the decoding
+    sequences and the chunks attend in separate launches)."""
+    torch.manual_seed(3)
+    hk, hq, d = 1, 2, 64
+    cache = QuantizedKVCache(3, 64, hk, d)
+    cache.append(torch.randn(3, 20, hk, d), torch.randn(3, 20, hk, d))
+    ref_cache = _clone(cache)
+    n_q = [4, 1, 2]
+    q = torch.randn(sum(n_q), hq, d)
+    cu_q = torch.tensor([0, 4, 5, 7], dtype=torch.int32)
+    slopes = torch.rand(3, hq) * 0.5
+    out, _ = fa.flash_attn_varlen_func(
+        q, None, None, cu_q, None, 4, None, causal=True, alibi_slopes=slopes, kv_cache=cache
+    )
+    for b in range(3):
+        qs = slice(int(cu_q[b]), int(cu_q[b + 1]))
+        o_ref = fa.flash_attn_with_kvcache(
+            q[qs].unsqueeze(0),
+            ref_cache,
+            cache_batch_idx=torch.tensor([b], dtype=torch.int32),
+            causal=True,
+            alibi_slopes=slopes[b : b + 1],
+        )
+        torch.testing.assert_close(out[qs], o_ref[0], atol=1e-5, rtol=1e-5)
