@@ -9,6 +9,11 @@ Side by side in one run, the same model, prompt and number of decoded tokens thr
 * ``static``: transformers' ``StaticCache`` (capacity given up front), SDPA, eager;
 * ``static_compiled``: the same with the decode step ``torch.compile(mode="reduce-overhead")``d
   (CUDA graphs: transformers' fastest fp16 decode; CUDA only, ``--no-compile`` skips it);
+* ``kv16``, ``kv16_compiled``: the fast fp16 anchor: the same static 16-bit buffers read by this
+  project's fp16 decode kernel (``flash_attn_tq.testing.fp16_decode``: only the filled tokens, the
+  length on the GPU), eager and compiled as ``static_compiled``;
+* ``fa2_compiled``: the same with upstream FlashAttention-2's ``flash_attn_with_kvcache`` as the
+  kernel, where flash_attn is installed (else the row records why not);
 * ``tq``: ``TQCache(model.config)`` with ``attn_implementation="tq_kvcache"`` (the fused kernels on a GPU);
 * ``tq_calibrated``: ``TQCache.calibrated(model)`` (measured once a model; its time is reported as
   ``calibration_s``, not in the decode speed; the cache of each prompt reuses its bit widths);
@@ -67,10 +72,11 @@ from flash_attn_tq.testing.assets import GGUF, default_data_dir, ensure_model, l
 RESULTS = Path(__file__).resolve().parent / "results"
 
 ATTN_KEYWORDS = ("decode", "flash", "attention", "sdpa", "fmha", "combine")
-FP16_VARIANTS = ("dynamic", "static", "static_compiled", "static_generate")
+FP16_VARIANTS = ("dynamic", "static", "static_compiled", "static_generate", "kv16", "kv16_compiled", "fa2_compiled")
 TQ_VARIANTS = ("tq", "tq_calibrated", "tq_graph", "tq_compiled", "tq_generate")
 ALL_VARIANTS = FP16_VARIANTS + TQ_VARIANTS
 TQ_REFERENCE = ("tq_compiled", "tq_graph", "tq_generate")  # tokens checked against the eager tq run's
+FAST_FP16 = ("kv16", "fa2")  # FastStaticCache backends (variant prefixes)
 CUDA_ONLY = ("_compiled", "_graph", "_generate")  # (CUDA graphs)
 GENERATE_TIMING = "the median of three pairs of generate() calls"
 
@@ -184,6 +190,29 @@ def cache_bytes(cache) -> int:
     return total
 
 
+def weight_bytes(model) -> int:
+    """Bytes of weights a decode step reads: every parameter but an untied input embedding (of which
+    a step reads B rows)."""
+    skip = set()
+    emb = model.get_input_embeddings()
+    if emb is not None and emb.weight is not getattr(model.get_output_embeddings(), "weight", None):
+        skip.add(id(emb.weight))
+    return sum(tensor_bytes(p) for p in model.parameters() if id(p) not in skip)
+
+
+def copy_gbps(device) -> float | None:
+    """The device's copy bandwidth, GB/s: a 2 GiB device-to-device copy (bytes read + written over
+    its median time); None on the CPU."""
+    if torch.device(device).type != "cuda":
+        return None
+    from flash_attn_tq.testing import bench
+
+    src = torch.empty(2**30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    us = bench(lambda: dst.copy_(src))
+    return 2 * 2**30 / us / 1e3
+
+
 def kernel_share(prof, cuda: bool) -> tuple[float | None, list]:
     """(attention kernels' share of the device time, the top kernels [(name, us)]) from a profile;
     on the CPU the same over the operators' self time (a rough stand-in)."""
@@ -232,6 +261,19 @@ def model_description(name: str, quick: bool, random_weights: bool = False) -> s
 # --------------------------------------------------------------------------- one run
 
 
+def attn_implementation(variant: str) -> str:
+    """The attention function a variant's model runs."""
+    from flash_attn_tq.integrations.transformers import ATTN_IMPLEMENTATION
+
+    if variant.startswith("tq"):
+        return ATTN_IMPLEMENTATION
+    if variant.startswith(FAST_FP16):
+        from flash_attn_tq.testing import fp16_decode
+
+        return fp16_decode.ATTN_IMPLEMENTATION
+    return "sdpa"
+
+
 def make_cache(variant, model, capacity, calibrated):
     from transformers import DynamicCache, StaticCache
 
@@ -239,6 +281,10 @@ def make_cache(variant, model, capacity, calibrated):
         return DynamicCache(config=model.config)
     if variant.startswith("static"):
         return StaticCache(config=model.config, max_cache_len=capacity)
+    if variant.startswith(FAST_FP16):
+        from flash_attn_tq.testing.fp16_decode import FastStaticCache
+
+        return FastStaticCache(model.config, max_cache_len=capacity, backend=variant.split("_")[0])
     from flash_attn_tq.integrations.transformers import TQCache
 
     if variant == "tq_calibrated":  # the calibrated widths, this run's capacity
@@ -273,12 +319,10 @@ def warm_up(model, device, B):
 def run_generate(model, variant, ids, args) -> dict:
     """``model.generate`` as a user calls it (see the module docstring): tokens/s from the median wall
     times of generate calls of two lengths."""
-    from flash_attn_tq.integrations.transformers import ATTN_IMPLEMENTATION
-
     device = ids.device
     B, P = ids.shape
     n0, n1 = max(args.warmup, 2), max(args.warmup, 2) + args.new_tokens
-    model.set_attn_implementation(ATTN_IMPLEMENTATION if variant.startswith("tq") else "sdpa")
+    model.set_attn_implementation(attn_implementation(variant))
     torch._dynamo.reset()
 
     def generate(n):
@@ -312,8 +356,6 @@ def run_generate(model, variant, ids, args) -> dict:
 @torch.no_grad()
 def run_variant(model, variant, ids, args, calibrated=None) -> dict:
     """Prefill ``ids`` [B, P], then ``warmup + new_tokens (+ 2 x profile_steps)`` greedy decode steps."""
-    from flash_attn_tq.integrations.transformers import ATTN_IMPLEMENTATION
-
     device = ids.device
     cuda = device.type == "cuda"
     clock = Clock(device)
@@ -323,7 +365,7 @@ def run_variant(model, variant, ids, args, calibrated=None) -> dict:
     capacity = P + warmup + steps + 2 * prof_steps + 8  # (the profiled steps run twice: kernels, then wall time)
     compiled = variant.endswith("_compiled")
     graph = variant.endswith("_graph")
-    model.set_attn_implementation(ATTN_IMPLEMENTATION if variant.startswith("tq") else "sdpa")
+    model.set_attn_implementation(attn_implementation(variant))
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     if compiled:
@@ -435,6 +477,7 @@ def bench_model(name, args) -> Iterator[dict]:
     else:
         model = random_llama(LLAMA8B, dtype, device)
     print(f"[{name}] model ready in {time.perf_counter() - t0:.1f} s ({dtype}, {device})", flush=True)
+    weights, bandwidth = weight_bytes(model), copy_gbps(device)
     B = args.batch or (1 if args.quick and name == "smollm2" else 2 if args.quick else spec["B"])
     if args.quick:
         prompts = [200, 300] if name == "smollm2" else [260]
@@ -482,6 +525,8 @@ def bench_model(name, args) -> Iterator[dict]:
             prompt=P,
             new_tokens=args.new_tokens,
             warmup=args.warmup,
+            weight_bytes=weights,
+            copy_GBps=bandwidth,
             **calibration,
         )
         row.update({f"{v}_tok_s": None for v in ("dynamic", "static", "tq")})
@@ -506,6 +551,9 @@ def bench_model(name, args) -> Iterator[dict]:
             for k, x in r.items():
                 if k != "tokens":
                     row[f"{v}_{k}"] = x
+            if bandwidth:  # the step's floor: its weights and K/V read once at the copy bandwidth
+                row[f"{v}_floor_ms"] = (weights + r["cache_bytes"]) / bandwidth / 1e6
+                row[f"{v}_vs_floor"] = r["step_ms"] / row[f"{v}_floor_ms"]
             print(
                 f"[{name} B={B} P={P}] {v}: {r['tok_s']:.1f} tok/s (step {r['step_ms']:.3f} ms, prefill "
                 f"{fmt(r['prefill_ms'])} ms, cache {r['cache_bytes'] / 2**20:.1f} MiB, attention share "
@@ -552,16 +600,19 @@ def markdown(res) -> str:
         "GraphDecoder. generate(): model.generate(ids, past_key_values=cache) as a user calls it "
         "(transformers compiles the decode steps of both caches), tokens/s from the wall times of "
         f"{res['setup'].get('generate_timing', GENERATE_TIMING)}. "
-        "/ best: over the fastest transformers cache of the run. KV MiB: the cache as held after the run "
+        "fp16 kernel: transformers' static buffers read by this project's fp16 decode kernel; FA2: by "
+        "upstream FlashAttention-2's flash_attn_with_kvcache (both only the filled tokens). "
+        "/ best fp16: over the fastest fp16 row of the run (named). KV MiB: the cache as held after the run "
         "(dynamic: its K/V; TQCache: codes, metadata, window and sinks). Attention share: attention "
         "kernels' share of the step's CUDA time (profiler; in brackets: the time inside the attention "
         "function over the step time).",
         "",
         "| model | dtype | B | prompt | dynamic | static | static+compile | generate(): static "
+        "| fp16 kernel | fp16 kernel+compile | FA2+compile "
         "| TQCache | TQCache.calibrated | TQCache+compile | TQCache, CUDA graph | generate(): TQCache "
-        "| generate() TQ / static | TQ+compile / best | KV MiB dynamic | KV MiB TQ | fp16/TQ bytes "
+        "| generate() TQ / static | TQ+compile / best fp16 | KV MiB dynamic | KV MiB TQ | fp16/TQ bytes "
         "| attn share dynamic | attn share TQ | prefill ms dyn / TQ | calibration s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in res["rows"]:
 
@@ -572,15 +623,35 @@ def markdown(res) -> str:
         lines.append(
             f"| {r['model']} | {r['dtype']} | {r['B']} | {r['prompt']} | {fmt(r.get('dynamic_tok_s'))} "
             f"| {fmt(r.get('static_tok_s'))} | {fmt(r.get('static_compiled_tok_s'))} "
-            f"| {fmt(r.get('static_generate_tok_s'))} | {fmt(r.get('tq_tok_s'))} "
+            f"| {fmt(r.get('static_generate_tok_s'))} | {fmt(r.get('kv16_tok_s'))} "
+            f"| {fmt(r.get('kv16_compiled_tok_s'))} | {fmt(r.get('fa2_compiled_tok_s'))} | {fmt(r.get('tq_tok_s'))} "
             f"| {fmt(r.get('tq_calibrated_tok_s'))} | {fmt(r.get('tq_compiled_tok_s'))} "
             f"| {fmt(r.get('tq_graph_tok_s'))} | {fmt(r.get('tq_generate_tok_s'))} "
             f"| {fmt(gen[0] / gen[1] if all(gen) else None, '.2f')}x "
-            f"| {fmt(r.get('tq_compiled_vs_best_fp16'), '.2f')}x "
+            f"| {fmt(r.get('tq_compiled_vs_best_fp16'), '.2f')}x ({r.get('best_fp16', '–')}) "
             f"| {mib(r.get('dynamic_cache_bytes'))} | {mib(r.get('tq_cache_bytes'))} "
             f"| {fmt(r.get('kv_bytes_ratio'), '.2f')} | {share('dynamic')} | {share('tq')} "
             f"| {fmt(r.get('dynamic_prefill_ms'))} / {fmt(r.get('tq_prefill_ms'))} | {fmt(r.get('calibration_s'))} |"
         )
+    floors = [
+        "",
+        "Step time against its floor: the weights a step reads (all but an untied input embedding) and "
+        "the cache's bytes (as allocated for the run's length) read once at the device's measured copy "
+        "bandwidth (a 2 GiB device-to-device copy).",
+        "",
+        "| model | B | prompt | copy GB/s | variant | tok/s | step ms | floor ms | step / floor |",
+        "|---|---|---|---:|---|---:|---:|---:|---:|",
+    ]
+    for r in res["rows"]:
+        for v in ALL_VARIANTS:
+            if r.get(f"{v}_floor_ms"):
+                floors.append(
+                    f"| {r['model']} | {r['B']} | {r['prompt']} | {fmt(r.get('copy_GBps'), '.0f')} | {v} "
+                    f"| {fmt(r.get(f'{v}_tok_s'))} | {fmt(r.get(f'{v}_step_ms'), '.3f')} "
+                    f"| {fmt(r[f'{v}_floor_ms'], '.3f')} | {fmt(r.get(f'{v}_vs_floor'), '.2f')} |"
+                )
+    if len(floors) > 6:
+        lines += floors
     notes = []
     for r in res["rows"]:
         for k, x in r.items():

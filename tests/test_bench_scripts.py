@@ -42,7 +42,7 @@ def commands(tmp: Path) -> dict[str, list[str]]:
             "--product-decode", "12", "--data", str(tmp / "data"), "--out", str(tmp / "eval_quality"),
         ],
         "bench_generate": [
-            "--quick", "--models", "smollm2", "--variants", "dynamic,static,tq", "--profile-steps", "1",
+            "--quick", "--models", "smollm2", "--variants", "dynamic,static,kv16,tq", "--profile-steps", "1",
             "--out", str(tmp / "bench_generate"),
         ],
         "bench_cpu": [
@@ -117,6 +117,7 @@ def test_bench_generate_quick_writes_each_row(runs):
     assert row["model"] == "smollm2" and row["B"] == 1
     assert 0 < row["tq_cache_bytes"] < row["dynamic_cache_bytes"]
     assert row["static_tokens_agree"] == 1.0  # the same greedy tokens as DynamicCache
+    assert row["kv16_tokens_agree"] == 1.0  # the fp16 anchor's cache (here its SDPA fallback) too
     assert row["tq_path"].startswith("quantized:")
     assert 0.0 <= row["tq_attn_wall_share"] <= 1.0
     assert "| smollm2 |" in (out / "generate.md").read_text()
