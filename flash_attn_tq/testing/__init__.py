@@ -38,10 +38,13 @@ from .timing import Clock, bench, bench_graph, host_ms, interleaved, timed_atten
 from .workloads import (
     DEFAULT_LAYERS,
     DEFAULT_OPTS,
+    ServingStep,
     default_layers,
     fill_cache,
     fill_default,
     rope_freqs,
+    serving_step,
+    slot_mapping,
     upstream_fa2,
     weighted_default,
 )
@@ -76,10 +79,13 @@ __all__ = [
     "timed_attention",
     "DEFAULT_LAYERS",
     "DEFAULT_OPTS",
+    "ServingStep",
     "default_layers",
     "fill_cache",
     "fill_default",
     "rope_freqs",
+    "serving_step",
+    "slot_mapping",
     "upstream_fa2",
     "weighted_default",
 ]

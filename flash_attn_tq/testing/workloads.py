@@ -1,5 +1,6 @@
 """The caches and attention calls the GPU benchmarks time: random K/V in a QuantizedKVCache, the
-default cache's kinds of layer, upstream FlashAttention-2 where it is installed.
+default cache's kinds of layer, a serving engine's mixed step over a paged cache, upstream
+FlashAttention-2 where it is installed.
 
 Shapes follow flash_attn's conventions: queries ``q [B, q_len, Hq, d]``, keys and values
 ``k, v [B, S, Hk, d]`` (B sequences of S tokens, Hq query and Hk kv heads of head_dim d).
@@ -7,6 +8,8 @@ Shapes follow flash_attn's conventions: queries ``q [B, q_len, Hq, d]``, keys an
 
 from __future__ import annotations
 
+import itertools
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 import torch
@@ -132,3 +135,96 @@ def upstream_fa2() -> Callable[..., Any] | None:
     except Exception:
         return None
     return fa2
+
+
+@dataclass
+class ServingStep:
+    """One engine step over a paged cache (:func:`serving_step`): sequence ``b`` holds ``lengths[b]``
+    tokens and brings ``new[b]`` tokens (1: it decodes; more: a prefill chunk), each a query and a
+    new key/value. ``q [total, Hq, d]``, ``k``/``v [total, Hk, d]``, ``cu_seqlens [n + 1]`` int32 (the
+    queries' and the new keys' alike). ``kv16``: the same tokens in a 16-bit paged cache
+    ``(k_cache, v_cache [blocks, page, Hk, d], block_table, slots)``, ``slots [total]`` int64 the flat
+    slot each new token goes to (vLLM's ``slot_mapping``), where asked for."""
+
+    cache: QuantizedKVCache | None
+    lengths: list[int]
+    new: list[int]
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    cu_seqlens: torch.Tensor
+    kv16: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+
+def slot_mapping(block_table: torch.Tensor, page: int, rows: list[int], positions: list[range]) -> torch.Tensor:
+    """int64 flat slots (block x page + offset) of ``positions[i]`` of sequence ``rows[i]``."""
+    table = block_table.long()
+    out = []
+    for b, pos in zip(rows, positions):
+        p = torch.tensor(pos, device=block_table.device)
+        out.append(table[b, p // page] * page + p % page)
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.long, device=block_table.device)
+
+
+def serving_step(
+    lengths: list[int],
+    new: list[int],
+    page_size: int | None,
+    Hq: int = 32,
+    Hk: int = 8,
+    d: int = 128,
+    dtype: torch.dtype = torch.float16,
+    device: torch.device | str = "cuda",
+    seed: int = 0,
+    kv16_page: int | None = None,
+    fill_chunk: int = 2048,
+    **cache_options: Any,
+) -> ServingStep:
+    """A paged quantized cache (``page_size``, blocks in a seeded random order; ``cache_options``: its
+    spec) holding ``lengths[b]`` random N(0, 1) tokens a sequence, appended ``fill_chunk`` tokens at a
+    time through the pack kernel, and the step's random queries and new K/V (``new[b]`` a sequence).
+    ``kv16_page``: the same tokens also in a 16-bit paged cache of that page size; ``page_size=None``:
+    that cache alone (``cache`` is None). The tokens depend on ``seed`` only, not on the pages."""
+    tables = torch.Generator().manual_seed(seed)
+    data = torch.Generator(device=device).manual_seed(seed + 1)
+    n, capacity = len(lengths), max(a + b for a, b in zip(lengths, new))
+
+    def table(page):
+        per_seq = -(-capacity // page)
+        perm = torch.randperm(n * per_seq, generator=tables)
+        return perm.reshape(n, per_seq).to(device=device, dtype=torch.int32), per_seq
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=data, device=device).to(dtype)
+
+    cache = kv16 = None
+    if page_size is not None:
+        block_table, per_seq = table(page_size)
+        cache = QuantizedKVCache(
+            n, per_seq * page_size, Hk, d, page_size=page_size, block_table=block_table, device=device,
+            dtype=dtype if dtype in (torch.float16, torch.bfloat16) else torch.float16, **cache_options,
+        )  # fmt: skip
+    if kv16_page is not None:
+        table16, per16 = table(kv16_page)
+        k16 = torch.zeros(n * per16, kv16_page, Hk, d, dtype=dtype, device=device)
+        kv16 = (k16, torch.zeros_like(k16), table16)
+    for s0 in range(0, max(lengths, default=0), fill_chunk):
+        groups: dict[int, list[int]] = {}  # sequences that take as many tokens from this chunk
+        for b, length in enumerate(lengths):
+            if length > s0:
+                groups.setdefault(min(fill_chunk, length - s0), []).append(b)
+        for m, rows in groups.items():
+            k, v = randn(len(rows), m, Hk, d), randn(len(rows), m, Hk, d)
+            if cache is not None:
+                cache.append(k, v, batch_idx=torch.tensor(rows, dtype=torch.int32, device=device))
+            if kv16 is not None:
+                slots = slot_mapping(kv16[2], kv16_page, rows, [range(s0, s0 + m)] * len(rows))
+                kv16[0].view(-1, Hk, d)[slots] = k.reshape(-1, Hk, d)
+                kv16[1].view(-1, Hk, d)[slots] = v.reshape(-1, Hk, d)
+    total = sum(new)
+    q, k, v = randn(total, Hq, d), randn(total, Hk, d), randn(total, Hk, d)
+    cu = torch.tensor([0] + list(itertools.accumulate(new)), dtype=torch.int32, device=device)
+    if kv16 is not None:
+        slots = slot_mapping(kv16[2], kv16_page, list(range(n)), [range(a, a + b) for a, b in zip(lengths, new)])
+        kv16 = (*kv16, slots)
+    return ServingStep(cache, list(lengths), list(new), q, k, v, cu, kv16)

@@ -1,0 +1,235 @@
+"""One serving engine step over a paged 3-bit cache vs a paged fp16 cache (FA2), a layer at a time.
+
+    python -m benchmarks.bench_serving [--seqs 64] [--pages 16,64,256] [--chunk 512] [--quick] [--out DIR]
+
+The step a serving engine runs when requests of mixed lengths share a batch: ``--seqs`` sequences
+whose lengths are drawn uniformly from ``--min-len``..``--max-len`` (seeded), a quarter of them
+appending a ``--chunk``-token prefill chunk and the rest decoding one token, over a paged cache
+whose blocks are in a random order (``flash_attn_tq.testing.serving_step``). 32 q / 8 kv heads,
+head_dim 128, float16, one layer:
+
+* ``tq3``, ``default``: ``flash_attn_varlen_func(q, k, v, cu, cu, ..., causal=True, kv_cache=cache)``
+  over the 3-bit cache (plain, and the default layer: 16 sinks + 112 recent tokens in 16-bit, keys
+  centered before RoPE): the new tokens quantized into their pages (the pack kernel resolves each
+  token's slot from the block table and the sequence's length), then attended (the decoding
+  sequences in one launch, the chunks in another), then the cache's lengths set back (a 2-µs copy,
+  timed with the step);
+* ``fa2``: the same tokens in an fp16 paged cache (256-token pages: FA2's paged path needs a
+  multiple of 256): the new K/V written through vLLM-style ``slot_mapping`` (``index_copy_``), then
+  upstream FlashAttention-2's ``flash_attn_varlen_func(..., block_table=)``, missing with the reason
+  where flash_attn is not installed.
+
+Step time: ``triton.testing.do_bench`` median. The split: kernel times from the PyTorch profiler
+over 5 steps, by kernel name (pack: the quantize-on-write kernel or the slot copies; attention;
+combine: the split-KV merge; other: indexing and copies around them). Tokens/s for a 32-layer model's
+attention side (weights not counted): the step's tokens (every query) / (32 x the step time); decode
+tokens/s counts the decoding sequences only. ``max |out - fa2|``: the 3-bit step's output against
+FA2's over the same tokens (the quantization error, not a pass/fail; ``tests/test_serving_step.py``
+holds the kernels to float32 over the dequantized cache). Writes ``serving.json`` / ``serving.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+
+import torch
+
+import flash_attn_tq as fa
+from flash_attn_tq.testing import (
+    DEFAULT_OPTS,
+    bench,
+    describe,
+    fmt,
+    made_by,
+    rope_freqs,
+    serving_step,
+    stamp,
+    write_results,
+)
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+HQ, HK, D, LAYERS = 32, 8, 128, 32
+FA2_PAGE = 256
+CATEGORIES = (
+    ("pack", ("pack", "index_copy", "scatter")),
+    ("combine", ("combine",)),
+    ("attention", ("decode", "prefill", "flash", "fwd")),
+)
+
+
+def upstream_varlen():
+    """Upstream flash_attn's ``flash_attn_varlen_func``, or None (with flash_attn_tq it would be ours)."""
+    try:
+        from flash_attn.flash_attn_interface import flash_attn_gpu, flash_attn_varlen_func
+    except Exception:
+        return None
+    return flash_attn_varlen_func if flash_attn_gpu is not None else None
+
+
+def split(fn, steps: int = 5) -> dict:
+    """µs a step by kernel category (CATEGORIES; the rest: other), from the profiler over ``steps``."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    out = {"pack": 0.0, "attention": 0.0, "combine": 0.0, "other": 0.0}
+    kernels = []
+    for e in prof.key_averages():
+        if getattr(e, "device_type", None) != DeviceType.CUDA:
+            continue
+        t = getattr(e, "self_device_time_total", 0) / steps
+        if t <= 0:
+            continue
+        name = e.key.lower()
+        cat = next((c for c, words in CATEGORIES if any(w in name for w in words)), "other")
+        out[cat] += t
+        kernels.append((e.key[:100], round(t, 1), cat))
+    out["kernels"] = sorted(kernels, key=lambda k: -k[1])[:8]
+    return out
+
+
+def run(args, page: int, lengths, new, tq_opts: dict, fa2_ref) -> dict:
+    step = serving_step(lengths, new, page, HQ, HK, D, seed=args.seed, **tq_opts)
+    cu, lens0 = step.cu_seqlens, step.cache.seqlens.clone()
+
+    def tq():
+        out = fa.flash_attn_varlen_func(
+            step.q, step.k, step.v, cu, cu, max(new), None, causal=True, kv_cache=step.cache
+        )
+        step.cache.seqlens.copy_(lens0)
+        return out
+
+    out = tq()
+    row = {"path": fa.last_path(), "step_us": bench(tq)}
+    row.update(split(tq))
+    if fa2_ref is not None:
+        row["max_abs_vs_fa2"] = (out.float() - fa2_ref.float()).abs().max().item()
+    return row
+
+
+def run_fa2(lengths, new, seed: int) -> tuple[dict, torch.Tensor | None]:
+    varlen = upstream_varlen()
+    if varlen is None:
+        return {"missing": "upstream flash_attn is not importable"}, None
+    step = serving_step(lengths, new, None, HQ, HK, D, seed=seed, kv16_page=FA2_PAGE)
+    k16, v16, table, slots = step.kv16
+    cu_q = step.cu_seqlens
+    total = [a + b for a, b in zip(lengths, new)]
+    cu_k = torch.tensor([0] + total, device="cuda").cumsum(0).to(torch.int32)
+
+    def fa2():
+        k16.view(-1, HK, D).index_copy_(0, slots, step.k)
+        v16.view(-1, HK, D).index_copy_(0, slots, step.v)
+        return varlen(step.q, k16, v16, cu_q, cu_k, max(new), max(total), causal=True, block_table=table)
+
+    out = fa2()
+    row = {"step_us": bench(fa2)}
+    row.update(split(fa2))
+    return row, out
+
+
+def bench_serving(args) -> dict:
+    rng = random.Random(args.seed)
+    lengths = [rng.randint(args.min_len, args.max_len) for _ in range(args.seqs)]
+    chunked = set(rng.sample(range(args.seqs), args.seqs // 4))
+    new = [args.chunk if b in chunked else 1 for b in range(args.seqs)]
+    tokens, decoding = sum(new), args.seqs - len(chunked)
+    res = {
+        "meta": stamp(),
+        "setup": dict(
+            seqs=args.seqs, chunk=args.chunk, lengths=lengths, new=new, heads=[HQ, HK], head_dim=D, layers=LAYERS
+        ),
+        "rows": [],
+    }
+    fa2_row, fa2_out = run_fa2(lengths, new, args.seed)
+    fa2_row.update(variant="fa2", page=FA2_PAGE)
+    rows = [fa2_row]
+    configs = {"tq3": {}, "default": dict(DEFAULT_OPTS, rope_inv_freq=rope_freqs(D))}
+    for page in args.pages:
+        for name, opts in configs.items():
+            try:
+                row = run(args, page, lengths, new, opts, fa2_out)
+            except torch.cuda.OutOfMemoryError as e:
+                row = {"missing": f"out of GPU memory: {e}"[:200]}
+            row.update(variant=name, page=page)
+            rows.append(row)
+            torch.cuda.empty_cache()
+    for row in rows:
+        if row.get("step_us"):
+            row["tok_s"] = tokens / (LAYERS * row["step_us"] * 1e-6)
+            row["decode_tok_s"] = decoding / (LAYERS * row["step_us"] * 1e-6)
+            if fa2_row.get("step_us"):
+                row["vs_fa2"] = fa2_row["step_us"] / row["step_us"]
+        print(
+            f"{row['variant']:8s} page {row['page']:4d}: {fmt(row.get('step_us'))} µs "
+            f"({fmt(row.get('vs_fa2'), '.2f')}x fa2) {row.get('missing', '')}",
+            flush=True,
+        )
+    res["rows"] = rows
+    return res
+
+
+def markdown(res) -> str:
+    m, s = res["meta"], res["setup"]
+    lens = s["lengths"]
+    lines = [
+        f"# A serving step over a paged 3-bit cache vs FP16 FA2 ({describe(m)})",
+        "",
+        made_by(m),
+        "",
+        f"{s['seqs']} sequences of {min(lens)}-{max(lens)} tokens (mean {sum(lens) / len(lens):.0f}); "
+        f"{sum(1 for n in s['new'] if n > 1)} append a {s['chunk']}-token prefill chunk, the rest decode one "
+        f"token; 32 q / 8 kv heads, head_dim 128, fp16; one layer's step (append + attention) in µs "
+        "(do_bench median), shuffled block tables. tq3: the plain 3-bit cache; default: the default layer "
+        "(16 sinks + 112 recent tokens in 16-bit, keys centered before RoPE). Split: profiler kernel µs a "
+        f"step. tok/s: every query token of the step over {s['layers']} layers' attention (weights not "
+        "counted); decode tok/s: the decoding sequences' tokens only.",
+        "",
+        "| variant | page | step µs | vs FA2 | pack | attention | combine | other | tok/s (32 layers) "
+        "| decode tok/s | max abs vs FA2 |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in res["rows"]:
+        lines.append(
+            f"| {r['variant']} | {r['page']} | {fmt(r.get('step_us'))} | {fmt(r.get('vs_fa2'), '.2f')} "
+            f"| {fmt(r.get('pack'))} | {fmt(r.get('attention'))} | {fmt(r.get('combine'))} | {fmt(r.get('other'))} "
+            f"| {fmt(r.get('tok_s'), ',.0f')} | {fmt(r.get('decode_tok_s'), ',.0f')} "
+            f"| {fmt(r.get('max_abs_vs_fa2'), '.4f')} |"
+        )
+    missing = [f"- {r['variant']} page {r['page']}: {r['missing']}" for r in res["rows"] if r.get("missing")]
+    return "\n".join(lines + ([""] + missing if missing else [])) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seqs", type=int, default=64)
+    p.add_argument("--min-len", type=int, default=1024)
+    p.add_argument("--max-len", type=int, default=32768)
+    p.add_argument("--chunk", type=int, default=512)
+    p.add_argument("--pages", default="16,64,256")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="16 sequences of 256-4096 tokens, 64-token chunks")
+    p.add_argument("--out", default=RESULTS)
+    p.add_argument("--name", default="serving")
+    args = p.parse_args(argv)
+    args.pages = [int(x) for x in args.pages.split(",") if x]
+    if args.quick:
+        args.seqs, args.min_len, args.max_len, args.chunk = 16, 256, 4096, 64
+    if not torch.cuda.is_available():
+        p.error("a CUDA GPU is needed (the step runs the fused kernels)")
+    res = bench_serving(args)
+    md = markdown(res)
+    write_results(args.out, args.name, res, md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,44 @@
+"""A serving engine's step on the fused kernels: ``flash_attn_varlen_func(kv_cache=)`` over a paged
+cache with a shuffled block table, a quarter of the sequences appending a prefill chunk and the rest
+decoding a token, against float32 attention over the codes the step wrote (the reference path on a
+CPU copy of the cache after the step)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from gpu_cases import NEEDS_GPU, poison_allocator
+
+import flash_attn_tq as fa
+from flash_attn_tq.cache import QuantizedKVCache
+from flash_attn_tq.testing import DEFAULT_OPTS, rope_freqs, serving_step
+
+pytestmark = NEEDS_GPU
+
+
+@pytest.mark.parametrize("page_size", [16, 64, 256])
+@pytest.mark.parametrize("config", ["plain", "default"])
+def test_serving_step_matches_float32(page_size, config):
+    rng = random.Random(page_size)
+    lengths = [rng.randint(100, 3000) for _ in range(12)]
+    new = [61 if b % 4 == 1 else 1 for b in range(12)]
+    opts = dict(DEFAULT_OPTS, rope_inv_freq=rope_freqs(128)) if config == "default" else {}
+    step = serving_step(lengths, new, page_size, Hq=8, Hk=2, d=128, seed=page_size, fill_chunk=512, **opts)
+    cu = step.cu_seqlens
+    poison_allocator()
+    out, lse = fa.flash_attn_varlen_func(
+        step.q, step.k, step.v, cu, cu, max(new), None, causal=True, kv_cache=step.cache
+    )
+    assert fa.last_path() == "quantized:fused-cuda"
+    assert step.cache.seqlens.tolist() == [a + b for a, b in zip(lengths, new)]
+    cpu = QuantizedKVCache.from_state_dict(
+        {k: (v.cpu() if torch.is_tensor(v) else v) for k, v in step.cache.state_dict().items()}, device="cpu"
+    )
+    ref, ref_lse = fa.flash_attn_varlen_func(
+        step.q.cpu().float(), None, None, cu.cpu(), None, max(new), None, causal=True, kv_cache=cpu
+    )
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    torch.testing.assert_close(out.float().cpu(), ref, atol=4e-3, rtol=0)
+    torch.testing.assert_close(lse.cpu(), ref_lse, atol=2e-3, rtol=0)
