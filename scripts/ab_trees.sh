@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Interleaved A/B of two trees of the project in one device call (a change that touches the Python side
 # and the ops, e.g. before and after a refactor): A = the tree in OLD_DIR (`git archive REV | tar x -C
-# OLD_DIR`), B = this checkout. Both are built, then ROUNDS rounds time both in turn, the order
-# alternating, each in a fresh process of its own tree: the decode kernels over the default cache's
-# layers and the plain cache as CUDA graphs (scripts/time_decode.py), and the eager call's host cost
-# (scripts/eager_call.py, public API only, run from this checkout against either tree). Then, once
-# each, SmolLM2-135M's architecture (random weights) decoded through generate paths
-# (benchmarks/bench_generate.py: TQCache eager and compiled, 2K prompt). Writes $OUT/ab_trees.json
-# and prints medians with B / A.
+# OLD_DIR`), B = this checkout. Each is built unless it holds a built extension, then ROUNDS rounds
+# time both in turn, the order alternating, each in a fresh process of its own tree: the decode
+# kernels over the default cache's layers and the plain cache as CUDA graphs (scripts/time_decode.py),
+# and the eager call's host cost (scripts/eager_call.py, public API only, run from this checkout
+# against either tree). Then, once each, SmolLM2-135M's architecture (random weights) decoded
+# through generate paths (benchmarks/bench_generate.py: TQCache eager and compiled, 2K prompt).
+# Writes $OUT/ab_trees.json and prints medians with B / A.
 #   bash scripts/ab_trees.sh OLD_DIR [ROUNDS=2] [B:S,...]     (run from the repository root)
 set -uo pipefail
 old=$(cd "${1:?usage: ab_trees.sh OLD_DIR [ROUNDS] [B:S,...]}" && pwd)
@@ -21,7 +21,9 @@ t0=$SECONDS
 if ! ls flash_attn_tq_cuda*.so > /dev/null 2>&1; then
   (MAX_JOBS=8 python3 setup.py -q build_ext --inplace > "$OUT/build_B.log" 2>&1) &
 fi
-(cd "$old" && MAX_JOBS=8 python3 setup.py -q build_ext --inplace > "$OUT/build_A.log" 2>&1) &
+if ! ls "$old"/flash_attn_tq_cuda*.so > /dev/null 2>&1; then
+  (cd "$old" && MAX_JOBS=8 python3 setup.py -q build_ext --inplace > "$OUT/build_A.log" 2>&1) &
+fi
 wait
 ls flash_attn_tq_cuda*.so "$old"/flash_attn_tq_cuda*.so > /dev/null || { tail -20 "$OUT"/build_*.log; exit 1; }
 echo "builds: $((SECONDS - t0)) s"
