@@ -21,8 +21,10 @@ head_dim 128, float16, one layer:
 
 Step time: ``triton.testing.do_bench`` median. The split: kernel times from the PyTorch profiler
 over 5 steps, by kernel name (pack: the quantize-on-write kernel or the slot copies; attention;
-combine: the split-KV merge; other: indexing and copies around them). Tokens/s for a 32-layer model's
-attention side (weights not counted): the step's tokens (every query) / (32 x the step time); decode
+combine: the split-KV merge; other: indexing and copies around them). Attention alone over the
+cache after the append: as the varlen call runs it (two launches) and as one launch with every
+sequence's queries left-padded to the longest (``attend_padded_us``). Tokens/s for a 32-layer
+model's attention side (weights not counted): the step's tokens (every query) / (32 x the step time); decode
 tokens/s counts the decoding sequences only. ``max |out - fa2|``: the 3-bit step's output against
 FA2's over the same tokens (the quantization error, not a pass/fail; ``tests/test_serving_step.py``
 holds the kernels to float32 over the dequantized cache). Writes ``serving.json`` / ``serving.md``.
@@ -111,6 +113,18 @@ def run(args, page: int, lengths, new, tq_opts: dict, fa2_ref) -> dict:
     row.update(split(tq))
     if fa2_ref is not None:
         row["max_abs_vs_fa2"] = (out.float() - fa2_ref.float()).abs().max().item()
+    # attention alone over the cache after the step's append: as the varlen call runs it (decoding
+    # sequences in one launch, chunks in another) and as one launch with every sequence's queries
+    # left-padded to the longest
+    step.cache.seqlens.copy_(lens0 + torch.tensor(new, dtype=torch.int32, device="cuda"))
+    width = max(new)
+    q_pad = step.q.new_zeros(len(new), width, HQ, D)
+    for b, n in enumerate(new):
+        q_pad[b, width - n :] = step.q[cu[b] : cu[b + 1]]
+    row["attend_us"] = bench(
+        lambda: fa.flash_attn_varlen_func(step.q, None, None, cu, None, width, None, causal=True, kv_cache=step.cache)
+    )
+    row["attend_padded_us"] = bench(lambda: fa.flash_attn_with_kvcache(q_pad, step.cache, causal=True))
     return row
 
 
@@ -193,15 +207,15 @@ def markdown(res) -> str:
         "counted); decode tok/s: the decoding sequences' tokens only.",
         "",
         "| variant | page | step µs | vs FA2 | pack | attention | combine | other | tok/s (32 layers) "
-        "| decode tok/s | max abs vs FA2 |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| decode tok/s | max abs vs FA2 | attention µs: two launches / one padded |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in res["rows"]:
         lines.append(
             f"| {r['variant']} | {r['page']} | {fmt(r.get('step_us'))} | {fmt(r.get('vs_fa2'), '.2f')} "
             f"| {fmt(r.get('pack'))} | {fmt(r.get('attention'))} | {fmt(r.get('combine'))} | {fmt(r.get('other'))} "
             f"| {fmt(r.get('tok_s'), ',.0f')} | {fmt(r.get('decode_tok_s'), ',.0f')} "
-            f"| {fmt(r.get('max_abs_vs_fa2'), '.4f')} |"
+            f"| {fmt(r.get('max_abs_vs_fa2'), '.4f')} | {fmt(r.get('attend_us'))} / {fmt(r.get('attend_padded_us'))} |"
         )
     missing = [f"- {r['variant']} page {r['page']}: {r['missing']}" for r in res["rows"] if r.get("missing")]
     return "\n".join(lines + ([""] + missing if missing else [])) + "\n"
