@@ -7,7 +7,8 @@
 # and the eager call's host cost (scripts/eager_call.py, public API only, run from this checkout
 # against either tree). Then, once each, SmolLM2-135M's architecture (random weights) decoded
 # through generate paths (benchmarks/bench_generate.py: TQCache eager and compiled, 2K prompt).
-# Writes $OUT/ab_trees.json and prints medians with B / A.
+# Writes $OUT/ab_trees.json and prints medians with B / A; `python -m scripts.ab_report $OUT --a REV
+# --b REV` makes the results files (benchmarks/results/refactor_ab.json / .md) from that folder.
 #   bash scripts/ab_trees.sh OLD_DIR [ROUNDS=2] [B:S,...]     (run from the repository root)
 set -uo pipefail
 old=$(cd "${1:?usage: ab_trees.sh OLD_DIR [ROUNDS] [B:S,...]}" && pwd)
