@@ -2,6 +2,7 @@
 
     python benchmarks/bench_generate.py [--models smollm2,llama8b] [--prompts 2048,8192] [--new-tokens 64]
         [--variants ...] [--no-compile] [--no-profile] [--quick] [--data DIR] [--out DIR]
+    python benchmarks/bench_generate.py --fill [--fill-tokens 32768] [--reserve-gib 4]
 
 Side by side in one run, the same model, prompt and number of decoded tokens through
 
@@ -43,8 +44,14 @@ them, ``--profile-steps`` more steps under ``torch.profiler`` give ``*_attn_shar
 the attention kernels (names containing decode/flash/attention/sdpa/fmha/combine) over all kernel time,
 and (eager variants) ``*_attn_wall_share``: the time spent inside the attention function (the whole
 of it: kernels and the PyTorch ops around them) over the step time. Cache bytes: TQCache: its
-QuantizedKVCaches' ``nbytes`` (codes, metadata, recent window) plus its 16-bit sink tokens; the
-others: their K/V tensors (the static cache and TQCache as allocated for the run's length).
+QuantizedKVCaches' ``nbytes`` (codes, metadata, the 16-bit sinks and recent tokens); the others:
+their K/V tensors (the static cache and TQCache as allocated for the run's length).
+
+``--fill``: the batch the memory buys: Llama-3-8B's shape with all 32 layers (random bfloat16
+weights), each cache (``--variants``, default the fast fp16 anchor and the default TQCache) at the
+largest batch of ``--fill-tokens``-token sequences the free memory holds, filled with synthetic K/V
+through its write path (no prefill per sequence), then decoded compiled
+(``flash_attn_tq.testing.fill``); writes ``generate_fill.json`` / ``.md``.
 
 Writes ``generate.json`` (``{"meta": the run's stamp (gpu, torch, cuda, transformers, commit, the
 command), "rows": [...]}``, rows with ``model, B, prompt, dynamic_tok_s, static_tok_s, tq_tok_s`` and
@@ -67,7 +74,16 @@ from pathlib import Path
 import torch
 
 from flash_attn_tq.testing import Clock, describe, fmt, made_by, stamp, timed_attention, write_results
-from flash_attn_tq.testing.assets import GGUF, default_data_dir, ensure_model, load_smollm2, random_llama
+from flash_attn_tq.testing.assets import (
+    GGUF,
+    LLAMA3_8B,
+    SMOLLM2_135M,
+    default_data_dir,
+    ensure_model,
+    load_smollm2,
+    random_llama,
+)
+from flash_attn_tq.testing.fill import cache_nbytes
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -80,34 +96,6 @@ FAST_FP16 = ("kv16", "fa2")  # FastStaticCache backends (variant prefixes)
 CUDA_ONLY = ("_compiled", "_graph", "_generate")  # (CUDA graphs)
 GENERATE_TIMING = "the median of three pairs of generate() calls"
 
-LLAMA8B = dict(
-    vocab_size=128256,
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_hidden_layers=8,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=128,
-    rope_theta=500000.0,
-    max_position_embeddings=131072,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=False,
-)
-# SmolLM2-135M's architecture (--random-weights: its speed without the GGUF; the text does not matter
-# to speed, nor do the weights, but for TQCache.calibrated's placement of its wider heads)
-SMOLLM2 = dict(
-    vocab_size=49152,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_hidden_layers=30,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    head_dim=64,
-    rope_theta=100000.0,
-    max_position_embeddings=8192,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=True,
-)
 # --quick: tiny random stand-ins (SmolLM2's 3:1 GQA at head_dim 64; the 8B shape's 4:1 at 128)
 TINY = {
     "smollm2": dict(
@@ -174,20 +162,6 @@ def free_memory(device):
 
 def tensor_bytes(*ts) -> int:
     return sum(t.numel() * t.element_size() for t in ts if isinstance(t, torch.Tensor))
-
-
-def cache_bytes(cache) -> int:
-    """Bytes a cache holds: TQCache layers: their QuantizedKVCaches' ``nbytes`` (codes, metadata and the
-    recent window) + the 16-bit sink tokens; transformers' layers (and TQCache's protected ones): K/V."""
-    total = 0
-    for layer in getattr(cache, "layers", []):
-        caches = getattr(layer, "caches", None)
-        if caches is not None:
-            total += sum(int(qc.nbytes) for qc in caches)
-            total += tensor_bytes(getattr(layer, "sink_k", None), getattr(layer, "sink_v", None))
-        else:
-            total += tensor_bytes(getattr(layer, "keys", None), getattr(layer, "values", None))
-    return total
 
 
 def weight_bytes(model) -> int:
@@ -348,7 +322,7 @@ def run_generate(model, variant, ids, args) -> dict:
         step_ms=(t1 - t0) * 1e3 / (n1 - n0),
         prefill_ms=None,
         warmup_s=warm,
-        cache_bytes=cache_bytes(cache),
+        cache_bytes=cache_nbytes(cache),
         tokens=out[:, P:].cpu(),
     )
 
@@ -451,7 +425,7 @@ def run_variant(model, variant, ids, args, calibrated=None) -> dict:
             sync(device)
             step_total = sum(clock.ms(s, e) for s, e in stepm)
             out["attn_wall_share"] = sum(clock.ms(s, e) for s, e in spans) / step_total if step_total else None
-    out["cache_bytes"] = cache_bytes(cache)
+    out["cache_bytes"] = cache_nbytes(cache)
     if cuda:
         out["peak_mem_gb"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
     out["tokens"] = torch.cat(tokens, 1).cpu()  # [B, 1 + steps...]
@@ -471,11 +445,11 @@ def bench_model(name, args) -> Iterator[dict]:
     if args.quick:
         model = random_llama(TINY[name], dtype, device)
     elif name == "smollm2" and args.random_weights:
-        model = random_llama(SMOLLM2, dtype, device)
+        model = random_llama(SMOLLM2_135M, dtype, device)
     elif name == "smollm2":
         model = smollm2_model(Path(args.data), dtype, device)
     else:
-        model = random_llama(LLAMA8B, dtype, device)
+        model = random_llama(dict(LLAMA3_8B, num_hidden_layers=8), dtype, device)
     print(f"[{name}] model ready in {time.perf_counter() - t0:.1f} s ({dtype}, {device})", flush=True)
     weights, bandwidth = weight_bytes(model), copy_gbps(device)
     B = args.batch or (1 if args.quick and name == "smollm2" else 2 if args.quick else spec["B"])
@@ -677,7 +651,7 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=8, help="untimed decode steps first (compiled variants compile there)")
     p.add_argument("--profile-steps", type=int, default=3, help="decode steps profiled for the attention share")
     p.add_argument("--no-profile", action="store_true", help="skip the attention-share measurement")
-    p.add_argument("--variants", default=",".join(ALL_VARIANTS), help="subset of " + ",".join(ALL_VARIANTS))
+    p.add_argument("--variants", help="subset of " + ",".join(ALL_VARIANTS) + " (default: all)")
     p.add_argument("--no-compile", action="store_true", help="skip the compiled and generate() variants")
     p.add_argument("--quick", action="store_true", help="tiny random models and prompts (CPU smoke test)")
     p.add_argument(
@@ -690,14 +664,24 @@ def parse_args(argv=None):
         "--data", default=str(default_data_dir()), help="SmolLM2 assets (flash_attn_tq.testing.assets; $TQ_EVAL_DATA)"
     )
     p.add_argument("--out", help="output directory (default benchmarks/results; --quick: /tmp/bench_generate_quick)")
-    p.add_argument("--tag", default="generate", help="output file stem")
+    p.add_argument("--tag", help="output file stem (default generate; --fill: generate_fill)")
+    p.add_argument(
+        "--fill",
+        action="store_true",
+        help="the batch memory buys: the 8B shape with 32 layers, each cache at the largest batch the card "
+        "holds, filled with synthetic K/V (--variants: kv16_compiled,tq_compiled by default)",
+    )
+    p.add_argument("--fill-tokens", type=int, default=32768, help="--fill: tokens a sequence holds")
+    p.add_argument("--reserve-gib", type=float, default=4.0, help="--fill: memory kept for the decode step")
     args = p.parse_args(argv)
     args.models = [m for m in args.models.split(",") if m]
     bad = [m for m in args.models if m not in MODELS]
     if bad:
         p.error(f"unknown model(s) {bad}; choose from {list(MODELS)}")
     args.prompts = [int(x) for x in args.prompts.split(",") if x]
-    args.variants = [v for v in args.variants.split(",") if v]
+    default = "kv16_compiled,tq_compiled" if args.fill else ",".join(ALL_VARIANTS)
+    args.variants = [v for v in (args.variants or default).split(",") if v]
+    args.tag = args.tag or ("generate_fill" if args.fill else "generate")
     bad = [v for v in args.variants if v not in ALL_VARIANTS]
     if bad:
         p.error(f"unknown variant(s) {bad}; choose from {list(ALL_VARIANTS)}")
@@ -732,16 +716,90 @@ def run_benchmark(args, done=None) -> dict:
     return res
 
 
+def run_fill(args, done=None) -> dict:
+    """--fill: each variant's cache at the largest batch the card holds beside the 32-layer 8B shape."""
+    from flash_attn_tq.testing.fill import measure_filled
+
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    config = TINY["llama8b"] if args.quick else LLAMA3_8B
+    model = random_llama(config, torch.bfloat16 if cuda else torch.float32, device)
+    tokens = 300 if args.quick else args.fill_tokens
+    capacity = tokens + args.warmup + args.new_tokens + 8
+    desc = "tiny random Llama" if args.quick else "Llama-3-8B-shaped, 32 layers, random weights"
+    setup = dict(fill=True, tokens=tokens, new_tokens=args.new_tokens, warmup=args.warmup, reserve_gib=args.reserve_gib)
+    res = {"meta": meta(), "setup": setup, "rows": []}
+    for v in args.variants:
+        model.set_attn_implementation(attn_implementation(v))
+        row = dict(model=desc, variant=v, prompt=tokens, weight_bytes=weight_bytes(model))
+        try:
+            row.update(
+                measure_filled(
+                    model,
+                    lambda b, v=v: make_cache(v, model, capacity, None),
+                    tokens,
+                    args.new_tokens,
+                    args.warmup,
+                    int(args.reserve_gib * 2**30),
+                    batch=args.batch or (None if cuda else 2),
+                )
+            )
+        except Exception as e:
+            traceback.print_exc()
+            row["error"] = f"{type(e).__name__}: {e}"[:300]
+        print(f"[fill] {v}: batch {row.get('batch')}, {fmt(row.get('tok_s'))} tok/s {row.get('error', '')}", flush=True)
+        res["rows"].append(row)
+        free_memory(device)
+        if done is not None:
+            done(res)
+    return res
+
+
+def markdown_fill(res) -> str:
+    m, s = res["meta"], res["setup"]
+    rows = {r["variant"]: r for r in res["rows"]}
+    lines = [
+        f"# The batch the card holds: the 8B shape, 32 layers ({describe(m)})",
+        "",
+        made_by(m),
+        "",
+        f"Each cache at the largest batch of {s['tokens']}-token sequences the free memory holds beside the "
+        f"model (after {s['reserve_gib']} GiB kept for the step), filled with synthetic K/V through its "
+        "write path (no prefill arithmetic), then decoded greedily with the step compiled "
+        f"(torch.compile, CUDA graphs; {s['new_tokens']} timed steps after {s['warmup']}). kv16: the static "
+        "fp16 buffers read by this project's fp16 decode kernel; tq: the default TQCache.",
+        "",
+        "| variant | batch | KV MiB a sequence | KV GiB | tokens/s | step ms | fill s |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in res["rows"]:
+        lines.append(
+            f"| {r['variant']} | {r.get('batch', '–')} | {mib(r.get('per_seq_bytes'))} "
+            f"| {fmt(r['kv_bytes'] / 2**30 if r.get('kv_bytes') else None, '.2f')} | {fmt(r.get('tok_s'))} "
+            f"| {fmt(r.get('step_ms'), '.2f')} | {fmt(r.get('fill_s'))} |"
+        )
+    fp16, tq = rows.get("kv16_compiled", {}), rows.get("tq_compiled", {})
+    if fp16.get("tok_s") and tq.get("tok_s"):
+        lines += [
+            "",
+            f"TQCache: {tq['batch'] / fp16['batch']:.2f}x the batch, {tq['tok_s'] / fp16['tok_s']:.2f}x the tokens/s.",
+        ]
+    errors = [f"- {r['variant']}: `{r['error']}`" for r in res["rows"] if r.get("error")]
+    return "\n".join(lines + ([""] + errors if errors else [])) + "\n"
+
+
 def main(argv=None):
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
 
+    render = markdown_fill if args.fill else markdown
+
     def write(res):  # (after each row: a run cut short keeps what it measured)
-        write_results(args.out, args.tag, res, markdown(res))
+        write_results(args.out, args.tag, res, render(res))
         print(f"wrote {len(res['rows'])} row(s) to {args.out / args.tag}.json / .md", flush=True)
 
-    res = run_benchmark(args, write)
-    print(markdown(res))
+    res = run_fill(args, write) if args.fill else run_benchmark(args, write)
+    print(render(res))
     print(f"wrote {args.out / (args.tag + '.json')} and {args.tag}.md")
     return 0
 

@@ -45,6 +45,9 @@ def commands(tmp: Path) -> dict[str, list[str]]:
             "--quick", "--models", "smollm2", "--variants", "dynamic,static,kv16,tq", "--profile-steps", "1",
             "--out", str(tmp / "bench_generate"),
         ],
+        "bench_generate_fill": [
+            "--quick", "--fill", "--out", str(tmp / "bench_generate_fill"),
+        ],
         "bench_cpu": [
             "--batch", "1", "--seqlen", "64", "--repeats", "1", "--ref-repeats", "1", "--threads", "1", "--no-quality",
             "--out", str(tmp / "bench_cpu"),
@@ -61,7 +64,7 @@ def runs(tmp_path_factory):
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TQ_EVAL_DATA=str(tmp / "data"))
     procs = {
         name: subprocess.Popen(
-            [sys.executable, "-m", f"benchmarks.{name}", *args],
+            [sys.executable, "-m", f"benchmarks.{name.removesuffix('_fill')}", *args],
             cwd=ROOT,
             env=env,
             stdout=subprocess.PIPE,
@@ -125,6 +128,20 @@ def test_bench_generate_quick_writes_each_row(runs):
     first_write = next(i for i, line in enumerate(lines) if line.startswith("wrote 1 row(s)"))
     second_row = next(i for i, line in enumerate(lines) if line.startswith("[smollm2 B=1 P=300]"))
     assert first_write < second_row
+
+
+def test_bench_generate_quick_fill(runs):
+    """bench_generate.py --quick --fill: each cache filled through its write path and decoded at a
+    batch (on the CPU, 2), its bytes a sequence measured; the 3-bit cache holds fewer."""
+    _, out = finished(runs, "bench_generate_fill")
+    res = json.loads((out / "generate_fill.json").read_text())
+    rows = {r["variant"]: r for r in res["rows"]}
+    assert set(rows) == {"kv16_compiled", "tq_compiled"}
+    for r in rows.values():
+        assert "error" not in r, r.get("error")
+        assert r["batch"] == 2 and r["tok_s"] > 0 and r["kv_bytes"] > 0
+    assert rows["tq_compiled"]["per_seq_bytes"] < rows["kv16_compiled"]["per_seq_bytes"]
+    assert "| tq_compiled | 2 |" in (out / "generate_fill.md").read_text()
 
 
 def test_bench_cpu_small(runs):

@@ -4,7 +4,10 @@
   timing, interleaved rounds, device/host clocks and the time inside a model's attention function;
 * :mod:`.report`: the results stamp (GPU, torch, CUDA, git commit, date, the command line) and the
   JSON / Markdown / PNG writers every results file goes through;
-* :mod:`.workloads`: random caches, the default cache's kinds of layer, upstream FlashAttention-2;
+* :mod:`.workloads`: random caches, the default cache's kinds of layer, a serving engine's mixed step
+  over a paged cache, upstream FlashAttention-2;
+* :mod:`.fp16_decode`: the fast fp16 anchor (a static 16-bit cache read by a decode kernel, for
+  transformers models) and :mod:`.fill` (the batch a card's memory holds, caches filled synthetically);
 * the quality study (``benchmarks/eval_quality.py``): :mod:`.configs` (every configuration it
   measures), :mod:`.quality` (what a configuration means for a model: bits by layer and head, the
   TQCache that holds it, calibrated widths), :mod:`.simulation` (each layer's K/V through a real

@@ -38,6 +38,35 @@ TINY_LLAMA = dict(
 )
 
 
+# Model shapes for speed runs with random weights (the weights do not change the speed)
+LLAMA3_8B = dict(
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    rope_theta=500000.0,
+    max_position_embeddings=131072,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+)
+SMOLLM2_135M = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    rope_theta=100000.0,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+)
+
+
 def default_data_dir() -> Path:
     """Where wheels, model and text go: ``$TQ_EVAL_DATA``, else ``/tmp/qdata``."""
     return Path(os.environ.get("TQ_EVAL_DATA", "/tmp/qdata"))
