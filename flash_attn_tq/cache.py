@@ -304,7 +304,7 @@ class QuantizedKVCache:
     # ------------------------------------------------------------------ attention (the fused kernels)
     def plan(self, query: dispatch.Query, pair: tuple["QuantizedKVCache", int] | None = None) -> dispatch.Plan:
         """How attention of ``query`` over this cache runs (memoized; ``pair``: see :meth:`attend`)."""
-        wgmma_on = dispatch.wgmma_switch()
+        wgmma_on = dispatch.wgmma_switch_for(query, self.num_kv_heads)
         other = None if pair is None else (pair[0].spec, pair[0].num_kv_heads)
         key = (query, wgmma_on, other)
         plan = self._plans.get(key)

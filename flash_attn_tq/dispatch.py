@@ -75,6 +75,13 @@ def wgmma_switch() -> bool:
     return os.environ.get("FLASH_ATTN_TQ_PREFILL_WGMMA", "1")[:1] != "0"
 
 
+def wgmma_switch_for(query: "Query", kv_heads: int) -> bool:
+    """:func:`wgmma_switch` where it can matter: a call of fewer than :data:`PREFILL_MIN_ROWS` query
+    rows a kv head runs the decode kernel whatever the switch says (True then, without reading the
+    environment: a missing variable costs microseconds a call)."""
+    return rows_per_kv_head(query, kv_heads) < PREFILL_MIN_ROWS or wgmma_switch()
+
+
 _DEVICES: dict[tuple, Device] = {}  # (a dict, not lru_cache: torch.compile reads it as a constant)
 
 

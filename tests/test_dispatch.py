@@ -221,3 +221,13 @@ def test_cases_cover_the_product():
         assert a in FUSED_DECODE_BITS and b in FUSED_DECODE_BITS
     assert set(FUSED_RING_BITS) <= set(PREFILL_BITS)
     assert list(itertools.chain(FUSED_HEAD_DIMS)) == [64, 128]
+
+
+def test_the_wgmma_switch_is_read_where_the_prefill_kernel_can_run(monkeypatch):
+    """FLASH_ATTN_TQ_PREFILL_WGMMA=0 turns the wgmma variant off for prefill-sized calls; a decode-sized
+    call's plan key does not read the environment (it runs the decode kernel either way)."""
+    monkeypatch.setenv("FLASH_ATTN_TQ_PREFILL_WGMMA", "0")
+    assert dispatch.wgmma_switch_for(q(PREFILL_MIN_ROWS), 2) is False
+    assert dispatch.wgmma_switch_for(q(PREFILL_MIN_ROWS - 4), 2) is True
+    monkeypatch.setenv("FLASH_ATTN_TQ_PREFILL_WGMMA", "1")
+    assert dispatch.wgmma_switch_for(q(PREFILL_MIN_ROWS), 2) is True
