@@ -73,7 +73,16 @@ from pathlib import Path
 
 import torch
 
-from flash_attn_tq.testing import Clock, describe, fmt, made_by, stamp, timed_attention, write_results
+from flash_attn_tq.testing import (
+    Clock,
+    describe,
+    fmt,
+    made_by,
+    profiled_times,
+    stamp,
+    timed_attention,
+    write_results,
+)
 from flash_attn_tq.testing.assets import (
     GGUF,
     LLAMA3_8B,
@@ -190,20 +199,7 @@ def copy_gbps(device) -> float | None:
 def kernel_share(prof, cuda: bool) -> tuple[float | None, list]:
     """(attention kernels' share of the device time, the top kernels [(name, us)]) from a profile;
     on the CPU the same over the operators' self time (a rough stand-in)."""
-    from torch.autograd import DeviceType
-
-    rows = []
-    for e in prof.key_averages():
-        if cuda:
-            if getattr(e, "device_type", None) != DeviceType.CUDA or getattr(e, "is_user_annotation", False):
-                continue
-            t = getattr(e, "self_device_time_total", None)
-            if t is None:
-                t = getattr(e, "self_cuda_time_total", 0)
-        else:
-            t = getattr(e, "self_cpu_time_total", 0)
-        if t and t > 0:
-            rows.append((e.key, float(t)))
+    rows = profiled_times(prof, cuda)
     total = sum(t for _, t in rows)
     if total <= 0:
         return None, []

@@ -46,6 +46,7 @@ from flash_attn_tq.testing import (
     describe,
     fmt,
     made_by,
+    profiled_times,
     rope_freqs,
     serving_step,
     stamp,
@@ -73,7 +74,6 @@ def upstream_varlen():
 
 def split(fn, steps: int = 5) -> dict:
     """µs a step by kernel category (CATEGORIES; the rest: other), from the profiler over ``steps``."""
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -84,16 +84,11 @@ def split(fn, steps: int = 5) -> dict:
         torch.cuda.synchronize()
     out = {"pack": 0.0, "attention": 0.0, "combine": 0.0, "other": 0.0}
     kernels = []
-    for e in prof.key_averages():
-        if getattr(e, "device_type", None) != DeviceType.CUDA:
-            continue
-        t = getattr(e, "self_device_time_total", 0) / steps
-        if t <= 0:
-            continue
-        name = e.key.lower()
+    for key, total in profiled_times(prof):
+        name, t = key.lower(), total / steps
         cat = next((c for c, words in CATEGORIES if any(w in name for w in words)), "other")
         out[cat] += t
-        kernels.append((e.key[:100], round(t, 1), cat))
+        kernels.append((key[:100], round(t, 1), cat))
     out["kernels"] = sorted(kernels, key=lambda k: -k[1])[:8]
     return out
 

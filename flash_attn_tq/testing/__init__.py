@@ -1,7 +1,8 @@
 """Measurement helpers for the benchmark scripts (``benchmarks/``) and the tests.
 
 * :mod:`.timing`: CUDA-event medians with warm-up (``triton.testing.do_bench``), CUDA-graph replay
-  timing, interleaved rounds, device/host clocks and the time inside a model's attention function;
+  timing, interleaved rounds, device/host clocks, the time inside a model's attention function
+  and a profile's kernel times;
 * :mod:`.report`: the results stamp (GPU, torch, CUDA, git commit, date, the command line) and the
   JSON / Markdown / PNG writers every results file goes through;
 * :mod:`.workloads`: random caches, the default cache's kinds of layer, a serving engine's mixed step
@@ -37,7 +38,7 @@ from .report import (
     write_results,
     write_text,
 )
-from .timing import Clock, bench, bench_graph, host_ms, interleaved, timed_attention
+from .timing import Clock, bench, bench_graph, host_ms, interleaved, profiled_times, timed_attention
 from .workloads import (
     DEFAULT_LAYERS,
     DEFAULT_OPTS,
@@ -79,6 +80,7 @@ __all__ = [
     "bench_graph",
     "host_ms",
     "interleaved",
+    "profiled_times",
     "timed_attention",
     "DEFAULT_LAYERS",
     "DEFAULT_OPTS",

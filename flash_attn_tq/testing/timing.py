@@ -124,3 +124,23 @@ def timed_attention(model: Any, clock: Clock, spans: list) -> Iterator[None]:
             ALL_ATTENTION_FUNCTIONS[name] = original
         else:
             del ALL_ATTENTION_FUNCTIONS[name]
+
+
+def profiled_times(prof: Any, cuda: bool = True) -> list[tuple[str, float]]:
+    """``(name, µs)`` of each kernel a ``torch.profiler`` run recorded (its self device time; on the CPU,
+    ``cuda=False``: each operator's self CPU time), the ones that took no time left out."""
+    from torch.autograd import DeviceType
+
+    rows = []
+    for e in prof.key_averages():
+        if cuda:
+            if getattr(e, "device_type", None) != DeviceType.CUDA or getattr(e, "is_user_annotation", False):
+                continue
+            t = getattr(e, "self_device_time_total", None)
+            if t is None:
+                t = getattr(e, "self_cuda_time_total", 0)
+        else:
+            t = getattr(e, "self_cpu_time_total", 0)
+        if t and t > 0:
+            rows.append((e.key, float(t)))
+    return rows
