@@ -519,8 +519,8 @@ def _quantized_varlen(
                 n, device=k.device
             )  # [len(seqs), n] rows of k / v
             cache.append(k[tokens], v[tokens], batch_idx=torch.tensor(seqs, dtype=torch.int32, device=cache.device))
-    out = q.new_zeros(q.shape)
-    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
+    out = q.new_empty(q.shape)  # (every query row belongs to one of the launches below)
+    lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
     cu_q = cu_seqlens_q.to(q.device).long()
     # decoding sequences (one query) in one launch, the others padded to the longest among them in a
     # second: a decode token is never padded to a prefill chunk's length
@@ -534,8 +534,12 @@ def _quantized_varlen(
         i = torch.repeat_interleave(torch.arange(len(seqs), device=q.device), len_q)  # a token's sequence
         j = torch.arange(sum(lens_q[b] for b in seqs), device=q.device) - (len_q.cumsum(0) - len_q)[i]
         token, row = cu_q[sel][i] + j, width - len_q[i] + j  # its row in q, in the padded batch
-        q_pad = q.new_zeros(len(seqs), width, q.shape[1], q.shape[2])
-        q_pad[i, row] = q[token]
+        full = all(lens_q[b] == width for b in seqs)  # no padding: whole rows gathered and scattered
+        if full:
+            q_pad = q.index_select(0, token).view(len(seqs), width, *q.shape[1:])
+        else:
+            q_pad = q.new_zeros(len(seqs), width, q.shape[1], q.shape[2])
+            q_pad[i, row] = q[token]
         slopes = alibi_slopes
         if isinstance(slopes, torch.Tensor) and slopes.dim() == 2:  # [batch, heads]: these sequences'
             slopes = slopes[sel]
@@ -559,8 +563,12 @@ def _quantized_varlen(
             num_splits=0,
             return_softmax_lse=True,
         )
-        out[token] = o[i, row]
-        lse[:, token] = l[i, :, row].transpose(0, 1)
+        if full:
+            out.index_copy_(0, token, o.reshape(-1, *o.shape[2:]))
+            lse.index_copy_(1, token, l.transpose(0, 1).reshape(l.shape[1], -1))
+        else:
+            out[token] = o[i, row]
+            lse[:, token] = l[i, :, row].transpose(0, 1)
     return out, lse
 
 

@@ -106,3 +106,27 @@ def test_mixed_batch_with_per_sequence_alibi_slopes():
             alibi_slopes=slopes[b : b + 1],
         )
         torch.testing.assert_close(out[qs], o_ref[0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("page_size", [None, 8])
+def test_mixed_batch_with_equal_chunks(page_size):
+    """Chunks of one length (each a whole row of its launch, no padding) beside decode tokens equal one
+    call a sequence, outputs and lse."""
+    torch.manual_seed(5)
+    hk, hq, d = 2, 4, 64
+    prefix, new = [17, 40, 3, 25], [6, 1, 6, 1]
+    cache = QuantizedKVCache(4, 64, hk, d, page_size=page_size)
+    for b, n in enumerate(prefix):
+        cache.append(torch.randn(1, n, hk, d), torch.randn(1, n, hk, d), batch_idx=torch.tensor([b]))
+    ref_cache = _clone(cache)
+    q, k, v = torch.randn(sum(new), hq, d), torch.randn(sum(new), hk, d), torch.randn(sum(new), hk, d)
+    cu = torch.tensor([0, 6, 7, 13, 14], dtype=torch.int32)
+    out, lse = fa.flash_attn_varlen_func(q, k, v, cu, cu, 6, None, causal=True, kv_cache=cache)
+    for b in range(4):
+        s = slice(int(cu[b]), int(cu[b + 1]))
+        o_ref, lse_ref = fa.flash_attn_with_kvcache(
+            q[s][None], ref_cache, k=k[s][None], v=v[s][None], cache_batch_idx=torch.tensor([b], dtype=torch.int32),
+            causal=True, return_softmax_lse=True,
+        )  # fmt: skip
+        torch.testing.assert_close(out[s], o_ref[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse[:, s], lse_ref[0], atol=1e-5, rtol=1e-5)
