@@ -609,7 +609,10 @@ def _quantized_kvcache(
     bidx = None if cache_batch_idx is None else cache_batch_idx.to(device)  # (None: rows 0..batch-1, slices)
     if cache_seqlens is None:
         # (rows 0..batch-1: a view, no kernel; an append reads the counts, then advances them in place)
-        start = cache.seqlens[:batch] if bidx is None else cache.seqlens[cache.row_index(bidx)]
+        if bidx is not None:
+            start = cache.seqlens[cache.row_index(bidx)]
+        else:  # (the whole tensor where the call takes every row: no view made a call)
+            start = cache.seqlens if batch == cache.batch_size else cache.seqlens[:batch]
     elif isinstance(cache_seqlens, int):
         start = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=device)
     else:
@@ -634,8 +637,11 @@ def _quantized_kvcache(
     if cache_leftpad is not None and cache_leftpad.device.type == "cpu" and batch:  # (no device sync)
         if bool((cache_leftpad > (start + seqlen_new).to(cache_leftpad.device)).any()):
             raise ValueError("cache_leftpad must be in [0, cache_seqlens + seqlen_new]")
-    flags = dict(local=local, softcap=softcap != 0.0, leftpad=cache_leftpad is not None, alibi=alibi_slopes is not None)
-    plan = cache.plan(dispatch.Query.of(q, **flags))
+    # (the Query built positionally: this runs every call)
+    query = dispatch.Query(
+        *q.shape[1:], q.dtype, local, softcap != 0.0, cache_leftpad is not None, alibi_slopes is not None
+    )
+    plan = cache.plan(query)
     if k is not None:
         cache.append(k, v, cache_seqlens=cache_seqlens, batch_idx=bidx)
     if softmax_scale is None:
