@@ -53,6 +53,9 @@ def commands(tmp: Path) -> dict[str, list[str]]:
             "--out", str(tmp / "bench_cpu"),
         ],
         "bench_bitdecoding": ["--render", str(bitdecoding), "--out", str(tmp / "bench_bitdecoding")],
+        "bench_serving": [
+            "--render", str(ROOT / "benchmarks" / "results" / "serving.json"), "--out", str(tmp / "bench_serving"),
+        ],
     }  # fmt: skip
 
 
@@ -162,3 +165,19 @@ def test_bench_bitdecoding_renders_its_table(runs):
     md = (out / "bitdecoding.md").read_text()
     assert "| 8 | 32768 | 250.0 | 90.0 | 95.0 | 120.0 (eager) | 2.78x | 2.08x | 2.22 | 2.25 |" in md
     assert "Made by `python bench_bitdecoding.py`" in md and "written again from its JSON" in md
+
+
+def test_bench_serving_render(runs):
+    """bench_serving.py --render: the tables again from a results file (no GPU); each row's split by
+    kernel sums to what the run recorded, and a decode or prefill kernel counts as attention."""
+    _, out = finished(runs, "bench_serving")
+    res = json.loads((out / "serving.json").read_text())
+    assert "rendered_by" in res["meta"]
+    for row in res["rows"]:
+        for name, us, part in row.get("kernels", []):
+            fn = name.split("<")[0]
+            if "decode_split" in fn or "prefill_split" in fn:
+                assert part == "attention", name
+            if "pack_pair" in fn:
+                assert part == "pack", name
+    assert "| tq3 | 256 |" in (out / "serving.md").read_text()
