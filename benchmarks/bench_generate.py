@@ -732,7 +732,7 @@ def run_fill(args, done=None) -> dict:
             row.update(
                 measure_filled(
                     model,
-                    lambda b, v=v: make_cache(v, model, capacity, None),
+                    lambda v=v: make_cache(v, model, capacity, None),
                     tokens,
                     args.new_tokens,
                     args.warmup,

@@ -52,6 +52,7 @@ from flash_attn_tq.testing import (
     rope_freqs,
     serving_step,
     stamp,
+    upstream_fa2,
     write_results,
 )
 
@@ -84,15 +85,6 @@ def resplit(row: dict) -> None:
         row[c] = sum(t for k, t, *_ in row["kernels"] if category(k) == c)
     row["other"] = total - sum(row[c] for c in CATEGORIES[:3])
     row["kernels"] = [(k, t, category(k)) for k, t, *_ in row["kernels"]]
-
-
-def upstream_varlen():
-    """Upstream flash_attn's ``flash_attn_varlen_func``, or None (with flash_attn_tq it would be ours)."""
-    try:
-        from flash_attn.flash_attn_interface import flash_attn_gpu, flash_attn_varlen_func
-    except Exception:
-        return None
-    return flash_attn_varlen_func if flash_attn_gpu is not None else None
 
 
 def split(fn, steps: int = 5) -> dict:
@@ -150,7 +142,7 @@ def run(args, page: int, lengths, new, tq_opts: dict, fa2_ref) -> dict:
 
 
 def run_fa2(lengths, new, seed: int) -> tuple[dict, torch.Tensor | None]:
-    varlen = upstream_varlen()
+    varlen = upstream_fa2("flash_attn_varlen_func")
     if varlen is None:
         return {"missing": "upstream flash_attn is not importable"}, None
     step = serving_step(lengths, new, None, HQ, HK, D, seed=seed, kv16_page=FA2_PAGE)

@@ -50,9 +50,9 @@ def fill_synthetic(cache, config, batch: int, tokens: int, dtype, device, chunk:
                     commit()
 
 
-def bytes_per_sequence(make_cache: Callable[[int], Any], config, dtype, device) -> int:
+def bytes_per_sequence(make_cache: Callable[[], Any], config, dtype, device) -> int:
     """A cache's bytes a sequence: a cache of two sequences after one 16-token write, halved."""
-    probe = make_cache(2)
+    probe = make_cache()
     fill_synthetic(probe, config, 2, 16, dtype, device)
     per_seq = cache_nbytes(probe) // 2
     del probe
@@ -96,7 +96,7 @@ def decode_steps(model, cache, batch: int, position: int, steps: int, warmup: in
 
 def measure_filled(
     model,
-    make_cache: Callable[[int], Any],
+    make_cache: Callable[[], Any],
     tokens: int,
     steps: int,
     warmup: int,
@@ -105,7 +105,8 @@ def measure_filled(
     retries: int = 3,
 ) -> dict[str, Any]:
     """One cache kind at the largest batch the card holds (``batch``: that batch instead; on the CPU
-    it must be given): bytes a sequence, the batch, the cache's bytes, the seconds the fill took and
+    it must be given; ``make_cache()``: a new empty cache, sized by its first write): bytes a sequence,
+    the batch, the cache's bytes, the seconds the fill took and
     :func:`decode_steps`' timing. Running out of memory retries at 90% of the batch."""
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
@@ -117,7 +118,7 @@ def measure_filled(
     for attempt in range(retries + 1):
         cache = None
         try:
-            cache = make_cache(batch)
+            cache = make_cache()
             t0 = time.perf_counter()
             fill_synthetic(cache, model.config, batch, tokens, dtype, device)
             if device.type == "cuda":

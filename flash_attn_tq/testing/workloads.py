@@ -127,14 +127,14 @@ def weighted_default(times: Mapping[str, float], layers: Mapping[str, int], suff
     return sum(n * times[kind + suffix] for kind, n in layers.items()) / DEFAULT_LAYERS
 
 
-def upstream_fa2() -> Callable[..., Any] | None:
-    """Upstream ``flash_attn.flash_attn_with_kvcache`` (the FP16 FlashAttention-2 baseline), None
-    where flash_attn is not installed (or fails to load)."""
+def upstream_fa2(name: str = "flash_attn_with_kvcache") -> Callable[..., Any] | None:
+    """Upstream flash_attn's function ``name`` (the FP16 FlashAttention-2 baseline), None where
+    flash_attn is not installed (or fails to load)."""
     try:
-        from flash_attn import flash_attn_with_kvcache as fa2
+        import flash_attn
     except Exception:
         return None
-    return fa2
+    return getattr(flash_attn, name, None)
 
 
 @dataclass
