@@ -322,12 +322,15 @@ class QuantizedKVCache:
         """Codes and meta as contiguous ``[batch, max_seqlen, kv_heads, *]`` (copies for paged caches)."""
         return reference.gather(self, self._rows(batch_idx, self.batch_size))
 
-    def dequantize(self, batch_idx=None, rotated: bool = False, use_window: bool = True):
-        """float32 ``(k, v)`` ``[batch, max_seqlen, kv_heads, d]`` as attention sees them. Positions at or
-        beyond ``seqlens`` are zero; the sinks and the window come from the 16-bit side / the window
-        codes (``use_window=False`` shows their codes instead). ``rotated=True`` returns turbo values in
-        the rotated domain (keys as the codes hold them: centered)."""
-        return reference.dequantize(self, self._rows(batch_idx, self.batch_size), rotated, use_window)
+    def dequantize(self, batch_idx=None, rotated: bool = False, use_window: bool = True, window: int | None = None):
+        """float32 ``(k, v)`` ``[batch, max_seqlen, kv_heads, d]`` as a one-token decode sees them.
+        Positions at or beyond ``seqlens`` are zero; the sinks and the window come from the 16-bit side
+        / the window codes (``use_window=False`` shows their codes instead). ``rotated=True`` returns
+        turbo values in the rotated domain (keys as the codes hold them: centered). ``window``: the
+        recent tokens read from the 16-bit side instead of the window (up to ``side_recent``: what an
+        earlier query of a multi-token call sees, :func:`flash_attn_tq.reference.window_blocks`)."""
+        rows = self._rows(batch_idx, self.batch_size)
+        return reference.dequantize(self, rows, rotated, use_window, window)
 
     def window_kv(self, rows, rotated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         return reference.window_kv(self, rows, rotated)

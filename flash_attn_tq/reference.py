@@ -101,14 +101,15 @@ def window_kv(cache: "QuantizedKVCache", rows, rotated: bool = False) -> tuple[t
     return out[0], out[1]
 
 
-def side_values(cache: "QuantizedKVCache", rows: torch.Tensor, rotated: bool):
+def side_values(cache: "QuantizedKVCache", rows: torch.Tensor, rotated: bool, window: int | None = None):
     """The 16-bit side at every position of ``rows``: (bool ``[b, max_seqlen]`` where a position is
-    attended from it, its keys and values ``[b, max_seqlen, kv_heads, d]`` float32 in
-    :func:`dequantize`'s domain)."""
+    attended from it: the sinks and the last ``window`` tokens (default: the 16-bit window), its keys
+    and values ``[b, max_seqlen, kv_heads, d]`` float32 in :func:`dequantize`'s domain)."""
     S, R, L = cache.sink_tokens, cache.side_recent, cache.max_seqlen
+    window = (cache.fp16_window if R else 0) if window is None else window
     pos = torch.arange(L, device=cache.device).unsqueeze(0)
     lens = cache.seqlens[rows].long().unsqueeze(1)
-    used = (pos < lens) & ((pos < S) | ((pos >= lens - R) if R else torch.zeros_like(pos, dtype=torch.bool)))
+    used = (pos < lens) & ((pos < S) | ((pos >= lens - window) if window else torch.zeros_like(pos, dtype=torch.bool)))
     src = torch.where(pos < S, pos, S + pos % R if R else torch.zeros_like(pos)).expand(len(rows), -1)
     idx = src[:, :, None, None].expand(-1, -1, cache.num_kv_heads, cache.head_dim)
     k, v = (cache.kv_side[i][rows].float().gather(1, idx) for i in (0, 1))
@@ -123,14 +124,17 @@ def side_values(cache: "QuantizedKVCache", rows: torch.Tensor, rotated: bool):
     return used, k, v
 
 
-def dequantize(cache: "QuantizedKVCache", rows: torch.Tensor, rotated: bool, use_window: bool):
+def dequantize(
+    cache: "QuantizedKVCache", rows: torch.Tensor, rotated: bool, use_window: bool, window: int | None = None
+):
     """float32 ``(k, v)`` ``[rows, max_seqlen, kv_heads, d]`` as attention sees them (see
-    :meth:`QuantizedKVCache.dequantize`)."""
+    :meth:`QuantizedKVCache.dequantize`); ``window``: the recent tokens read from the 16-bit side
+    (default: the 16-bit window, as a one-token decode sees them; :func:`window_blocks`)."""
     g = gather(cache, rows)
     out = []
     coded_window = use_window and cache.fp16_window and cache.window_quantizer is not None
     windows = window_kv(cache, rows, rotated=True) if coded_window else (None, None)
-    side = side_values(cache, rows, rotated) if use_window and cache.kv_side is not None else None
+    side = side_values(cache, rows, rotated, window) if use_window and cache.kv_side is not None else None
     lens = cache.seqlens[rows].long().unsqueeze(1)
     pos = torch.arange(cache.max_seqlen, device=cache.device).unsqueeze(0)
     for name, qz, bits, w in (
@@ -153,26 +157,58 @@ def dequantize(cache: "QuantizedKVCache", rows: torch.Tensor, rotated: bool, use
     return out[0], out[1]
 
 
+def window_blocks(cache: "QuantizedKVCache", seqlen_q: int, causal: bool) -> list[tuple[int, int, int | None]]:
+    """The query rows ``[i0, i1)`` of a call that read the same recent tokens from the 16-bit side, and
+    how many (None: the 16-bit window). A causal row's keys end ``seqlen_q - 1 - i`` before the
+    sequence's; a one-token decode at its length sees its last ``fp16_window`` keys in 16 bits, and
+    so does the row where the side still holds them (``side_recent``: ``verify_tokens - 1`` more
+    than the window), else the side's oldest on (the kernels' ``window_start``)."""
+    R, ring = cache.fp16_window, cache.side_recent
+    if not causal or seqlen_q == 1 or ring <= R:
+        return [(0, seqlen_q, None)]
+    first = max(0, seqlen_q - 1 + R - ring)  # rows before it: the whole side
+    blocks = [(0, first, ring)] if first else []
+    return blocks + [(i, i + 1, R + seqlen_q - 1 - i) for i in range(first, seqlen_q)]
+
+
 def attention(
     q, cache: "QuantizedKVCache", bidx, lens, softmax_scale, causal, window_size, softcap, alibi_slopes, leftpad
 ):
     """The reference path: float32 attention of ``q`` over :func:`dequantize` of cache rows ``bidx``
-    (None: 0..batch-1) holding ``lens`` tokens. Rows of ``bidx`` outside the cache give NaN output rows
-    and lse, as the kernels write them. Returns (out in q's dtype, lse)."""
+    (None: 0..batch-1) holding ``lens`` tokens, each block of query rows over the recent tokens it sees
+    in 16 bits (:func:`window_blocks`). Rows of ``bidx`` outside the cache give NaN output rows and
+    lse, as the kernels write them. Returns (out in q's dtype, lse)."""
     rows = cache.row_index(bidx) if bidx is not None else torch.arange(q.shape[0], device=q.device)
-    k_deq, v_deq = dequantize(cache, rows, rotated=False, use_window=True)
-    out, lse = attention_reference(
-        q,
-        k_deq,
-        v_deq,
-        softmax_scale=softmax_scale,
-        causal=causal,
-        window_size=window_size,
-        softcap=softcap,
-        alibi_slopes=alibi_slopes,
-        key_lengths=lens,
-        key_start=leftpad,
-    )
+    parts = []
+    Sq = q.shape[1]
+    blocks = window_blocks(cache, Sq, causal)
+    if len(blocks) > 1:  # the codes' view and the side's once, a block's window from them
+        codes = dequantize(cache, rows, rotated=False, use_window=True, window=0)
+        _, *side = side_values(cache, rows, rotated=False, window=cache.side_recent)
+        pos = torch.arange(cache.max_seqlen, device=cache.device).unsqueeze(0)
+        n = cache.seqlens[rows].long().unsqueeze(1)
+    for i0, i1, window in blocks:
+        if len(blocks) == 1:
+            k_deq, v_deq = dequantize(cache, rows, rotated=False, use_window=True, window=window)
+        else:
+            recent = ((pos >= n - window) & (pos >= cache.sink_tokens) & (pos < n))[:, :, None, None]
+            k_deq, v_deq = (torch.where(recent, x, c) for x, c in zip(side, codes))
+        parts.append(
+            attention_reference(  # rows [i0, i1) of Sq: their keys end Sq - i1 before the sequence's
+                q[:, i0:i1],
+                k_deq,
+                v_deq,
+                softmax_scale=softmax_scale,
+                causal=causal,
+                window_size=window_size,
+                softcap=softcap,
+                alibi_slopes=alibi_slopes,
+                key_lengths=lens if i1 == Sq else lens - (Sq - i1),
+                key_start=leftpad,
+            )
+        )
+    out = torch.cat([o for o, _ in parts], 1) if len(parts) > 1 else parts[0][0]
+    lse = torch.cat([l for _, l in parts], 2) if len(parts) > 1 else parts[0][1]
     out = out.to(q.dtype)
     if bidx is not None:
         outside = (bidx < 0) | (bidx >= cache.batch_size)

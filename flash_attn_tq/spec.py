@@ -64,6 +64,11 @@ class CacheSpec:
     * ``sink_tokens``: the first tokens of each sequence also kept in 16-bit.
     * ``fp16_window``: the most recent tokens also kept at ``window_bits`` (16: in ``dtype``).
     * ``window_bits``: 16, or 2/3/4/8 for a ring of window codes (needs ``fp16_window > 0``).
+    * ``verify_tokens``: the longest multi-token call (a speculative decoding's verify step) whose
+      every query sees its own 16-bit window, as a one-token decode at its position would: the side
+      keeps ``verify_tokens - 1`` recent slots beyond ``fp16_window`` (a 16-bit window only; TQCache's
+      default: 16). A longer call's earlier queries see the part of their window the side no longer
+      holds as codes.
     * ``key_center``: False, True (keys minus the first chunk's mean key) or ``"rope"`` (minus
       ``R(p) c``, the first chunk's mean pre-RoPE key turned to each key's position; needs
       ``rope_inv_freq``, the model's ``head_dim / 2`` RoPE frequencies).
@@ -85,6 +90,7 @@ class CacheSpec:
     sink_tokens: int = 0
     fp16_window: int = 0
     window_bits: int = 16
+    verify_tokens: int = 1
     key_center: bool | str = False
     rope_inv_freq: tuple[float, ...] | None = None
     rope_position_offset: int = 0
@@ -97,7 +103,15 @@ class CacheSpec:
     dtype: torch.dtype = torch.float16
 
     def __post_init__(self) -> None:
-        ints = ("k_bits", "v_bits", "sink_tokens", "fp16_window", "window_bits", "rope_position_offset")
+        ints = (
+            "k_bits",
+            "v_bits",
+            "sink_tokens",
+            "fp16_window",
+            "window_bits",
+            "verify_tokens",
+            "rope_position_offset",
+        )
         for name in ints + ("calib_min_tokens", "seed"):
             value = getattr(self, name)
             if not is_int(value):
@@ -123,6 +137,8 @@ class CacheSpec:
         for name in ("sink_tokens", "fp16_window", "calib_min_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.verify_tokens < 1:
+            raise ValueError(f"verify_tokens must be >= 1, got {self.verify_tokens}")
         if self.window_bits not in WINDOW_BITS:
             raise ValueError(f"window_bits must be one of {SUPPORTED_BITS} or 16, got {self.window_bits}")
         if self.window_bits != 16 and not self.fp16_window:
@@ -188,8 +204,9 @@ class CacheSpec:
 
     @property
     def side_recent(self) -> int:
-        """Recent-token slots of the 16-bit side (the 16-bit window; 0 with window codes)."""
-        return 0 if self.window_bits != 16 else self.fp16_window
+        """Recent-token slots of the 16-bit side: the 16-bit window and ``verify_tokens - 1`` more (0
+        without one, or with window codes)."""
+        return 0 if self.window_bits != 16 or not self.fp16_window else self.fp16_window + self.verify_tokens - 1
 
     @property
     def side_slots(self) -> int:

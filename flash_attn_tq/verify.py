@@ -426,7 +426,7 @@ def quick(device: str, as_json: bool) -> int:
         "decode": {},
         "chunk of queries": dict(seqlen_q=64 if gpu else 16),
         "keys centered before RoPE": dict(key_center="rope"),
-        "TQCache's default": dict(key_center="rope", sink_tokens=16, fp16_window=112),
+        "TQCache's default": dict(key_center="rope", sink_tokens=16, fp16_window=112, verify_tokens=16),
     }
     results = {name: run(argparse.Namespace(**{**base, **shape, **extra})) for name, extra in cases.items()}
     time_us, how = decode_timer(gpu, reps=3)

@@ -67,13 +67,16 @@ def main() -> None:
             )
         torch.cuda.synchronize()
         assert torch.isfinite(out).all() and torch.isfinite(out16).all() and torch.isfinite(outp).all()
-    # the 16-bit side (sinks + window) in the decode launch: plain, RoPE center, paged, chunk rows, the K8V8 head
+    # the 16-bit side (sinks + window) in the decode launch: plain, RoPE center, paged, chunk rows, the K8V8 head,
+    # a side holding verify_tokens - 1 slots past the window (each row's window its own)
     inv_freq = 1.0 / 10000.0 ** (torch.arange(0, 64, 2).float() / 64)
     for opts in (
         dict(),
         dict(key_center="rope", rope_inv_freq=inv_freq),
         dict(page_size=32),
         dict(k_bits=8, v_bits=8, key_center="rope", rope_inv_freq=inv_freq),
+        dict(verify_tokens=16, key_center="rope", rope_inv_freq=inv_freq),
+        dict(verify_tokens=16, page_size=32),
     ):
         side = fa.QuantizedKVCache(2, 400, 2, 64, sink_tokens=16, fp16_window=112, device="cuda", **opts)
         side.append(
@@ -82,7 +85,7 @@ def main() -> None:
         )
         # 70 x 4 rows a kv head: the prefill kernel (RoPE center: its table, capacity past the length) + side
         # launch; 200: rows before the ring's first key, whose side CTAs attend the sinks only
-        for rows in (1, 40, 70, 200):
+        for rows in (1, 9, 40, 70, 200):
             for splits in (1, 3):
                 outs = fa.flash_attn_with_kvcache(
                     torch.randn(2, rows, 8, 64, device="cuda", dtype=torch.float16),

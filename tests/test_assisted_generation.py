@@ -7,6 +7,7 @@ import torch
 pytest.importorskip("transformers")
 
 from flash_attn_tq.integrations.transformers import TQCache, TQLayer  # noqa: E402
+from flash_attn_tq.testing import speculative  # noqa: E402
 from flash_attn_tq.testing.assets import TINY_LLAMA, random_llama  # noqa: E402
 
 # weights larger than the default init, so that greedy decoding does not settle on one token
@@ -50,11 +51,24 @@ def test_assisted_generation_is_exact_where_every_token_is_in_codes(model, monke
     assert sum(r < 0 for r in removed) >= 20 * CONFIG["num_hidden_layers"]  # rejected drafts rolled back
 
 
+def test_speculative_decoding_over_the_default_cache_is_exact(model):
+    """The default cache (sinks, a 16-bit window, the RoPE key center): each query of a verify call sees
+    its own 16-bit window, as a one-token decode at its position would (the side keeps verify_tokens
+    - 1 slots past the window), and a rollback leaves every slot of the window as it was. Decoding
+    as a serving engine speculates (the prompt written first, then prompt-lookup drafts verified and
+    rolled back) gives greedy decoding's tokens, well past the window's length."""
+    ids = _prompt()
+    plain = speculative.generate(model, ids, TQCache(model.config), NEW, draft_tokens=0)
+    spec = speculative.generate(model, ids, TQCache(model.config), NEW, draft_tokens=8)
+    assert len(set(plain.tokens)) > 50 and ids.shape[1] + NEW > 16 + 112 + 50
+    assert spec.tokens == plain.tokens
+    assert spec.rejected_steps >= 20 and spec.accepted > 0 and max(spec.lengths) == 9
+
+
 def test_assisted_generation_runs_over_the_default_cache(model):
-    """The default cache (sinks, 16-bit window, RoPE key center) through assisted generation: it runs,
-    and the cache holds what was generated. Its tokens are not held to greedy decoding's: a verify
-    call's earlier queries see some recent tokens as codes, and the key center is fit on the first
-    forward's drafts too (docs/design.md, open gaps)."""
+    """transformers' assisted generation over the default cache: it runs, and the cache holds what was
+    generated. Its tokens are not held to greedy decoding's: generate's first forward holds the prompt
+    and the first drafts, which attend in full precision and take part in the key center's fit."""
     cache = TQCache(model.config)
     tokens = _generate(model, cache, prompt_lookup_num_tokens=8)
     assert len(tokens) == NEW

@@ -168,7 +168,8 @@ def test_dequantize_matches_quantizer(layout, quantizer, grid):
 @pytest.mark.parametrize("layout", ["contiguous", "paged16-shuffled"])
 def test_fp16_window(layout, quantizer):
     R = 8
-    cache = make_cache(layout, B=4, S=50, quantizer=quantizer, fp16_window=R, table_seed=2)
+    cache = make_cache(layout, B=4, S=50, quantizer=quantizer, fp16_window=R, verify_tokens=3, table_seed=2)
+    ring = R + 2  # (verify_tokens - 1 slots beyond the window)
     g = torch.Generator().manual_seed(8)
     t = Truth(cache)
     # rows get 3 (< R), 8 (= R), 21 (one chunk longer than R), 13 + singles
@@ -186,7 +187,7 @@ def test_fp16_window(layout, quantizer):
             t.k[r, t.lens[r]], t.v[r, t.lens[r]] = k[i, 0].float(), v[i, 0].float()
             t.lens[r] += 1
     assert cache.seqlens.tolist() == t.lens == [3, 8, 27, 19]
-    assert cache.k_window.shape == (4, R, 2, 64) and cache.k_window.dtype == torch.float16
+    assert cache.k_window.shape == (4, ring, 2, 64) and cache.k_window.dtype == torch.float16
     k, v = cache.dequantize()
     kq, vq = cache.dequantize(use_window=False)
     tol = dict(rtol=0, atol=2e-5) if quantizer == "turbo" else dict(rtol=0, atol=0)
@@ -201,9 +202,9 @@ def test_fp16_window(layout, quantizer):
         torch.testing.assert_close(kq[b, :L], cache.k_quantizer.dequantize(codes, meta), rtol=0, atol=1e-6)
         assert (kq[b, lo:L] - t.k[b, lo:L]).abs().max() > 1e-3
         assert torch.equal(k[b, L:], torch.zeros_like(k[b, L:]))
-        # ring layout: token p lives in slot p % R
-        for p in range(lo, L):
-            assert torch.equal(cache.k_window[b, p % R].float(), t.k[b, p])
+        # ring layout: token p lives in slot p % ring, the last `ring` tokens held
+        for p in range(max(0, L - ring), L):
+            assert torch.equal(cache.k_window[b, p % ring].float(), t.k[b, p])
 
 
 @pytest.mark.parametrize("quantizer,window_bits", [("turbo", 4), ("asym", 4), ("turbo", 2)])
@@ -343,7 +344,8 @@ def test_nbytes_and_compression(d, kb, vb, R, layout):
         assert slots == B * math.ceil(S / 16) * 16
     mb = 2 if cache.scale_only else 4  # float16 scale (+ offset) a vector
     per_token = H * (d * kb // 8 + d * vb // 8 + 2 * mb)
-    expected = slots * per_token + (2 * B * (R + 1) * H * d * 2 if R else 0)  # (the side's spare slot)
+    ring = R + cache.spec.verify_tokens - 1 if R else 0  # (the slots a verify call's queries need)
+    expected = slots * per_token + (2 * B * (ring + 1) * H * d * 2 if R else 0)  # (the side's spare slot)
     assert cache.nbytes == expected
     assert cache.compression_ratio() == pytest.approx(2 * slots * H * d * 2 / expected)
     assert cache.bits_per_element() == pytest.approx(((d * kb // 8 + mb) + (d * vb // 8 + mb)) * 4 / d)

@@ -14,7 +14,7 @@ import torch
 from gpu_cases import DEV, NEEDS_GPU, poison_allocator, shuffled_block_table
 
 import flash_attn_tq as fa
-from flash_attn_tq import baseline, dispatch
+from flash_attn_tq import baseline, dispatch, reference
 from flash_attn_tq import format as fmt
 from flash_attn_tq.cache import QuantizedKVCache
 from flash_attn_tq.keys import rope_turn
@@ -39,6 +39,7 @@ def _cache(
     seed=0,
     capacity=None,
     scale_only=None,
+    verify_tokens=1,
 ):
     """A GPU cache filled as a model fills it: a prompt (each row's first 3/4), then token by token,
     so the window's ring wraps; keys with a large constant part before RoPE (as real keys have).
@@ -59,6 +60,7 @@ def _cache(
         v_bits=v_bits,
         fp16_window=window,
         window_bits=window_bits,
+        verify_tokens=verify_tokens,
         sink_tokens=sinks,
         page_size=page_size,
         block_table=bt,
@@ -84,30 +86,43 @@ def _cache(
     return cache
 
 
+def _references(q, cache, rows, causal):
+    """float32 attention over cache.dequantize() (sinks and window in 16-bit; each block of a
+    multi-token call's rows over the recent tokens it sees in 16 bits, reference.window_blocks), and
+    the same with q, K and V rounded to 16 bits where the kernel rounds them: q after turbo's rotation,
+    in the codes' domain (key_center=True: the lse gets the shared q . mu back, as the interface adds
+    it); with the RoPE center (whose term the kernel adds in float16) before it. Returns (ref, ref_lse,
+    lp, lp_lse), the lse's rows along the last dim."""
+    scale, dt, Sq = q.shape[-1] ** -0.5, q.dtype, q.shape[1]
+    parts = []
+    for i0, i1, window in reference.window_blocks(cache, Sq, causal):
+        qb, lens = q[:, i0:i1], cache.seqlens[rows] - (Sq - i1)
+        kd, vd = cache.dequantize(rows, window=window)
+        ref = baseline.attention_reference(qb.float(), kd, vd, causal=causal, key_lengths=lens)
+        if cache.rope_center:
+            lp = baseline.attention_reference(qb, kd.to(dt), vd.to(dt), causal=causal, key_lengths=lens)
+        else:
+            kr, vr = cache.dequantize(rows, rotated=True, window=window)
+            lp_out, lp_lse = baseline.attention_reference(
+                cache.rotate_query(qb.float()).to(dt), kr.to(dt), vr.to(dt), causal=causal, key_lengths=lens
+            )
+            if cache.key_center:
+                lp_lse = lp_lse + scale * cache.query_shift(qb, rows)
+            lp = (cache.unrotate_output(lp_out.float()), lp_lse)
+        parts.append((*ref, *lp))
+    return [torch.cat([p[j] for p in parts], 1 if j % 2 == 0 else 2) for j in range(4)]
+
+
 def _check(q, cache, out, lse, causal, rows=None):
-    """out/lse against float32 attention over cache.dequantize() (sinks and window in 16-bit), within
-    four times what rounding q, K and V to 16 bits costs. That rounding is taken where the kernel
-    rounds: q after turbo's rotation, in the codes' domain (key_center=True: the lse gets the shared
-    q . mu back, as the interface adds it); with the RoPE center (whose term the kernel adds in
-    float16) before it, plus the term's own rounding."""
+    """out/lse against float32 attention over what the cache holds (_references), within four times
+    what rounding q, K and V to 16 bits costs, plus the RoPE center term's own rounding."""
     rows = torch.arange(q.shape[0], device=DEV) if rows is None else rows.long()
-    kd, vd = cache.dequantize(rows)
-    lens = cache.seqlens[rows]
     scale = q.shape[-1] ** -0.5
-    ref, ref_lse = baseline.attention_reference(q.float(), kd, vd, causal=causal, key_lengths=lens)
+    ref, ref_lse, lp, lp_lse = _references(q, cache, rows, causal)
     dt = q.dtype
     term = 0.0
     if cache.rope_center:
-        lp, lp_lse = baseline.attention_reference(q, kd.to(dt), vd.to(dt), causal=causal, key_lengths=lens)
         term = 2**-11 * scale * q.float().norm(dim=-1).max().item() * cache.k_center.norm(dim=-1).max().item()
-    else:
-        kr, vr = cache.dequantize(rows, rotated=True)
-        lp, lp_lse = baseline.attention_reference(
-            cache.rotate_query(q.float()).to(dt), kr.to(dt), vr.to(dt), causal=causal, key_lengths=lens
-        )
-        lp = cache.unrotate_output(lp.float())
-        if cache.key_center:
-            lp_lse = lp_lse + scale * cache.query_shift(q, rows)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     err, err_lp = (out.float() - ref).abs().max().item(), (lp.float() - ref).abs().max().item()
     bound = 4 * err_lp + torch.finfo(dt).eps * ref.abs().max().item() + 2e-3 + term
@@ -190,6 +205,40 @@ def test_side_chunk(seqlen_q, center):
     out, lse = fa.flash_attn_with_kvcache(q, cache, causal=True, return_softmax_lse=True)
     assert fa.last_path() == "quantized:fused-cuda"
     _check(q, cache, out, lse, causal=True)
+
+
+@pytest.mark.parametrize("seqlen_q", [2, 9, 16, 40, 300])
+@pytest.mark.parametrize("center", [False, "rope"])
+@pytest.mark.parametrize("page_size", [None, 64])
+def test_verify_rows_see_their_own_window(seqlen_q, center, page_size):
+    """A side holding verify_tokens - 1 slots past the window (TQCache's default): each row of a causal
+    multi-token call reads its own last 112 keys from the side, as a one-token decode at its length
+    does (the kernel's own one-token calls), where the side still holds them; earlier rows of a
+    longer call read the side's oldest on (float32 over reference.window_blocks' windows). Decode
+    rows (the decode kernel's spec path) and chunks (the prefill kernel and the side's rows). Each
+    row's query points at its key 110 back, in its own window but older than the call's last row's
+    window: a row that read it as codes would be off by the codes' error."""
+    seqlens = [seqlen_q + 300, seqlen_q + 1000]
+    opts = dict(sinks=16, window=112, center=center, page_size=page_size)
+    cache = _cache(2, seqlens, 2, 128, verify_tokens=16, **opts)
+    n, ring = cache.seqlens.long(), cache.side_recent
+    q = 0.3 * torch.randn(2, seqlen_q, 8, 128, device=DEV)
+    for i in range(seqlen_q):
+        slot = 16 + (n - (seqlen_q - 1 - i) - 110) % ring
+        q[:, i] += 0.25 * cache.k_side[torch.arange(2, device=DEV), slot].float().repeat_interleave(4, dim=1)
+    q = q.half()
+    poison_allocator()
+    out, lse = fa.flash_attn_with_kvcache(q, cache, causal=True, return_softmax_lse=True)
+    assert fa.last_path() == "quantized:fused-cuda"
+    _check(q, cache, out, lse, causal=True)
+    for i in range(max(0, seqlen_q - 16), seqlen_q):
+        lens = (cache.seqlens - (seqlen_q - 1 - i)).to(torch.int32)
+        one = fa.flash_attn_with_kvcache(q[:, i : i + 1], cache, cache_seqlens=lens)
+        torch.testing.assert_close(out[:, i], one[:, 0], rtol=0, atol=4e-3)
+    if seqlen_q >= 9:  # a side of the window alone: rows 3 or more before the last read that key as codes
+        narrow = _cache(2, seqlens, 2, 128, **opts)
+        diff = (fa.flash_attn_with_kvcache(q, narrow, causal=True) - out).abs().amax(dim=(0, 2, 3))
+        assert diff[seqlen_q - 3 :].max() < 4e-3 < diff[max(0, seqlen_q - 16) : seqlen_q - 3].min()
 
 
 PREFILL_SIDES = [(16, 112), (0, 64), (5, 0)]  # (sinks, window): the default's, a window alone, odd sinks alone

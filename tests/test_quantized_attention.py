@@ -294,6 +294,34 @@ def test_fp16_window(quantizer, window_bits, seqlen_q, causal):
     assert (no_win - exp_out).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("verify_tokens", [1, 4, 16])
+def test_verify_rows_see_their_own_window(verify_tokens):
+    """A side holding verify_tokens - 1 slots past the window: row i of a causal 6-token call sees the
+    sinks and its own last R keys (where the side still holds them) in 16 bits and every older key
+    as codes, as a one-token decode at its length would; verify_tokens=1: the call's last R keys."""
+    R, S, Sq = 8, 2, 6
+    gen = torch.Generator().manual_seed(verify_tokens)
+    cache = QuantizedKVCache(2, 80, 2, 64, fp16_window=R, sink_tokens=S, verify_tokens=verify_tokens)
+    assert cache.side_recent == R + verify_tokens - 1
+    fill_rows(cache, [40, 57], gen)
+    q = torch.randn(2, Sq, 4, 64, generator=gen)
+    k = torch.randn(2, Sq, 2, 64, generator=gen).half().float()
+    v = torch.randn(2, Sq, 2, 64, generator=gen).half().float()
+    out = flash_attn_with_kvcache(q, cache, k=k, v=v, causal=True)
+    n = cache.seqlens.long()
+    codes = cache.dequantize(use_window=False)
+    sinks = cache.dequantize(window=0)  # (the sinks from the side, every other key from the codes)
+    side = cache.dequantize(window=cache.side_recent)
+    pos = torch.arange(80)[None, :, None, None]
+    for i in range(Sq):
+        end = (n - (Sq - 1 - i))[:, None, None, None]
+        start = torch.maximum(end - R, n[:, None, None, None] - cache.side_recent)
+        recent = (pos >= start) & (pos < end)
+        kv = [torch.where(recent, x, torch.where(pos < S, s, c)) for x, s, c in zip(side, sinks, codes)]
+        want, _ = ref_attention(q[:, i : i + 1], *kv, end.flatten())
+        torch.testing.assert_close(out[:, i : i + 1].double(), want, rtol=1e-4, atol=2e-5)
+
+
 @pytest.mark.parametrize("seqlen_q,causal", [(1, False), (5, True), (5, False)])
 @pytest.mark.parametrize("batch_idx", [None, [2, 0]])
 @pytest.mark.parametrize("window_bits", [16, 4])

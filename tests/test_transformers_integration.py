@@ -44,23 +44,32 @@ ORACLE = "tq_oracle_test"
 
 def oracle_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """float64 attention of query [B, Hq, Sq, D] over the layer's dequantized cache (sinks and window
-    in 16-bit)."""
+    in 16-bit: query row i's own last fp16_window keys, where the side's verify_tokens - 1 spare slots
+    still hold them)."""
     layer = getattr(key, "_tq_layer", None)
     if layer is not None:
         layer.commit()
+    B, Hq, Sq, D = query.shape
     if layer is None or (layer.prefill == "full" and layer.first_chunk):  # plain / protected / prefill
         ks, vs = key.double(), value.double()
+        windows = [(ks, vs)] * Sq
     else:
-        kd, vd = layer.dequantize()
-        ks, vs = kd.double().transpose(1, 2), vd.double().transpose(1, 2)
-    B, Hq, Sq, D = query.shape
-    G = Hq // ks.shape[1]
-    ks, vs = ks.repeat_interleave(G, 1), vs.repeat_interleave(G, 1)
-    S = ks.shape[2]
-    s = query.double() @ ks.transpose(-1, -2) * (scaling or D**-0.5)
-    qpos = torch.arange(S - Sq, S, device=s.device)[:, None]
-    s = s.masked_fill(torch.arange(S, device=s.device)[None, :] > qpos, -math.inf)
-    out = torch.softmax(s, -1) @ vs
+        spec = layer.caches[0].spec
+        R, side = spec.fp16_window, spec.side_recent
+        held = {}
+        for i in range(Sq):  # (row i's keys end Sq - 1 - i before the last row's)
+            w = min(R + Sq - 1 - i, side) if side > R else None
+            if w not in held:
+                held[w] = tuple(x.double().transpose(1, 2) for x in layer.dequantize(window=w))
+        windows = [held[min(R + Sq - 1 - i, side) if side > R else None] for i in range(Sq)]
+    rows = []
+    for i, (ks, vs) in enumerate(windows):
+        G = Hq // ks.shape[1]
+        ks, vs = ks.repeat_interleave(G, 1), vs.repeat_interleave(G, 1)
+        s = query[:, :, i : i + 1].double() @ ks.transpose(-1, -2) * (scaling or D**-0.5)
+        s = s.masked_fill(torch.arange(ks.shape[2], device=s.device) > ks.shape[2] - Sq + i, -math.inf)
+        rows.append(torch.softmax(s, -1) @ vs)
+    out = torch.cat(rows, 2)
     return out.transpose(1, 2).to(query.dtype).contiguous(), None
 
 
@@ -175,7 +184,8 @@ def test_cache_bookkeeping():
     assert isinstance(layer, TQLayer) and layer.length == 35
     qc = layer.qcache
     assert isinstance(qc, QuantizedKVCache) and int(qc.seqlens[0]) == 35 and qc.max_seqlen >= 35
-    assert qc.sink_tokens == 3 and qc.k_side.shape == (1, 3 + 4, 2, 64)  # [B, sinks + window, kv heads, D]
+    # [B, sinks + window + verify_tokens - 1, kv heads, D]
+    assert qc.sink_tokens == 3 and qc.k_side.shape == (1, 3 + 4 + 15, 2, 64)
     assert qc.fp16_window == 4 and qc.k_bits == 3 and qc.key_center
     assert cache.layers[1].get_seq_length() == 35 and not isinstance(cache.layers[1], TQLayer)
     assert cache.quantized_caches()[1] is None

@@ -424,6 +424,9 @@ void set_packed_store(DecodeParams &p, const at::Tensor &q, const at::Tensor &k_
         p.side_sinks = static_cast<int>(side_sinks);
         p.side_ring = static_cast<int>(side_ring);
     }
+    // (a ring of window codes, passed apart, leaves the side its sinks: side_ring 0)
+    TQ_CHECK(side_ring == 0 || side_ring >= codes_tail,
+             "side_ring must hold the recent window: side_ring >= codes_tail (or 0)");
     p.codes_tail = static_cast<int>(codes_tail);
 }
 

@@ -21,6 +21,7 @@ DEFAULTS = dict(
     late_k_bits=4,
     fp16_window=112,
     window_bits=16,
+    verify_tokens=16,
     sink_tokens=16,
     key_center="rope",
 )
@@ -34,6 +35,9 @@ DEFAULTS = dict(
 # 3.25 at 128), what 3-bit codes + (scale, offset) cost. TQCache.calibrated places those layers, and
 # 8-bit keys and values for the most copy-sensitive kv head, where the model measures most
 # sensitive (measured results: benchmarks/results/quality.md).
+# verify_tokens=16: 15 more recent slots in 16-bit, so that each query of a speculative verify call
+# of up to 16 tokens sees its own window, as a one-token decode at its position does (exact
+# speculative decoding; the 16-bit side grows from 128 to 143 slots a sequence and layer).
 
 # The setting without a 16-bit window (TQCache.calibrated(model, **NO_FP16_WINDOW)): the 128 most recent
 # tokens as 4-bit keys and values instead (age-based precision; each token is also in the 3-bit cache,

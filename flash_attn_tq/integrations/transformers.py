@@ -308,14 +308,15 @@ class TQLayer(CacheLayerMixin):
             if flags is not None and self.checks_pack_errors:
                 self.pack_errors.check()
 
-    def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def dequantize(self, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """What the cache holds, all kv heads: ``(k, v)`` float32 ``[B, n, Hkv, D]`` for its ``n`` tokens
-        (QuantizedKVCache.dequantize of each head group: sinks and window in 16-bit)."""
+        (QuantizedKVCache.dequantize of each head group: sinks and window in 16-bit; ``window``: the
+        recent tokens read from the 16-bit side instead of the window)."""
         n = int(self.caches[0].seqlens[0])
         k = torch.empty(self.batch_size, n, self.num_kv_heads, self.head_dim, device=self.device)
         v = torch.empty_like(k)
         for heads, qc in zip(self.groups, self.caches):
-            kd, vd = qc.dequantize()
+            kd, vd = qc.dequantize(window=window)
             k[:, :, list(heads)], v[:, :, list(heads)] = kd[:, :n].float(), vd[:, :n].float()
         return k, v
 

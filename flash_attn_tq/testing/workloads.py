@@ -24,7 +24,7 @@ from ..interface import flash_attn_with_kvcache, last_path
 # most copy-sensitive kv head at K8V8 beside 3-bit heads. A layer's time at a shape is measured for
 # each kind of layer and weighted as the model holds them (weighted_default).
 DEFAULT_LAYERS = 30
-DEFAULT_OPTS: dict[str, Any] = dict(sink_tokens=16, fp16_window=112, key_center="rope")
+DEFAULT_OPTS: dict[str, Any] = dict(sink_tokens=16, fp16_window=112, verify_tokens=16, key_center="rope")
 
 
 def fill_cache(

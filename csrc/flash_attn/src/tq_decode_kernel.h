@@ -125,14 +125,23 @@ __device__ __forceinline__ void split_body(const DecodeParams &p, char *smem, in
     // Keys [first, lim) visible to each accumulator column (row) this thread holds, and to the CTA's
     // rows: tiles from the first row's first key to the last row's limit. Causal limits count every
     // key of the sequence; the side pass compares its slots' positions with them.
+    // A recent window splits each row's keys at its window_start: the codes below, the ring from it.
     int lim[NT][2], first[NT][2];
+    [[maybe_unused]] int ring_from[NT][2];
     #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
         #pragma unroll
         for (int j = 0; j < 2; ++j) {
             const int r = row0 + nt * 8 + 2 * c + j;
-            lim[nt][j] = kSlots ? key_limit(p, seqlen_all, total_rows, r)
-                                : min(seqlen_k, key_limit(p, seqlen_all, total_rows, r));
+            const int all = key_limit(p, seqlen_all, total_rows, r);
+            if constexpr (kSlots) {
+                lim[nt][j] = all;
+                ring_from[nt][j] = window_start(p, all, seqlen_all);
+            } else if constexpr (kPart == Part::kCodes) {
+                lim[nt][j] = min(seqlen_k, min(all, window_start(p, all, seqlen_all)));
+            } else {
+                lim[nt][j] = min(seqlen_k, all);
+            }
             first[nt][j] = key_first<kLower>(p, seqlen_all, total_rows, r, key_start);
         }
     }
@@ -312,7 +321,9 @@ __device__ __forceinline__ void split_body(const DecodeParams &p, char *smem, in
                         if constexpr (kRope) { v += rope_bias[mt][nt][j]; }
                         v *= entry.scale_log2;
                     }
-                    sc[mt][nt][j] = key < lim[nt][j & 1] && (!kSlots || key >= 0) ? v : kNegInf;
+                    bool seen = key < lim[nt][j & 1];
+                    if constexpr (kSlots) { seen = seen && key >= 0 && (key < p.side_sinks || key >= ring_from[nt][j & 1]); }
+                    sc[mt][nt][j] = seen ? v : kNegInf;
                 }
             }
         }

@@ -58,10 +58,13 @@ __device__ __forceinline__ void prefill_split_body(const DecodeParams &p) {
     const int seqlen_k = max(0, min(p.seqlens_k[b], p.max_seqlen_k));
     const int key_start = kLocal && p.leftpad_k != nullptr ? max(0, p.leftpad_k[b]) : 0;
     // The codes' keys [side_sinks, seqlen_k - codes_tail) with a 16-bit side (its sinks and ring are
-    // the last split, tq_side_rows.h: run_prefill); causal alignment counts every key. (0 and
-    // seqlen_k without one.)
+    // the last split, tq_side_rows.h: run_prefill); causal alignment counts every key, and a row's
+    // codes end where its recent window starts (window_start). (0 and seqlen_k without one.)
     const int codes_end = max(0, seqlen_k - p.codes_tail);
-    auto limit = [&](int r) { return min(codes_end, key_limit(p, seqlen_k, total_rows, r)); };
+    auto limit = [&](int r) {
+        const int lim = key_limit(p, seqlen_k, total_rows, r);
+        return min(codes_end, p.codes_tail > 0 ? min(lim, window_start(p, lim, seqlen_k)) : lim);
+    };
     auto lower = [&](int r) { return max(p.side_sinks, key_first<kLocal>(p, seqlen_k, total_rows, r, key_start)); };
 
     // keys [first, lim) of rows wrow0 + 16m + g (h = 0) and + 8 (h = 1); limits and firsts grow with the row

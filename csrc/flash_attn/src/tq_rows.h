@@ -69,6 +69,17 @@ __device__ __forceinline__ bool sees_side_ring(const DecodeParams &p, int key_li
     return key_limit > max(p.side_sinks, n - p.side_ring);
 }
 
+// A recent window of codes_tail keys (codes_tail > 0): the first key a row whose keys end at
+// key_limit reads from the ring rather than the codes. A one-token decode at that row's length sees
+// its last codes_tail keys in the window, so a row of a multi-token call does too where the ring
+// still holds them (side_ring >= codes_tail + the call's rows - 1: a verify call of draft tokens
+// attends as one-token decodes would); past the ring's oldest key (n - side_ring) the codes serve.
+// The codes are attended below it, the ring from it. Grows with key_limit. (A ring as large as the
+// window: n - codes_tail for every row.)
+__device__ __forceinline__ int window_start(const DecodeParams &p, int key_limit, int n) {
+    return max(key_limit - p.codes_tail, n - max(p.side_ring, p.codes_tail));
+}
+
 // Upstream's softcap on a base-2 score: c tanh(s / c), c = softcap * log2(e).
 __device__ __forceinline__ float softcap_score(float s, float c) {
     float t;

@@ -76,11 +76,12 @@ __global__ void __launch_bounds__(T::kNThreads) side_rows_kernel(const DecodePar
 
     // Q as A fragments: rows g (a0, a2) and g + 8 (a1, a3) of the warp's tile, columns 16 kb + 2c (+ 8)
     uint32_t qa[KB][4];
-    int lim[2];
+    int lim[2], ring_from[2];  // each row's keys end at lim; its ring keys start at ring_from (window_start)
     #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int r = wrow0 + g + 8 * h;
         lim[h] = key_limit(p, seqlen_all, total_rows, r);
+        ring_from[h] = window_start(p, lim[h], seqlen_all);
         const uint32_t *q = r < total_rows ? reinterpret_cast<const uint32_t *>(q_row_ptr<Elem>(p, b, hk, r)) : nullptr;
         #pragma unroll
         for (int kb = 0; kb < KB; ++kb) {
@@ -122,7 +123,8 @@ __global__ void __launch_bounds__(T::kNThreads) side_rows_kernel(const DecodePar
                 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
                     float &v = s[nt][2 * h + e];
-                    v = pos >= 0 && pos < lim[h] ? v * entry.scale_log2 : kNegInf;
+                    const bool seen = pos >= 0 && pos < lim[h] && (pos < p.side_sinks || pos >= ring_from[h]);
+                    v = seen ? v * entry.scale_log2 : kNegInf;
                     mx[h] = fmaxf(mx[h], v);
                 }
             }
