@@ -54,7 +54,7 @@ packed cache). The KV storage type is the loader's template parameter, separate 
     tq_kv_loader.h
 
 add "csrc: query rows, the RoPE-center term, Hopper wgmma helpers" \
-"tq_rows.h: causal limits, the query rotation, stores. tq_rope_center.h: each score's q . R(p) c for
+"tq_rows.h: causal limits, each row's recent-window boundary, the query rotation, stores. tq_rope_center.h: each score's q . R(p) c for
 caches whose keys are stored less R(p) c, one more MMA chain against a cos/sin table, its
 coefficients carried from tile to tile; for the prefill kernel, a per-call table of each position's
 H R(p) c, added into the expanded keys. tq_wgmma.h: wgmma.mma_async descriptors and fences for the
@@ -64,8 +64,8 @@ prefill kernel's sm_90a variant." \
 add "csrc: split-KV decode kernel and its combine pass" \
 "S^T = K Q^T and O^T += V^T P^T with the keys as the A operand (the GQA group's rows as N), an online
 softmax per warp, warps then splits merged through their log-sum-exp. A packed cache's sinks and
-recent window (16-bit) are one more split of the same launch, and a ring of 4-bit window codes one
-more (decode_ring_kernel). Variants: contiguous / paged (32+ and 16-token pages), local (window,
+recent window (16-bit) are one more split of the same launch, each query row reading its own last
+window's keys from it, and a ring of 4-bit window codes one more (decode_ring_kernel). Variants: contiguous / paged (32+ and 16-token pages), local (window,
 leftpad, softcap), RoPE center, 16-bit side, ring." \
     tq_decode_kernel.h tq_decode_launch.h
 

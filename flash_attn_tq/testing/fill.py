@@ -34,8 +34,14 @@ def cache_nbytes(cache) -> int:
     return total
 
 
-def fill_synthetic(cache, config, batch: int, tokens: int, dtype, device, chunk: int = 4096, seed: int = 0) -> None:
-    """Write ``tokens`` random key/value vectors a sequence into every layer of ``cache``."""
+def fill_synthetic(
+    cache, config, batch: int, tokens: int, dtype, device, chunk: int | None = None, seed: int = 0
+) -> None:
+    """Write ``tokens`` random key/value vectors a sequence into every layer of ``cache``, ``chunk``
+    tokens a write (default: a power of two from 256 to 4096, at most 64K tokens over the batch, so
+    that a write's transient copies stay small beside a card-filling cache)."""
+    if chunk is None:
+        chunk = max(256, min(4096, 1 << max(0, (65536 // max(batch, 1)).bit_length() - 1)))
     gen = torch.Generator(device=device).manual_seed(seed)
     shape = (batch, config.num_key_value_heads, 0, config.head_dim)
     with torch.no_grad():
