@@ -56,6 +56,7 @@ def commands(tmp: Path) -> dict[str, list[str]]:
         "bench_serving": [
             "--render", str(ROOT / "benchmarks" / "results" / "serving.json"), "--out", str(tmp / "bench_serving"),
         ],
+        "bench_speculative": ["--quick", "--out", str(tmp / "bench_speculative")],
     }  # fmt: skip
 
 
@@ -181,3 +182,16 @@ def test_bench_serving_render(runs):
             if "pack_pair" in fn:
                 assert part == "pack", name
     assert "| tq3 | 256 |" in (out / "serving.md").read_text()
+
+
+def test_bench_speculative_quick_is_exact(runs):
+    """bench_speculative.py --quick: greedy and speculative decoding over each cache, on the CPU; the
+    speculative tokens equal the greedy ones over both caches (TQCache's default included)."""
+    _, out = finished(runs, "bench_speculative")
+    res = json.loads((out / "speculative.json").read_text())
+    assert {"gpu", "torch", "commit", "command", "transformers"} <= set(res["meta"])
+    assert [r["cache"] for r in res["rows"]] == ["dynamic", "tq"]
+    for r in res["rows"]:
+        assert r["exact"] and r["greedy_tok_s"] > 0 and r["speculative_tok_s"] > 0
+        assert r["drafted"] > 0 and 0.0 <= r["acceptance"] <= 1.0 and r["speculative_steps"] < r["greedy_steps"]
+    assert "| 60 | tq |" in (out / "speculative.md").read_text()

@@ -9,6 +9,8 @@
   over a paged cache, upstream FlashAttention-2;
 * :mod:`.fp16_decode`: the fast fp16 anchor (a static 16-bit cache read by a decode kernel, for
   transformers models) and :mod:`.fill` (the batch a card's memory holds, caches filled synthetically);
+* :mod:`.speculative`: speculative decoding as a serving engine runs it (prompt-lookup drafts, one
+  verify forward a step, rejected drafts cropped);
 * the quality study (``benchmarks/eval_quality.py``): :mod:`.configs` (every configuration it
   measures), :mod:`.quality` (what a configuration means for a model: bits by layer and head, the
   TQCache that holds it, calibrated widths), :mod:`.simulation` (each layer's K/V through a real
