@@ -24,6 +24,7 @@ SAVED_DEFAULTS = dict(
     calib_min_tokens=16,
     scale_only=False,
     window_bits=16,
+    verify_tokens=1,
     sink_tokens=0,
     health=False,
     page_size=None,
