@@ -41,7 +41,9 @@ def fill_synthetic(
     tokens a write (default: a power of two from 256 to 4096, at most 64K tokens over the batch, so
     that a write's transient copies stay small beside a card-filling cache)."""
     if chunk is None:
-        chunk = max(256, min(4096, 1 << max(0, (65536 // max(batch, 1)).bit_length() - 1)))
+        chunk = 4096
+        while chunk > 256 and chunk * batch > 65536:
+            chunk //= 2
     gen = torch.Generator(device=device).manual_seed(seed)
     shape = (batch, config.num_key_value_heads, 0, config.head_dim)
     with torch.no_grad():
