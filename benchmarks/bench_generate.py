@@ -763,14 +763,16 @@ def markdown_fill(res) -> str:
         f"model (after {s['reserve_gib']} GiB kept for the step), filled with synthetic K/V through its "
         "write path (no prefill arithmetic), then decoded greedily with the step compiled "
         f"(torch.compile, CUDA graphs; {s['new_tokens']} timed steps after {s['warmup']}). kv16: the static "
-        "fp16 buffers read by this project's fp16 decode kernel; tq: the default TQCache.",
+        "fp16 buffers read by this project's fp16 decode kernel; tq: the default TQCache. A run out of memory "
+        "(writing or decoding) retries at 90% of the batch; 'out-of-memory retries' counts them (0: the batch "
+        "the free memory holds).",
         "",
-        "| variant | batch | KV MiB a sequence | KV GiB | tokens/s | step ms | fill s |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| variant | batch | out-of-memory retries | KV MiB a sequence | KV GiB | tokens/s | step ms | fill s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in res["rows"]:
         lines.append(
-            f"| {r['variant']} | {r.get('batch', '–')} | {mib(r.get('per_seq_bytes'))} "
+            f"| {r['variant']} | {r.get('batch', '–')} | {r.get('oom_retries', '–')} | {mib(r.get('per_seq_bytes'))} "
             f"| {fmt(r['kv_bytes'] / 2**30 if r.get('kv_bytes') else None, '.2f')} | {fmt(r.get('tok_s'))} "
             f"| {fmt(r.get('step_ms'), '.2f')} | {fmt(r.get('fill_s'))} |"
         )
