@@ -2,8 +2,9 @@
 
     python -m scripts.profile_kernels
 
-Prints, per case, each CUDA kernel's mean duration over 20 calls (after warm-up) and their sum,
-next to the wall time of the call replayed as a CUDA graph (launch gaps included).
+Prints, per case (the plain 3-bit cache, the default cache's K3V3 layer, the fp16 kernel, appends),
+each CUDA kernel's mean duration over 20 calls (after warm-up) and their sum, next to the wall time
+of the call replayed as a CUDA graph (launch gaps included).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 import flash_attn_tq as fa
 from flash_attn_tq import ops
 from flash_attn_tq.cache import QuantizedKVCache
-from flash_attn_tq.testing import bench_graph
+from flash_attn_tq.testing import bench_graph, fill_default
 
 
 def kernel_times(fn, reps=20):
@@ -40,7 +41,7 @@ def main():
         raise SystemExit("profile_kernels needs a CUDA GPU and the built extension")
     dt = torch.float16
     cases = []
-    for B, S in ((1, 1024), (1, 16384), (8, 32768)):
+    for B, S in ((1, 1024), (8, 1024), (1, 16384), (8, 32768)):
         cache = QuantizedKVCache(B, S, 8, 128, device="cuda", dtype=dt)
         cache.append(
             torch.randn(B, S, 8, 128, device="cuda", dtype=dt), torch.randn(B, S, 8, 128, device="cuda", dtype=dt)
@@ -50,6 +51,8 @@ def main():
         v16 = torch.randn_like(k16)
         lens = torch.full((B,), S, dtype=torch.int32, device="cuda")
         cases.append((f"tq3 API B={B} S={S}", lambda q=q, c=cache: fa.flash_attn_with_kvcache(q, c, num_splits=0)))
+        layer = fill_default(B, S, 8, 128, dt)
+        cases.append((f"default K3V3 layer B={B} S={S}", lambda q=q, c=layer: fa.flash_attn_with_kvcache(q, c)))
         cases.append(
             (
                 f"kv16 B={B} S={S}",
