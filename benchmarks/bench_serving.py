@@ -13,7 +13,9 @@ head_dim 128, float16, one layer:
   centered before RoPE): the new tokens quantized into their pages (the pack kernel resolves each
   token's slot from the block table and the sequence's length), then attended (the decoding
   sequences in one launch, the chunks in another), then the cache's lengths set back (a 2-µs copy,
-  timed with the step);
+  timed with the step); ``planned``: the same call with ``plan=`` (``flash_attn_tq.plan_varlen`` of
+  the step's cu_seqlens, made once as an engine would for all its layers), which reads nothing back
+  from the GPU;
 * ``fa2``: the same tokens in an fp16 paged cache (256-token pages: FA2's paged path needs a
   multiple of 256): the new K/V written through vLLM-style ``slot_mapping`` (``index_copy_``), then
   upstream FlashAttention-2's ``flash_attn_varlen_func(..., block_table=)``, missing with the reason
@@ -121,8 +123,20 @@ def run(args, page: int, lengths, new, tq_opts: dict, fa2_ref) -> dict:
         step.cache.seqlens.copy_(lens0)
         return out
 
+    layout = fa.plan_varlen(cu.cpu(), cu.cpu(), max(new), cu.device)  # (once a step, for every layer)
+
+    def tq_planned():
+        out, _ = fa.flash_attn_varlen_func(
+            step.q, step.k, step.v, cu, cu, max(new), None, causal=True, kv_cache=step.cache, plan=layout
+        )
+        step.cache.seqlens.copy_(lens0)
+        return out
+
     out = tq()
     row = {"path": fa.last_path(), "step_us": bench(tq)}
+    row["planned_equal"] = bool(torch.equal(tq_planned(), out))
+    row["planned_step_us"] = bench(tq_planned)
+    layout.check()
     row.update(split(tq))
     if fa2_ref is not None:
         row["max_abs_vs_fa2"] = (out.float() - fa2_ref.float()).abs().max().item()
@@ -194,9 +208,12 @@ def bench_serving(args) -> dict:
             row["decode_tok_s"] = decoding / (LAYERS * row["step_us"] * 1e-6)
             if fa2_row.get("step_us"):
                 row["vs_fa2"] = fa2_row["step_us"] / row["step_us"]
+                if row.get("planned_step_us"):
+                    row["planned_vs_fa2"] = fa2_row["step_us"] / row["planned_step_us"]
         print(
             f"{row['variant']:8s} page {row['page']:4d}: {fmt(row.get('step_us'))} µs "
-            f"({fmt(row.get('vs_fa2'), '.2f')}x fa2) {row.get('missing', '')}",
+            f"({fmt(row.get('vs_fa2'), '.2f')}x fa2), planned {fmt(row.get('planned_step_us'))} µs "
+            f"({fmt(row.get('planned_vs_fa2'), '.2f')}x) {row.get('missing', '')}",
             flush=True,
         )
     res["rows"] = rows
@@ -219,15 +236,20 @@ def markdown(res) -> str:
         "step, by kernel: pack (quantize-on-write; FA2: the slot copies), attention (decode and prefill "
         "kernels, the RoPE table, the 16-bit side's rows), combine (the split-KV merge), other (gathers and "
         f"scatters around them). tok/s: every query token of the step over {s['layers']} layers' attention "
-        "(weights not counted); decode tok/s: the decoding sequences' tokens only.",
+        "(weights not counted); decode tok/s: the decoding sequences' tokens only. planned: the same call "
+        "with plan= (flash_attn_tq.plan_varlen, made once a step for every layer: nothing read back from "
+        "the GPU), its output equal to the unplanned call's ('='); tok/s count the unplanned step.",
         "",
-        "| variant | page | step µs | vs FA2 | pack | attention | combine | other | tok/s (32 layers) "
+        "| variant | page | step µs | vs FA2 | planned step µs | planned vs FA2 | pack | attention | combine | other "
+        "| tok/s (32 layers) "
         "| decode tok/s | max abs vs FA2 | attention µs: two launches / one padded |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in res["rows"]:
         lines.append(
             f"| {r['variant']} | {r['page']} | {fmt(r.get('step_us'))} | {fmt(r.get('vs_fa2'), '.2f')} "
+            f"| {fmt(r.get('planned_step_us'))}{' =' if r.get('planned_equal') else ''} "
+            f"| {fmt(r.get('planned_vs_fa2'), '.2f')} "
             f"| {fmt(r.get('pack'))} | {fmt(r.get('attention'))} | {fmt(r.get('combine'))} | {fmt(r.get('other'))} "
             f"| {fmt(r.get('tok_s'), ',.0f')} | {fmt(r.get('decode_tok_s'), ',.0f')} "
             f"| {fmt(r.get('max_abs_vs_fa2'), '.4f')} | {fmt(r.get('attend_us'))} / {fmt(r.get('attend_padded_us'))} |"

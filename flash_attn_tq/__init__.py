@@ -3,7 +3,8 @@
 ``import flash_attn_tq as flash_attn`` gives the seven flash_attn 2.8.3 functions with the same
 signatures; :func:`flash_attn_with_kvcache` also takes a :class:`QuantizedKVCache` (its format and
 features: a :class:`CacheSpec`), which it attends over with the fused CUDA kernels (or the reference
-path on CPU). :func:`last_path` says which path the last call took and why.
+path on CPU). :func:`last_path` says which path the last call took and why. :func:`plan_varlen` lays
+out a serving step once for every layer's ``flash_attn_varlen_func(kv_cache=, plan=)``.
 """
 
 from .cache import QuantizedKVCache
@@ -21,6 +22,7 @@ from .interface import (
 )
 from .quantizers import AsymQuantizer, TurboQuantizer
 from .spec import CacheSpec
+from .varlen import VarlenPlan, plan_varlen
 
 __version__ = "0.1.0"
 
@@ -33,6 +35,8 @@ __all__ = [
     "flash_attn_varlen_qkvpacked_func",
     "flash_attn_with_kvcache",
     "last_path",
+    "plan_varlen",
+    "VarlenPlan",
     "QuantizedKVCache",
     "CacheSpec",
     "CpuQuantizedKVCache",

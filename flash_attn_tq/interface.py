@@ -22,9 +22,10 @@ from typing import Optional, Union
 
 import torch
 
-from . import baseline, cpu, dispatch, ops, reference
+from . import baseline, cpu, dispatch, ops, reference, varlen, writes
 from . import validation as check
 from .cache import QuantizedKVCache
+from .varlen import VarlenPlan
 from .writes import as_seqlens
 
 _LAST_PATH: contextvars.ContextVar[str] = contextvars.ContextVar("flash_attn_tq_last_path", default="none")
@@ -211,6 +212,7 @@ def flash_attn_varlen_func(
     block_table=None,
     *,
     kv_cache: Optional[QuantizedKVCache] = None,
+    plan: Optional[VarlenPlan] = None,
 ):
     """q: (total_q, nheads, headdim); k, v: (total_k, nheads_k, headdim) (or paged with block_table).
 
@@ -220,7 +222,13 @@ def flash_attn_varlen_func(
     cu_seqlens_k[b+1]]`` that are quantized into the cache first (``max_seqlen_k`` is not used).
     Queries attend over the whole sequence in the cache, bottom-right aligned when ``causal``.
     Returns out (total_q, nheads, headdim) [, softmax_lse (nheads, total_q) as upstream's varlen].
+
+    ``plan=`` (:func:`~flash_attn_tq.plan_varlen` of this step's cu_seqlens, made once for all the
+    layers): the call reads nothing back from the GPU (cu_seqlens are not read; the pack kernel's
+    errors wait for ``plan.check()``), as a serving engine's step needs.
     """
+    if plan is not None and kv_cache is None:
+        raise ValueError("plan: a VarlenPlan lays out a step over a QuantizedKVCache (kv_cache=)")
     if kv_cache is not None:
         _check_cache_type(kv_cache)
         if dropout_p or block_table is not None or return_attn_probs:
@@ -241,6 +249,7 @@ def flash_attn_varlen_func(
             window_size,
             softcap,
             alibi_slopes,
+            plan,
         )
     return _baseline_impl("flash_attn_varlen_func", q, k, v)(
         q,
@@ -465,84 +474,80 @@ def attend_with_plan(
 
 
 def _quantized_varlen(
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, cache, softmax_scale, causal, window_size, softcap, alibi_slopes
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    cache,
+    softmax_scale,
+    causal,
+    window_size,
+    softcap,
+    alibi_slopes,
+    plan: Optional[VarlenPlan] = None,
 ):
-    """Varlen batch over a QuantizedKVCache: append each sequence's new K/V (one append for all the
+    """Varlen batch over a QuantizedKVCache as ``plan`` lays it out (:func:`varlen.plan_varlen`, made
+    here from the cu_seqlens when not given): append each sequence's new K/V (one append for all the
     sequences with the same number of new tokens), then attend in two launches at most: the decoding
     sequences (one query each), and the others with their queries left-padded to the longest among
     them, so bottom-right causal alignment holds per sequence (the padding rows come first, attend to
-    fewer keys and are dropped)."""
+    fewer keys and are dropped). With a plan given, nothing is read back from the GPU."""
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         raise ValueError(
             f"q must be (total_q, nheads, headdim), got {tuple(q.shape) if isinstance(q, torch.Tensor) else q}"
         )
-    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-        if (cu is not None or name == "cu_seqlens_q") and (
-            not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 1
-        ):
-            got = f"{cu.dtype} {tuple(cu.shape)}" if isinstance(cu, torch.Tensor) else type(cu).__name__
-            raise ValueError(f"{name} must be int32 (batch + 1,), got {got}")
-    if not check.is_int(max_seqlen_q):
-        raise TypeError(f"max_seqlen_q must be an int, got {max_seqlen_q!r}")
-    lens_q = cu_seqlens_q.diff().tolist()
-    batch = len(lens_q)
-    if cu_seqlens_q[0].item() != 0 or cu_seqlens_q[-1].item() != q.shape[0] or min(lens_q, default=0) < 0:
-        raise ValueError(f"cu_seqlens_q must rise from 0 to total_q={q.shape[0]}")
-    if max(lens_q, default=0) > max_seqlen_q:
-        raise ValueError(f"max_seqlen_q={max_seqlen_q} is below the longest query ({max(lens_q)})")
-    if batch > cache.batch_size:
-        raise ValueError(f"{batch} sequences exceed the cache's batch_size {cache.batch_size}")
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together")
+    planned = plan is not None
+    if planned:
+        if not isinstance(plan, VarlenPlan):
+            raise TypeError(f"plan must be a VarlenPlan (flash_attn_tq.plan_varlen), got {type(plan).__name__}")
+        if plan.device != q.device:
+            raise ValueError(f"plan: made for {plan.device}, but q is on {q.device}")
+        plan.check_landed()
+    else:
+        if cu_seqlens_k is not None and k is None:  # (its form only: no new K/V to lay out)
+            varlen.check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k")
+        plan = varlen.plan_varlen(cu_seqlens_q, cu_seqlens_k if k is not None else None, max_seqlen_q, q.device)
+    batch = plan.batch
+    if plan.total_q != q.shape[0]:
+        raise ValueError(f"cu_seqlens_q must rise from 0 to total_q={q.shape[0]}, got {plan.total_q} query tokens")
+    if batch > cache.batch_size:
+        raise ValueError(f"{batch} sequences exceed the cache's batch_size {cache.batch_size}")
     # q and the options are checked before the appends below change the cache
     check.check_query(q[None], cache)
     window_size = check.check_options(0.0, window_size, softcap, softmax_scale)
     check.check_alibi(alibi_slopes, batch, q.shape[1], q.device)
     if k is not None:
-        if cu_seqlens_k is None or cu_seqlens_k.numel() != batch + 1:
+        if plan.total_k is None:
             raise ValueError(f"cu_seqlens_k must be int32 (batch + 1 = {batch + 1},) with new k/v")
         for name, x in (("k", k), ("v", v)):
             if not isinstance(x, torch.Tensor):
                 raise ValueError(f"{name} must be a (total_k, nheads_k, headdim) tensor, got {type(x).__name__}")
         check.check_new_dtype(k, v, q.dtype)
-        if k.dim() != 3 or k.shape != v.shape or cu_seqlens_k[-1].item() != k.shape[0]:
+        if k.dim() != 3 or k.shape != v.shape or plan.total_k != k.shape[0]:
             raise ValueError("k, v must be (total_k, nheads_k, headdim) with cu_seqlens_k ending at total_k")
-        bounds = cu_seqlens_k.tolist()
-        if bounds[0] != 0 or any(b < a for a, b in zip(bounds, bounds[1:])):
-            raise ValueError(f"cu_seqlens_k must rise from 0 to total_k={k.shape[0]}, got {bounds}")
-        by_length: dict[int, list[int]] = {}  # sequences with as many new tokens share one append
-        for b in range(batch):
-            if bounds[b + 1] > bounds[b]:
-                by_length.setdefault(bounds[b + 1] - bounds[b], []).append(b)
-        for n, seqs in by_length.items():  # e.g. all decoding sequences (n = 1) in one launch
-            tokens = torch.tensor([bounds[b] for b in seqs], device=k.device).unsqueeze(1) + torch.arange(
-                n, device=k.device
-            )  # [len(seqs), n] rows of k / v
-            cache.append(k[tokens], v[tokens], batch_idx=torch.tensor(seqs, dtype=torch.int32, device=cache.device))
+        flags = plan.errors.buffer(cache.device) if planned else None
+        for a in plan.appends:  # e.g. all decoding sequences (n = 1) in one launch (rows distinct, < batch)
+            writes.append(cache, k[a.tokens], v[a.tokens], batch_idx=a.rows, error_flags=flags, rows_checked=True)
+        if planned:
+            plan.note_writes()
+    elif planned and plan.appends:
+        raise ValueError("k, v: the plan was made with new K/V (cu_seqlens_k), but k and v are None")
     out = q.new_empty(q.shape)  # (every query row belongs to one of the launches below)
     lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
-    cu_q = cu_seqlens_q.to(q.device).long()
-    # decoding sequences (one query) in one launch, the others padded to the longest among them in a
-    # second: a decode token is never padded to a prefill chunk's length
-    for seqs in ([b for b in range(batch) if lens_q[b] == 1], [b for b in range(batch) if lens_q[b] > 1]):
-        if not seqs:
-            continue
-        width = max(lens_q[b] for b in seqs)
-        # token j of sequence seqs[i] sits at padded row width - len + j of row i
-        sel = torch.tensor(seqs, device=q.device)
-        len_q = cu_q[sel + 1] - cu_q[sel]
-        i = torch.repeat_interleave(torch.arange(len(seqs), device=q.device), len_q)  # a token's sequence
-        j = torch.arange(sum(lens_q[b] for b in seqs), device=q.device) - (len_q.cumsum(0) - len_q)[i]
-        token, row = cu_q[sel][i] + j, width - len_q[i] + j  # its row in q, in the padded batch
-        full = all(lens_q[b] == width for b in seqs)  # no padding: whole rows gathered and scattered
-        if full:
-            q_pad = q.index_select(0, token).view(len(seqs), width, *q.shape[1:])
+    for launch in plan.launches:
+        n = len(launch.seqs)
+        if launch.full:  # no padding: whole rows gathered and scattered
+            q_pad = q.index_select(0, launch.token).view(n, launch.width, *q.shape[1:])
         else:
-            q_pad = q.new_zeros(len(seqs), width, q.shape[1], q.shape[2])
-            q_pad[i, row] = q[token]
+            q_pad = q.new_zeros(n, launch.width, q.shape[1], q.shape[2])
+            q_pad[launch.seq, launch.row] = q[launch.token]
         slopes = alibi_slopes
         if isinstance(slopes, torch.Tensor) and slopes.dim() == 2:  # [batch, heads]: these sequences'
-            slopes = slopes[sel]
+            slopes = slopes[launch.sel]
         o, l = _quantized_kvcache(
             q_pad,
             cache,
@@ -551,7 +556,7 @@ def _quantized_varlen(
             rotary_cos=None,
             rotary_sin=None,
             cache_seqlens=None,
-            cache_batch_idx=None if seqs == list(range(batch)) else sel.to(torch.int32),
+            cache_batch_idx=launch.rows,
             cache_leftpad=None,
             block_table=None,
             softmax_scale=softmax_scale,
@@ -563,12 +568,12 @@ def _quantized_varlen(
             num_splits=0,
             return_softmax_lse=True,
         )
-        if full:
-            out.index_copy_(0, token, o.reshape(-1, *o.shape[2:]))
-            lse.index_copy_(1, token, l.transpose(0, 1).reshape(l.shape[1], -1))
+        if launch.full:
+            out.index_copy_(0, launch.token, o.reshape(-1, *o.shape[2:]))
+            lse.index_copy_(1, launch.token, l.transpose(0, 1).reshape(l.shape[1], -1))
         else:
-            out[token] = o[i, row]
-            lse[:, token] = l[i, :, row].transpose(0, 1)
+            out[launch.token] = o[launch.seq, launch.row]
+            lse[:, launch.token] = l[launch.seq, :, launch.row].transpose(0, 1)
     return out, lse
 
 

@@ -236,8 +236,11 @@ def pack_stores(cache: "QuantizedKVCache", side: bool, ring: bool) -> list[ops.S
     return stores
 
 
-def append(cache: "QuantizedKVCache", k, v, cache_seqlens=None, batch_idx=None, error_flags=None) -> None:
-    """:meth:`QuantizedKVCache.append`."""
+def append(
+    cache: "QuantizedKVCache", k, v, cache_seqlens=None, batch_idx=None, error_flags=None, *, rows_checked=False
+) -> None:
+    """:meth:`QuantizedKVCache.append`. ``rows_checked``: ``batch_idx`` is known to hold distinct rows
+    of the cache (a varlen plan's), so it is not read back to check."""
     plan = cache.write_plan(k.dtype) if isinstance(k, torch.Tensor) else None
     fused = plan is not None and plan.kernel
     check_new_kv(cache, k, v, check_values=not fused and cache.health_counters is None)
@@ -265,7 +268,7 @@ def append(cache: "QuantizedKVCache", k, v, cache_seqlens=None, batch_idx=None, 
         if rows.shape != (B,):
             raise ValueError(f"batch_idx must be 1-D, {B} indices in [0, {cache.batch_size}), got {tuple(rows.shape)}")
         # (the kernel checks them too, but calibration and the key/value transforms index rows first)
-        host_check = not fused or cache.key_center
+        host_check = (not fused or cache.key_center) and not rows_checked
         if checking and host_check and (int(rows.min()) < 0 or int(rows.max()) >= cache.batch_size):
             raise ValueError(f"batch_idx must hold {B} indices in [0, {cache.batch_size})")
         if checking and host_check and n and rows.unique().numel() != B:

@@ -208,6 +208,10 @@ def api_reference() -> str:
         fa.last_path,
     ):
         parts.append(entry(fn.__name__, fn.__name__, fn, count=2))
+    parts.append("### A serving step, planned once for every layer\n")
+    parts.append(entry("plan_varlen", "plan_varlen", fa.plan_varlen))
+    parts.append(entry("VarlenPlan", "VarlenPlan", fa.VarlenPlan))
+    parts.append(entry("VarlenPlan.check", "plan.check", fa.VarlenPlan.check, method=True))
     parts.append("### The quantized cache\n")
     parts.append(entry("QuantizedKVCache", "QuantizedKVCache", Q, count=2))
     for m in ("append", "crop", "attend", "plan", "dequantize", "health", "state_dict", "load_state_dict"):

@@ -130,3 +130,60 @@ def test_mixed_batch_with_equal_chunks(page_size):
         )  # fmt: skip
         torch.testing.assert_close(out[s], o_ref[0], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(lse[:, s], lse_ref[0], atol=1e-5, rtol=1e-5)
+
+
+def test_planned_step_equals_unplanned_over_layers():
+    """A plan made once (plan_varlen) and passed to every layer's call gives each layer what an
+    unplanned call gives: outputs, lse, codes and lengths."""
+    torch.manual_seed(11)
+    hk, hq, d = 2, 4, 64
+    prefix, new_kv, n_q = [20, 0, 33, 7], [1, 9, 0, 9], [1, 9, 2, 9]
+    layers = []
+    for _ in range(2):
+        cache = QuantizedKVCache(4, 96, hk, d, page_size=16)
+        for b, n in enumerate(prefix):
+            if n:
+                cache.append(torch.randn(1, n, hk, d), torch.randn(1, n, hk, d), batch_idx=torch.tensor([b]))
+        layers.append((cache, _clone(cache)))
+    cu_q = torch.tensor([0] + list(torch.tensor(n_q).cumsum(0)), dtype=torch.int32)
+    cu_k = torch.tensor([0] + list(torch.tensor(new_kv).cumsum(0)), dtype=torch.int32)
+    plan = fa.plan_varlen(cu_q, cu_k, max(n_q), "cpu")
+    assert plan.batch == 4 and plan.total_q == sum(n_q) and plan.total_k == sum(new_kv)
+    assert sorted(a.n for a in plan.appends) == [1, 9] and len(plan.launches) == 2
+    for cache, ref_cache in layers:
+        q, k, v = torch.randn(sum(n_q), hq, d), torch.randn(sum(new_kv), hk, d), torch.randn(sum(new_kv), hk, d)
+        out, lse = fa.flash_attn_varlen_func(
+            q, k, v, cu_q, cu_k, max(n_q), None, causal=True, kv_cache=cache, plan=plan
+        )
+        ref, ref_lse = fa.flash_attn_varlen_func(q, k, v, cu_q, cu_k, max(n_q), None, causal=True, kv_cache=ref_cache)
+        torch.testing.assert_close(out, ref, atol=0, rtol=0)
+        torch.testing.assert_close(lse, ref_lse, atol=0, rtol=0)
+        assert torch.equal(cache.seqlens, ref_cache.seqlens)
+        for name in ("k_codes", "v_codes", "k_meta", "v_meta"):
+            assert torch.equal(getattr(cache, name), getattr(ref_cache, name))
+    plan.check()  # (nothing flagged)
+
+
+def test_plan_errors():
+    cache = QuantizedKVCache(2, 64, 1, 64)
+    cache.append(torch.randn(2, 10, 1, 64), torch.randn(2, 10, 1, 64))
+    q = torch.randn(5, 2, 64)
+    cu = torch.tensor([0, 2, 5], dtype=torch.int32)
+    plan = fa.plan_varlen(cu, None, 3, "cpu")
+    with pytest.raises(ValueError, match="kv_cache"):
+        fa.flash_attn_varlen_func(q, q, q, cu, cu, 3, 3, plan=plan)
+    with pytest.raises(TypeError, match="plan"):
+        fa.flash_attn_varlen_func(q, None, None, cu, None, 3, None, kv_cache=cache, plan=object())
+    with pytest.raises(ValueError, match="cu_seqlens_q"):  # the plan's tokens against q's
+        fa.flash_attn_varlen_func(q[:4], None, None, cu, None, 3, None, kv_cache=cache, plan=plan)
+    k = torch.randn(5, 1, 64)
+    with pytest.raises(ValueError, match="cu_seqlens_k"):  # new K/V, a plan made without them
+        fa.flash_attn_varlen_func(q, k, k, cu, cu, 3, None, kv_cache=cache, plan=plan)
+    with_kv = fa.plan_varlen(cu, cu, 3, "cpu")
+    with pytest.raises(ValueError, match="k, v"):  # a plan with new K/V, none given
+        fa.flash_attn_varlen_func(q, None, None, cu, cu, 3, None, kv_cache=cache, plan=with_kv)
+    with pytest.raises(ValueError, match="max_seqlen_q"):
+        fa.plan_varlen(cu, None, 2, "cpu")
+    with pytest.raises(ValueError, match="cu_seqlens_k"):
+        fa.plan_varlen(cu, cu[:2], 3, "cpu")
+    assert cache.seqlens.tolist() == [10, 10]  # no call above wrote anything

@@ -44,3 +44,49 @@ def test_serving_step_matches_float32(config, page_size):
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
     torch.testing.assert_close(out.float().cpu(), ref, atol=4e-3, rtol=0)
     torch.testing.assert_close(lse.cpu(), ref_lse, atol=2e-3, rtol=0)
+
+
+@pytest.mark.parametrize("config", ["plain", "default"])
+def test_planned_step_reads_nothing_back(config):
+    """With a plan (plan_varlen, made once a step) the step's call makes no device sync (CUDA's sync
+    debug mode raises on one), and gives what the unplanned call gives on an identical cache; the pack
+    kernel's errors wait in the plan for plan.check()."""
+    rng = random.Random(5)
+    lengths = [rng.randint(100, 2000) for _ in range(8)]
+    new = [37 if b % 4 == 1 else 1 for b in range(8)]
+    opts = dict(DEFAULT_OPTS, rope_inv_freq=rope_freqs(128)) if config == "default" else {}
+    steps = [
+        serving_step(lengths, new, 64, Hq=8, Hk=2, d=128, seed=9, fill_chunk=512, **opts) for _ in range(2)
+    ]  # (the same tokens and pages twice)
+    cu = steps[0].cu_seqlens
+    plan = fa.plan_varlen(cu.cpu(), cu.cpu(), max(new), cu.device)
+    planned, plain = steps
+    call = lambda s, **kw: fa.flash_attn_varlen_func(  # noqa: E731
+        s.q, s.k, s.v, cu, cu, max(new), None, causal=True, kv_cache=s.cache, **kw
+    )
+    call(planned, plan=plan)  # (first call: lazy initialisation outside the sync check)
+    call(plain)
+    torch.cuda.synchronize()
+    for s in steps:  # a second step over both caches: the same new tokens again, now planned under the check
+        s.cache.crop(torch.tensor(lengths, dtype=torch.int32, device="cuda"))
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out, lse = call(planned, plan=plan)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    ref, ref_lse = call(plain)
+    assert fa.last_path() == "quantized:fused-cuda"
+    torch.testing.assert_close(out, ref, atol=0, rtol=0)
+    torch.testing.assert_close(lse, ref_lse, atol=0, rtol=0)
+    assert torch.equal(planned.cache.seqlens, plain.cache.seqlens)
+    assert planned.cache.seqlens.tolist() == [a + b for a, b in zip(lengths, new)]
+    plan.check()
+    # a non-finite value: skipped by the pack kernel, raised by plan.check() (or by the plan's next call)
+    planned.cache.crop(torch.tensor(lengths, dtype=torch.int32, device="cuda"))
+    bad_k = planned.k.clone()
+    bad_k[0, 0, 0] = float("nan")
+    fa.flash_attn_varlen_func(planned.q, bad_k, planned.v, cu, cu, max(new), None, causal=True,
+                              kv_cache=planned.cache, plan=plan)  # fmt: skip
+    with pytest.raises(ValueError, match="NaN|non-finite|Inf"):
+        plan.check()
+    plan.check()  # (cleared)

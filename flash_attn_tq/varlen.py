@@ -1,0 +1,165 @@
+"""A mixed serving step over a :class:`~flash_attn_tq.cache.QuantizedKVCache`
+(``flash_attn_varlen_func(kv_cache=)``), planned once and run for every layer.
+
+The step's layout (which sequences append how many new tokens, which attend in which launch, where
+each query row goes) is read from ``cu_seqlens_q`` / ``cu_seqlens_k`` on the host. Unplanned, every
+call reads them back from the GPU (a device sync) and builds its index tensors (host-to-device
+copies, another sync each). :func:`plan_varlen` does that once a step: the layers' calls then read
+nothing back, so the host runs ahead of the GPU, as FlashInfer's ``plan()`` / ``run()``.
+
+A planned call also leaves the pack kernel's error bits (NaN/Inf values, positions past the
+cache's capacity) in the plan, for :meth:`VarlenPlan.check` (one read a step) instead of one read a
+call; each planned call raises for the errors an earlier call left once they have reached the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from . import ops
+from .health import PackErrors
+from .spec import is_int
+
+
+@dataclass(frozen=True)
+class Append:
+    """The sequences of a step that bring ``n`` new tokens each (one pack launch)."""
+
+    n: int
+    tokens: torch.Tensor  # [seqs, n] int64: rows of the call's k / v
+    rows: torch.Tensor  # [seqs] int32: their cache rows
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One attention launch of a step: sequences ``seqs`` with their queries left-padded to ``width``
+    rows (bottom-right causal alignment holds per sequence; padding rows come first and are dropped)."""
+
+    seqs: tuple[int, ...]
+    width: int
+    rows: torch.Tensor | None  # [len(seqs)] int32 cache rows (None: rows 0..batch-1, the whole batch)
+    token: torch.Tensor  # [tokens] int64: each query token's row of q
+    seq: torch.Tensor  # [tokens] int64: its sequence's index in the launch
+    row: torch.Tensor  # [tokens] int64: its row in the padded launch
+    full: bool  # every sequence has width queries: whole rows gathered and scattered, no padding
+    sel: torch.Tensor  # [len(seqs)] int64: the sequences (per-sequence ALiBi slopes)
+
+
+@dataclass(frozen=True)
+class VarlenPlan:
+    """A mixed step's layout (:func:`plan_varlen`): ``total_q`` query tokens of ``batch`` sequences,
+    ``total_k`` new K/V tokens, the appends grouped by new-token count, and at most two attention
+    launches (the decoding sequences, one query each; the others padded to the longest of them)."""
+
+    batch: int
+    total_q: int
+    total_k: int | None  # None: the step brings no new K/V
+    max_seqlen_q: int
+    lens_q: tuple[int, ...]
+    appends: tuple[Append, ...]
+    launches: tuple[Launch, ...]
+    device: torch.device
+    errors: PackErrors = field(default_factory=PackErrors, compare=False, init=False)
+    _pending: list = field(default_factory=list, compare=False, repr=False, init=False)
+
+    def check(self) -> None:
+        """Raise ValueError for the pack kernel's errors of the planned calls so far (one device sync)."""
+        self._pending.clear()
+        self.errors.check()
+
+    def check_landed(self) -> None:
+        """Raise for errors an earlier planned call left whose copy to the host has completed (no sync)."""
+        while self._pending and self._pending[0][1].query():
+            host, _ = self._pending.pop(0)
+            bits = int(host.item())  # (pinned host memory: no device sync)
+            if bits:
+                self._pending.clear()
+                if self.errors.flags is not None:
+                    self.errors.flags.zero_()
+                ops.raise_pack_errors(bits)
+
+    def note_writes(self) -> None:
+        """After a planned call's appends: start the copy of the error bits to the host."""
+        if self.errors.flags is None or ops.capturing() or self.errors.flags.device.type != "cuda":
+            return
+        host = torch.empty(1, dtype=torch.int32, pin_memory=True)
+        host.copy_(self.errors.flags, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._pending.append((host, event))
+
+
+def check_cu_seqlens(cu: torch.Tensor, name: str) -> None:
+    """``cu`` is an int32 vector of at least one entry (its form only: nothing is read)."""
+    if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() < 1:
+        got = f"{cu.dtype} {tuple(cu.shape)}" if isinstance(cu, torch.Tensor) else type(cu).__name__
+        raise ValueError(f"{name} must be int32 (batch + 1,), got {got}")
+
+
+def _host_bounds(cu: torch.Tensor, name: str) -> list[int]:
+    check_cu_seqlens(cu, name)
+    bounds = cu.tolist()  # (one device sync where cu lives on the GPU)
+    if bounds[0] != 0 or any(b < a for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"{name} must rise from 0, got {bounds}")
+    return bounds
+
+
+def plan_varlen(
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor | None,
+    max_seqlen_q: int,
+    device: torch.device | str,
+) -> VarlenPlan:
+    """The layout of a mixed step whose sequence ``b`` brings queries ``cu_seqlens_q[b] ..
+    cu_seqlens_q[b+1]`` and new K/V ``cu_seqlens_k[b] .. cu_seqlens_k[b+1]`` (``None``: no new K/V).
+    ``cu_seqlens_*``: int32 ``[batch + 1]``, best on the host (no device sync); ``device``: where the
+    step's tensors live. Pass the plan to every layer's ``flash_attn_varlen_func(..., kv_cache=,
+    plan=)`` of the step and call :meth:`VarlenPlan.check` once the step is done."""
+    if not is_int(max_seqlen_q):
+        raise TypeError(f"max_seqlen_q must be an int, got {max_seqlen_q!r}")
+    device = torch.device(device)
+    qb = _host_bounds(cu_seqlens_q, "cu_seqlens_q")
+    lens_q = [b - a for a, b in zip(qb, qb[1:])]
+    batch = len(lens_q)
+    if max(lens_q, default=0) > max_seqlen_q:
+        raise ValueError(f"max_seqlen_q={max_seqlen_q} is below the longest query ({max(lens_q)})")
+    appends: list[Append] = []
+    total_k = None
+    if cu_seqlens_k is not None:
+        kb = _host_bounds(cu_seqlens_k, "cu_seqlens_k")
+        if len(kb) != batch + 1:
+            raise ValueError(f"cu_seqlens_k must be int32 (batch + 1 = {batch + 1},) like cu_seqlens_q")
+        total_k = kb[-1]
+        by_length: dict[int, list[int]] = {}  # sequences with as many new tokens share one append
+        for b in range(batch):
+            if kb[b + 1] > kb[b]:
+                by_length.setdefault(kb[b + 1] - kb[b], []).append(b)
+        for n, seqs in by_length.items():  # e.g. all decoding sequences (n = 1) in one launch
+            tokens = torch.tensor([[kb[b] + j for j in range(n)] for b in seqs], dtype=torch.long)
+            appends.append(Append(n, tokens.to(device), torch.tensor(seqs, dtype=torch.int32).to(device)))
+    launches = []
+    for seqs in ([b for b in range(batch) if lens_q[b] == 1], [b for b in range(batch) if lens_q[b] > 1]):
+        if not seqs:
+            continue
+        width = max(lens_q[b] for b in seqs)
+        token, seq, row = [], [], []  # token j of sequence seqs[i] sits at padded row width - len + j of row i
+        for i, b in enumerate(seqs):
+            token += range(qb[b], qb[b + 1])
+            seq += [i] * lens_q[b]
+            row += range(width - lens_q[b], width)
+        sel = torch.tensor(seqs, dtype=torch.long)
+        launches.append(
+            Launch(
+                seqs=tuple(seqs),
+                width=width,
+                rows=None if seqs == list(range(batch)) else sel.to(torch.int32).to(device),
+                token=torch.tensor(token, dtype=torch.long).to(device),
+                seq=torch.tensor(seq, dtype=torch.long).to(device),
+                row=torch.tensor(row, dtype=torch.long).to(device),
+                full=all(lens_q[b] == width for b in seqs),
+                sel=sel.to(device),
+            )
+        )
+    return VarlenPlan(batch, qb[-1], total_k, int(max_seqlen_q), tuple(lens_q), tuple(appends), tuple(launches), device)
