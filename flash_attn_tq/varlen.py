@@ -120,6 +120,8 @@ def plan_varlen(
     if not is_int(max_seqlen_q):
         raise TypeError(f"max_seqlen_q must be an int, got {max_seqlen_q!r}")
     device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # ("cuda": the current device, as tensors made there)
+        device = torch.device("cuda", torch.cuda.current_device())
     qb = _host_bounds(cu_seqlens_q, "cu_seqlens_q")
     lens_q = [b - a for a, b in zip(qb, qb[1:])]
     batch = len(lens_q)

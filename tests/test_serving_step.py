@@ -59,7 +59,7 @@ def test_planned_step_reads_nothing_back(config):
         serving_step(lengths, new, 64, Hq=8, Hk=2, d=128, seed=9, fill_chunk=512, **opts) for _ in range(2)
     ]  # (the same tokens and pages twice)
     cu = steps[0].cu_seqlens
-    plan = fa.plan_varlen(cu.cpu(), cu.cpu(), max(new), cu.device)
+    plan = fa.plan_varlen(cu.cpu(), cu.cpu(), max(new), "cuda")
     planned, plain = steps
     call = lambda s, **kw: fa.flash_attn_varlen_func(  # noqa: E731
         s.q, s.k, s.v, cu, cu, max(new), None, causal=True, kv_cache=s.cache, **kw
