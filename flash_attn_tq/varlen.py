@@ -127,7 +127,14 @@ def plan_varlen(
     batch = len(lens_q)
     if max(lens_q, default=0) > max_seqlen_q:
         raise ValueError(f"max_seqlen_q={max_seqlen_q} is below the longest query ({max(lens_q)})")
-    appends: list[Append] = []
+    # every index list of the step goes to the device in one copy (views of one int64 buffer)
+    pieces: list[list[int]] = []
+
+    def put(values) -> int:
+        pieces.append(list(values))
+        return len(pieces) - 1
+
+    groups = []  # (n, tokens piece, rows piece)
     total_k = None
     if cu_seqlens_k is not None:
         kb = _host_bounds(cu_seqlens_k, "cu_seqlens_k")
@@ -139,9 +146,8 @@ def plan_varlen(
             if kb[b + 1] > kb[b]:
                 by_length.setdefault(kb[b + 1] - kb[b], []).append(b)
         for n, seqs in by_length.items():  # e.g. all decoding sequences (n = 1) in one launch
-            tokens = torch.tensor([[kb[b] + j for j in range(n)] for b in seqs], dtype=torch.long)
-            appends.append(Append(n, tokens.to(device), torch.tensor(seqs, dtype=torch.int32).to(device)))
-    launches = []
+            groups.append((n, put(kb[b] + j for b in seqs for j in range(n)), put(seqs)))
+    parts = []  # (seqs, width, full, token, seq, row, sel pieces)
     for seqs in ([b for b in range(batch) if lens_q[b] == 1], [b for b in range(batch) if lens_q[b] > 1]):
         if not seqs:
             continue
@@ -151,17 +157,27 @@ def plan_varlen(
             token += range(qb[b], qb[b + 1])
             seq += [i] * lens_q[b]
             row += range(width - lens_q[b], width)
-        sel = torch.tensor(seqs, dtype=torch.long)
-        launches.append(
-            Launch(
-                seqs=tuple(seqs),
-                width=width,
-                rows=None if seqs == list(range(batch)) else sel.to(torch.int32).to(device),
-                token=torch.tensor(token, dtype=torch.long).to(device),
-                seq=torch.tensor(seq, dtype=torch.long).to(device),
-                row=torch.tensor(row, dtype=torch.long).to(device),
-                full=all(lens_q[b] == width for b in seqs),
-                sel=sel.to(device),
-            )
+        full = all(lens_q[b] == width for b in seqs)
+        parts.append((seqs, width, full, put(token), put(seq), put(row), put(seqs)))
+    flat = torch.tensor([x for piece in pieces for x in piece], dtype=torch.long)
+    if device.type == "cuda":
+        flat = flat.pin_memory().to(device, non_blocking=True)
+    views, at = [], 0
+    for piece in pieces:
+        views.append(flat[at : at + len(piece)])
+        at += len(piece)
+    appends = tuple(Append(n, views[t].view(-1, n), views[r].int()) for n, t, r in groups)
+    launches = tuple(
+        Launch(
+            seqs=tuple(seqs),
+            width=width,
+            rows=None if seqs == list(range(batch)) else views[sel].int(),
+            token=views[token],
+            seq=views[seq],
+            row=views[row],
+            full=full,
+            sel=views[sel],
         )
-    return VarlenPlan(batch, qb[-1], total_k, int(max_seqlen_q), tuple(lens_q), tuple(appends), tuple(launches), device)
+        for seqs, width, full, token, seq, row, sel in parts
+    )
+    return VarlenPlan(batch, qb[-1], total_k, int(max_seqlen_q), tuple(lens_q), appends, launches, device)
