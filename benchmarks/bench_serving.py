@@ -46,6 +46,7 @@ from flash_attn_tq import dispatch
 from flash_attn_tq.testing import (
     DEFAULT_OPTS,
     bench,
+    bench_graph,
     describe,
     fmt,
     made_by,
@@ -136,6 +137,10 @@ def run(args, page: int, lengths, new, tq_opts: dict, fa2_ref) -> dict:
     row = {"path": fa.last_path(), "step_us": bench(tq)}
     row["planned_equal"] = bool(torch.equal(tq_planned(), out))
     row["planned_step_us"] = bench(tq_planned)
+    try:  # the planned step replayed as a CUDA graph: the kernels and their launch gaps, no host work
+        row["graph_step_us"] = bench_graph(tq_planned)
+    except Exception as e:  # (a step that cannot be captured: the reason, not a number)
+        row["graph_step_missing"] = f"{type(e).__name__}: {e}"[:200]
     layout.check()
     row.update(split(tq))
     if fa2_ref is not None:
@@ -172,6 +177,10 @@ def run_fa2(lengths, new, seed: int) -> tuple[dict, torch.Tensor | None]:
 
     out = fa2()
     row = {"step_us": bench(fa2)}
+    try:
+        row["graph_step_us"] = bench_graph(fa2)
+    except Exception as e:
+        row["graph_step_missing"] = f"{type(e).__name__}: {e}"[:200]
     row.update(split(fa2))
     return row, out
 
@@ -210,6 +219,8 @@ def bench_serving(args) -> dict:
                 row["vs_fa2"] = fa2_row["step_us"] / row["step_us"]
                 if row.get("planned_step_us"):
                     row["planned_vs_fa2"] = fa2_row["step_us"] / row["planned_step_us"]
+                if row.get("graph_step_us") and fa2_row.get("graph_step_us"):
+                    row["graph_vs_fa2"] = fa2_row["graph_step_us"] / row["graph_step_us"]
         print(
             f"{row['variant']:8s} page {row['page']:4d}: {fmt(row.get('step_us'))} µs "
             f"({fmt(row.get('vs_fa2'), '.2f')}x fa2), planned {fmt(row.get('planned_step_us'))} µs "
@@ -238,23 +249,34 @@ def markdown(res) -> str:
         f"scatters around them). tok/s: every query token of the step over {s['layers']} layers' attention "
         "(weights not counted); decode tok/s: the decoding sequences' tokens only. planned: the same call "
         "with plan= (flash_attn_tq.plan_varlen, made once a step for every layer: nothing read back from "
-        "the GPU), its output equal to the unplanned call's ('='); tok/s count the unplanned step.",
+        "the GPU), its output equal to the unplanned call's ('='); graph: the planned step captured and "
+        "replayed as a CUDA graph (the kernels and their launch gaps, as an engine's graphed step; FA2's step "
+        "the same way); tok/s "
+        "count the unplanned step.",
         "",
-        "| variant | page | step µs | vs FA2 | planned step µs | planned vs FA2 | pack | attention | combine | other "
+        "| variant | page | step µs | vs FA2 | planned step µs | planned vs FA2 | graph µs | graph vs FA2 | pack "
+        "| attention "
+        "| combine | other "
         "| tok/s (32 layers) "
         "| decode tok/s | max abs vs FA2 | attention µs: two launches / one padded |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in res["rows"]:
         lines.append(
             f"| {r['variant']} | {r['page']} | {fmt(r.get('step_us'))} | {fmt(r.get('vs_fa2'), '.2f')} "
             f"| {fmt(r.get('planned_step_us'))}{' =' if r.get('planned_equal') else ''} "
-            f"| {fmt(r.get('planned_vs_fa2'), '.2f')} "
+            f"| {fmt(r.get('planned_vs_fa2'), '.2f')} | {fmt(r.get('graph_step_us'))} "
+            f"| {fmt(r.get('graph_vs_fa2'), '.2f')} "
             f"| {fmt(r.get('pack'))} | {fmt(r.get('attention'))} | {fmt(r.get('combine'))} | {fmt(r.get('other'))} "
             f"| {fmt(r.get('tok_s'), ',.0f')} | {fmt(r.get('decode_tok_s'), ',.0f')} "
             f"| {fmt(r.get('max_abs_vs_fa2'), '.4f')} | {fmt(r.get('attend_us'))} / {fmt(r.get('attend_padded_us'))} |"
         )
     missing = [f"- {r['variant']} page {r['page']}: {r['missing']}" for r in res["rows"] if r.get("missing")]
+    missing += [
+        f"- {r['variant']} page {r['page']}, graph: {r['graph_step_missing']}"
+        for r in res["rows"]
+        if r.get("graph_step_missing")
+    ]
     return "\n".join(lines + ([""] + missing if missing else [])) + "\n"
 
 

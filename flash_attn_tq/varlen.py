@@ -70,7 +70,10 @@ class VarlenPlan:
         self.errors.check()
 
     def check_landed(self) -> None:
-        """Raise for errors an earlier planned call left whose copy to the host has completed (no sync)."""
+        """Raise for errors an earlier planned call left whose copy to the host has completed (no sync;
+        nothing while a CUDA graph is being captured)."""
+        if ops.capturing():
+            return
         while self._pending and self._pending[0][1].query():
             host, _ = self._pending.pop(0)
             bits = int(host.item())  # (pinned host memory: no device sync)
