@@ -251,14 +251,11 @@ def markdown(res) -> str:
         "with plan= (flash_attn_tq.plan_varlen, made once a step for every layer: nothing read back from "
         "the GPU), its output equal to the unplanned call's ('='); graph: the planned step captured and "
         "replayed as a CUDA graph (the kernels and their launch gaps, as an engine's graphed step; FA2's step "
-        "the same way); tok/s "
-        "count the unplanned step.",
+        "the same way); tok/s count the unplanned step.",
         "",
-        "| variant | page | step µs | vs FA2 | planned step µs | planned vs FA2 | graph µs | graph vs FA2 | pack "
-        "| attention "
-        "| combine | other "
-        "| tok/s (32 layers) "
-        "| decode tok/s | max abs vs FA2 | attention µs: two launches / one padded |",
+        "| variant | page | step µs | vs FA2 | planned step µs | planned vs FA2 | graph µs | graph vs FA2 "
+        "| pack | attention | combine | other | tok/s (32 layers) | decode tok/s | max abs vs FA2 "
+        "| attention µs: two launches / one padded |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in res["rows"]:
