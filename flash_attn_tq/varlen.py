@@ -23,7 +23,7 @@ from .health import PackErrors
 from .spec import is_int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # (tensor fields: compared by identity)
 class Append:
     """The sequences of a step that bring ``n`` new tokens each (one pack launch)."""
 
@@ -32,7 +32,7 @@ class Append:
     rows: torch.Tensor  # [seqs] int32: their cache rows
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # (tensor fields: compared by identity)
 class Launch:
     """One attention launch of a step: sequences ``seqs`` with their queries left-padded to ``width``
     rows (bottom-right causal alignment holds per sequence; padding rows come first and are dropped)."""
@@ -47,7 +47,7 @@ class Launch:
     sel: torch.Tensor  # [len(seqs)] int64: the sequences (per-sequence ALiBi slopes)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # (tensor fields: compared by identity)
 class VarlenPlan:
     """A mixed step's layout (:func:`plan_varlen`): ``total_q`` query tokens of ``batch`` sequences,
     ``total_k`` new K/V tokens, the appends grouped by new-token count, and at most two attention
@@ -61,8 +61,8 @@ class VarlenPlan:
     appends: tuple[Append, ...]
     launches: tuple[Launch, ...]
     device: torch.device
-    errors: PackErrors = field(default_factory=PackErrors, compare=False, init=False)
-    _pending: list = field(default_factory=list, compare=False, repr=False, init=False)
+    errors: PackErrors = field(default_factory=PackErrors, init=False)
+    _pending: list = field(default_factory=list, repr=False, init=False)
 
     def check(self) -> None:
         """Raise ValueError for the pack kernel's errors of the planned calls so far (one device sync)."""
