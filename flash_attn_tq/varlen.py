@@ -130,12 +130,19 @@ def plan_varlen(
     batch = len(lens_q)
     if max(lens_q, default=0) > max_seqlen_q:
         raise ValueError(f"max_seqlen_q={max_seqlen_q} is below the longest query ({max(lens_q)})")
-    # every index list of the step goes to the device in one copy (views of one int64 buffer)
-    pieces: list[list[int]] = []
+    # every index tensor of the step goes to the device in one copy (views of one int64 buffer), made
+    # on the host with vectorized ops (a step's chunks hold thousands of tokens)
+    pieces: list[torch.Tensor] = []
 
-    def put(values) -> int:
-        pieces.append(list(values))
+    def put(values: torch.Tensor | list[int]) -> int:
+        pieces.append(torch.as_tensor(values, dtype=torch.long).reshape(-1))
         return len(pieces) - 1
+
+    def spans(counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(each element's run index, its offset in the run) over runs of ``counts`` elements."""
+        run = torch.repeat_interleave(torch.arange(len(counts)), counts)
+        first = torch.cumsum(counts, 0) - counts
+        return run, torch.arange(int(counts.sum())) - first[run]
 
     groups = []  # (n, tokens piece, rows piece)
     total_k = None
@@ -148,21 +155,23 @@ def plan_varlen(
         for b in range(batch):
             if kb[b + 1] > kb[b]:
                 by_length.setdefault(kb[b + 1] - kb[b], []).append(b)
+        k_starts = torch.tensor(kb[:-1], dtype=torch.long)
         for n, seqs in by_length.items():  # e.g. all decoding sequences (n = 1) in one launch
-            groups.append((n, put(kb[b] + j for b in seqs for j in range(n)), put(seqs)))
+            tokens = k_starts[seqs].unsqueeze(1) + torch.arange(n)  # [seqs, n] rows of k / v
+            groups.append((n, put(tokens), put(seqs)))
+    q_starts, q_lens = torch.tensor(qb[:-1], dtype=torch.long), torch.tensor(lens_q, dtype=torch.long)
     parts = []  # (seqs, width, full, token, seq, row, sel pieces)
     for seqs in ([b for b in range(batch) if lens_q[b] == 1], [b for b in range(batch) if lens_q[b] > 1]):
         if not seqs:
             continue
         width = max(lens_q[b] for b in seqs)
-        token, seq, row = [], [], []  # token j of sequence seqs[i] sits at padded row width - len + j of row i
-        for i, b in enumerate(seqs):
-            token += range(qb[b], qb[b + 1])
-            seq += [i] * lens_q[b]
-            row += range(width - lens_q[b], width)
+        # token j of sequence seqs[i] sits at padded row width - len + j of row i
+        lens = q_lens[seqs]
+        seq, j = spans(lens)
+        token, row = q_starts[seqs][seq] + j, width - lens[seq] + j
         full = all(lens_q[b] == width for b in seqs)
         parts.append((seqs, width, full, put(token), put(seq), put(row), put(seqs)))
-    flat = torch.tensor([x for piece in pieces for x in piece], dtype=torch.long)
+    flat = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.long)
     if device.type == "cuda":
         flat = flat.pin_memory().to(device, non_blocking=True)
     views, at = [], 0
