@@ -3,9 +3,10 @@
 
 The step's layout (which sequences append how many new tokens, which attend in which launch, where
 each query row goes) is read from ``cu_seqlens_q`` / ``cu_seqlens_k`` on the host. Unplanned, every
-call reads them back from the GPU (a device sync) and builds its index tensors (host-to-device
-copies, another sync each). :func:`plan_varlen` does that once a step: the layers' calls then read
-nothing back, so the host runs ahead of the GPU, as FlashInfer's ``plan()`` / ``run()``.
+call reads them back from the GPU (a device sync), lays the step out and, after each append, reads
+the pack kernel's error word (another sync). :func:`plan_varlen` lays it out once a step: the
+layers' calls then read nothing back, so the host runs ahead of the GPU, as FlashInfer's
+``plan()`` / ``run()``.
 
 A planned call also leaves the pack kernel's error bits (NaN/Inf values, positions past the
 cache's capacity) in the plan, for :meth:`VarlenPlan.check` (one read a step) instead of one read a
