@@ -57,42 +57,42 @@ class VarlenPlan:
     batch: int
     total_q: int
     total_k: int | None  # None: the step brings no new K/V
-    max_seqlen_q: int
-    lens_q: tuple[int, ...]
     appends: tuple[Append, ...]
     launches: tuple[Launch, ...]
     device: torch.device
     errors: PackErrors = field(default_factory=PackErrors, init=False)
-    _pending: list = field(default_factory=list, repr=False, init=False)
+    # the error bits' host mirror: [pinned int32 [1], the event after its latest copy] once made
+    _mirror: list = field(default_factory=list, repr=False, init=False)
 
     def check(self) -> None:
         """Raise ValueError for the pack kernel's errors of the planned calls so far (one device sync)."""
-        self._pending.clear()
-        self.errors.check()
+        try:
+            self.errors.check()
+        finally:  # (the check synced: no copy into the mirror is in flight)
+            if self._mirror:
+                self._mirror[0].zero_()
 
     def check_landed(self) -> None:
-        """Raise for errors an earlier planned call left whose copy to the host has completed (no sync;
-        nothing while a CUDA graph is being captured)."""
-        if ops.capturing():
+        """Raise for the errors earlier planned calls left, once their copy to the host has landed (no
+        sync; nothing while a CUDA graph is being captured)."""
+        if not self._mirror or ops.capturing() or not self._mirror[1].query():
             return
-        while self._pending and self._pending[0][1].query():
-            host, _ = self._pending.pop(0)
-            bits = int(host.item())  # (pinned host memory: no device sync)
-            if bits:
-                self._pending.clear()
-                if self.errors.flags is not None:
-                    self.errors.flags.zero_()
-                ops.raise_pack_errors(bits)
+        host = self._mirror[0]
+        bits = int(host.item())  # (pinned host memory, every copy into it done: no device sync)
+        if bits:
+            host.zero_()
+            self.errors.flags.zero_()
+            ops.raise_pack_errors(bits)
 
     def note_writes(self) -> None:
-        """After a planned call's appends: start the copy of the error bits to the host."""
+        """After a planned call's appends: copy the error bits to the host mirror, without waiting (the
+        bits accumulate, so the latest copy holds every earlier call's)."""
         if self.errors.flags is None or ops.capturing() or self.errors.flags.device.type != "cuda":
             return
-        host = torch.empty(1, dtype=torch.int32, pin_memory=True)
-        host.copy_(self.errors.flags, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self._pending.append((host, event))
+        if not self._mirror:
+            self._mirror += [torch.zeros(1, dtype=torch.int32, pin_memory=True), torch.cuda.Event()]
+        self._mirror[0].copy_(self.errors.flags, non_blocking=True)
+        self._mirror[1].record()
 
 
 def check_cu_seqlens(cu: torch.Tensor, name: str) -> None:
@@ -193,4 +193,4 @@ def plan_varlen(
         )
         for seqs, width, full, token, seq, row, sel in parts
     )
-    return VarlenPlan(batch, qb[-1], total_k, int(max_seqlen_q), tuple(lens_q), appends, launches, device)
+    return VarlenPlan(batch, qb[-1], total_k, appends, launches, device)
