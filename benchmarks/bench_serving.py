@@ -110,6 +110,15 @@ def split(fn, steps: int = 5) -> dict:
     return out
 
 
+def graphed(row: dict, fn) -> None:
+    """The step replayed as a CUDA graph (its kernels and their launch gaps, no host work) into ``row``,
+    or why it could not be captured."""
+    try:
+        row["graph_step_us"] = bench_graph(fn)
+    except Exception as e:
+        row["graph_step_missing"] = f"{type(e).__name__}: {e}"[:200]
+
+
 def run(args, page: int, lengths, new, tq_opts: dict, fa2_ref) -> dict:
     step = serving_step(lengths, new, page, HQ, HK, D, seed=args.seed, **tq_opts)
     plan = step.cache.plan(dispatch.Query.of(step.q[None, :1]))
@@ -117,30 +126,23 @@ def run(args, page: int, lengths, new, tq_opts: dict, fa2_ref) -> dict:
         return {"missing": plan.path}
     cu, lens0 = step.cu_seqlens, step.cache.seqlens.clone()
 
-    def tq():
-        out, _ = fa.flash_attn_varlen_func(
-            step.q, step.k, step.v, cu, cu, max(new), None, causal=True, kv_cache=step.cache
-        )
-        step.cache.seqlens.copy_(lens0)
-        return out
-
     layout = fa.plan_varlen(cu.cpu(), cu.cpu(), max(new), cu.device)  # (once a step, for every layer)
 
-    def tq_planned():
+    def tq(plan=None):  # (plan: the layout above, as an engine's layers take it)
         out, _ = fa.flash_attn_varlen_func(
-            step.q, step.k, step.v, cu, cu, max(new), None, causal=True, kv_cache=step.cache, plan=layout
+            step.q, step.k, step.v, cu, cu, max(new), None, causal=True, kv_cache=step.cache, plan=plan
         )
         step.cache.seqlens.copy_(lens0)
         return out
+
+    def tq_planned():
+        return tq(layout)
 
     out = tq()
     row = {"path": fa.last_path(), "step_us": bench(tq)}
     row["planned_equal"] = bool(torch.equal(tq_planned(), out))
     row["planned_step_us"] = bench(tq_planned)
-    try:  # the planned step replayed as a CUDA graph: the kernels and their launch gaps, no host work
-        row["graph_step_us"] = bench_graph(tq_planned)
-    except Exception as e:  # (a step that cannot be captured: the reason, not a number)
-        row["graph_step_missing"] = f"{type(e).__name__}: {e}"[:200]
+    graphed(row, tq_planned)
     layout.check()
     row.update(split(tq))
     if fa2_ref is not None:
@@ -177,10 +179,7 @@ def run_fa2(lengths, new, seed: int) -> tuple[dict, torch.Tensor | None]:
 
     out = fa2()
     row = {"step_us": bench(fa2)}
-    try:
-        row["graph_step_us"] = bench_graph(fa2)
-    except Exception as e:
-        row["graph_step_missing"] = f"{type(e).__name__}: {e}"[:200]
+    graphed(row, fa2)
     row.update(split(fa2))
     return row, out
 
